@@ -1,0 +1,176 @@
+"""Time one training step (forward + backward + AdamW) of the GPT, against PyTorch if installed.
+
+    python bench/step_time.py                 # n_layer=4 n_head=4 n_embd=256 T=128 batch 8
+    python bench/step_time.py --threads 2
+
+Both frameworks run the same model from the same weights at the same thread count; the first loss
+of each is printed so you can see they compute the same thing. Steps alternate between the two in
+rounds, so a slow spell of a shared machine hits both. PyTorch is optional
+(``pip install torch==2.13.0``, a CPU wheel); without it only minipar is timed.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per framework per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="BLAS / intra-op threads for both")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+# BLAS reads its thread count when it loads, so this must come before NumPy is imported.
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(ARGS.threads)
+
+import numpy  # noqa: E402
+
+import minipar  # noqa: E402
+from minipar.models import GPT, GPTConfig  # noqa: E402
+from minipar.optim import AdamW  # noqa: E402
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def step_flops(cfg, batch):
+    """Matmul FLOPs of one step: forward 2mnk per product, backward twice that.
+    Per token and layer: qkv 6C^2, attn proj 2C^2, MLP 16C^2 (times 2 for multiply-add), and
+    q k^T plus att v, 2 T C each (times 2); plus the tied head 2 C V."""
+    C, T, L, V = cfg.n_embd, cfg.block_size, cfg.n_layer, cfg.vocab_size
+    per_token = L * (24 * C * C + 4 * T * C) + 2 * C * V
+    return 3 * per_token * batch * T
+
+
+def minipar_runner(cfg, x, y):
+    model = GPT(cfg)
+    opt = AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step():
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return model, step
+
+
+def torch_runner(cfg, state, x, y):
+    nn, F = torch.nn, torch.nn.functional
+    C, H = cfg.n_embd, cfg.n_head
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            self.c_attn, self.attn_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+            self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+        def forward(self, h):
+            B, T, _ = h.shape
+            q, k, v = self.c_attn(self.ln_1(h)).split(C, dim=2)
+            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / (C // H) ** 0.5)
+            mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+            att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
+            h = h + self.attn_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+            return h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
+
+    class TorchGPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(cfg.vocab_size, C)
+            self.wpe = nn.Embedding(cfg.block_size, C)
+            self.h = nn.ModuleList(Block() for _ in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(C)
+
+        def forward(self, idx, targets):
+            h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.h:
+                h = block(h)
+            logits = self.ln_f(h) @ self.wte.weight.T
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    model = TorchGPT()
+    rename = {"transformer.": "", "attn.c_attn": "c_attn", "attn.c_proj": "attn_proj",
+              "mlp.c_fc": "c_fc", "mlp.c_proj": "mlp_proj"}
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, value in state.items():
+            for old, new in rename.items():
+                name = name.replace(old, new)
+            params[name].copy_(torch.from_numpy(value))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step():
+        loss = model(tx, ty)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def timed(step, n):
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main():
+    cfg = GPTConfig(n_layer=ARGS.n_layer, n_head=ARGS.n_head, n_embd=ARGS.n_embd,
+                    block_size=ARGS.block_size, vocab_size=ARGS.vocab_size)
+    minipar.manual_seed(0)
+    rng = numpy.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (ARGS.batch_size, cfg.block_size))
+    y = rng.integers(0, cfg.vocab_size, (ARGS.batch_size, cfg.block_size))
+    model, ours = minipar_runner(cfg, x, y)
+    runners = {"minipar": ours}
+    if torch is not None:
+        torch.set_num_threads(ARGS.threads)
+        runners["pytorch"] = torch_runner(cfg, model.state_dict(), x, y)
+    print(f"config: n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
+          f"block_size={cfg.block_size} batch={ARGS.batch_size} vocab={cfg.vocab_size}, "
+          f"{model.num_parameters():,} parameters, threads={ARGS.threads}")
+    for name, step in runners.items():
+        print(f"first loss {name:>8}: {step():.6f}")  # also the warm-up step
+    times = {name: [] for name in runners}
+    for _ in range(ARGS.rounds):
+        for name, step in runners.items():
+            times[name] += timed(step, ARGS.steps)
+
+    flops = step_flops(cfg, ARGS.batch_size)
+    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    print(f"\n{'framework':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GFLOP/s':>8}")
+    for name, t in times.items():
+        print(f"{name:<10} {1e3 * median[name]:>10.1f} {1e3 * min(t):>8.1f} {1e3 * max(t):>8.1f} "
+              f"{flops / median[name] / 1e9:>8.1f}")
+    print(f"matmul FLOPs per step: {flops / 1e9:.2f} G")
+    if torch is None:
+        print("PyTorch not installed: pip install torch==2.13.0 to compare")
+    else:
+        print(f"step time minipar / pytorch: {median['minipar'] / median['pytorch']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

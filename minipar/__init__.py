@@ -1,0 +1,7 @@
+"""minipar: parallel training of language models, built plainly and checked against one device."""
+
+from minipar.autograd import Tensor, backward, no_grad
+from minipar.backend import get_default_dtype, manual_seed, set_default_dtype
+
+__all__ = ["Tensor", "backward", "no_grad", "get_default_dtype", "manual_seed", "set_default_dtype"]
+__version__ = "0.1.0"

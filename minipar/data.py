@@ -1,0 +1,93 @@
+"""Byte-level tokenizer, the default corpus and deterministic batches.
+
+Tokens are the bytes of the UTF-8 text (vocabulary 256): no tokenizer to train or download.
+The default corpus is the Python standard library's own top-level source files, which every Python
+installation carries: real, structured text with no download.
+
+Batches are a pure function of (seed, split, step): the batch of step 1000 is the same whether a run
+got there directly or resumed from a checkpoint, and however a parallel layout later splits it.
+Data stays on the host (NumPy); the model moves ids to the device.
+"""
+
+import os
+import sysconfig
+
+import numpy
+
+VOCAB_SIZE = 256
+_SPLIT_CODE = {"train": 0, "val": 1}
+
+
+def encode(text):
+    return numpy.frombuffer(text.encode("utf-8"), dtype=numpy.uint8).copy()
+
+
+def decode(ids):
+    return bytes(numpy.asarray(ids, dtype=numpy.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def default_corpus_files():
+    """The standard library's top-level ``*.py`` files, sorted by name: a fixed order."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(f for f in os.listdir(stdlib) if f.endswith(".py"))
+    if not files:
+        raise FileNotFoundError(f"no Python sources in {stdlib}; pass a text file with --data")
+    return [os.path.join(stdlib, f) for f in files]
+
+
+def _text_files(directory):
+    """Every non-hidden file under ``directory`` that holds no NUL byte, by sorted relative path."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, f) for f in files if not f.startswith(".")]
+    texts = []
+    for path in sorted(found, key=lambda p: os.path.relpath(p, directory)):
+        with open(path, "rb") as fh:
+            if b"\0" not in fh.read(8192):
+                texts.append(path)
+    return texts
+
+
+def load_corpus(path=None):
+    """The bytes of ``path`` (a text file, or a directory of them), or of the default corpus."""
+    if path is None:
+        files = default_corpus_files()
+    elif os.path.isdir(path):
+        files = _text_files(path)
+        if not files:
+            raise ValueError(f"{path} holds no text files")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"--data {path}: no such file or directory")
+    chunks = []
+    for f in files:
+        with open(f, "rb") as fh:
+            chunks.append(fh.read())
+    return b"\n".join(chunks)
+
+
+class Dataset:
+    """Token ids split into train (first 90%) and validation (last 10%)."""
+
+    def __init__(self, corpus, val_fraction=0.1):
+        ids = numpy.frombuffer(corpus, dtype=numpy.uint8)
+        n_train = int(len(ids) * (1.0 - val_fraction))
+        self.splits = {"train": ids[:n_train], "val": ids[n_train:]}
+
+    def check_block_size(self, block_size):
+        for name, ids in self.splits.items():
+            if len(ids) < block_size + 2:
+                raise ValueError(
+                    f"the {name} split has {len(ids)} tokens, too few for --block-size {block_size}: "
+                    "use a larger corpus or a smaller block size"
+                )
+
+    def batch(self, split, step, batch_size, block_size, seed):
+        """Inputs and next-token targets, both (batch_size, block_size) int64, for this step."""
+        ids = self.splits[split]
+        rng = numpy.random.default_rng([seed, _SPLIT_CODE[split], step])
+        starts = rng.integers(0, len(ids) - block_size - 1, size=batch_size)
+        window = starts[:, None] + numpy.arange(block_size)
+        return ids[window].astype(numpy.int64), ids[window + 1].astype(numpy.int64)

@@ -1,0 +1,38 @@
+"""Differentiable ops, the public functional API (``import minipar.functional as F``).
+
+Each op is a ``Function`` (see ``minipar.autograd``) in one of these files:
+
+* ``elementwise``: add, sub, mul, div, neg, pow, exp, log, tanh, gelu, masked_fill, dropout
+* ``reduction``: sum, mean, softmax, log_softmax, layer_norm
+* ``shape``: reshape, transpose, getitem, split, concat
+* ``linalg``: matmul, linear, embedding
+* ``loss``: cross_entropy
+* ``attention``: causal_attention (one op for mask, softmax, dropout and both products)
+"""
+
+from minipar.functional.attention import causal_attention
+from minipar.functional.elementwise import (
+    add,
+    div,
+    dropout,
+    exp,
+    gelu,
+    log,
+    masked_fill,
+    mul,
+    neg,
+    pow,
+    sub,
+    tanh,
+)
+from minipar.functional.linalg import embedding, linear, matmul
+from minipar.functional.loss import cross_entropy
+from minipar.functional.reduction import layer_norm, log_softmax, mean, softmax, sum
+from minipar.functional.shape import concat, getitem, reshape, split, transpose
+
+__all__ = [
+    "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "gelu", "masked_fill",
+    "dropout", "sum", "mean", "softmax", "log_softmax", "layer_norm", "reshape", "transpose",
+    "getitem", "split", "concat", "matmul", "linear", "embedding", "cross_entropy",
+    "causal_attention",
+]

@@ -1,0 +1,95 @@
+"""Causal self-attention as one op, from the fused qkv projection to the heads' concatenated output.
+
+Per head, with q, k, v of shape (T, D) and M the causal mask (-inf above the diagonal):
+
+    S = q k^T / sqrt(D) + M        P = softmax(S)        y = (P * R) v
+
+where R is the dropout mask scaled by 1/(1-p) (all ones without dropout). Backward, with dy given:
+
+    dv = (P * R)^T dy      dP = (dy v^T) * R      dS = P * (dP - rowsum(dP * P))
+    dq = dS k / sqrt(D)    dk = dS^T q / sqrt(D)
+
+This is exactly what the composed ops compute (``masked_fill``, ``softmax``, ``dropout`` and two
+batched ``matmul``; the tests check the two agree). Doing it as one op lets us walk the batch one
+sequence at a time: that sequence's (heads, T, T) scores stay in the CPU cache while they are
+scaled, masked, normalised and multiplied, instead of streaming through memory once per op.
+"""
+
+import math
+
+import numpy
+
+from minipar.autograd import Function
+from minipar.backend import default_generator, xp
+
+
+def _heads(x, n_head):
+    """(T, H*D) -> (H, T, D) as a view."""
+    T, C = x.shape
+    return x.reshape(T, n_head, C // n_head).transpose(1, 0, 2)
+
+
+class CausalAttention(Function):
+    @staticmethod
+    def forward(ctx, qkv, n_head, dropout_p, generator):
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        scale = 1.0 / math.sqrt(C // n_head)
+        mask = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+        ones = xp.ones(T, qkv.dtype)
+        probs = xp.empty((B, n_head, T, T), qkv.dtype)
+        keep = xp.empty_like(probs) if dropout_p > 0 else None
+        out = xp.empty((B, T, C), qkv.dtype)
+        for b in range(B):
+            q, k, v = (_heads(qkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
+            p = xp.matmul(q, k.transpose(0, 2, 1), out=probs[b])
+            p *= scale
+            xp.copyto(p, -xp.inf, where=mask)
+            p -= p.max(axis=-1, keepdims=True)
+            xp.exp(p, out=p)
+            p /= (p @ ones)[..., None]  # row sums as one matrix-vector product
+            if keep is not None:
+                r = generator.random(p.shape, dtype=numpy.float32) >= dropout_p
+                xp.multiply(xp.asarray(r), 1.0 / (1.0 - dropout_p), out=keep[b])
+                p = p * keep[b]
+            xp.matmul(p, v, out=_heads(out[b], n_head))
+        ctx.qkv, ctx.probs, ctx.keep, ctx.n_head, ctx.scale = qkv, probs, keep, n_head, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, probs, keep, n_head, scale = ctx.qkv, ctx.probs, ctx.keep, ctx.n_head, ctx.scale
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        dqkv = xp.empty_like(qkv)
+        for b in range(B):
+            q, k, v = (_heads(qkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
+            dq, dk, dv = (_heads(dqkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
+            dy = _heads(grad[b], n_head)
+            p = probs[b]
+            dropped = p if keep is None else p * keep[b]
+            xp.matmul(dropped.transpose(0, 2, 1), dy, out=dv)
+            dp = dy @ v.transpose(0, 2, 1)
+            if keep is not None:
+                dp *= keep[b]
+            # softmax backward, in place in dp: dS = P * (dP - rowsum(dP * P))
+            dp -= xp.einsum("htj,htj->ht", dp, p)[..., None]
+            dp *= p
+            dp *= scale
+            xp.matmul(dp, k, out=dq)
+            xp.matmul(dp.transpose(0, 2, 1), q, out=dk)
+        return dqkv, None, None, None
+
+
+def causal_attention(qkv, n_head, dropout_p=0.0, generator=None):
+    """Multi-head causal self-attention of a fused projection ``qkv`` (B, T, 3C) -> (B, T, C):
+    q, k and v are the three thirds of the last axis, each split into ``n_head`` heads; the output
+    holds the heads side by side (head h in columns h*C/H ... (h+1)*C/H). ``dropout_p`` drops
+    attention probabilities (pass 0 at evaluation)."""
+    if qkv.ndim != 3 or qkv.shape[-1] % 3:
+        raise ValueError(f"causal_attention needs qkv of shape (B, T, 3C), got {qkv.shape}")
+    if (qkv.shape[-1] // 3) % n_head:
+        raise ValueError(f"causal_attention: C={qkv.shape[-1] // 3} is not divisible by {n_head} heads")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    return CausalAttention.apply(qkv, n_head, float(dropout_p), generator or default_generator())

@@ -1,0 +1,274 @@
+"""Elementwise ops: arithmetic, exp/log/tanh, GELU, masked fill and dropout.
+
+Binary ops broadcast like NumPy; the engine sums gradients back to each input's shape, so the
+backwards here are written as if no broadcasting had happened. Scalars stay Python numbers, which
+NumPy treats as "weak" (float32 * 0.5 stays float32); NumPy scalars such as ``np.float64(0.5)`` would
+upcast a float32 array silently, so they are turned into Python numbers first.
+"""
+
+import math
+
+import numpy
+
+from minipar.autograd import Function, Tensor
+from minipar.backend import blocks, default_generator, xp
+
+
+def _operand(x):
+    """A Tensor, or a Python number for scalars (kept weak so they never change the dtype)."""
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, (bool, int, float)):
+        return x
+    if isinstance(x, numpy.generic) or (hasattr(x, "ndim") and x.ndim == 0 and x.size == 1):
+        return x.item()
+    return Tensor(x)
+
+
+def _binary(fn, a, b):
+    a, b = _operand(a), _operand(b)
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype != b.dtype:
+        raise TypeError(
+            f"{fn.__name__.lower()}: operands are {a.dtype} and {b.dtype}; "
+            "cast one of them explicitly so that no silent upcast happens"
+        )
+    return fn.apply(a, b)
+
+
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad
+
+
+class Sub(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        return a - b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, (-grad if ctx.needs_input_grad[1] else None)
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.a, ctx.b = a, b
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        need_a, need_b = ctx.needs_input_grad
+        return (grad * ctx.b if need_a else None), (grad * ctx.a if need_b else None)
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        out = a / b
+        ctx.b, ctx.out = b, out
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        need_a, need_b = ctx.needs_input_grad
+        grad_a = grad / ctx.b
+        # d(a/b)/db = -a/b^2 = -(a/b)/b
+        grad_b = -(grad_a * ctx.out) if need_b else None
+        return (grad_a if need_a else None), grad_b
+
+
+class Neg(Function):
+    @staticmethod
+    def forward(ctx, a):
+        return -a
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class Pow(Function):
+    @staticmethod
+    def forward(ctx, a, exponent):
+        ctx.a, ctx.exponent = a, exponent
+        return a**exponent
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.exponent
+        return grad * (p * ctx.a ** (p - 1)), None
+
+
+class Exp(Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.out = xp.exp(a)
+        return ctx.out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.out
+
+
+class Log(Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.a = a
+        return xp.log(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.a
+
+
+class Tanh(Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.out = xp.tanh(a)
+        return ctx.out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (1.0 - ctx.out * ctx.out)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+class GELU(Function):
+    """GPT-2's tanh approximation: 0.5 x (1 + tanh(c (x + a x^3))), c = sqrt(2/pi), a = 0.044715.
+
+    d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), with t the tanh above. These are the
+    largest activations of the model (4x the hidden size), so the ufunc chains run in place, block
+    by block, while each block is in cache (see ``backend.blocks``).
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        flat = xp.ascontiguousarray(x).reshape(-1)
+        t, out = xp.empty_like(flat), xp.empty_like(flat)
+        for s in blocks(flat.size):
+            xs, ts, o = flat[s], t[s], out[s]
+            xp.multiply(xs, xs, out=ts)
+            ts *= _GELU_C * _GELU_A
+            ts += _GELU_C
+            ts *= xs  # c (x + a x^3)
+            xp.tanh(ts, out=ts)
+            xp.add(ts, 1.0, out=o)
+            o *= xs
+            o *= 0.5
+        ctx.x, ctx.t = flat, t
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, t = ctx.x, ctx.t
+        g = xp.ascontiguousarray(grad).reshape(-1)
+        dx = xp.empty_like(x)
+        for s in blocks(x.size):
+            xs, ts, d = x[s], t[s], dx[s]
+            xp.multiply(xs, xs, out=d)
+            d *= 3.0 * _GELU_A * _GELU_C
+            d += _GELU_C  # c (1 + 3 a x^2)
+            u = ts * ts
+            xp.subtract(1.0, u, out=u)  # 1 - t^2
+            d *= u
+            d *= xs
+            d += ts
+            d += 1.0
+            d *= 0.5
+            d *= g[s]
+        return dx.reshape(grad.shape)
+
+
+class MaskedFill(Function):
+    @staticmethod
+    def forward(ctx, x, mask, value):
+        ctx.mask = mask
+        return xp.where(mask, value, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return xp.where(ctx.mask, 0, grad), None, None
+
+
+class Dropout(Function):
+    @staticmethod
+    def forward(ctx, x, p, generator):
+        keep = generator.random(x.shape, dtype=numpy.float32) >= p
+        scaled_mask = xp.asarray(keep, dtype=x.dtype)
+        scaled_mask *= 1.0 / (1.0 - p)  # inverted dropout: E[out] = x, nothing to do at eval
+        ctx.mask = scaled_mask
+        return x * scaled_mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.mask, None, None
+
+
+def add(a, b):
+    return _binary(Add, a, b)
+
+
+def sub(a, b):
+    return _binary(Sub, a, b)
+
+
+def mul(a, b):
+    return _binary(Mul, a, b)
+
+
+def div(a, b):
+    return _binary(Div, a, b)
+
+
+def neg(a):
+    return Neg.apply(a)
+
+
+def pow(a, exponent):
+    if not isinstance(exponent, (int, float)):
+        raise TypeError(f"pow: the exponent must be a Python number, got {type(exponent).__name__}")
+    return Pow.apply(a, exponent)
+
+
+def exp(a):
+    return Exp.apply(a)
+
+
+def log(a):
+    return Log.apply(a)
+
+
+def tanh(a):
+    return Tanh.apply(a)
+
+
+def gelu(x):
+    return GELU.apply(x)
+
+
+def masked_fill(x, mask, value):
+    """``value`` where the boolean array ``mask`` (broadcast against x) is True, x elsewhere."""
+    mask = mask.data if isinstance(mask, Tensor) else xp.asarray(mask)
+    if mask.dtype != bool:
+        raise TypeError(f"masked_fill: mask must be boolean, got {mask.dtype}")
+    return MaskedFill.apply(x, mask, float(value))
+
+
+def dropout(x, p, training=True, generator=None):
+    """Zero each element with probability p and scale the rest by 1/(1-p). Identity when p == 0 or
+    not training. ``generator`` (a NumPy Generator) makes masks reproducible; the default is the
+    process-wide one from ``minipar.backend.manual_seed``."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    return Dropout.apply(x, float(p), generator or default_generator())

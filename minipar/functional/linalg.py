@@ -1,0 +1,103 @@
+"""Matrix products: matmul (batched), linear (x W^T + b, fused) and embedding lookup.
+
+For y = a @ b the two backward products are da = g @ b^T and db = a^T @ g. The transposes are views:
+BLAS reads them with its transpose flag, no copy is made.
+"""
+
+from minipar.autograd import Function, Tensor
+from minipar.backend import xp
+
+
+def _mT(x):
+    return xp.swapaxes(x, -1, -2)
+
+
+class MatMul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.a, ctx.b = a, b
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.a, ctx.b
+        need_a, need_b = ctx.needs_input_grad
+        grad_a = grad @ _mT(b) if need_a else None
+        grad_b = None
+        if need_b and b.ndim == 2 and a.ndim > 2:
+            # A shared weight: fold the batch into rows and do one GEMM instead of a batch of
+            # GEMMs followed by a sum over the batch.
+            grad_b = a.reshape(-1, a.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])
+        elif need_b:
+            grad_b = _mT(a) @ grad  # the engine sums any broadcast batch axes
+        return grad_a, grad_b
+
+
+def matmul(a, b):
+    """Matrix product over the last two axes, batched and broadcast over the leading ones."""
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul needs operands with >= 2 axes, got shapes {a.shape} and {b.shape}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
+    return MatMul.apply(a, b)
+
+
+class Linear(Function):
+    """y = x W^T + b with W shaped (out, in), the layout of PyTorch and GPT-2 checkpoints.
+
+    All leading axes of x are folded into rows, so each product is one large GEMM:
+    dx = g W,  dW = g^T x,  db = sum of g over rows.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = x2 @ weight.T
+        if bias is not None:
+            out += bias
+        ctx.x2, ctx.weight, ctx.x_shape = x2, weight, x.shape
+        return out.reshape(x.shape[:-1] + (weight.shape[0],))
+
+    @staticmethod
+    def backward(ctx, grad):
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = (g2 @ ctx.weight).reshape(ctx.x_shape) if need_x else None
+        grad_w = g2.T @ ctx.x2 if need_w else None
+        grad_b = g2.sum(axis=0) if need_b else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x, weight, bias=None):
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+    return Linear.apply(x, weight, bias)
+
+
+class Embedding(Function):
+    """out[i] = W[ids[i]]. In backward an id that occurs twice must receive both gradients, which
+    ``dW[ids] += g`` would not do (fancy-index assignment keeps only the last write);
+    ``add.at`` accumulates every occurrence."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.ids, ctx.weight_shape, ctx.dtype = ids, weight.shape, weight.dtype
+        return weight[ids]
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_w = xp.zeros(ctx.weight_shape, ctx.dtype)
+        xp.add.at(grad_w, ctx.ids.reshape(-1), grad.reshape(-1, ctx.weight_shape[1]))
+        return None, grad_w
+
+
+def embedding(ids, weight):
+    """Rows of ``weight`` (num_embeddings, dim) picked by the integer array ``ids``."""
+    ids = ids.data if isinstance(ids, Tensor) else xp.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"embedding ids must be integers, got {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+        raise IndexError(
+            f"embedding ids must lie in [0, {weight.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]"
+        )
+    return Embedding.apply(ids, weight)

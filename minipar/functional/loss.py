@@ -1,0 +1,69 @@
+"""Cross-entropy fused with softmax: one node, and the gradient in one line.
+
+With p = softmax(logits) and one-hot target y, d loss / d logits = p - y (times the upstream grad
+and 1/count for the mean). Keeping it as one op avoids storing log-probabilities and a gather node.
+"""
+
+from minipar.autograd import Function, Tensor
+from minipar.backend import xp
+
+
+class CrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction):
+        vocab = logits.shape[-1]
+        x = logits.reshape(-1, vocab)
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        safe_t = xp.where(valid, t, 0)
+        rows = xp.arange(x.shape[0])
+
+        row_max = x.max(axis=1, keepdims=True)
+        probs = x - row_max
+        xp.exp(probs, out=probs)
+        sum_exp = probs.sum(axis=1, keepdims=True)
+        probs /= sum_exp
+        # log p_target = x_target - max - log(sum exp(x - max)): exact even when p_target underflows
+        logp_target = x[rows, safe_t] - row_max[:, 0] - xp.log(sum_exp[:, 0])
+        total = -(logp_target * valid).sum()
+        count = int(valid.sum()) if reduction == "mean" else 1
+        ctx.probs, ctx.rows, ctx.safe_t, ctx.valid = probs, rows, safe_t, valid
+        ctx.count, ctx.shape = count, logits.shape
+        return xp.asarray(total / count, dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx = ctx.probs  # owned by this node, which backward consumes exactly once
+        dx[ctx.rows, ctx.safe_t] -= 1.0
+        dx *= (ctx.valid * (grad / ctx.count))[:, None]
+        return dx.reshape(ctx.shape), None, None, None
+
+
+def cross_entropy(logits, targets, ignore_index=-1, reduction="mean"):
+    """Cross-entropy of ``logits`` (..., V) against integer ``targets`` (...).
+
+    Targets equal to ``ignore_index`` contribute nothing. ``reduction="mean"`` divides by the number
+    of non-ignored targets; ``"sum"`` leaves the normalisation to the caller (data parallelism divides
+    by the global token count instead of averaging per-rank means).
+    """
+    targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"cross_entropy: targets of shape {targets.shape} do not match logits {logits.shape}"
+        )
+    if targets.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
+    used = targets[targets != ignore_index]
+    if reduction == "mean" and used.size == 0:
+        raise ValueError(
+            "cross_entropy: every target equals ignore_index, so the mean is undefined; "
+            "use reduction='sum' and normalise by the global count"
+        )
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= logits.shape[-1]):
+        raise IndexError(
+            f"cross_entropy: targets must lie in [0, {logits.shape[-1]}) or equal ignore_index "
+            f"({ignore_index}), got values in [{int(used.min())}, {int(used.max())}]"
+        )
+    return CrossEntropy.apply(logits, targets, int(ignore_index), reduction)

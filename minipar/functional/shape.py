@@ -1,0 +1,115 @@
+"""Ops that move elements without changing them: reshape, transpose, indexing, split and concat.
+
+Forwards return views where NumPy can; each backward moves the gradient back the opposite way.
+"""
+
+import numpy
+
+from minipar.autograd import Function, Tensor
+from minipar.backend import xp
+
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, x, shape):
+        ctx.shape = x.shape
+        return x.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.reshape(ctx.shape), None
+
+
+class Transpose(Function):
+    @staticmethod
+    def forward(ctx, x, axes):
+        ctx.inverse = tuple(numpy.argsort(axes))
+        return x.transpose(axes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.transpose(ctx.inverse), None
+
+
+def _is_basic_index(index):
+    """Slices, ints, None and Ellipsis select each element at most once (a view in NumPy)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+
+
+class GetItem(Function):
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.shape, ctx.dtype, ctx.index = x.shape, x.dtype, index
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = xp.zeros(ctx.shape, ctx.dtype)
+        if _is_basic_index(ctx.index):
+            out[ctx.index] = grad
+        else:  # an integer array may pick the same element twice: those gradients must add up
+            xp.add.at(out, ctx.index, grad)
+        return out, None
+
+
+class Split(Function):
+    @staticmethod
+    def forward(ctx, x, sections, axis):
+        ctx.axis = axis
+        return tuple(xp.split(x, sections, axis=axis))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return xp.concatenate(grads, axis=ctx.axis), None, None
+
+
+class Concat(Function):
+    @staticmethod
+    def forward(ctx, *arrays, axis):
+        ctx.axis = axis
+        ctx.boundaries = numpy.cumsum([a.shape[axis] for a in arrays])[:-1].tolist()
+        return xp.concatenate(arrays, axis=axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(xp.split(grad, ctx.boundaries, axis=ctx.axis))
+
+
+def reshape(x, shape):
+    return Reshape.apply(x, tuple(shape) if not isinstance(shape, int) else (shape,))
+
+
+def transpose(x, axes=None):
+    """Permute axes (all reversed when ``axes`` is None), as ``ndarray.transpose``."""
+    axes = tuple(reversed(range(x.ndim))) if axes is None else tuple(a % x.ndim for a in axes)
+    if sorted(axes) != list(range(x.ndim)):
+        raise ValueError(f"transpose: {axes} is not a permutation of the {x.ndim} axes")
+    return Transpose.apply(x, axes)
+
+
+def getitem(x, index):
+    if isinstance(index, Tensor):
+        index = index.data
+    elif isinstance(index, tuple):
+        index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
+    return GetItem.apply(x, index)
+
+
+def split(x, sections, axis=-1):
+    """Split along ``axis`` into ``sections`` equal parts (an int) or into parts of the given sizes
+    (a list), e.g. ``q, k, v = split(qkv, 3, axis=-1)`` for the fused attention projection."""
+    if isinstance(sections, int):
+        if x.shape[axis] % sections:
+            raise ValueError(f"split: axis of size {x.shape[axis]} is not divisible by {sections}")
+    else:
+        sizes = list(sections)
+        if sum(sizes) != x.shape[axis]:
+            raise ValueError(f"split: sizes {sizes} do not add up to the axis size {x.shape[axis]}")
+        sections = numpy.cumsum(sizes)[:-1].tolist()
+    return Split.apply(x, sections, axis)
+
+
+def concat(tensors, axis=0):
+    tensors = [t if isinstance(t, Tensor) else Tensor(t) for t in tensors]
+    return Concat.apply(*tensors, axis=axis)

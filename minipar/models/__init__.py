@@ -1,0 +1,3 @@
+from minipar.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]

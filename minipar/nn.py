@@ -1,0 +1,176 @@
+"""Modules: parameters with names, and the layers a GPT is built from.
+
+A Module finds its parameters and sub-modules by walking its attributes in the order they were set,
+so names come out as the attribute path (``transformer.h.0.attn.c_attn.weight``), the same as in
+PyTorch, nanoGPT and GPT-2 checkpoints. A parameter reachable under two names (a tied weight) is
+listed once, under the first name.
+"""
+
+import numpy
+
+import minipar.functional as F
+from minipar.autograd import Tensor
+from minipar.backend import default_generator, get_default_dtype, xp
+
+
+class Parameter(Tensor):
+    """A Tensor that is a model weight: it always requires grad."""
+
+    def __init__(self, data):
+        super().__init__(data, requires_grad=True)
+
+
+def normal_(shape, std, generator=None):
+    """Normal(0, std) values drawn in float64 on the host and cast to the default dtype, so that
+    float32 and float64 runs (and CPU and GPU runs) start from the same weights up to rounding."""
+    values = (generator or default_generator()).standard_normal(shape) * std
+    return xp.asarray(values.astype(get_default_dtype()))
+
+
+class Module:
+    training = True
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def named_children(self):
+        for name, value in vars(self).items():
+            if isinstance(value, Module):
+                yield name, value
+
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for name, child in self.named_children():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def named_parameters(self):
+        seen = set()
+        for module_name, module in self.named_modules():
+            for name, value in vars(module).items():
+                if isinstance(value, Parameter) and id(value) not in seen:
+                    seen.add(id(value))
+                    yield (f"{module_name}.{name}" if module_name else name), value
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def num_parameters(self):
+        return sum(p.size for p in self.parameters())
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad = None
+
+    def train(self, mode=True):
+        for _, module in self.named_modules():
+            module.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self):
+        """``{name: array}``: copies, so later training does not change a saved state."""
+        return {name: p.data.copy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state):
+        """Copy ``state`` into the parameters in place, after checking that the names, shapes and
+        dtypes all match; every difference is listed in one error."""
+        params = dict(self.named_parameters())
+        problems = [f"missing: {n}" for n in params if n not in state]
+        problems += [f"unexpected: {n}" for n in state if n not in params]
+        for name, p in params.items():
+            if name not in state:
+                continue
+            value = state[name]
+            if tuple(value.shape) != p.shape:
+                problems.append(f"{name}: shape {tuple(value.shape)}, model has {p.shape}")
+            elif numpy.dtype(value.dtype) != p.dtype:
+                problems.append(f"{name}: dtype {value.dtype}, model has {p.dtype}")
+        if problems:
+            raise ValueError("load_state_dict: state does not fit the model:\n  " + "\n  ".join(problems))
+        for name, p in params.items():
+            p.data[...] = xp.asarray(state[name])
+
+
+class ModuleList(Module):
+    """Sub-modules named by their position: ``h.0``, ``h.1``, ..."""
+
+    def __init__(self, modules):
+        self._items = list(modules)
+
+    def named_children(self):
+        for i, module in enumerate(self._items):
+            yield str(i), module
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+
+class ModuleDict(Module):
+    """Sub-modules named by keyword, e.g. GPT's ``transformer.wte``, ``transformer.h``."""
+
+    def __init__(self, **modules):
+        for name, module in modules.items():
+            setattr(self, name, module)
+
+
+class Linear(Module):
+    """y = x W^T + b, W of shape (out_features, in_features), initialised N(0, std)."""
+
+    def __init__(self, in_features, out_features, bias=True, std=0.02):
+        self.weight = Parameter(normal_((out_features, in_features), std))
+        self.bias = Parameter(xp.zeros(out_features, get_default_dtype())) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(Module):
+    def __init__(self, n, bias=True, eps=1e-5):
+        dtype = get_default_dtype()
+        self.weight = Parameter(xp.ones(n, dtype))
+        self.bias = Parameter(xp.zeros(n, dtype)) if bias else None
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Embedding(Module):
+    def __init__(self, num_embeddings, dim, std=0.02):
+        self.weight = Parameter(normal_((num_embeddings, dim), std))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+class Dropout(Module):
+    """Dropout that is active in training mode only. ``generator`` (a NumPy Generator) fixes the
+    masks; by default the process-wide generator is used."""
+
+    def __init__(self, p, generator=None):
+        self.p, self.generator = p, generator
+
+    def forward(self, x):
+        return F.dropout(x, self.p, self.training, self.generator)
+
+
+def describe(module):
+    """One line per parameter: name, shape, count. For printing a model."""
+    rows = [f"{n:<44} {str(p.shape):<14} {p.size:>10,}" for n, p in module.named_parameters()]
+    rows.append(f"{'total':<44} {'':<14} {module.num_parameters():>10,}")
+    return "\n".join(rows)
+
+
+__all__ = ["Parameter", "Module", "ModuleList", "ModuleDict", "Linear", "LayerNorm", "Embedding",
+           "Dropout", "normal_", "describe"]

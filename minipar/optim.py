@@ -1,0 +1,113 @@
+"""SGD, AdamW and gradient clipping, all updating parameters in place.
+
+AdamW (Loshchilov & Hutter 2019) for a parameter p with gradient g, at step t:
+
+    m = b1 m + (1 - b1) g            v = b2 v + (1 - b2) g^2
+    p = p - lr wd p                  (decoupled weight decay, matrices only)
+    p = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+Every line is an in-place ufunc on the parameter's own buffers, run block by block so that the
+chain stays in cache; the only temporary is one block-sized scratch array.
+"""
+
+import math
+
+from minipar.backend import blocks, xp
+
+
+class Optimizer:
+    def __init__(self, params, lr):
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("optimizer got an empty parameter list")
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+class SGD(Optimizer):
+    """p = p - lr (g + wd p), optionally with momentum buffer b = mu b + g."""
+
+    def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0):
+        super().__init__(params, lr)
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+        self.buffers = [None] * len(self.params)
+
+    def step(self):
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            g = p.grad
+            if self.weight_decay:
+                g = g + self.weight_decay * p.data
+            if self.momentum:
+                if self.buffers[i] is None:
+                    self.buffers[i] = g.copy()
+                else:
+                    self.buffers[i] *= self.momentum
+                    self.buffers[i] += g
+                g = self.buffers[i]
+            p.data -= self.lr * g
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay, applied to parameters with ndim >= 2 only (weights and
+    embeddings; biases and LayerNorm gains are not decayed, as in GPT-2 and nanoGPT)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params, lr)
+        b1, b2 = betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        self.b1, self.b2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+        self.step_count = 0
+        self.m = [xp.zeros_like(p.data) for p in self.params]
+        self.v = [xp.zeros_like(p.data) for p in self.params]
+
+    def step(self):
+        self.step_count += 1
+        t, b1, b2 = self.step_count, self.b1, self.b2
+        step_size = self.lr / (1.0 - b1**t)
+        rsqrt_bc2 = 1.0 / math.sqrt(1.0 - b2**t)
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            decay = 1.0 - self.lr * self.weight_decay if p.ndim >= 2 else 1.0
+            flat = (p.data.reshape(-1), p.grad.reshape(-1), m.reshape(-1), v.reshape(-1))
+            for s in blocks(p.size):  # each block's ~14 passes run in cache
+                self._update(*(a[s] for a in flat), b1, b2, decay, step_size, rsqrt_bc2)
+
+    def _update(self, p, g, m, v, b1, b2, decay, step_size, rsqrt_bc2):
+        # m = b1 m + (1 - b1) g, written as m = b1 (m - g) + g to need no temporary
+        m -= g
+        m *= b1
+        m += g
+        tmp = g * g
+        v -= tmp
+        v *= b2
+        v += tmp
+        if decay != 1.0:
+            p *= decay
+        # p -= step_size * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        xp.sqrt(v, out=tmp)
+        tmp *= rsqrt_bc2
+        tmp += self.eps
+        xp.divide(m, tmp, out=tmp)
+        tmp *= step_size
+        p -= tmp
+
+
+def clip_grad_norm(params, max_norm):
+    """Scale all gradients by min(1, max_norm / ||g||), ||g|| the global L2 norm over every
+    parameter; returns ||g|| before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = math.sqrt(sum(float(xp.vdot(g.ravel(), g.ravel())) for g in grads))
+    if max_norm > 0 and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g *= scale
+    return total
