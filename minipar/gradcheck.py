@@ -78,3 +78,62 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
         name = names[i] if names else f"input {i}"
         reports.append(GradReport(name, max_abs, rel, len(entries), max_abs <= atol + rtol * scale))
     return reports
+
+
+def op_cases(seed=0):
+    """One gradient check per differentiable op: ``[(name, fn, inputs)]`` with float64 inputs.
+
+    Shapes are small and odd so that broadcasting, batching and off-by-one mistakes show; the same
+    catalogue drives the test suite and ``lessons/01_autograd.py``.
+    """
+    import minipar.functional as F
+
+    rng = numpy.random.default_rng(seed)
+
+    def t(*shape, positive=False):
+        data = rng.standard_normal(shape)
+        return Tensor(numpy.abs(data) + 0.5 if positive else data, requires_grad=True, dtype=numpy.float64)
+
+    causal = numpy.triu(numpy.ones((5, 5), dtype=bool), k=1)
+    repeated_ids = numpy.array([[1, 3, 1, 0], [3, 3, 2, 1]])  # ids 1 and 3 occur several times
+    targets = numpy.array([[4, -1, 0], [2, 6, -1]])  # -1 is ignored
+    return [
+        ("add (broadcast)", F.add, [t(2, 3, 4), t(3, 1)]),
+        ("sub (broadcast)", F.sub, [t(3, 4), t(4)]),
+        ("mul (broadcast)", F.mul, [t(2, 3, 4), t(1, 4)]),
+        ("div (broadcast)", F.div, [t(3, 4), t(3, 1, positive=True)]),
+        ("neg", F.neg, [t(3, 4)]),
+        ("pow", lambda a: F.pow(a, 3), [t(3, 4)]),
+        ("pow (fractional)", lambda a: F.pow(a, 1.5), [t(3, 4, positive=True)]),
+        ("exp", F.exp, [t(3, 4)]),
+        ("log", F.log, [t(3, 4, positive=True)]),
+        ("tanh", F.tanh, [t(3, 4)]),
+        ("sum (axes 0, 2)", lambda a: F.sum(a, axis=(0, 2)), [t(2, 3, 4)]),
+        ("sum (all)", F.sum, [t(2, 3, 4)]),
+        ("mean (axis 1, keepdims)", lambda a: F.mean(a, axis=1, keepdims=True), [t(2, 3, 4)]),
+        ("reshape", lambda a: F.reshape(a, (4, 6)), [t(2, 3, 4)]),
+        ("transpose / permute", lambda a: F.transpose(a, (2, 0, 1)), [t(2, 3, 4)]),
+        ("slicing", lambda a: a[1:, ::2, -1], [t(3, 5, 2)]),
+        ("integer-array indexing", lambda a: a[numpy.array([0, 2, 0])], [t(3, 4)]),
+        ("split (3 equal parts)", lambda a: F.split(a, 3, axis=-1)[0] * F.split(a, 3, axis=-1)[2], [t(2, 9)]),
+        ("split (sizes, one unused)", lambda a: F.split(a, [1, 3, 2], axis=1)[1], [t(2, 6)]),
+        ("concat", lambda a, b: F.concat([a, b, a], axis=1), [t(2, 3), t(2, 4)]),
+        ("matmul (2-D)", F.matmul, [t(3, 4), t(4, 5)]),
+        ("matmul (batched)", F.matmul, [t(2, 3, 4, 5), t(2, 3, 5, 2)]),
+        ("matmul (batch @ shared matrix)", F.matmul, [t(2, 3, 4), t(4, 5)]),
+        ("linear", F.linear, [t(2, 3, 5), t(4, 5), t(4)]),
+        ("masked_fill (causal mask)", lambda a: F.masked_fill(a, causal, -2.0), [t(2, 5, 5)]),
+        ("softmax", lambda a: F.softmax(a, axis=-1), [t(3, 5)]),
+        ("softmax of causal scores", lambda a: F.softmax(F.masked_fill(a, causal, float("-inf"))), [t(2, 5, 5)]),
+        ("log_softmax", lambda a: F.log_softmax(a, axis=-1), [t(3, 5)]),
+        ("layer_norm", F.layer_norm, [t(2, 3, 6), t(6), t(6)]),
+        ("gelu (tanh approximation)", F.gelu, [t(3, 7)]),
+        ("embedding (repeated ids)", lambda w: F.embedding(repeated_ids, w), [t(5, 3)]),
+        ("cross_entropy (ignore_index=-1)", lambda x: F.cross_entropy(x, targets), [t(2, 3, 7)]),
+        ("cross_entropy (sum)", lambda x: F.cross_entropy(x, targets, reduction="sum"), [t(2, 3, 7)]),
+        ("dropout (p=0.3, seeded)",
+         lambda a: F.dropout(a, 0.3, generator=numpy.random.default_rng(7)), [t(4, 5)]),
+        ("causal_attention (fused)", lambda qkv: F.causal_attention(qkv, 2), [t(2, 5, 12)]),
+        ("causal_attention (dropout 0.2, seeded)",
+         lambda qkv: F.causal_attention(qkv, 3, 0.2, numpy.random.default_rng(3)), [t(2, 4, 18)]),
+    ]

@@ -18,10 +18,10 @@ def _operand(x):
     """A Tensor, or a Python number for scalars (kept weak so they never change the dtype)."""
     if isinstance(x, Tensor):
         return x
+    if isinstance(x, numpy.generic) or (hasattr(x, "ndim") and x.ndim == 0):
+        return x.item()  # before the float check: numpy.float64 is a subclass of float
     if isinstance(x, (bool, int, float)):
         return x
-    if isinstance(x, numpy.generic) or (hasattr(x, "ndim") and x.ndim == 0 and x.size == 1):
-        return x.item()
     return Tensor(x)
 
 
@@ -234,6 +234,8 @@ def neg(a):
 
 
 def pow(a, exponent):
+    if isinstance(exponent, numpy.generic):
+        exponent = exponent.item()  # a NumPy float64 exponent would upcast a float32 base
     if not isinstance(exponent, (int, float)):
         raise TypeError(f"pow: the exponent must be a Python number, got {type(exponent).__name__}")
     return Pow.apply(a, exponent)

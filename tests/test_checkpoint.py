@@ -1,0 +1,40 @@
+import os
+
+import numpy
+import pytest
+
+from minipar.checkpoint import load_weights, save_weights
+from minipar.models import GPT, GPTConfig
+
+
+def test_weights_round_trip_with_gpt2_names(tmp_path):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4))
+    path = str(tmp_path / "w.safetensors")
+    save_weights(model.state_dict(), path)
+    loaded = load_weights(path)
+    assert set(loaded) == set(model.state_dict())
+    for name, value in model.state_dict().items():
+        numpy.testing.assert_array_equal(loaded[name], value)
+    assert os.listdir(tmp_path) == ["w.safetensors"]  # no temporary file left behind
+
+
+def test_damaged_file_is_refused(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    save_weights({"a": numpy.arange(1000, dtype=numpy.float32)}, path)
+    raw = bytearray(open(path, "rb").read())
+    raw[-10] ^= 0xFF  # flip bits inside the tensor data
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(ValueError, match="damaged"):
+        load_weights(path)
+    open(path, "wb").write(bytes(raw[:50]))  # truncated
+    with pytest.raises(ValueError, match="not a readable"):
+        load_weights(path)
+
+
+def test_failed_write_keeps_the_previous_file(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    save_weights({"a": numpy.ones(3, numpy.float32)}, path)
+    with pytest.raises(Exception):
+        save_weights({"a": object()}, path)  # not an array: the write fails
+    numpy.testing.assert_array_equal(load_weights(path)["a"], numpy.ones(3))
+    assert os.listdir(tmp_path) == ["w.safetensors"]

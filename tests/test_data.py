@@ -1,0 +1,54 @@
+import os
+
+import numpy
+import pytest
+
+from minipar.data import VOCAB_SIZE, Dataset, decode, default_corpus_files, encode, load_corpus
+
+
+def test_byte_tokenizer_round_trip():
+    text = "def f(x):\n    return 'héllo ✓'\n"
+    ids = encode(text)
+    assert ids.dtype == numpy.uint8 and ids.max() < VOCAB_SIZE
+    assert len(ids) == len(text.encode("utf-8"))
+    assert decode(ids) == text
+
+
+def test_default_corpus_is_the_standard_library_in_a_fixed_order():
+    files = default_corpus_files()
+    assert len(files) > 50 and files == sorted(files)
+    assert any(f.endswith(os.sep + "os.py") for f in files)
+    corpus = load_corpus()
+    assert len(corpus) > 1_000_000 and b"def " in corpus
+    assert corpus == load_corpus()
+
+
+def test_batches_are_deterministic_and_shifted():
+    data = Dataset(bytes(range(256)) * 40)
+    x, y = data.batch("train", step=3, batch_size=4, block_size=16, seed=7)
+    x2, y2 = data.batch("train", step=3, batch_size=4, block_size=16, seed=7)
+    assert x.shape == y.shape == (4, 16) and x.dtype == numpy.int64
+    numpy.testing.assert_array_equal(x, x2)
+    numpy.testing.assert_array_equal(y, y2)
+    numpy.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
+    other, _ = data.batch("train", step=4, batch_size=4, block_size=16, seed=7)
+    assert not numpy.array_equal(x, other)
+    val, _ = data.batch("val", step=3, batch_size=4, block_size=16, seed=7)
+    n_train = len(data.splits["train"])
+    assert len(data.splits["val"]) == 10240 - n_train and n_train == 9216
+    assert val.max() < 256
+
+
+def test_directory_corpus_skips_binary_and_hidden_files(tmp_path):
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "blob.bin").write_bytes(b"\0\1\2")
+    (tmp_path / ".hidden").write_text("secret")
+    assert load_corpus(str(tmp_path)) == b"first\nsecond"
+
+
+def test_corpus_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_corpus(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="too few"):
+        Dataset(b"tiny corpus").check_block_size(64)

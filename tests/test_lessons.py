@@ -1,0 +1,24 @@
+"""Lessons are programs a reader runs: each must pass as shipped and fail when its subject breaks."""
+
+import os
+import subprocess
+import sys
+
+LESSONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons")
+
+
+def run_lesson(name, *args):
+    return subprocess.run([sys.executable, os.path.join(LESSONS, name), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_autograd_lesson_passes():
+    run = run_lesson("01_autograd.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "64/64 checks passed" in run.stdout and "control was caught" in run.stdout
+
+
+def test_autograd_lesson_fails_on_a_planted_bug():
+    run = run_lesson("01_autograd.py", "--plant-bug")
+    assert run.returncode == 1
+    assert "FAIL" in run.stdout and "MISMATCH" in run.stdout

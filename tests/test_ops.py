@@ -1,0 +1,155 @@
+"""Every op's backward against central differences (float64, random upstream gradient), and
+float32 in -> float32 out for every op, forward and backward."""
+
+import numpy
+import pytest
+
+import minipar.functional as F
+from minipar import Tensor
+from minipar.autograd import Function
+from minipar.gradcheck import gradcheck, op_cases
+
+CASES = {name: (fn, inputs) for name, fn, inputs in op_cases()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradient_matches_central_differences(name):
+    fn, inputs = CASES[name]
+    reports = gradcheck(fn, inputs)
+    for r in reports:
+        assert r.checked > 0
+        assert r.ok, f"{name}: {r}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_float32_in_float32_out(name):
+    fn, inputs = op_cases(seed=1)[list(CASES).index(name)][1:]
+    inputs32 = [Tensor(t.data.astype(numpy.float32), requires_grad=True) for t in inputs]
+    out = fn(*inputs32)
+    assert out.dtype == numpy.float32, f"{name} forward returned {out.dtype}"
+    out.backward(numpy.ones(out.shape, numpy.float32) * 0.5)
+    for t in inputs32:
+        assert t.grad is not None and t.grad.dtype == numpy.float32, name
+        assert t.grad.shape == t.shape
+
+
+class WrongGELU(Function):
+    """GELU with a plausible-looking mistake: the derivative of tanh taken as 1 instead of 1 - t^2."""
+
+    @staticmethod
+    def forward(ctx, x):
+        c, a = numpy.sqrt(2 / numpy.pi), 0.044715
+        ctx.x, ctx.t = x, numpy.tanh(c * (x + a * x**3))
+        return 0.5 * x * (1 + ctx.t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, t = ctx.x, ctx.t
+        c, a = numpy.sqrt(2 / numpy.pi), 0.044715
+        return grad * (0.5 * (1 + t) + 0.5 * x * c * (1 + 3 * a * x * x))
+
+
+class SumOnlyMatMul(Function):
+    """A matmul backward that is right only for an all-ones upstream gradient: it uses the row
+    sums of the gradient instead of the gradient (a check with ``.sum()`` would pass it)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.a, ctx.b = a, b
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad):
+        ones = numpy.ones_like(grad) * grad.mean()
+        return ones @ ctx.b.T, ctx.a.T @ ones
+
+
+def _t(*shape, seed=0):
+    return Tensor(numpy.random.default_rng(seed).standard_normal(shape), requires_grad=True, dtype=numpy.float64)
+
+
+def test_negative_control_wrong_backward_is_caught():
+    reports = gradcheck(WrongGELU.apply, [_t(4, 5)])
+    assert not reports[0].ok
+    assert reports[0].rel_err > 1e-3
+
+
+def test_random_upstream_gradient_catches_what_sum_would_not():
+    a, b = _t(3, 4, seed=1), _t(4, 2, seed=2)
+    # with an all-ones upstream gradient the wrong backward is right ...
+    out = SumOnlyMatMul.apply(a, b)
+    out.backward(numpy.ones(out.shape))
+    a_ones = a.grad.copy()
+    a.grad = None
+    F.matmul(a, b).backward(numpy.ones(out.shape))
+    numpy.testing.assert_allclose(a_ones, a.grad)
+    # ... and the checker, which uses a random one, still catches it
+    assert not all(r.ok for r in gradcheck(SumOnlyMatMul.apply, [a, b]))
+
+
+def test_gradcheck_rejects_float32():
+    with pytest.raises(TypeError, match="float64"):
+        gradcheck(F.exp, [Tensor(numpy.ones(3, numpy.float32), requires_grad=True)])
+
+
+def test_embedding_gradient_counts_every_occurrence():
+    w = Tensor(numpy.zeros((4, 2)), requires_grad=True)
+    ids = numpy.array([1, 1, 1, 3])
+    F.embedding(ids, w).backward(numpy.ones((4, 2), numpy.float32))
+    numpy.testing.assert_array_equal(w.grad[:, 0], [0, 3, 0, 1])
+
+
+def test_softmax_is_stable_for_large_logits():
+    x = Tensor(numpy.array([[1000.0, 1001.0, 999.0]]), requires_grad=True)
+    for out in (F.softmax(x), F.exp(F.log_softmax(x))):
+        assert numpy.all(numpy.isfinite(out.data))
+        numpy.testing.assert_allclose(out.data.sum(), 1.0, rtol=1e-6)
+    loss = F.cross_entropy(Tensor(numpy.array([[1e4, 0.0, -1e4]])), numpy.array([2]))
+    assert numpy.isfinite(loss.item()) and loss.item() == pytest.approx(2e4, rel=1e-6)
+
+
+def test_cross_entropy_means_over_non_ignored_targets_only():
+    logits = numpy.random.default_rng(0).standard_normal((2, 3, 5)).astype(numpy.float32)
+    targets = numpy.array([[1, -1, 2], [-1, -1, 4]])
+    loss = F.cross_entropy(Tensor(logits), targets).item()
+    logp = logits - numpy.log(numpy.exp(logits).sum(-1, keepdims=True))
+    expected = -(logp[0, 0, 1] + logp[0, 2, 2] + logp[1, 2, 4]) / 3
+    assert loss == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_cross_entropy_errors_name_the_problem():
+    logits = Tensor(numpy.zeros((2, 4)))
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        F.cross_entropy(logits, numpy.array([1, 4]))
+    with pytest.raises(ValueError, match="ignore_index"):
+        F.cross_entropy(logits, numpy.array([-1, -1]))
+    with pytest.raises(ValueError, match="do not match"):
+        F.cross_entropy(logits, numpy.array([1, 2, 3]))
+
+
+def test_dropout_is_identity_when_off_and_seeded_when_on():
+    x = Tensor(numpy.ones((50, 40)), requires_grad=True)
+    assert F.dropout(x, 0.0) is x
+    assert F.dropout(x, 0.5, training=False) is x
+    a = F.dropout(x, 0.25, generator=numpy.random.default_rng(1)).data
+    b = F.dropout(x, 0.25, generator=numpy.random.default_rng(1)).data
+    numpy.testing.assert_array_equal(a, b)
+    kept = a != 0
+    assert 0.7 < kept.mean() < 0.8  # 2000 draws with p = 0.25
+    numpy.testing.assert_allclose(a[kept], 1 / 0.75, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        F.dropout(x, 1.0)
+
+
+def test_layer_norm_normalises():
+    x = Tensor(numpy.random.default_rng(0).standard_normal((4, 64)) * 3 + 2)
+    y = F.layer_norm(x, Tensor(numpy.ones(64)), Tensor(numpy.zeros(64))).data
+    numpy.testing.assert_allclose(y.mean(-1), 0, atol=1e-6)
+    numpy.testing.assert_allclose(y.var(-1), 1, rtol=1e-4)
+
+
+def test_gelu_matches_the_tanh_formula():
+    x = numpy.linspace(-6, 6, 200_001)  # long enough to cross several blocks
+    y = F.gelu(Tensor(x, dtype=numpy.float64)).data
+    expected = 0.5 * x * (1 + numpy.tanh(numpy.sqrt(2 / numpy.pi) * (x + 0.044715 * x**3)))
+    numpy.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-15)

@@ -1,0 +1,110 @@
+"""AdamW, SGD and clipping against the textbook formulas (and PyTorch's AdamW when installed)."""
+
+import math
+
+import numpy
+import pytest
+
+from minipar import Tensor
+from minipar.nn import Parameter
+from minipar.optim import SGD, AdamW, clip_grad_norm
+
+
+def params_and_grads(seed=0, dtype=numpy.float64):
+    rng = numpy.random.default_rng(seed)
+    shapes = [(70_000,), (5, 4), (3,)]  # one large enough to span several update blocks
+    params = [Tensor(rng.standard_normal(s), requires_grad=True, dtype=dtype) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(4)]
+    return params, grads
+
+
+def reference_adamw(values, grads, lr, betas, eps, wd):
+    """Loshchilov & Hutter's AdamW, literally: decay matrices, then the bias-corrected Adam step."""
+    b1, b2 = betas
+    values = [v.copy() for v in values]
+    m = [numpy.zeros_like(v) for v in values]
+    s = [numpy.zeros_like(v) for v in values]
+    for t, step_grads in enumerate(grads, start=1):
+        for i, g in enumerate(step_grads):
+            m[i] = b1 * m[i] + (1 - b1) * g
+            s[i] = b2 * s[i] + (1 - b2) * g * g
+            if values[i].ndim >= 2:
+                values[i] = values[i] - lr * wd * values[i]
+            m_hat, s_hat = m[i] / (1 - b1**t), s[i] / (1 - b2**t)
+            values[i] = values[i] - lr * m_hat / (numpy.sqrt(s_hat) + eps)
+    return values
+
+
+@pytest.mark.parametrize("dtype,rtol", [(numpy.float64, 1e-12), (numpy.float32, 2e-6)])
+def test_adamw_matches_the_formula(dtype, rtol):
+    params, grads = params_and_grads(dtype=dtype)
+    start = [p.data.astype(numpy.float64) for p in params]
+    opt = AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.copy()
+        opt.step()
+    expected = reference_adamw(start, [[g.astype(numpy.float64) for g in s] for s in grads],
+                               0.01, (0.9, 0.95), 1e-8, 0.1)
+    for p, e in zip(params, expected):
+        assert p.data.dtype == dtype
+        numpy.testing.assert_allclose(p.data, e, rtol=rtol, atol=rtol)
+
+
+def test_weight_decay_skips_vectors():
+    w, b = Parameter(numpy.ones((2, 2))), Parameter(numpy.ones(2))
+    opt = AdamW([w, b], lr=0.1, weight_decay=0.5)
+    w.grad, b.grad = numpy.zeros((2, 2), numpy.float32), numpy.zeros(2, numpy.float32)
+    opt.step()
+    numpy.testing.assert_allclose(w.data, 0.95)  # p *= 1 - lr * wd
+    numpy.testing.assert_allclose(b.data, 1.0)
+
+
+def test_adamw_matches_pytorch():
+    torch = pytest.importorskip("torch")
+    params, grads = params_and_grads(dtype=numpy.float64)
+    tparams = [torch.tensor(p.data.copy(), requires_grad=True) for p in params]
+    opt = AdamW(params, lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    groups = [{"params": [t for t in tparams if t.ndim >= 2], "weight_decay": 0.1},
+              {"params": [t for t in tparams if t.ndim < 2], "weight_decay": 0.0}]
+    topt = torch.optim.AdamW(groups, lr=0.003, betas=(0.9, 0.95), eps=1e-8)
+    for step_grads in grads:
+        for p, t, g in zip(params, tparams, step_grads):
+            p.grad, t.grad = g.copy(), torch.tensor(g)
+        opt.step()
+        topt.step()
+    for p, t in zip(params, tparams):
+        numpy.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_sgd_with_momentum_and_decay():
+    p = Parameter(numpy.array([1.0, -2.0]))
+    opt = SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    expected, buf = numpy.array([1.0, -2.0]), None
+    for g in ([0.5, 0.5], [1.0, -1.0]):
+        p.grad = numpy.array(g, numpy.float32)
+        opt.step()
+        d = numpy.array(g) + 0.01 * expected
+        buf = d if buf is None else 0.9 * buf + d
+        expected = expected - 0.1 * buf
+    numpy.testing.assert_allclose(p.data, expected, rtol=1e-6)
+    numpy.testing.assert_array_equal(p.grad, [1.0, -1.0])  # the gradient itself is untouched
+
+
+def test_clip_grad_norm_scales_to_the_global_norm():
+    a, b = Tensor(numpy.zeros(2), requires_grad=True), Tensor(numpy.zeros(1), requires_grad=True)
+    a.grad, b.grad = numpy.array([3.0, 0.0], numpy.float32), numpy.array([4.0], numpy.float32)
+    assert clip_grad_norm([a, b], 10.0) == pytest.approx(5.0)
+    numpy.testing.assert_allclose(a.grad, [3.0, 0.0])  # below the bound: unchanged
+    assert clip_grad_norm([a, b], 1.0) == pytest.approx(5.0)
+    total = math.sqrt(float((a.grad**2).sum() + (b.grad**2).sum()))
+    assert total == pytest.approx(1.0, rel=1e-5)
+
+
+def test_optimizer_argument_errors():
+    with pytest.raises(ValueError, match="empty"):
+        AdamW([])
+    with pytest.raises(ValueError, match="betas"):
+        AdamW([Parameter(numpy.ones(2))], betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="learning rate"):
+        SGD([Parameter(numpy.ones(2))], lr=-1.0)

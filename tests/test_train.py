@@ -1,0 +1,99 @@
+"""The training CLI, run as a user runs it: python -m minipar.train ..."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from minipar.checkpoint import load_weights
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--eval-iters", "2", "--sample", "0", "--plot", ""]
+
+
+def train(*args, cwd=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "minipar.train", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def losses(path):
+    with open(path) as fh:
+        return [json.loads(line)["loss"] for line in fh]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
+    return str(path)
+
+
+def test_same_seed_same_losses_and_another_seed_differs(tmp_path, corpus):
+    logs = []
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        log = str(tmp_path / f"{name}.jsonl")
+        run = train(*TINY, "--data", corpus, "--max-iters", "6", "--seed", seed, "--log-json", log)
+        assert run.returncode == 0, run.stderr
+        logs.append(losses(log))
+    assert len(logs[0]) == 6
+    assert logs[0] == logs[1]
+    assert logs[0] != logs[2]
+
+
+def test_loss_falls_on_the_default_corpus(tmp_path):
+    log = str(tmp_path / "log.jsonl")
+    plot = str(tmp_path / "loss.png")
+    run = train("--max-iters", "60", "--eval-interval", "30", "--log-json", log, "--plot", plot,
+                "--sample", "20")
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in open(log)]
+    assert records[0]["loss"] > 5.0  # ln 256 = 5.55 for a uniform guess
+    assert records[-1]["loss"] < 3.2 and records[-1]["val_loss"] < 3.2
+    assert "iter    59 | loss" in run.stdout and "tok/s" in run.stdout and "sample:" in run.stdout
+    assert open(plot, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_then_init_weights(tmp_path, corpus):
+    first = str(tmp_path / "first.safetensors")
+    second = str(tmp_path / "second.safetensors")
+    run = train(*TINY, "--data", corpus, "--max-iters", "3", "--export-weights", first)
+    assert run.returncode == 0, run.stderr
+    # lr 0 leaves the weights where they started, so the export equals the import
+    run = train(*TINY, "--data", corpus, "--max-iters", "2", "--lr", "0", "--min-lr", "0",
+                "--init-weights", first, "--export-weights", second, "--dtype", "float64")
+    assert run.returncode == 0, run.stderr
+    a, b = load_weights(first), load_weights(second)
+    assert "transformer.h.1.attn.c_attn.weight" in a and b["transformer.wte.weight"].dtype == numpy.float64
+    for name in a:
+        numpy.testing.assert_allclose(a[name], b[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n-embd", "10", "--n-head", "4"], "not divisible by --n-head"),
+    (["--max-iters", "0"], "must be >= 1"),
+    (["--lr", "abc"], "is not a number"),
+    (["--dtype", "float16"], "invalid choice"),
+    (["--data", "/nonexistent/corpus.txt"], "no such file"),
+    (["--init-weights", "w.pt"], "no such file"),
+    (["--block-size", "100000", "--data", "CORPUS"], "too few for --block-size"),
+    (["--dropout", "1.5"], "below 1"),
+])
+def test_bad_values_get_a_one_line_error(args, message, tmp_path, corpus):
+    args = [corpus if a == "CORPUS" else a for a in args]
+    run = train(*(args if "--max-iters" in args else args + ["--max-iters", "1"]), cwd=tmp_path)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    error_lines = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and message in error_lines[0], run.stderr
+
+
+def test_help_describes_every_flag():
+    run = train("--help")
+    assert run.returncode == 0
+    for flag in ("--max-iters", "--seed", "--lr", "--batch-size", "--n-layer", "--n-head", "--n-embd",
+                 "--block-size", "--data", "--dtype", "--log-json", "--init-weights", "--export-weights"):
+        assert flag in run.stdout
