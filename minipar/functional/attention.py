@@ -30,35 +30,39 @@ def _heads(x, n_head):
 
 
 class CausalAttention(Function):
+    """The scores are kept transposed, S^T (keys x queries) per head, so that the softmax over the
+    keys reduces along the outer axis of each (T, T) block: NumPy vectorises that across the
+    contiguous queries, ~3x faster than reducing along 128-long rows. BLAS reads the transposes."""
+
     @staticmethod
     def forward(ctx, qkv, n_head, dropout_p, generator):
         B, T, C3 = qkv.shape
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
-        mask = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+        future = xp.tril(xp.ones((T, T), dtype=bool), k=-1)  # [key, query]: key after query
         ones = xp.ones(T, qkv.dtype)
-        probs = xp.empty((B, n_head, T, T), qkv.dtype)
-        keep = xp.empty_like(probs) if dropout_p > 0 else None
+        probs_t = xp.empty((B, n_head, T, T), qkv.dtype)
+        keep_t = xp.empty_like(probs_t) if dropout_p > 0 else None
         out = xp.empty((B, T, C), qkv.dtype)
         for b in range(B):
             q, k, v = (_heads(qkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
-            p = xp.matmul(q, k.transpose(0, 2, 1), out=probs[b])
-            p *= scale
-            xp.copyto(p, -xp.inf, where=mask)
-            p -= p.max(axis=-1, keepdims=True)
-            xp.exp(p, out=p)
-            p /= (p @ ones)[..., None]  # row sums as one matrix-vector product
-            if keep is not None:
-                r = generator.random(p.shape, dtype=numpy.float32) >= dropout_p
-                xp.multiply(xp.asarray(r), 1.0 / (1.0 - dropout_p), out=keep[b])
-                p = p * keep[b]
-            xp.matmul(p, v, out=_heads(out[b], n_head))
-        ctx.qkv, ctx.probs, ctx.keep, ctx.n_head, ctx.scale = qkv, probs, keep, n_head, scale
+            pt = xp.matmul(k, q.transpose(0, 2, 1), out=probs_t[b])  # S^T = k q^T
+            pt *= scale
+            xp.copyto(pt, -xp.inf, where=future)
+            pt -= pt.max(axis=1, keepdims=True)
+            xp.exp(pt, out=pt)
+            pt /= (ones @ pt)[:, None, :]  # column sums as one vector-matrix product
+            if keep_t is not None:
+                r = generator.random(pt.shape, dtype=numpy.float32) >= dropout_p
+                xp.multiply(xp.asarray(r), 1.0 / (1.0 - dropout_p), out=keep_t[b])
+                pt = pt * keep_t[b]
+            xp.matmul(pt.transpose(0, 2, 1), v, out=_heads(out[b], n_head))  # y = P v
+        ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, probs, keep, n_head, scale = ctx.qkv, ctx.probs, ctx.keep, ctx.n_head, ctx.scale
+        qkv, probs_t, keep_t, n_head, scale = ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale
         B, T, C3 = qkv.shape
         C = C3 // 3
         dqkv = xp.empty_like(qkv)
@@ -66,18 +70,18 @@ class CausalAttention(Function):
             q, k, v = (_heads(qkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
             dq, dk, dv = (_heads(dqkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
             dy = _heads(grad[b], n_head)
-            p = probs[b]
-            dropped = p if keep is None else p * keep[b]
-            xp.matmul(dropped.transpose(0, 2, 1), dy, out=dv)
-            dp = dy @ v.transpose(0, 2, 1)
-            if keep is not None:
-                dp *= keep[b]
-            # softmax backward, in place in dp: dS = P * (dP - rowsum(dP * P))
-            dp -= xp.einsum("htj,htj->ht", dp, p)[..., None]
-            dp *= p
-            dp *= scale
-            xp.matmul(dp, k, out=dq)
-            xp.matmul(dp.transpose(0, 2, 1), q, out=dk)
+            pt = probs_t[b]
+            dropped_t = pt if keep_t is None else pt * keep_t[b]
+            xp.matmul(dropped_t, dy, out=dv)  # dv = P^T dy
+            dpt = v @ dy.transpose(0, 2, 1)  # dP^T = v dy^T
+            if keep_t is not None:
+                dpt *= keep_t[b]
+            # softmax backward, in place: dS = P * (dP - rowsum(dP * P)), rows of P = columns here
+            dpt -= xp.einsum("hkq,hkq->hq", dpt, pt)[:, None, :]
+            dpt *= pt
+            dpt *= scale
+            xp.matmul(dpt.transpose(0, 2, 1), k, out=dq)  # dq = dS k
+            xp.matmul(dpt, q, out=dk)  # dk = dS^T q
         return dqkv, None, None, None
 
 
