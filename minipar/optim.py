@@ -73,20 +73,25 @@ class AdamW(Optimizer):
         t, b1, b2 = self.step_count, self.b1, self.b2
         step_size = self.lr / (1.0 - b1**t)
         rsqrt_bc2 = 1.0 / math.sqrt(1.0 - b2**t)
+        scratch = {}
         for p, m, v in zip(self.params, self.m, self.v):
             if p.grad is None:
                 continue
             decay = 1.0 - self.lr * self.weight_decay if p.ndim >= 2 else 1.0
             flat = (p.data.reshape(-1), p.grad.reshape(-1), m.reshape(-1), v.reshape(-1))
             for s in blocks(p.size):  # each block's ~14 passes run in cache
-                self._update(*(a[s] for a in flat), b1, b2, decay, step_size, rsqrt_bc2)
+                n = s.stop - s.start
+                tmp = scratch.get(p.dtype)
+                if tmp is None or tmp.size < n:
+                    tmp = scratch[p.dtype] = xp.empty(n, p.dtype)
+                self._update(*(a[s] for a in flat), tmp[:n], b1, b2, decay, step_size, rsqrt_bc2)
 
-    def _update(self, p, g, m, v, b1, b2, decay, step_size, rsqrt_bc2):
+    def _update(self, p, g, m, v, tmp, b1, b2, decay, step_size, rsqrt_bc2):
         # m = b1 m + (1 - b1) g, written as m = b1 (m - g) + g to need no temporary
         m -= g
         m *= b1
         m += g
-        tmp = g * g
+        xp.multiply(g, g, out=tmp)
         v -= tmp
         v *= b2
         v += tmp

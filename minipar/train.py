@@ -37,8 +37,14 @@ def non_negative_float(text):
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line naming the problem (argparse would print the whole usage first)."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m minipar.train",
         description="Train a GPT on bytes of text (by default the Python standard library's source).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
