@@ -102,15 +102,16 @@ class Function:
 
 def _unbroadcast(grad, shape):
     """Sum ``grad`` down to ``shape``: over leading axes that broadcasting added, and over axes where
-    the input had size 1. This is the only place in the engine that knows about broadcasting."""
+    the input had size 1. This is the only place in the engine that knows about broadcasting.
+    Any other difference of shape is a bug in an op's backward: the result then keeps a shape that
+    differs from ``shape`` and the caller raises (a reshape here would hide it)."""
     if grad.shape == shape:
         return grad
     lead = grad.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(
-        lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1
-    )
-    grad = grad.sum(axis=axes, keepdims=True) if axes else grad
-    return grad.reshape(shape)
+    if lead > 0:
+        grad = grad.sum(axis=tuple(range(lead)))
+    ones = tuple(i for i, n in enumerate(shape) if n == 1 and i < grad.ndim and grad.shape[i] != 1)
+    return grad.sum(axis=ones, keepdims=True) if ones else grad
 
 
 def _topological_order(root):
@@ -156,10 +157,15 @@ def backward(tensor, grad=None):
     ``grad`` is the upstream gradient (same shape as ``tensor``); it may be omitted for a scalar.
     The graph is freed as it is consumed, so saved activations are released during backward.
     """
-    if tensor._node is None or tensor._node.ctx is None:
+    if not tensor.requires_grad:
         raise RuntimeError(
-            "backward() on a tensor that has no graph: it does not require grad, was made under "
-            "no_grad(), or its graph was already used by an earlier backward()"
+            "backward() on a tensor that does not require grad: none of its inputs did, or it "
+            "was computed under no_grad()"
+        )
+    if tensor._node is not None and tensor._node.ctx is None:
+        raise RuntimeError(
+            "backward() through a graph that an earlier backward() already freed: "
+            "run the forward again"
         )
     if grad is None:
         if tensor.data.size != 1:
@@ -170,6 +176,9 @@ def backward(tensor, grad=None):
         raise ValueError(
             f"grad has shape {grad.shape} {grad.dtype}, tensor has {tensor.shape} {tensor.dtype}"
         )
+    if tensor._node is None:  # a leaf: its gradient with respect to itself
+        tensor._accumulate(grad, owned=False)
+        return
 
     root = tensor._node
     slots = {root: [None] * len(root.out_meta)}
@@ -203,6 +212,11 @@ def backward(tensor, grad=None):
         for i, (t, g) in enumerate(zip(node.inputs, in_grads)):
             if g is None:
                 continue
+            if g.shape != t.data.shape:
+                raise RuntimeError(
+                    f"{node.fn.__name__}.backward produced a gradient of shape {g.shape} for an "
+                    f"input of shape {t.data.shape}"
+                )
             if g.dtype != t.data.dtype:
                 raise TypeError(
                     f"{node.fn.__name__}.backward produced a {g.dtype} gradient for a "
@@ -222,14 +236,12 @@ def backward(tensor, grad=None):
         node.free()
 
 
-def _float_dtype_of(data):
-    return data.dtype.kind == "f"
-
-
 class Tensor:
     """An xp array plus what autograd needs: ``grad``, ``requires_grad`` and the node that made it."""
 
-    __array_priority__ = 1000  # so ndarray + Tensor defers to Tensor.__radd__
+    # NumPy must not compute on a Tensor behind autograd's back: ndarray + Tensor then defers to
+    # Tensor.__radd__ and numpy.exp(Tensor) is an error, while numpy.asarray(Tensor) still works.
+    __array_ufunc__ = None
 
     def __init__(self, data, requires_grad=False, dtype=None):
         if isinstance(data, Tensor):
@@ -239,7 +251,7 @@ class Tensor:
             array = array.astype(dtype, copy=False)
         elif array.dtype.kind == "f" or array.dtype.kind in "biu" and requires_grad:
             array = array.astype(get_default_dtype(), copy=False)
-        if requires_grad and not _float_dtype_of(array):
+        if requires_grad and array.dtype.kind != "f":
             raise TypeError(f"only float tensors can require grad, got {array.dtype}")
         self.data = array
         self.grad = None
@@ -276,6 +288,10 @@ class Tensor:
 
     def numpy(self):
         return to_numpy(self.data)
+
+    def __array__(self, dtype=None, copy=None):
+        array = to_numpy(self.data)
+        return array if dtype is None else array.astype(dtype, copy=False)
 
     def item(self):
         return self.data.item()

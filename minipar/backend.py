@@ -68,6 +68,8 @@ def set_default_dtype(dtype):
     to ~1e-12 instead of float32's ~1e-6.
     """
     global _default_dtype
+    if dtype is None:  # numpy.dtype(None) would quietly mean float64
+        raise ValueError("set_default_dtype(None): give 'float32' or 'float64'")
     try:
         dt = numpy.dtype(dtype)
     except TypeError as exc:

@@ -39,7 +39,15 @@ def save_weights(state, path):
         save_file(tensors, tmp, metadata={_DIGEST_KEY: _digest(tensors)})
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a weights file is not
         os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself reaches the disk
+        finally:
+            os.close(dir_fd)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -47,7 +55,10 @@ def save_weights(state, path):
 
 
 def load_weights(path):
-    """``{name: numpy array}`` from a .safetensors file; raises ValueError if it is damaged."""
+    """``{name: numpy array}`` from a .safetensors file; raises ValueError if it is damaged.
+
+    Files written by ``save_weights`` carry a checksum that is verified; files from elsewhere (GPT-2
+    weights exported by another tool) have none, and get only safetensors' own header checks."""
     try:
         tensors = load_file(path)
         with safe_open(path, framework="numpy") as fh:

@@ -36,11 +36,13 @@ def default_corpus_files():
 
 
 def _text_files(directory):
-    """Every non-hidden file under ``directory`` that holds no NUL byte, by sorted relative path."""
+    """Every non-hidden regular file under ``directory`` that holds no NUL byte, by sorted relative
+    path. Sockets, FIFOs and devices are skipped: opening a FIFO would wait forever."""
     found = []
     for root, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found += [os.path.join(root, f) for f in files if not f.startswith(".")]
+    found = [f for f in found if os.path.isfile(f)]
     texts = []
     for path in sorted(found, key=lambda p: os.path.relpath(p, directory)):
         with open(path, "rb") as fh:
@@ -59,8 +61,10 @@ def load_corpus(path=None):
             raise ValueError(f"{path} holds no text files")
     elif os.path.isfile(path):
         files = [path]
+    elif os.path.exists(path):
+        raise ValueError(f"{path} is neither a regular file nor a directory")
     else:
-        raise FileNotFoundError(f"--data {path}: no such file or directory")
+        raise FileNotFoundError(f"{path}: no such file or directory")
     chunks = []
     for f in files:
         with open(f, "rb") as fh:
@@ -88,6 +92,7 @@ class Dataset:
         """Inputs and next-token targets, both (batch_size, block_size) int64, for this step."""
         ids = self.splits[split]
         rng = numpy.random.default_rng([seed, _SPLIT_CODE[split], step])
-        starts = rng.integers(0, len(ids) - block_size - 1, size=batch_size)
+        # the last window starts at len - block_size - 1, so that its targets end at the last id
+        starts = rng.integers(0, len(ids) - block_size, size=batch_size)
         window = starts[:, None] + numpy.arange(block_size)
         return ids[window].astype(numpy.int64), ids[window + 1].astype(numpy.int64)

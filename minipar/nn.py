@@ -18,6 +18,8 @@ class Parameter(Tensor):
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
+        # C order, so that flat views (the optimizer's, a ZeRO shard's) alias the weight itself
+        self.data = xp.ascontiguousarray(self.data)
 
 
 def normal_(shape, std, generator=None):
@@ -86,6 +88,7 @@ class Module:
             if name not in state:
                 continue
             value = state[name]
+            value = value.data if isinstance(value, Tensor) else value
             if tuple(value.shape) != p.shape:
                 problems.append(f"{name}: shape {tuple(value.shape)}, model has {p.shape}")
             elif numpy.dtype(value.dtype) != p.dtype:
@@ -93,7 +96,8 @@ class Module:
         if problems:
             raise ValueError("load_state_dict: state does not fit the model:\n  " + "\n  ".join(problems))
         for name, p in params.items():
-            p.data[...] = xp.asarray(state[name])
+            value = state[name]
+            p.data[...] = value.data if isinstance(value, Tensor) else xp.asarray(value)
 
 
 class ModuleList(Module):

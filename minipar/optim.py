@@ -30,28 +30,26 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """p = p - lr (g + wd p), optionally with momentum buffer b = mu b + g."""
+    """p = p - lr d with d = g + wd p, or with momentum b = mu b + d and p = p - lr b, in place."""
 
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0):
         super().__init__(params, lr)
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
-        self.buffers = [None] * len(self.params)
+        self.buffers = [xp.zeros(p.shape, p.dtype) if self.momentum else None for p in self.params]
 
     def step(self):
-        for i, p in enumerate(self.params):
+        for p, buf in zip(self.params, self.buffers):
             if p.grad is None:
                 continue
-            g = p.grad
+            d = xp.multiply(p.data, self.weight_decay) if self.weight_decay else p.grad.copy()
             if self.weight_decay:
-                g = g + self.weight_decay * p.data
-            if self.momentum:
-                if self.buffers[i] is None:
-                    self.buffers[i] = g.copy()
-                else:
-                    self.buffers[i] *= self.momentum
-                    self.buffers[i] += g
-                g = self.buffers[i]
-            p.data -= self.lr * g
+                d += p.grad
+            if buf is not None:
+                buf *= self.momentum
+                buf += d
+                xp.copyto(d, buf)
+            d *= self.lr
+            p.data -= d
 
 
 class AdamW(Optimizer):
@@ -65,8 +63,14 @@ class AdamW(Optimizer):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
         self.b1, self.b2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
         self.step_count = 0
-        self.m = [xp.zeros_like(p.data) for p in self.params]
-        self.v = [xp.zeros_like(p.data) for p in self.params]
+        for p in self.params:
+            if not p.data.flags.c_contiguous:
+                raise ValueError(
+                    "AdamW updates parameters through flat views, which needs C-contiguous arrays: "
+                    "use nn.Parameter (always C order) or numpy.ascontiguousarray"
+                )
+        self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
+        self.v = [xp.zeros(p.shape, p.dtype) for p in self.params]
 
     def step(self):
         self.step_count += 1

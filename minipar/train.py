@@ -78,16 +78,25 @@ def build_parser():
     return p
 
 
+def _writable(p, flag, path):
+    """Fail now, not after the whole run, if ``path`` cannot be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        p.error(f"{flag} {path}: cannot create {directory} ({exc.strerror})")
+    if os.path.isdir(path) or not os.access(directory, os.W_OK):
+        p.error(f"{flag} {path}: not a writable file path")
+
+
 def check_args(p, args):
-    """Errors a flag's own type cannot see, as one line each, before anything is built."""
-    if args.n_embd % args.n_head:
-        p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
-    if args.dropout >= 1.0:
-        p.error(f"--dropout must be below 1, got {args.dropout}")
+    """Errors a flag's own type cannot see, one line each, before anything is built."""
     if args.warmup_iters < 0:
         p.error(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     if args.min_lr > args.lr:
         p.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
     if args.data is not None and not os.path.exists(args.data):
         p.error(f"--data {args.data}: no such file or directory")
     if args.init_weights is not None and not os.path.isfile(args.init_weights):
@@ -96,6 +105,45 @@ def check_args(p, args):
         path = getattr(args, flag)
         if path is not None and not path.endswith(".safetensors"):
             p.error(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file")
+    for flag in ("log_json", "export_weights", "plot"):
+        if getattr(args, flag):
+            _writable(p, "--" + flag.replace("_", "-"), getattr(args, flag))
+
+
+def build(p, args):
+    """The data, model and optimizer the flags describe; a bad combination is a one-line error."""
+    import minipar
+    from minipar import checkpoint
+    from minipar.data import Dataset, load_corpus
+    from minipar.models import GPT, GPTConfig
+    from minipar.optim import AdamW
+
+    minipar.set_default_dtype(args.dtype)
+    minipar.manual_seed(args.seed)
+    try:
+        config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                           block_size=args.block_size, dropout=args.dropout)
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        data = Dataset(load_corpus(args.data))
+        data.check_block_size(args.block_size)
+    except (OSError, ValueError) as exc:
+        p.error(f"--data {args.data or '(default corpus)'}: {exc}")
+    model = GPT(config)
+    if args.init_weights:
+        try:
+            weights = checkpoint.load_weights(args.init_weights)
+            # a float32 file may start a float64 run and back: the cast is explicit, here
+            model.load_state_dict({k: v.astype(args.dtype) for k, v in weights.items()})
+        except (OSError, ValueError) as exc:
+            problems = str(exc).splitlines()
+            more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+            p.error(f"--init-weights {args.init_weights}: {' '.join(problems[:2])}{more}; "
+                    "the model flags must match the file's model")
+    optimizer = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                      weight_decay=args.weight_decay)
+    return data, model, optimizer
 
 
 def learning_rate(it, args):
@@ -106,61 +154,35 @@ def learning_rate(it, args):
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
 
 
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-
-    import minipar
-    from minipar import checkpoint
+def estimate_val_loss(model, data, args):
     from minipar.autograd import no_grad
-    from minipar.data import Dataset, decode, encode, load_corpus
-    from minipar.models import GPT, GPTConfig
-    from minipar.optim import AdamW, clip_grad_norm
 
-    minipar.set_default_dtype(args.dtype)
-    minipar.manual_seed(args.seed)
-    try:
-        data = Dataset(load_corpus(args.data))
-        data.check_block_size(args.block_size)
-    except (OSError, ValueError) as exc:
-        parser.error(str(exc))
-    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                       block_size=args.block_size, dropout=args.dropout)
-    model = GPT(config)
-    if args.init_weights:
-        try:
-            weights = checkpoint.load_weights(args.init_weights)
-            # a float32 file may start a float64 run and back: the cast is explicit, here
-            model.load_state_dict({k: v.astype(args.dtype) for k, v in weights.items()})
-        except (OSError, ValueError) as exc:
-            parser.error(f"--init-weights {args.init_weights}: {exc}")
-    optimizer = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                      weight_decay=args.weight_decay)
+    model.eval()
+    with no_grad():
+        losses = [model(*data.batch("val", i, args.batch_size, args.block_size, args.seed))[1].item()
+                  for i in range(args.eval_iters)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_loop(args, data, model, optimizer, log):
+    """Run --max-iters steps; returns the train losses and (step, val loss) pairs, or None if the
+    run diverged."""
+    from minipar.optim import clip_grad_norm
+
     tokens_per_step = args.batch_size * args.block_size
-    print(f"model: {model.num_parameters():,} parameters, {args.n_layer} layers, {args.n_head} heads, "
-          f"{args.n_embd} hidden, context {args.block_size}, {args.dtype}")
-    print(f"data: {sum(len(s) for s in data.splits.values()):,} bytes "
-          f"({args.data or 'Python standard library'}), {tokens_per_step:,} tokens per step")
-
-    def estimate_val_loss():
-        model.eval()
-        with no_grad():
-            losses = [model(*data.batch("val", i, args.batch_size, args.block_size, args.seed))[1].item()
-                      for i in range(args.eval_iters)]
-        model.train()
-        return sum(losses) / len(losses)
-
-    log = open(args.log_json, "w") if args.log_json else None
     history, val_history, val_loss = [], [], None
     clock = time.perf_counter()
     for it in range(args.max_iters):
-        lr = learning_rate(it, args)
-        optimizer.lr = lr
+        lr = optimizer.lr = learning_rate(it, args)
         x, y = data.batch("train", it, args.batch_size, args.block_size, args.seed)
         _, loss = model(x, y)
         loss.backward()
         grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
+        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm)):
+            print(f"error: at iter {it} the loss is {loss.item()} and the gradient norm {grad_norm}: "
+                  "training diverged; lower --lr or raise --warmup-iters", file=sys.stderr)
+            return None
         optimizer.step()
         optimizer.zero_grad()
         now = time.perf_counter()
@@ -168,21 +190,39 @@ def main(argv=None):
         record = {"iter": it, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm, "ms": ms}
         last = it == args.max_iters - 1
         if (it + 1) % args.eval_interval == 0 or last:
-            val_loss = record["val_loss"] = estimate_val_loss()
+            val_loss = record["val_loss"] = estimate_val_loss(model, data, args)
             val_history.append((it, val_loss))
             clock = time.perf_counter()  # validation time is not a training step's time
         history.append(record["loss"])
-        if log:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+        log.write(json.dumps(record) + "\n")
+        log.flush()
         if it % args.log_interval == 0 or last:
             val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
             print(f"iter {it:>5} | loss {record['loss']:.4f} | val {val} | lr {lr:.2e} | "
                   f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter", flush=True)
-    if log:
-        log.close()
+    return history, val_history
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    data, model, optimizer = build(parser, args)
+    print(f"model: {model.num_parameters():,} parameters, {args.n_layer} layers, {args.n_head} heads, "
+          f"{args.n_embd} hidden, context {args.block_size}, {args.dtype}")
+    print(f"data: {sum(len(s) for s in data.splits.values()):,} bytes "
+          f"({args.data or 'Python standard library'}), "
+          f"{args.batch_size * args.block_size:,} tokens per step")
+
+    with open(args.log_json or os.devnull, "w") as log:
+        result = train_loop(args, data, model, optimizer, log)
+    if result is None:
+        return 1
+    history, val_history = result
 
     if args.export_weights:
+        from minipar import checkpoint
+
         checkpoint.save_weights(model.state_dict(), args.export_weights)
         print(f"weights written to {args.export_weights}")
     if args.plot:
@@ -191,6 +231,8 @@ def main(argv=None):
         plot_loss(history, val_history, args.plot, title=f"GPT {model.num_parameters():,} params")
         print(f"loss curve written to {args.plot}")
     if args.sample > 0:
+        from minipar.data import decode, encode
+
         prompt = encode("def ")[None, :]
         text = decode(model.generate(prompt, args.sample, temperature=0.8)[0])
         print("sample:\n" + text)

@@ -16,6 +16,9 @@ def test_weights_round_trip_with_gpt2_names(tmp_path):
     for name, value in model.state_dict().items():
         numpy.testing.assert_array_equal(loaded[name], value)
     assert os.listdir(tmp_path) == ["w.safetensors"]  # no temporary file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes
 
 
 def test_damaged_file_is_refused(tmp_path):

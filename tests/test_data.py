@@ -52,3 +52,20 @@ def test_corpus_errors(tmp_path):
         load_corpus(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match="too few"):
         Dataset(b"tiny corpus").check_block_size(64)
+
+
+def test_every_window_can_be_drawn():
+    # 12 train tokens, block 4: starts 0..7 are the valid windows (targets end at the last token)
+    data = Dataset(bytes(range(12)) + b"\xff", val_fraction=1 / 13)
+    starts = set()
+    for step in range(300):
+        x, y = data.batch("train", step, batch_size=4, block_size=4, seed=0)
+        starts.update(x[:, 0].tolist())
+        assert y.max() <= 11
+    assert starts == set(range(8))
+
+
+def test_fifo_in_a_corpus_directory_is_skipped(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    os.mkfifo(tmp_path / "pipe")
+    assert load_corpus(str(tmp_path)) == b"text"  # and no hang on the FIFO

@@ -1,6 +1,7 @@
 """Lessons are programs a reader runs: each must pass as shipped and fail when its subject breaks."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,9 @@ def run_lesson(name, *args):
 def test_autograd_lesson_passes():
     run = run_lesson("01_autograd.py")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "64/64 checks passed" in run.stdout and "control was caught" in run.stdout
+    passed = re.search(r"(\d+)/(\d+) checks passed", run.stdout)
+    assert passed and passed.group(1) == passed.group(2) and int(passed.group(2)) > 60
+    assert "control was caught" in run.stdout
 
 
 def test_autograd_lesson_fails_on_a_planted_bug():

@@ -44,6 +44,16 @@ def test_same_seed_same_losses_and_another_seed_differs(tmp_path, corpus):
     assert logs[0] != logs[2]
 
 
+def test_dropout_runs_are_deterministic_too(tmp_path, corpus):
+    logs = []
+    for name in ("a", "b"):
+        log = str(tmp_path / f"{name}.jsonl")
+        run = train(*TINY, "--data", corpus, "--max-iters", "4", "--dropout", "0.2", "--log-json", log)
+        assert run.returncode == 0, run.stderr
+        logs.append(losses(log))
+    assert logs[0] == logs[1]
+
+
 def test_loss_falls_on_the_default_corpus(tmp_path):
     log = str(tmp_path / "log.jsonl")
     plot = str(tmp_path / "loss.png")
@@ -73,14 +83,16 @@ def test_export_then_init_weights(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--n-embd", "10", "--n-head", "4"], "not divisible by --n-head"),
+    (["--n-embd", "10", "--n-head", "4"], "not divisible by n_head"),
     (["--max-iters", "0"], "must be >= 1"),
     (["--lr", "abc"], "is not a number"),
     (["--dtype", "float16"], "invalid choice"),
     (["--data", "/nonexistent/corpus.txt"], "no such file"),
     (["--init-weights", "w.pt"], "no such file"),
     (["--block-size", "100000", "--data", "CORPUS"], "too few for --block-size"),
-    (["--dropout", "1.5"], "below 1"),
+    (["--dropout", "1.5"], "in [0, 1)"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--data", "/dev/null"], "neither a regular file nor a directory"),
 ])
 def test_bad_values_get_a_one_line_error(args, message, tmp_path, corpus):
     args = [corpus if a == "CORPUS" else a for a in args]
@@ -96,3 +108,29 @@ def test_help_describes_every_flag():
     for flag in ("--max-iters", "--seed", "--lr", "--batch-size", "--n-layer", "--n-head", "--n-embd",
                  "--block-size", "--data", "--dtype", "--log-json", "--init-weights", "--export-weights"):
         assert flag in run.stdout
+
+
+def test_divergence_stops_with_an_error(corpus):
+    run = train(*TINY, "--data", corpus, "--max-iters", "30", "--lr", "1e12", "--warmup-iters", "0",
+                "--min-lr", "0", "--grad-clip", "0")
+    assert run.returncode == 1
+    assert "training diverged" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("flag", ["--log-json", "--export-weights", "--plot"])
+def test_unwritable_outputs_fail_before_training(flag, tmp_path, corpus):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    path = str(blocker / "sub" / "out.safetensors")  # a directory inside a regular file
+    run = train(*TINY, "--data", corpus, "--max-iters", "1", flag, path)
+    assert run.returncode == 2
+    assert "iter" not in run.stdout and flag in run.stderr
+
+
+def test_weights_of_another_model_are_refused_in_one_line(tmp_path, corpus):
+    weights = str(tmp_path / "w.safetensors")
+    assert train(*TINY, "--data", corpus, "--max-iters", "1", "--export-weights", weights).returncode == 0
+    run = train(*TINY, "--data", corpus, "--max-iters", "1", "--n-layer", "3", "--init-weights", weights)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "missing: transformer.h.2" in lines[0] and "must match" in lines[0]

@@ -17,10 +17,10 @@ scaled, masked, normalised and multiplied, instead of streaming through memory o
 
 import math
 
-import numpy
-
 from minipar.autograd import Function
 from minipar.backend import default_generator, xp
+from minipar.functional.checks import floats, probability
+from minipar.functional.elementwise import dropout_mask
 
 
 def _heads(x, n_head):
@@ -53,8 +53,7 @@ class CausalAttention(Function):
             xp.exp(pt, out=pt)
             pt /= (ones @ pt)[:, None, :]  # column sums as one vector-matrix product
             if keep_t is not None:
-                r = generator.random(pt.shape, dtype=numpy.float32) >= dropout_p
-                xp.multiply(xp.asarray(r), 1.0 / (1.0 - dropout_p), out=keep_t[b])
+                keep_t[b] = dropout_mask(generator, pt.shape, dropout_p, pt.dtype)
                 pt = pt * keep_t[b]
             xp.matmul(pt.transpose(0, 2, 1), v, out=_heads(out[b], n_head))  # y = P v
         ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
@@ -90,10 +89,10 @@ def causal_attention(qkv, n_head, dropout_p=0.0, generator=None):
     q, k and v are the three thirds of the last axis, each split into ``n_head`` heads; the output
     holds the heads side by side (head h in columns h*C/H ... (h+1)*C/H). ``dropout_p`` drops
     attention probabilities (pass 0 at evaluation)."""
+    qkv = floats("causal_attention", qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % 3:
         raise ValueError(f"causal_attention needs qkv of shape (B, T, 3C), got {qkv.shape}")
     if (qkv.shape[-1] // 3) % n_head:
         raise ValueError(f"causal_attention: C={qkv.shape[-1] // 3} is not divisible by {n_head} heads")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
-    return CausalAttention.apply(qkv, n_head, float(dropout_p), generator or default_generator())
+    p = probability(dropout_p)
+    return CausalAttention.apply(qkv, int(n_head), p, generator or default_generator())

@@ -2,8 +2,7 @@
 
 Binary ops broadcast like NumPy; the engine sums gradients back to each input's shape, so the
 backwards here are written as if no broadcasting had happened. Scalars stay Python numbers, which
-NumPy treats as "weak" (float32 * 0.5 stays float32); NumPy scalars such as ``np.float64(0.5)`` would
-upcast a float32 array silently, so they are turned into Python numbers first.
+NumPy treats as "weak" (float32 * 0.5 stays float32); see ``checks`` for the dtype rules.
 """
 
 import math
@@ -12,27 +11,21 @@ import numpy
 
 from minipar.autograd import Function, Tensor
 from minipar.backend import blocks, default_generator, xp
-
-
-def _operand(x):
-    """A Tensor, or a Python number for scalars (kept weak so they never change the dtype)."""
-    if isinstance(x, Tensor):
-        return x
-    if isinstance(x, numpy.generic) or (hasattr(x, "ndim") and x.ndim == 0):
-        return x.item()  # before the float check: numpy.float64 is a subclass of float
-    if isinstance(x, (bool, int, float)):
-        return x
-    return Tensor(x)
+from minipar.functional.checks import floats, probability, scalar
 
 
 def _binary(fn, a, b):
-    a, b = _operand(a), _operand(b)
-    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype != b.dtype:
-        raise TypeError(
-            f"{fn.__name__.lower()}: operands are {a.dtype} and {b.dtype}; "
-            "cast one of them explicitly so that no silent upcast happens"
-        )
+    a, b = floats(fn.__name__.lower(), scalar(a), scalar(b))
     return fn.apply(a, b)
+
+
+def dropout_mask(generator, shape, p, dtype):
+    """Inverted dropout's mask: 0 with probability p, else 1/(1-p), so that E[x * mask] = x and
+    evaluation needs no rescaling. Drawn on the host from a seeded NumPy generator."""
+    keep = generator.random(shape, dtype=numpy.float32) >= p
+    mask = xp.asarray(keep, dtype=dtype)
+    mask *= 1.0 / (1.0 - p)
+    return mask
 
 
 class Add(Function):
@@ -102,6 +95,8 @@ class Pow(Function):
     @staticmethod
     def backward(ctx, grad):
         p = ctx.exponent
+        if p == 0:  # x^0 = 1 is constant; p x^(p-1) would be 0 * inf = nan at x = 0
+            return xp.zeros_like(grad), None
         return grad * (p * ctx.a ** (p - 1)), None
 
 
@@ -202,11 +197,8 @@ class MaskedFill(Function):
 class Dropout(Function):
     @staticmethod
     def forward(ctx, x, p, generator):
-        keep = generator.random(x.shape, dtype=numpy.float32) >= p
-        scaled_mask = xp.asarray(keep, dtype=x.dtype)
-        scaled_mask *= 1.0 / (1.0 - p)  # inverted dropout: E[out] = x, nothing to do at eval
-        ctx.mask = scaled_mask
-        return x * scaled_mask
+        ctx.mask = dropout_mask(generator, x.shape, p, x.dtype)
+        return x * ctx.mask
 
     @staticmethod
     def backward(ctx, grad):
@@ -230,31 +222,30 @@ def div(a, b):
 
 
 def neg(a):
-    return Neg.apply(a)
+    return Neg.apply(floats("neg", a))
 
 
 def pow(a, exponent):
-    if isinstance(exponent, numpy.generic):
-        exponent = exponent.item()  # a NumPy float64 exponent would upcast a float32 base
+    exponent = scalar(exponent)  # a NumPy float64 exponent would upcast a float32 base
     if not isinstance(exponent, (int, float)):
         raise TypeError(f"pow: the exponent must be a Python number, got {type(exponent).__name__}")
-    return Pow.apply(a, exponent)
+    return Pow.apply(floats("pow", a), exponent)
 
 
 def exp(a):
-    return Exp.apply(a)
+    return Exp.apply(floats("exp", a))
 
 
 def log(a):
-    return Log.apply(a)
+    return Log.apply(floats("log", a))
 
 
 def tanh(a):
-    return Tanh.apply(a)
+    return Tanh.apply(floats("tanh", a))
 
 
 def gelu(x):
-    return GELU.apply(x)
+    return GELU.apply(floats("gelu", x))
 
 
 def masked_fill(x, mask, value):
@@ -262,15 +253,14 @@ def masked_fill(x, mask, value):
     mask = mask.data if isinstance(mask, Tensor) else xp.asarray(mask)
     if mask.dtype != bool:
         raise TypeError(f"masked_fill: mask must be boolean, got {mask.dtype}")
-    return MaskedFill.apply(x, mask, float(value))
+    return MaskedFill.apply(floats("masked_fill", x), mask, float(value))
 
 
 def dropout(x, p, training=True, generator=None):
     """Zero each element with probability p and scale the rest by 1/(1-p). Identity when p == 0 or
     not training. ``generator`` (a NumPy Generator) makes masks reproducible; the default is the
     process-wide one from ``minipar.backend.manual_seed``."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    p = probability(p)
     if not training or p == 0.0:
         return x
-    return Dropout.apply(x, float(p), generator or default_generator())
+    return Dropout.apply(floats("dropout", x), p, generator or default_generator())

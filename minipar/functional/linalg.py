@@ -6,6 +6,7 @@ BLAS reads them with its transpose flag, no copy is made.
 
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp
+from minipar.functional.checks import floats
 
 
 def _mT(x):
@@ -35,6 +36,7 @@ class MatMul(Function):
 
 def matmul(a, b):
     """Matrix product over the last two axes, batched and broadcast over the leading ones."""
+    a, b = floats("matmul", a, b)
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul needs operands with >= 2 axes, got shapes {a.shape} and {b.shape}")
     if a.shape[-1] != b.shape[-2]:
@@ -69,6 +71,10 @@ class Linear(Function):
 
 
 def linear(x, weight, bias=None):
+    x, weight, bias = floats("linear", x, weight, bias)
+    if weight.ndim != 2 or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError(f"linear: weight must be (out, in) and bias (out,), got {weight.shape}"
+                         f" and {None if bias is None else bias.shape}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     return Linear.apply(x, weight, bias)
@@ -108,4 +114,4 @@ def embedding(ids, weight):
         raise IndexError(
             f"embedding ids must lie in [0, {weight.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]"
         )
-    return Embedding.apply(ids, weight)
+    return Embedding.apply(ids, floats("embedding", weight))

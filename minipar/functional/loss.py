@@ -6,6 +6,7 @@ and 1/count for the mean). Keeping it as one op avoids storing log-probabilities
 
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp
+from minipar.functional.checks import floats
 
 
 class CrossEntropy(Function):
@@ -46,6 +47,7 @@ def cross_entropy(logits, targets, ignore_index=-1, reduction="mean"):
     of non-ignored targets; ``"sum"`` leaves the normalisation to the caller (data parallelism divides
     by the global token count instead of averaging per-rank means).
     """
+    logits = floats("cross_entropy", logits)
     targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")

@@ -2,13 +2,7 @@
 
 from minipar.autograd import Function
 from minipar.backend import xp
-
-
-def _axes(axis, ndim):
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    return tuple(sorted(a % ndim for a in axes))
+from minipar.functional.checks import axes, floats
 
 
 class Sum(Function):
@@ -25,15 +19,19 @@ class Sum(Function):
 
 
 def sum(x, axis=None, keepdims=False):
-    return Sum.apply(x, _axes(axis, x.ndim), keepdims)
+    x = floats("sum", x)
+    return Sum.apply(x, axes("sum", axis, x.ndim), bool(keepdims))
 
 
 def mean(x, axis=None, keepdims=False):
-    axes = _axes(axis, x.ndim)
+    x = floats("mean", x)
+    reduced = axes("mean", axis, x.ndim)
     count = 1
-    for a in axes:
+    for a in reduced:
         count *= x.shape[a]
-    return Sum.apply(x, axes, keepdims) * (1.0 / count)
+    if count == 0:
+        raise ValueError(f"mean over an empty axis of a tensor of shape {x.shape} is undefined")
+    return Sum.apply(x, reduced, bool(keepdims)) * (1.0 / count)
 
 
 class Softmax(Function):
@@ -74,11 +72,13 @@ class LogSoftmax(Function):
 
 
 def softmax(x, axis=-1):
-    return Softmax.apply(x, axis)
+    x = floats("softmax", x)
+    return Softmax.apply(x, axes("softmax", axis, x.ndim)[0])
 
 
 def log_softmax(x, axis=-1):
-    return LogSoftmax.apply(x, axis)
+    x = floats("log_softmax", x)
+    return LogSoftmax.apply(x, axes("log_softmax", axis, x.ndim)[0])
 
 
 def _row_means(a):
@@ -134,4 +134,8 @@ class LayerNorm(Function):
 
 def layer_norm(x, weight, bias=None, eps=1e-5):
     """LayerNorm over the last axis with a learned scale ``weight`` and optional shift ``bias``."""
+    x, weight, bias = floats("layer_norm", x, weight, bias)
+    C = x.shape[-1]
+    if weight.shape != (C,) or (bias is not None and bias.shape != (C,)):
+        raise ValueError(f"layer_norm: weight and bias must have shape ({C},) for input {x.shape}")
     return LayerNorm.apply(x, weight, bias, float(eps))

@@ -7,6 +7,7 @@ import numpy
 
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp
+from minipar.functional import checks
 
 
 class Reshape(Function):
@@ -82,10 +83,11 @@ def reshape(x, shape):
 
 def transpose(x, axes=None):
     """Permute axes (all reversed when ``axes`` is None), as ``ndarray.transpose``."""
-    axes = tuple(reversed(range(x.ndim))) if axes is None else tuple(a % x.ndim for a in axes)
-    if sorted(axes) != list(range(x.ndim)):
-        raise ValueError(f"transpose: {axes} is not a permutation of the {x.ndim} axes")
-    return Transpose.apply(x, axes)
+    if axes is None:
+        axes = tuple(reversed(range(x.ndim)))
+    if len(axes) != x.ndim or sorted(checks.axes("transpose", axes, x.ndim)) != list(range(x.ndim)):
+        raise ValueError(f"transpose: {tuple(axes)} is not a permutation of the {x.ndim} axes")
+    return Transpose.apply(x, tuple(int(a) % x.ndim for a in axes))
 
 
 def getitem(x, index):
@@ -99,6 +101,7 @@ def getitem(x, index):
 def split(x, sections, axis=-1):
     """Split along ``axis`` into ``sections`` equal parts (an int) or into parts of the given sizes
     (a list), e.g. ``q, k, v = split(qkv, 3, axis=-1)`` for the fused attention projection."""
+    axis = checks.axes("split", axis, x.ndim)[0]
     if isinstance(sections, int):
         if x.shape[axis] % sections:
             raise ValueError(f"split: axis of size {x.shape[axis]} is not divisible by {sections}")
@@ -111,5 +114,6 @@ def split(x, sections, axis=-1):
 
 
 def concat(tensors, axis=0):
-    tensors = [t if isinstance(t, Tensor) else Tensor(t) for t in tensors]
-    return Concat.apply(*tensors, axis=axis)
+    tensors = checks.floats("concat", *tensors)
+    tensors = [tensors] if isinstance(tensors, Tensor) else tensors
+    return Concat.apply(*tensors, axis=checks.axes("concat", axis, tensors[0].ndim)[0])

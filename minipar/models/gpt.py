@@ -11,13 +11,15 @@ entry: it *is* ``transformer.wte.weight``, and its gradient is the sum of both u
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy
 
 import minipar.functional as F
 from minipar.autograd import no_grad
-from minipar.backend import default_generator, to_numpy, xp
+from minipar.backend import default_generator, xp
+from minipar.functional.checks import probability
 from minipar.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
 
 
@@ -34,15 +36,15 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            setattr(self, name, int(value))
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 "every head needs n_embd / n_head dimensions"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        self.dropout = probability(self.dropout, "GPTConfig.dropout")
 
 
 class CausalSelfAttention(Module):
@@ -55,7 +57,7 @@ class CausalSelfAttention(Module):
         att = F.masked_fill(q @ k.transpose(0, 1, 3, 2) / sqrt(C // H), causal, -inf)
         y = (dropout(F.softmax(att)) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
 
-    which tests/test_attention.py checks it against, values and gradients.
+    which tests/test_gpt.py checks it against, values and gradients.
     """
 
     def __init__(self, config):
@@ -128,6 +130,8 @@ class GPT(Module):
 
     def generate(self, idx, max_new_tokens, temperature=1.0, generator=None):
         """Sample ``max_new_tokens`` continuations of ``idx`` (B, T), one token at a time."""
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         generator = generator or default_generator()
         idx = numpy.asarray(idx)
         was_training = self.training
@@ -135,9 +139,8 @@ class GPT(Module):
         with no_grad():
             for _ in range(max_new_tokens):
                 logits, _ = self(idx[:, -self.config.block_size :])
-                last = to_numpy(logits.data[:, -1, :]).astype(numpy.float64) / temperature
-                probs = numpy.exp(last - last.max(axis=1, keepdims=True))
-                probs /= probs.sum(axis=1, keepdims=True)
+                probs = F.softmax(logits[:, -1, :] * (1.0 / temperature)).numpy().astype(numpy.float64)
+                probs /= probs.sum(axis=1, keepdims=True)  # exactly 1 in float64, as choice() wants
                 nxt = [generator.choice(probs.shape[1], p=row) for row in probs]
                 idx = numpy.concatenate([idx, numpy.array(nxt)[:, None]], axis=1)
         self.train(was_training)

@@ -1,0 +1,62 @@
+"""Argument checks shared by the ops, so that every op refuses bad input the same way.
+
+* Float operands: Tensors must be floating point and of one dtype (a float32 tensor times a float64
+  tensor is refused rather than silently upcast). Anything that is not a Tensor (an array, a list)
+  is a constant and takes the tensors' dtype, as a Python scalar would; with no tensor among the
+  operands it takes the default dtype.
+* Axes must lie in [-ndim, ndim) and not repeat (NumPy would raise too; we must not wrap them).
+* Probabilities lie in [0, 1).
+"""
+
+import numbers
+
+import numpy
+
+from minipar.autograd import Tensor
+from minipar.backend import get_default_dtype
+
+
+def scalar(x):
+    """A NumPy or 0-d array scalar as a Python number (NumPy treats those as "weak": they never
+    change an array's dtype, while ``numpy.float64(0.5)`` would upcast float32); others unchanged."""
+    if isinstance(x, numpy.generic) or (hasattr(x, "ndim") and not isinstance(x, Tensor) and x.ndim == 0):
+        return x.item()
+    return x
+
+
+def floats(op, *operands):
+    """The operands as float Tensors of one dtype; ``None`` and Python numbers pass through."""
+    tensors = [x for x in operands if isinstance(x, Tensor)]
+    for t in tensors:
+        if t.dtype.kind != "f":
+            raise TypeError(f"{op}: needs float tensors, got {t.dtype}; cast with Tensor(x, dtype=...)")
+    dtypes = sorted({t.dtype.name for t in tensors})
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"{op}: operands are {' and '.join(dtypes)}; cast one of them explicitly so that no "
+            "silent upcast happens"
+        )
+    dtype = dtypes[0] if dtypes else get_default_dtype()
+    out = [
+        x if x is None or isinstance(x, (Tensor, numbers.Number)) else Tensor(x, dtype=dtype)
+        for x in operands
+    ]
+    return out[0] if len(out) == 1 else out
+
+
+def axes(op, axis, ndim):
+    """``axis`` (None, an int or a sequence) as a sorted tuple of non-negative axes."""
+    raw = tuple(range(ndim)) if axis is None else (axis,) if isinstance(axis, numbers.Integral) else tuple(axis)
+    for a in raw:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{op}: axis {a} is out of range for a tensor with {ndim} axes")
+    normal = tuple(sorted(int(a) % ndim for a in raw))
+    if len(set(normal)) != len(normal):
+        raise ValueError(f"{op}: repeated axis in {axis}")
+    return normal
+
+
+def probability(p, what="dropout probability"):
+    if not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{what} must be a number in [0, 1), got {p!r}")
+    return float(p)
