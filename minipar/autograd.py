@@ -1,26 +1,21 @@
-"""Reverse-mode automatic differentiation: Tensor, Function and the backward pass.
+"""Reverse-mode automatic differentiation, the recording half: Tensor and Function.
 
-Reading order: ``Function.apply`` (how a graph node is recorded during forward), then ``backward``
-(how gradients flow back through the recorded nodes), then the Tensor operator methods at the bottom,
-which only forward to ``minipar.functional``.
+Reading order: ``Function.apply`` (how an op records a graph node during forward), then
+``minipar/engine.py`` (how ``backward`` replays the nodes in reverse), then the Tensor operator
+methods at the bottom, which only forward to ``minipar.functional``.
 
 A ``Function`` works on raw xp arrays: ``forward(ctx, *args)`` returns an array (or a tuple of
 arrays for ops with several outputs) and stores what its backward needs on ``ctx``;
 ``backward(ctx, *grads)`` receives one gradient per output and returns one gradient per positional
-argument (``None`` where no gradient is needed). Two rules keep the engine simple and the ops short:
-
-* Broadcasting is undone in one place, here (``_unbroadcast``): an op may return a gradient in the
-  broadcast shape of its output and the engine sums it down to the input's shape.
-* A backward never writes into the gradients it receives, and returns for each input either a
-  fresh array or a view of a gradient it received (``a + b`` hands ``grad`` itself to both inputs);
-  never an array that something else still holds. The engine then knows which gradients it owns:
-  those that share no memory with the node's other gradients. It accumulates into owned arrays in
-  place and copies the others only when it has to.
+argument (``None`` where no gradient is needed), with the two rules stated in ``engine.py``:
+gradients may come back in the broadcast shape, and a backward never writes into the gradients it
+receives nor returns an array that something else still holds.
 """
 
 import contextlib
 
 from minipar.backend import get_default_dtype, to_numpy, xp
+from minipar.engine import Node, backward
 
 _grad_enabled = True
 
@@ -45,26 +40,6 @@ class Context:
 
     def __init__(self):
         self.needs_input_grad = ()
-
-
-class Node:
-    """One recorded op application: the function, its context, its tensor inputs and output shapes."""
-
-    __slots__ = ("fn", "ctx", "inputs", "in_shapes", "out_meta")
-
-    def __init__(self, fn, ctx, inputs, out_meta):
-        self.fn = fn
-        self.ctx = ctx
-        self.inputs = inputs  # the positional args; non-Tensor args are kept as None
-        self.in_shapes = tuple(t.data.shape if t is not None else None for t in inputs)
-        self.out_meta = out_meta  # [(shape, dtype)] per output, to make zero grads for unused outputs
-
-    def parents(self):
-        return [t._node for t in self.inputs if t is not None and t._node is not None]
-
-    def free(self):
-        self.ctx = None
-        self.inputs = ()
 
 
 class Function:
@@ -98,142 +73,6 @@ class Function:
     @staticmethod
     def backward(ctx, *grads):  # pragma: no cover - interface
         raise NotImplementedError
-
-
-def _unbroadcast(grad, shape):
-    """Sum ``grad`` down to ``shape``: over leading axes that broadcasting added, and over axes where
-    the input had size 1. This is the only place in the engine that knows about broadcasting.
-    Any other difference of shape is a bug in an op's backward: the result then keeps a shape that
-    differs from ``shape`` and the caller raises (a reshape here would hide it)."""
-    if grad.shape == shape:
-        return grad
-    lead = grad.ndim - len(shape)
-    if lead > 0:
-        grad = grad.sum(axis=tuple(range(lead)))
-    ones = tuple(i for i, n in enumerate(shape) if n == 1 and i < grad.ndim and grad.shape[i] != 1)
-    return grad.sum(axis=ones, keepdims=True) if ones else grad
-
-
-def _topological_order(root):
-    """Nodes reachable from ``root``, every node after all the nodes it consumes. Iterative DFS:
-    a 96-layer model (thousands of nodes) must not hit Python's recursion limit."""
-    order, seen = [], {root}
-    stack = [(root, iter(root.parents()))]
-    while stack:
-        node, parents = stack[-1]
-        for parent in parents:
-            if parent not in seen:
-                seen.add(parent)
-                stack.append((parent, iter(parent.parents())))
-                break
-        else:
-            stack.pop()
-            order.append(node)
-    return order
-
-
-class _GradSlot:
-    """The running sum of the gradients that reach one output of one node.
-
-    A gradient that may be shared (see the module docstring) is kept as it arrives; the first sum
-    into it then creates a fresh array, and later gradients are added into that in place.
-    """
-
-    __slots__ = ("grad", "owned")
-
-    def __init__(self, grad, owned):
-        self.grad, self.owned = grad, owned
-
-    def add(self, grad):
-        if self.owned:
-            self.grad += grad
-        else:
-            self.grad, self.owned = self.grad + grad, True
-
-
-def backward(tensor, grad=None):
-    """Accumulate d(tensor)/d(leaf) * grad into ``.grad`` of every leaf that requires grad.
-
-    ``grad`` is the upstream gradient (same shape as ``tensor``); it may be omitted for a scalar.
-    The graph is freed as it is consumed, so saved activations are released during backward.
-    """
-    if not tensor.requires_grad:
-        raise RuntimeError(
-            "backward() on a tensor that does not require grad: none of its inputs did, or it "
-            "was computed under no_grad()"
-        )
-    if tensor._node is not None and tensor._node.ctx is None:
-        raise RuntimeError(
-            "backward() through a graph that an earlier backward() already freed: "
-            "run the forward again"
-        )
-    if grad is None:
-        if tensor.data.size != 1:
-            raise RuntimeError(f"backward() on a tensor of shape {tensor.shape} needs grad=")
-        grad = xp.ones_like(tensor.data)
-    grad = grad.data if isinstance(grad, Tensor) else xp.asarray(grad)
-    if grad.shape != tensor.shape or grad.dtype != tensor.dtype:
-        raise ValueError(
-            f"grad has shape {grad.shape} {grad.dtype}, tensor has {tensor.shape} {tensor.dtype}"
-        )
-    if tensor._node is None:  # a leaf: its gradient with respect to itself
-        tensor._accumulate(grad, owned=False)
-        return
-
-    root = tensor._node
-    slots = {root: [None] * len(root.out_meta)}
-    slots[root][tensor._index] = _GradSlot(grad, owned=False)
-    for node in reversed(_topological_order(root)):
-        node_slots = slots.pop(node, None)
-        if node_slots is None:  # no gradient flows through this node
-            node.free()
-            continue
-        if node.ctx is None:
-            raise RuntimeError(
-                f"the graph through {node.fn.__name__} was freed by an earlier backward(): "
-                "run the forward again before a second backward()"
-            )
-        out_grads = [
-            s.grad if s is not None else xp.zeros(shape, dtype)
-            for s, (shape, dtype) in zip(node_slots, node.out_meta)
-        ]
-        in_grads = node.fn.backward(node.ctx, *out_grads)
-        if not isinstance(in_grads, tuple):
-            in_grads = (in_grads,)
-        if len(in_grads) != len(node.inputs):
-            raise RuntimeError(
-                f"{node.fn.__name__}.backward returned {len(in_grads)} gradients for "
-                f"{len(node.inputs)} inputs"
-            )
-        in_grads = [
-            None if t is None or g is None else _unbroadcast(g, shape)
-            for t, g, shape in zip(node.inputs, in_grads, node.in_shapes)
-        ]
-        for i, (t, g) in enumerate(zip(node.inputs, in_grads)):
-            if g is None:
-                continue
-            if g.shape != t.data.shape:
-                raise RuntimeError(
-                    f"{node.fn.__name__}.backward produced a gradient of shape {g.shape} for an "
-                    f"input of shape {t.data.shape}"
-                )
-            if g.dtype != t.data.dtype:
-                raise TypeError(
-                    f"{node.fn.__name__}.backward produced a {g.dtype} gradient for a "
-                    f"{t.data.dtype} input (a silent upcast): keep every constant in the input dtype"
-                )
-            others = out_grads + [o for j, o in enumerate(in_grads) if j != i and o is not None]
-            owned = not any(xp.may_share_memory(g, o) for o in others)
-            if t._node is None:
-                t._accumulate(g, owned)
-            else:
-                parent_slots = slots.setdefault(t._node, [None] * len(t._node.out_meta))
-                slot = parent_slots[t._index]
-                if slot is None:
-                    parent_slots[t._index] = _GradSlot(g, owned)
-                else:
-                    slot.add(g)
-        node.free()
 
 
 class Tensor:
