@@ -136,6 +136,9 @@ def op_cases(seed=0):
         ("dropout (p=0.3, seeded)",
          lambda a: F.dropout(a, 0.3, generator=numpy.random.default_rng(7)), [t(4, 5)]),
         ("causal_attention (fused)", lambda qkv: F.causal_attention(qkv, 2), [t(2, 5, 12)]),
+        ("causal_attention (3 query blocks)",
+         lambda qkv: F.causal_attention(qkv, 2, query_block=2), [t(2, 5, 12)]),
         ("causal_attention (dropout 0.2, seeded)",
-         lambda qkv: F.causal_attention(qkv, 3, 0.2, numpy.random.default_rng(3)), [t(2, 4, 18)]),
+         lambda qkv: F.causal_attention(qkv, 3, 0.2, numpy.random.default_rng(3), query_block=3),
+         [t(2, 4, 18)]),
     ]

@@ -130,12 +130,14 @@ def composed_attention(qkv, n_head):
 
 
 @pytest.mark.parametrize("dtype,tol", [(numpy.float64, 1e-12), (numpy.float32, 2e-6)])
-def test_fused_attention_equals_composed_ops(dtype, tol):
+@pytest.mark.parametrize("T,query_block", [(7, 64), (7, 3), (130, 64)])
+def test_fused_attention_equals_composed_ops(dtype, tol, T, query_block):
     rng = numpy.random.default_rng(0)
-    data = rng.standard_normal((3, 7, 3 * 12)).astype(dtype)
-    grad = rng.standard_normal((3, 7, 12)).astype(dtype)
+    data = rng.standard_normal((3, T, 3 * 12)).astype(dtype)
+    grad = rng.standard_normal((3, T, 12)).astype(dtype)
     results = []
-    for attention in (lambda t: F.causal_attention(t, 3), lambda t: composed_attention(t, 3)):
+    for attention in (lambda t: F.causal_attention(t, 3, query_block=query_block),
+                      lambda t: composed_attention(t, 3)):
         qkv = Tensor(data, requires_grad=True, dtype=dtype)
         out = attention(qkv)
         out.backward(grad)
