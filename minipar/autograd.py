@@ -76,7 +76,11 @@ class Function:
 
 
 class Tensor:
-    """An xp array plus what autograd needs: ``grad``, ``requires_grad`` and the node that made it."""
+    """An xp array plus what autograd needs: ``grad``, ``requires_grad`` and the node that made it.
+
+    Float data is stored in the default dtype unless ``dtype`` says otherwise; integer data (token
+    ids) stays integer.
+    """
 
     # NumPy must not compute on a Tensor behind autograd's back: ndarray + Tensor then defers to
     # Tensor.__radd__ and numpy.exp(Tensor) is an error, while numpy.asarray(Tensor) still works.
@@ -88,7 +92,7 @@ class Tensor:
         array = xp.asarray(data)
         if dtype is not None:
             array = array.astype(dtype, copy=False)
-        elif array.dtype.kind == "f" or array.dtype.kind in "biu" and requires_grad:
+        elif array.dtype.kind == "f" or (array.dtype.kind in "biu" and requires_grad):
             array = array.astype(get_default_dtype(), copy=False)
         if requires_grad and array.dtype.kind != "f":
             raise TypeError(f"only float tensors can require grad, got {array.dtype}")
