@@ -1,0 +1,100 @@
+"""Collective throughput through minipar's Communicator against raw mpi4py, on the same buffers.
+
+    ./run_mpi.sh -n 2 bench/collectives.py
+    ./run_mpi.sh -n 4 bench/collectives.py --max-size 16M
+
+For each size, the same operation runs through ``Communicator`` (non-blocking start, a wait that
+sleeps instead of spinning, byte accounting) and through mpi4py's blocking call, alternating in
+rounds so that a slow spell of the machine hits both. Reported per rank group: the median time,
+the ratio of throughputs (minipar / raw: 1.00 means no overhead) and the bus bandwidth, NCCL's
+measure that makes sizes and rank counts comparable: busbw = S / t times 2 (N-1)/N for all-reduce
+and (N-1)/N for reduce-scatter and all-gather (S = the full buffer).
+"""
+
+import argparse
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar.comm import world
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n}
+
+
+def size_arg(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def operations(comm, nbytes):
+    """{op: (minipar call, raw mpi4py call)} on float32 buffers of ``nbytes`` in all."""
+    raw, n = comm.comm, comm.size
+    count = max(n, nbytes // 4 // n * n)
+    full = np.ones(count, np.float32)
+    chunk = np.ones(count // n, np.float32)
+    gathered = np.empty((n, count // n), np.float32)
+    return full.nbytes, {
+        "all_reduce": (lambda: comm.all_reduce(full), lambda: raw.Allreduce(MPI.IN_PLACE, full)),
+        "reduce_scatter": (lambda: comm.reduce_scatter(full, out=chunk),
+                           lambda: raw.Reduce_scatter_block(full, chunk)),
+        "all_gather": (lambda: comm.all_gather(chunk, out=gathered),
+                       lambda: raw.Allgather(chunk, gathered)),
+    }
+
+
+def timed(comm, fn, reps):
+    """Seconds per call, the slowest rank's (a collective is as slow as its last rank)."""
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = np.array([(time.perf_counter() - start) / reps])
+    return float(comm.all_reduce(elapsed, op="max")[0])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--min-size", type=size_arg, default="4K")
+    p.add_argument("--max-size", type=size_arg, default="64M")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    comm = world()
+    n = comm.size
+    if n < 2:
+        print("run on 2 or more ranks: ./run_mpi.sh -n 2 bench/collectives.py")
+        return 2
+    if comm.rank == 0:
+        print(f"{n} ranks; median of {args.rounds} rounds; float32 buffers\n")
+        print(f"{'op':<15}{'size':>9}{'minipar us':>12}{'raw us':>10}{'ratio':>7}{'busbw GB/s':>12}")
+    worst = 1.0
+    for op in BUS_FACTOR:
+        size = args.min_size
+        while size <= args.max_size:
+            nbytes, ops = operations(comm, size)
+            ours, raw = ops[op]
+            reps = max(2, min(200, (32 << 20) // nbytes))
+            ours(), raw()  # warm up both paths
+            samples = {"ours": [], "raw": []}
+            for _ in range(args.rounds):
+                samples["ours"].append(timed(comm, ours, reps))
+                samples["raw"].append(timed(comm, raw, reps))
+            t_ours, t_raw = (float(np.median(samples[k])) for k in ("ours", "raw"))
+            ratio = t_raw / t_ours  # throughput of ours relative to raw
+            worst = min(worst, ratio)
+            if comm.rank == 0:
+                busbw = nbytes / t_ours * BUS_FACTOR[op](n) / 1e9
+                label = f"{nbytes // 1024}K" if nbytes < 1 << 20 else f"{nbytes >> 20}M"
+                print(f"{op:<15}{label:>9}{t_ours * 1e6:>12.1f}{t_raw * 1e6:>10.1f}"
+                      f"{ratio:>7.2f}{busbw:>12.2f}")
+            size *= 4
+    if comm.rank == 0:
+        print(f"\nlowest throughput ratio minipar / raw mpi4py: {worst:.2f} (target >= 0.95)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""What every communicator offers, how waits avoid spinning, and how bytes are counted.
+
+A ``Communicator`` is a group of ranks (the whole world, or a tensor-, pipeline- or data-parallel
+group) with the operations parallel training needs, on contiguous xp arrays:
+
+    all_reduce(x, op)     every rank ends with the elementwise sum (or max) of all ranks' x, in place
+    reduce_scatter(x)     x is split in ``size`` chunks along axis 0; rank r gets the sum of chunk r
+    all_gather(x)         every rank gets all ranks' x stacked along a new axis 0
+    broadcast(x, root)    every rank ends with root's x, in place
+    send / recv           point to point; the i- forms return a Request
+    barrier()
+
+Byte accounting. MPI does not say how many bytes its algorithms put on the wire, so each
+collective is charged what the bandwidth-optimal ring algorithm moves per rank, the convention of
+NCCL's "bus bandwidth" (Patarasuk & Yuan 2009; Thakur et al. 2005), with S the bytes of the full
+buffer and N ranks:
+
+    all_reduce      2 (N-1)/N S sent and received  (a reduce-scatter, then an all-gather)
+    reduce_scatter    (N-1)/N S                     (S = the input, all N chunks)
+    all_gather        (N-1)/N S                     (S = the output, all N chunks)
+    broadcast       S received by every rank but the root, S sent by the root
+    send / recv     the message itself
+    barrier         nothing (counted as a call)
+
+``lessons/00_collectives.py`` builds the ring all-reduce from send/recv, where every byte is a real
+message, and shows that its count equals the all_reduce line above.
+"""
+
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+# How a rank waits. MPICH's blocking calls spin at 100% CPU; with 8 ranks on 2 cores a spinning
+# rank takes the core from the rank it is waiting for. But MPI only makes progress inside MPI
+# calls, so a rank that sleeps long between polls stalls every multi-step protocol (a 1 MiB
+# all-reduce took 10x longer with naps growing to 1 ms). So a wait first polls and *yields* the
+# core between polls for up to YIELD_SECONDS: with a core to itself a rank keeps polling at full
+# speed, and with others waiting for the core it hands it over at once. A wait that lasts longer
+# (a pipeline stage waiting for its neighbour's forward) then sleeps, doubling the nap up to MAX_NAP.
+YIELD_SECONDS = 5e-3
+FIRST_NAP, MAX_NAP = 50e-6, 1e-3
+
+
+def wait_without_spinning(test):
+    """Call ``test()`` until it returns True, yielding the core and then sleeping between calls."""
+    if test():
+        return
+    deadline = time.perf_counter() + YIELD_SECONDS
+    while time.perf_counter() < deadline:
+        os.sched_yield()
+        if test():
+            return
+    nap = FIRST_NAP
+    while not test():
+        time.sleep(nap)
+        nap = min(2 * nap, MAX_NAP)
+
+
+class Request:
+    """A pending non-blocking operation. ``wait()`` returns its result (the received or reduced
+    array) without spinning; ``test()`` says whether it has finished."""
+
+    def __init__(self, test, result=None, finish=None):
+        self._test, self._finish, self._result, self._done = test, finish, result, False
+
+    def test(self):
+        if not self._done and self._test():
+            self._done = True
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+        return self._done
+
+    def wait(self):
+        wait_without_spinning(self.test)
+        return self._result
+
+
+def wait_all(requests):
+    """Wait for every request; returns their results in order."""
+    return [r.wait() for r in requests]
+
+
+@dataclass
+class Traffic:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class CommStats:
+    """Per operation kind: calls, bytes sent and bytes received by this rank (see the module
+    docstring for what a collective is charged)."""
+
+    def __init__(self):
+        self.by_op = defaultdict(Traffic)
+
+    def record(self, op, sent, received):
+        t = self.by_op[op]
+        t.calls += 1
+        t.bytes_sent += int(sent)
+        t.bytes_received += int(received)
+
+    def total(self):
+        out = Traffic()
+        for t in self.by_op.values():
+            out.calls += t.calls
+            out.bytes_sent += t.bytes_sent
+            out.bytes_received += t.bytes_received
+        return out
+
+    def reset(self):
+        self.by_op.clear()
+
+
+def ring_bytes(op, nbytes, size, is_root=False):
+    """(sent, received) bytes per rank that the ring model charges ``op`` on a buffer of
+    ``nbytes`` (see the table in the module docstring)."""
+    if size == 1 or op == "barrier":
+        return 0, 0
+    share = (size - 1) * nbytes // size
+    if op == "all_reduce":
+        return 2 * share, 2 * share
+    if op in ("reduce_scatter", "all_gather"):
+        return share, share
+    if op == "broadcast":
+        return (nbytes, 0) if is_root else (0, nbytes)
+    raise ValueError(f"no byte model for {op!r}")
+
+
+class Communicator:
+    """The interface; ``minipar.comm.mpi.MPICommunicator`` implements it over mpi4py. The i- forms
+    start the operation and return a ``Request``; the plain forms return when it is done."""
+
+    name: str
+    rank: int
+    size: int
+    stats: CommStats
+
+    def send(self, x, dest, tag=0):
+        self.isend(x, dest, tag).wait()
+
+    def recv(self, out, source, tag=0):
+        return self.irecv(out, source, tag).wait()
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name!r} rank {self.rank} of {self.size}>"

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Launch a minipar script or module on N MPI ranks.
+#
+#   ./run_mpi.sh -n 8 lessons/03_tensor_parallel.py [args]
+#   ./run_mpi.sh -n 4 -m minipar.train [args]
+#
+# What it takes care of:
+# - the mpiexec that belongs to the MPI library mpi4py uses, found from the active Python (the
+#   mpich wheel puts it next to python; a system MPI is found through mpi4py's build config);
+# - `python -m mpi4py`, so an uncaught exception on one rank aborts every rank instead of leaving
+#   the others waiting forever;
+# - one BLAS/OpenMP thread per rank (unless you set those variables yourself): 8 ranks on 2 cores
+#   with 2 BLAS threads each would fight over the cores;
+# - Open MPI's refusals to run as root or with more ranks than cores (MPICH has neither).
+set -euo pipefail
+
+usage() {
+    echo "usage: $0 -n RANKS (SCRIPT.py | -m MODULE) [ARGS...]" >&2
+    exit 2
+}
+
+ranks=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -n|-np) [ $# -ge 2 ] || usage; ranks="$2"; shift 2 ;;
+        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) break ;;
+    esac
+done
+[ -n "$ranks" ] && [ $# -ge 1 ] || usage
+case "$ranks" in ''|*[!0-9]*|0) echo "$0: -n needs a positive number of ranks, got '$ranks'" >&2; exit 2 ;; esac
+if [ "$1" = "-m" ]; then
+    [ $# -ge 2 ] || usage
+elif [ ! -f "$1" ]; then
+    echo "$0: no such script: $1" >&2
+    exit 2
+fi
+
+python=$(command -v python || command -v python3 || true)
+if [ -z "$python" ]; then
+    echo "$0: no python on PATH; activate the project's environment (. .venv/bin/activate)" >&2
+    exit 2
+fi
+
+# Ask the Python that will run the ranks which MPI it links and where that MPI's mpiexec is.
+if ! info=$("$python" - <<'EOF' 2>/dev/null
+import os, sysconfig
+from mpi4py import MPI
+import mpi4py
+candidates = [os.path.join(sysconfig.get_path("scripts"), "mpiexec")]
+mpicc = mpi4py.get_config().get("mpicc")
+if mpicc:
+    candidates.append(os.path.join(os.path.dirname(mpicc), "mpiexec"))
+found = next((c for c in candidates if os.access(c, os.X_OK)), "")
+flavour = "openmpi" if "Open MPI" in MPI.Get_library_version() else "mpich"
+print(flavour, found)
+EOF
+); then
+    echo "$0: $python cannot import mpi4py; install the project first: pip install -e \".[dev]\"" >&2
+    exit 2
+fi
+read -r flavour mpiexec <<<"$info"
+if [ -z "$mpiexec" ]; then
+    mpiexec=$(command -v mpiexec || true)
+    if [ -z "$mpiexec" ]; then
+        echo "$0: mpi4py uses $flavour but no mpiexec was found; pip install mpich (or your MPI's launcher)" >&2
+        exit 2
+    fi
+fi
+
+extra=()
+if [ "$flavour" = "openmpi" ]; then
+    extra+=(--oversubscribe)
+    [ "$(id -u)" = "0" ] && extra+=(--allow-run-as-root)
+fi
+
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+export MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+exec "$mpiexec" "${extra[@]}" -n "$ranks" "$python" -m mpi4py "$@"

@@ -1,0 +1,85 @@
+"""Every Communicator operation against the serial computation, on any number of ranks."""
+
+import numpy as np
+
+from minipar.comm import ring_bytes, wait_all, world
+
+comm = world()
+N, r = comm.size, comm.rank
+
+
+def data(seed, shape, dtype=np.float64):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def check(ok, what):
+    if not ok:
+        raise AssertionError(f"rank {r}: {what}")
+
+
+# all_reduce: sum and max, in place
+x = data(r, (5, 7))
+y = comm.all_reduce(x)
+check(y is x, "all_reduce works in place")
+check(np.allclose(x, sum(data(k, (5, 7)) for k in range(N)), rtol=1e-13), "all_reduce sum")
+x = data(r, (3,), np.float32)
+comm.all_reduce(x, op="max")
+check(np.array_equal(x, np.max([data(k, (3,), np.float32) for k in range(N)], axis=0)), "all_reduce max")
+
+# reduce_scatter: chunk r of the sum
+x = data(10 + r, (2 * N, 3))
+out = comm.reduce_scatter(x)
+full = sum(data(10 + k, (2 * N, 3)) for k in range(N))
+check(out.shape == (2, 3) and np.allclose(out, full[2 * r : 2 * r + 2], rtol=1e-13), "reduce_scatter")
+
+# all_gather: every rank's array, in rank order
+out = comm.all_gather(data(20 + r, (4,)))
+check(out.shape == (N, 4) and all(np.array_equal(out[k], data(20 + k, (4,))) for k in range(N)), "all_gather")
+
+# broadcast from the last rank
+x = data(30 + r, (6,))
+comm.broadcast(x, root=N - 1)
+check(np.array_equal(x, data(30 + N - 1, (6,))), "broadcast")
+
+# non-blocking point to point around a ring
+send = data(40 + r, (8,), np.float32)
+recv = np.empty(8, np.float32)
+wait_all([comm.isend(send, (r + 1) % N, tag=7), comm.irecv(recv, (r - 1) % N, tag=7)])
+check(np.array_equal(recv, data(40 + (r - 1) % N, (8,), np.float32)), "isend/irecv ring")
+
+# blocking point to point between pairs (0,1), (2,3), ...
+if N > 1 and r < N - N % 2:
+    peer = r ^ 1
+    if r % 2 == 0:
+        comm.send(np.full(3, float(r)), peer)
+    else:
+        got = comm.recv(np.empty(3), peer)
+        check(np.array_equal(got, np.full(3, float(peer))), "send/recv")
+
+# contiguity is checked before anything is sent
+try:
+    comm.all_reduce(np.ones((4, 4))[:, ::2])
+    check(False, "a strided buffer was accepted")
+except ValueError as exc:
+    check("C-contiguous" in str(exc), "strided buffer message")
+
+# byte accounting follows the ring model
+comm.stats.reset()
+buf = np.ones(N * 1000, np.float32)
+comm.all_reduce(buf)
+comm.reduce_scatter(buf)
+comm.all_gather(buf[:1000])
+t = comm.stats.by_op
+check(t["all_reduce"].bytes_sent == 2 * (N - 1) * buf.nbytes // N, "all_reduce bytes")
+check(t["reduce_scatter"].bytes_sent == (N - 1) * buf.nbytes // N, "reduce_scatter bytes")
+check(t["all_gather"].bytes_received == (N - 1) * buf.nbytes // N, "all_gather bytes")
+check(ring_bytes("all_reduce", 4000, 4) == (6000, 6000), "ring model")
+
+# split into even and odd ranks
+sub = comm.split(r % 2, r, "parity")
+check(sub.size == (N + 1 - r % 2) // 2 and sub.rank == r // 2, "split sizes")
+members = sub.all_gather(np.array([r]))[:, 0]
+check(list(members) == list(range(r % 2, N, 2)), f"split members {members}")
+comm.barrier()
+if r == 0:
+    print(f"comm ops OK on {N} ranks")

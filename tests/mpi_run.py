@@ -1,0 +1,43 @@
+"""Run a script on N MPI ranks from a test: a subprocess in its own process group, a timeout that
+kills the whole group, and every rank's output in the failure message."""
+
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER = os.path.join(ROOT, "run_mpi.sh")
+MPI_SCRIPTS = os.path.join(ROOT, "tests", "mpi")
+
+
+def run_mpi(n, script, *args, timeout=120, command=None):
+    """Launch ``script`` (a path, or a file name under tests/mpi/) on ``n`` ranks through
+    run_mpi.sh, or through ``command`` (a list, e.g. a hand-typed mpiexec line). Returns
+    (exit code, combined output, seconds)."""
+    if not os.path.isabs(script) and not os.path.exists(script):
+        script = os.path.join(MPI_SCRIPTS, script)
+    cmd = command or [LAUNCHER, "-n", str(n), script, *[str(a) for a in args]]
+    env = dict(os.environ, PATH=sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", ""))
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{out}") from None
+    return proc.returncode, out, time.monotonic() - start
+
+
+def check_mpi(n, script, *args, timeout=120):
+    """Run and require exit 0; returns the output."""
+    code, out, _ = run_mpi(n, script, *args, timeout=timeout)
+    assert code == 0, f"{script} on {n} ranks exited {code}; output of all ranks:\n{out}"
+    return out
+
+
+PYTHON = sys.executable

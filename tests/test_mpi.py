@@ -1,0 +1,60 @@
+"""Communicators, the process grid and region collectives, each under mpiexec on several ranks."""
+
+import os
+import sysconfig
+
+import pytest
+
+from mpi_run import PYTHON, ROOT, check_mpi, run_mpi
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_communicator_operations(n):
+    assert f"comm ops OK on {n} ranks" in check_mpi(n, "comm_ops.py")
+
+
+@pytest.mark.parametrize("n,tp,pp", [(8, 2, 2), (8, 1, 4), (4, 2, 1), (4, 1, 1), (2, 2, 1)])
+def test_process_grid_groups_match_the_rank_arithmetic(n, tp, pp):
+    assert "grid OK" in check_mpi(n, "grid.py", tp, pp)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_region_collectives_match_the_serial_computation(n):
+    assert f"region collectives OK on {n} ranks" in check_mpi(n, "region_collectives.py")
+
+
+def test_a_failing_rank_ends_the_whole_job():
+    code, out, seconds = run_mpi(4, "one_rank_fails.py", timeout=60)
+    assert code != 0 and "rank 1 fails on purpose" in out
+    assert seconds < 20, f"the job took {seconds:.1f} s to end"
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_all_reduce_lesson(n):
+    out = check_mpi(n, os.path.join(ROOT, "lessons", "00_collectives.py"), "--size", "30000")
+    assert "equals MPI's all-reduce" in out
+
+
+def test_ring_all_reduce_lesson_fails_on_a_planted_bug():
+    code, out, _ = run_mpi(4, os.path.join(ROOT, "lessons", "00_collectives.py"), "--plant-bug")
+    assert code != 0 and "MISMATCH" in out
+
+
+def test_lesson_runs_under_a_hand_typed_mpirun():
+    mpirun = os.path.join(sysconfig.get_path("scripts"), "mpirun")
+    if not os.path.exists(mpirun):
+        pytest.skip("no mpirun next to this Python (MPI not from the mpich wheel)")
+    lesson = os.path.join(ROOT, "lessons", "00_collectives.py")
+    code, out, _ = run_mpi(2, lesson, command=[mpirun, "-n", "2", PYTHON, lesson, "--size", "1000"])
+    assert code == 0 and "equals MPI's all-reduce" in out, out
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "usage"),
+    (["-n", "2"], "usage"),
+    (["-n", "0", "x.py"], "positive number of ranks"),
+    (["-n", "2", "missing.py"], "no such script"),
+])
+def test_launcher_usage_errors(args, message):
+    code, out, _ = run_mpi(0, "", command=[os.path.join(ROOT, "run_mpi.sh"), *args], timeout=30)
+    assert code == 2 and message in out

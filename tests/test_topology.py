@@ -1,0 +1,61 @@
+"""The grid's rank arithmetic (no MPI needed), and the 1 x 1 x 1 grid without a launcher."""
+
+import numpy
+import pytest
+
+from minipar import Tensor
+from minipar.parallel import Layout, ProcessGrid
+from minipar.parallel import collectives as C
+
+
+def test_sixteen_ranks_tp2_pp4_as_megatron_lays_them_out():
+    lay = Layout(tp=2, pp=4, dp=2)
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert lay.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert lay.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert lay.groups("embedding") == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    assert lay.embedding_group(6) is None
+    table = lay.table()
+    assert "tp groups        [0, 1] [2, 3]" in table and "pp groups        [0, 4, 8, 12]" in table
+
+
+def test_coordinates_round_trip():
+    lay = Layout(tp=2, pp=3, dp=4)
+    for r in range(lay.world_size):
+        t, d, p = lay.coords(r)
+        assert lay.rank(t, d, p) == r
+        assert r == t + d * 2 + p * 2 * 4
+
+
+def test_model_checks_say_what_to_change():
+    Layout(2, 2, 1).check_model(n_head=4, n_embd=64, n_layer=4)
+    with pytest.raises(ValueError, match="n_head=6 is not divisible by TP=4"):
+        Layout(4, 1, 1).check_model(n_head=6, n_embd=48, n_layer=2)
+    with pytest.raises(ValueError, match="n_layer=6 is not divisible by PP x virtual stages = 2 x 2"):
+        Layout(1, 2, 1).check_model(n_head=2, n_embd=8, n_layer=6, virtual_stages=2)
+    with pytest.raises(ValueError, match="TP size must be an integer >= 1"):
+        Layout(0, 1, 1)
+
+
+def test_single_device_grid_needs_no_launcher():
+    grid = ProcessGrid()
+    assert (grid.tp, grid.pp, grid.dp) == (1, 1, 1)
+    assert grid.tp_group.size == grid.dp_group.size == grid.pp_group.size == 1
+    assert grid.is_first_stage and grid.is_last_stage and grid.next_stage is None
+    with pytest.raises(ValueError, match="launch with -n 2"):
+        ProcessGrid(tp=2, pp=1, dp=1)
+    with pytest.raises(ValueError, match="not divisible by TP x PP"):
+        ProcessGrid(tp=2, pp=1)
+
+
+def test_region_collectives_on_one_rank_are_identities():
+    comm = ProcessGrid().tp_group
+    x = Tensor(numpy.arange(12.0).reshape(1, 4, 3), requires_grad=True)
+    for op in (C.copy_to_region, C.reduce_from_region, C.gather_from_region, C.scatter_to_region,
+               C.gather_from_sequence_region, C.reduce_scatter_to_sequence_region,
+               C.scatter_to_sequence_region):
+        x.grad = None
+        y = op(x, comm)
+        y.backward(numpy.ones(y.shape, numpy.float32))
+        numpy.testing.assert_array_equal(y.data, x.data)
+        numpy.testing.assert_array_equal(x.grad, numpy.ones(x.shape))
