@@ -28,7 +28,12 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ -n "$ranks" ] && [ $# -ge 1 ] || usage
-case "$ranks" in ''|*[!0-9]*|0) echo "$0: -n needs a positive number of ranks, got '$ranks'" >&2; exit 2 ;; esac
+case "$ranks" in ''|*[!0-9]*) ranks_ok=0 ;; *) [ "$((10#$ranks))" -ge 1 ] && ranks_ok=1 || ranks_ok=0 ;; esac
+if [ "$ranks_ok" = 0 ]; then
+    echo "$0: -n needs a positive number of ranks, got '$ranks'" >&2
+    exit 2
+fi
+ranks=$((10#$ranks))
 if [ "$1" = "-m" ]; then
     [ $# -ge 2 ] || usage
 elif [ ! -f "$1" ]; then
@@ -43,7 +48,9 @@ if [ -z "$python" ]; then
 fi
 
 # Ask the Python that will run the ranks which MPI it links and where that MPI's mpiexec is.
-if ! info=$("$python" - <<'EOF' 2>/dev/null
+errors=$(mktemp)
+trap 'rm -f "$errors"' EXIT
+if ! info=$("$python" - <<'EOF' 2>"$errors"
 import os, sysconfig
 from mpi4py import MPI
 import mpi4py
@@ -56,7 +63,8 @@ flavour = "openmpi" if "Open MPI" in MPI.Get_library_version() else "mpich"
 print(flavour, found)
 EOF
 ); then
-    echo "$0: $python cannot import mpi4py; install the project first: pip install -e \".[dev]\"" >&2
+    echo "$0: $python cannot load mpi4py and its MPI library: $(tail -n 1 "$errors")" >&2
+    echo "$0: install the project into this environment first: pip install -e \".[dev]\"" >&2
     exit 2
 fi
 read -r flavour mpiexec <<<"$info"
@@ -77,4 +85,6 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 export MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+rm -f "$errors"
+trap - EXIT
 exec "$mpiexec" "${extra[@]}" -n "$ranks" "$python" -m mpi4py "$@"

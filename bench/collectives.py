@@ -60,7 +60,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--min-size", type=size_arg, default="4K")
     p.add_argument("--max-size", type=size_arg, default="64M")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     comm = world()
     n = comm.size

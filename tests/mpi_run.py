@@ -27,10 +27,23 @@ def run_mpi(n, script, *args, timeout=120, command=None):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{out}") from None
     return proc.returncode, out, time.monotonic() - start
+
+
+def _kill_session(sid):
+    """Kill every process of the launcher's session. Killing its process group is not enough:
+    Open MPI's launcher puts each rank in a process group of its own (the session stays)."""
+    os.killpg(sid, signal.SIGKILL)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def check_mpi(n, script, *args, timeout=120):

@@ -1,6 +1,7 @@
 """Communicators, the process grid and region collectives, each under mpiexec on several ranks."""
 
 import os
+import subprocess
 import sysconfig
 
 import pytest
@@ -58,3 +59,51 @@ def test_lesson_runs_under_a_hand_typed_mpirun():
 def test_launcher_usage_errors(args, message):
     code, out, _ = run_mpi(0, "", command=[os.path.join(ROOT, "run_mpi.sh"), *args], timeout=30)
     assert code == 2 and message in out
+
+
+def test_comm_edge_checks():
+    assert "comm checks OK on 4 ranks" in check_mpi(4, "comm_ops.py")
+
+
+def test_oversubscribed_ranks_wait_politely():
+    from minipar.comm.mpi import usable_cores
+
+    out = check_mpi(8, "wait_mode.py")
+    assert f"polite={8 > usable_cores()}" in out
+    code, out, _ = run_mpi(2, "wait_mode.py", timeout=60,
+                           command=["env", "MINIPAR_WAIT=polite", os.path.join(ROOT, "run_mpi.sh"),
+                                    "-n", "2", os.path.join(ROOT, "tests", "mpi", "wait_mode.py")])
+    assert code == 0 and "polite=True" in out
+
+
+def test_a_failing_rank_ends_a_hand_typed_mpirun_job_too():
+    mpirun = os.path.join(sysconfig.get_path("scripts"), "mpirun")
+    if not os.path.exists(mpirun):
+        pytest.skip("no mpirun next to this Python (MPI not from the mpich wheel)")
+    script = os.path.join(ROOT, "tests", "mpi", "one_rank_fails.py")
+    code, out, seconds = run_mpi(4, script, command=[mpirun, "-n", "4", PYTHON, script], timeout=60)
+    assert code != 0 and "rank 1 fails on purpose" in out
+    assert seconds < 20, f"the job took {seconds:.1f} s to end"
+
+
+def test_launcher_runs_modules_keeps_arguments_and_works_from_anywhere(tmp_path):
+    launcher = os.path.join(ROOT, "run_mpi.sh")
+    code, out, _ = run_mpi(2, "", command=[launcher, "-n", "2", "-m", "minipar.train", "--help"], timeout=60)
+    assert code == 0 and out.count("usage: python -m minipar.train") == 2
+    script = tmp_path / "args.py"
+    script.write_text("import sys\nfrom minipar.comm import world\n"  # one write per line: no interleaving
+                      "sys.stdout.write(f'{world().rank} {world().size} {sys.argv[1:]}\\n')\n")
+    proc = subprocess.run([launcher, "-n", "2", "args.py", "a b", "$HOME", 'c"d'],
+                                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "0 2 ['a b', '$HOME', 'c\"d']" in proc.stdout and "1 2 ['a b'" in proc.stdout
+
+
+def test_launcher_explains_a_python_without_mpi(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named mpi4py' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    code, out, _ = run_mpi(2, "", timeout=30, command=[
+        "env", f"PATH={tmp_path}:/usr/bin:/bin", os.path.join(ROOT, "run_mpi.sh"), "-n", "2",
+        os.path.join(ROOT, "tests", "mpi", "comm_ops.py")])
+    assert code == 2 and "No module named mpi4py" in out and 'pip install -e ".[dev]"' in out

@@ -59,3 +59,29 @@ def test_region_collectives_on_one_rank_are_identities():
         y.backward(numpy.ones(y.shape, numpy.float32))
         numpy.testing.assert_array_equal(y.data, x.data)
         numpy.testing.assert_array_equal(x.grad, numpy.ones(x.shape))
+
+
+def test_polite_wait_yields_then_sleeps_with_growing_naps(monkeypatch):
+    from minipar.comm import base
+
+    clock = [0.0]
+    yields, naps = [], []
+    monkeypatch.setattr(base.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(base.os, "sched_yield", lambda: (yields.append(1), clock.__setitem__(0, clock[0] + 1e-3)))
+    monkeypatch.setattr(base.time, "sleep", naps.append)
+    polls = iter([False] * 20 + [True])
+    base.wait_without_spinning(lambda: next(polls))
+    assert len(yields) == 5  # 5 ms of yielding at 1 ms per yield on this fake clock
+    assert naps[0] == base.FIRST_NAP and max(naps) == base.MAX_NAP
+    assert all(b >= a for a, b in zip(naps, naps[1:]))
+
+
+def test_sequence_collectives_need_batch_sequence_hidden():
+    comm = ProcessGrid().tp_group
+    with pytest.raises(ValueError, match=r"\(batch, sequence, hidden\)"):
+        C.gather_from_sequence_region(Tensor(numpy.ones((4, 3))), comm)
+
+
+def test_grid_sizes_are_checked_for_type():
+    with pytest.raises(ValueError, match="TP size must be an integer"):
+        ProcessGrid(tp="1", pp=1)

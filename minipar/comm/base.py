@@ -18,7 +18,8 @@ buffer and N ranks:
     all_reduce      2 (N-1)/N S sent and received  (a reduce-scatter, then an all-gather)
     reduce_scatter    (N-1)/N S                     (S = the input, all N chunks)
     all_gather        (N-1)/N S                     (S = the output, all N chunks)
-    broadcast       S received by every rank but the root, S sent by the root
+    broadcast       S received by every rank but the root, S sent by every rank but the last
+                    of the chain (a pipelined chain from the root: N-1 links carry S each)
     send / recv     the message itself
     barrier         nothing (counted as a call)
 
@@ -61,14 +62,12 @@ class Request:
     """A pending non-blocking operation. ``wait()`` returns its result (the received or reduced
     array) without spinning; ``test()`` says whether it has finished."""
 
-    def __init__(self, test, result=None, finish=None):
-        self._test, self._finish, self._result, self._done = test, finish, result, False
+    def __init__(self, test, result=None):
+        self._test, self._result, self._done = test, result, False
 
     def test(self):
         if not self._done and self._test():
             self._done = True
-            if self._finish is not None:
-                self._result = self._finish(self._result)
         return self._done
 
     def wait(self):
@@ -113,18 +112,21 @@ class CommStats:
         self.by_op.clear()
 
 
-def ring_bytes(op, nbytes, size, is_root=False):
+def ring_bytes(op, nbytes, size, is_root=False, is_last=False):
     """(sent, received) bytes per rank that the ring model charges ``op`` on a buffer of
     ``nbytes`` (see the table in the module docstring)."""
     if size == 1 or op == "barrier":
         return 0, 0
-    share = (size - 1) * nbytes // size
     if op == "all_reduce":
-        return 2 * share, 2 * share
+        share = 2 * (size - 1) * nbytes // size
+        return share, share
     if op in ("reduce_scatter", "all_gather"):
+        share = (size - 1) * nbytes // size
         return share, share
     if op == "broadcast":
-        return (nbytes, 0) if is_root else (0, nbytes)
+        # a pipelined chain from the root around the ring: every rank but the root receives S,
+        # every rank but the last of the chain (the root's left neighbour) passes S on
+        return (0 if is_last else nbytes), (0 if is_root else nbytes)
     raise ValueError(f"no byte model for {op!r}")
 
 

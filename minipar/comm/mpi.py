@@ -11,8 +11,11 @@ stage, are always polite. ``MINIPAR_WAIT=polite`` or ``=blocking`` overrides the
 ``world()`` works without any launcher: a script started as plain ``python`` is a world of 1.
 """
 
+import math
 import os
+import sys
 
+import numpy
 from mpi4py import MPI
 
 from minipar.backend import xp
@@ -22,8 +25,10 @@ _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
 
 
 def _buffer(x, what):
+    if not isinstance(x, numpy.ndarray):
+        raise TypeError(f"{what}: the MPI communicator moves NumPy arrays, got {type(x).__name__}")
     if x.dtype == bool:
-        raise ValueError(f"{what}: MPI reductions are not defined on booleans; send x.astype('int8')")
+        raise ValueError(f"{what}: MPI has no portable boolean type; send x.astype('int8')")
     if not x.flags.c_contiguous:
         raise ValueError(f"{what}: MPI needs a C-contiguous array; pass xp.ascontiguousarray(x)")
     return x
@@ -49,10 +54,11 @@ class MPICommunicator(Communicator):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stats = CommStats()
 
-    def _run(self, op, nbytes, result, blocking_call, start_call, wait, is_root=False):
+    def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None):
         """Charge ``op`` to the byte account and run it: to completion if ``wait`` (blocking in MPI
         unless this rank must be polite), else return a Request."""
-        self.stats.record(op, *ring_bytes(op, nbytes, self.size, is_root))
+        is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
+        self.stats.record(op, *ring_bytes(op, nbytes, self.size, is_root, is_last))
         if self.size == 1:
             return result if wait else Request(_done, result)
         if wait and not self.polite:
@@ -101,7 +107,7 @@ class MPICommunicator(Communicator):
     def _broadcast(self, x, root, wait):
         _buffer(x, "broadcast")
         return self._run("broadcast", x.nbytes, x, lambda: self.comm.Bcast(x, root=root),
-                         lambda: self.comm.Ibcast(x, root=root), wait, is_root=self.rank == root)
+                         lambda: self.comm.Ibcast(x, root=root), wait, root=root)
 
     def all_reduce(self, x, op="sum"):
         """Sum (or max) ``x`` over the group, in place; returns x."""
@@ -145,10 +151,26 @@ class MPICommunicator(Communicator):
         return Request(self.comm.Isend(x, dest, tag).Test, x)  # holds x until the send completes
 
     def irecv(self, out, source, tag=0):
-        """Receive into ``out`` (its shape and dtype must match what the peer sends)."""
+        """Receive into ``out``, which must be exactly as large as the message (a larger buffer
+        would keep stale values in its tail, so that is an error too). Peers agree on shapes and
+        dtypes beforehand: MPI moves bytes and cannot tell float32 from float64 of the same size."""
         _buffer(out, "recv")
-        self.stats.record("recv", 0, out.nbytes)
-        return Request(self.comm.Irecv(out, source, tag).Test, out)
+        request, status = self.comm.Irecv(out, source, tag), MPI.Status()
+
+        def test():
+            if not request.Test(status):
+                return False
+            got = status.Get_count(MPI.BYTE)
+            self.stats.record("recv", 0, got)
+            if got != out.nbytes:
+                raise ValueError(
+                    f"recv from rank {status.Get_source()} (tag {status.Get_tag()}) got {got} bytes "
+                    f"into a buffer of {out.nbytes} ({out.shape} {out.dtype}): the peers disagree "
+                    "on the message's shape or dtype"
+                )
+            return True
+
+        return Request(test, out)
 
     def split(self, color, key, name):
         """Sub-groups of the ranks that pass the same ``color`` (None: in no group, gets None),
@@ -161,6 +183,19 @@ class MPICommunicator(Communicator):
         self.comm.Abort(code)
 
 
+def usable_cores():
+    """Cores this process may run on: its CPU affinity, capped by a cgroup (container) quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as fh:
+            quota, period = fh.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 def _must_be_polite(comm):
     """True when this node runs more ranks than this process may use cores."""
     choice = os.environ.get("MINIPAR_WAIT", "auto")
@@ -171,7 +206,21 @@ def _must_be_polite(comm):
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_here = node.Get_size()
     node.Free()
-    return ranks_here > len(os.sched_getaffinity(0))
+    return ranks_here > usable_cores()
+
+
+def _abort_on_uncaught_exception():
+    """An exception that ends one rank ends the job, even when the script was started with a
+    plain ``mpirun python script.py`` rather than ``python -m mpi4py``: otherwise the other
+    ranks would wait forever for the rank that is gone."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
 
 
 _world = None
@@ -182,4 +231,6 @@ def world():
     global _world
     if _world is None:
         _world = MPICommunicator(MPI.COMM_WORLD, "world", _must_be_polite(MPI.COMM_WORLD))
+        if _world.size > 1:
+            _abort_on_uncaught_exception()
     return _world

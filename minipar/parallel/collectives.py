@@ -57,7 +57,7 @@ class CopyToRegion(Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        return x.copy()
+        return x.view()  # the same values; a new array object, no copy
 
     @staticmethod
     def backward(ctx, grad):
@@ -143,16 +143,23 @@ def scatter_to_region(x, comm):
 SEQUENCE_AXIS = 1  # activations are (batch, sequence, hidden)
 
 
+def _sequence_input(x, what):
+    if x.ndim != 3:
+        raise ValueError(f"{what} works on (batch, sequence, hidden) activations, got shape {x.shape}")
+    return x
+
+
 def gather_from_sequence_region(x, comm):
     """Sequence-parallel shards (B, T/N, C) -> the full sequence (B, T, C) on every rank."""
-    return AllGatherToReduceScatter.apply(x, comm, SEQUENCE_AXIS)
+    return AllGatherToReduceScatter.apply(_sequence_input(x, "gather_from_sequence_region"), comm, SEQUENCE_AXIS)
 
 
 def reduce_scatter_to_sequence_region(x, comm):
     """Partial sums (B, T, C) on every rank -> this rank's shard (B, T/N, C) of their sum."""
-    return ReduceScatterToRegion.apply(x, comm, SEQUENCE_AXIS)
+    return ReduceScatterToRegion.apply(_sequence_input(x, "reduce_scatter_to_sequence_region"), comm,
+                                       SEQUENCE_AXIS)
 
 
 def scatter_to_sequence_region(x, comm):
     """The full sequence -> this rank's shard; the backward all-gathers."""
-    return ScatterToRegion.apply(x, comm, SEQUENCE_AXIS)
+    return ScatterToRegion.apply(_sequence_input(x, "scatter_to_sequence_region"), comm, SEQUENCE_AXIS)

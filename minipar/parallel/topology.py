@@ -113,7 +113,8 @@ class ProcessGrid:
 
             world = world_communicator()
         if dp is None:
-            if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1 or world.size % (tp * pp):
+            Layout(tp, pp, 1)  # checks tp and pp themselves first
+            if world.size % (tp * pp):
                 raise ValueError(
                     f"world size {world.size} is not divisible by TP x PP = {tp} x {pp}: "
                     "choose TP and PP whose product divides the number of ranks"

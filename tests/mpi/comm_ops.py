@@ -83,3 +83,24 @@ check(list(members) == list(range(r % 2, N, 2)), f"split members {members}")
 comm.barrier()
 if r == 0:
     print(f"comm ops OK on {N} ranks")
+
+# broadcast is charged as a pipelined chain: N-1 links carry S, so sent and received add up
+comm.stats.reset()
+comm.broadcast(np.ones(100), root=N - 1)
+t = comm.stats.by_op["broadcast"]
+totals = comm.all_reduce(np.array([t.bytes_sent, t.bytes_received]))
+check(list(totals) == [(N - 1) * 800, (N - 1) * 800], f"broadcast bytes {list(totals)}")
+
+# a receive that does not match the message is an error, not stale or reinterpreted data
+if N > 1 and r < 2:
+    if r == 0:
+        comm.send(np.arange(4.0), 1, tag=99)
+    else:
+        try:
+            comm.recv(np.full(8, -1.0), 0, tag=99)
+            check(False, "a message of 4 float64 was received into 8 without an error")
+        except ValueError as exc:
+            check("got 32 bytes into a buffer of 64" in str(exc), f"recv message: {exc}")
+comm.barrier()
+if r == 0:
+    print(f"comm checks OK on {N} ranks")
