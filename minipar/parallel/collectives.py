@@ -27,6 +27,14 @@ from minipar.autograd import Function
 from minipar.backend import xp
 
 
+def _identity(comm, x, axis):
+    return x.view()  # the same values in a new array object: no copy
+
+
+def _all_reduce(comm, x, axis):
+    return comm.all_reduce(x.copy())  # never reduce in place into an array someone else holds
+
+
 def _gather(comm, x, axis):
     """All ranks' x concatenated along ``axis`` in rank order."""
     stacked = comm.all_gather(xp.ascontiguousarray(x))  # (N, *x.shape)
@@ -48,96 +56,38 @@ def _slice(comm, x, axis):
     return xp.split(x, comm.size, axis=axis)[comm.rank].copy()
 
 
-def _all_reduced(comm, x):
-    out = x.copy()  # never reduce in place into an array someone else holds
-    return comm.all_reduce(out)
+class RegionCollective(Function):
+    """A collective whose backward is its conjugate: ``forward(comm, x, axis)`` on the way in,
+    ``backward(comm, grad, axis)`` on the way back. Every op of this module is one such pair."""
 
-
-class CopyToRegion(Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view()  # the same values; a new array object, no copy
+    def forward(ctx, x, comm, axis, forward, backward):
+        ctx.comm, ctx.axis, ctx.conjugate = comm, axis, backward
+        return forward(comm, x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduced(ctx.comm, grad), None
-
-
-class ReduceFromRegion(Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduced(comm, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class GatherFromRegion(Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis):
-        ctx.comm, ctx.axis = comm, axis
-        return _gather(comm, x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice(ctx.comm, grad, ctx.axis), None, None
-
-
-class ScatterToRegion(Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis):
-        ctx.comm, ctx.axis = comm, axis
-        return _slice(comm, x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(ctx.comm, grad, ctx.axis), None, None
-
-
-class ReduceScatterToRegion(Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis):
-        ctx.comm, ctx.axis = comm, axis
-        return _reduce_scatter(comm, x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(ctx.comm, grad, ctx.axis), None, None
-
-
-class AllGatherToReduceScatter(Function):
-    """All-gather forward, reduce-scatter backward (sequence parallelism's entry)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, axis):
-        ctx.comm, ctx.axis = comm, axis
-        return _gather(comm, x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(ctx.comm, grad, ctx.axis), None, None
+        return ctx.conjugate(ctx.comm, grad, ctx.axis), None, None, None, None
 
 
 def copy_to_region(x, comm):
-    """Megatron's f: x enters a tensor-parallel region."""
-    return CopyToRegion.apply(x, comm)
+    """Megatron's f: x enters a tensor-parallel region (identity / all-reduce)."""
+    return RegionCollective.apply(x, comm, None, _identity, _all_reduce)
 
 
 def reduce_from_region(x, comm):
-    """Megatron's g: partial results leave a tensor-parallel region, summed."""
-    return ReduceFromRegion.apply(x, comm)
+    """Megatron's g: partial results leave a tensor-parallel region, summed (all-reduce / identity)."""
+    return RegionCollective.apply(x, comm, None, _all_reduce, _identity)
 
 
 def gather_from_region(x, comm):
-    """Concatenate the ranks' slices along the last axis."""
-    return GatherFromRegion.apply(x, comm, x.ndim - 1)
+    """Concatenate the ranks' slices along the last axis (all-gather / keep own slice)."""
+    return RegionCollective.apply(x, comm, x.ndim - 1, _gather, _slice)
 
 
 def scatter_to_region(x, comm):
-    """Keep this rank's slice of the last axis."""
-    return ScatterToRegion.apply(x, comm, x.ndim - 1)
+    """Keep this rank's slice of the last axis (keep own slice / all-gather)."""
+    return RegionCollective.apply(x, comm, x.ndim - 1, _slice, _gather)
 
 
 SEQUENCE_AXIS = 1  # activations are (batch, sequence, hidden)
@@ -151,15 +101,17 @@ def _sequence_input(x, what):
 
 def gather_from_sequence_region(x, comm):
     """Sequence-parallel shards (B, T/N, C) -> the full sequence (B, T, C) on every rank."""
-    return AllGatherToReduceScatter.apply(_sequence_input(x, "gather_from_sequence_region"), comm, SEQUENCE_AXIS)
+    x = _sequence_input(x, "gather_from_sequence_region")
+    return RegionCollective.apply(x, comm, SEQUENCE_AXIS, _gather, _reduce_scatter)
 
 
 def reduce_scatter_to_sequence_region(x, comm):
     """Partial sums (B, T, C) on every rank -> this rank's shard (B, T/N, C) of their sum."""
-    return ReduceScatterToRegion.apply(_sequence_input(x, "reduce_scatter_to_sequence_region"), comm,
-                                       SEQUENCE_AXIS)
+    x = _sequence_input(x, "reduce_scatter_to_sequence_region")
+    return RegionCollective.apply(x, comm, SEQUENCE_AXIS, _reduce_scatter, _gather)
 
 
 def scatter_to_sequence_region(x, comm):
     """The full sequence -> this rank's shard; the backward all-gathers."""
-    return ScatterToRegion.apply(_sequence_input(x, "scatter_to_sequence_region"), comm, SEQUENCE_AXIS)
+    x = _sequence_input(x, "scatter_to_sequence_region")
+    return RegionCollective.apply(x, comm, SEQUENCE_AXIS, _slice, _gather)
