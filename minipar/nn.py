@@ -9,6 +9,7 @@ listed once, under the first name.
 import numpy
 
 import minipar.functional as F
+from minipar import rng
 from minipar.autograd import Tensor
 from minipar.backend import default_generator, get_default_dtype, xp
 
@@ -159,14 +160,28 @@ class Embedding(Module):
 
 
 class Dropout(Module):
-    """Dropout that is active in training mode only. ``generator`` (a NumPy Generator) fixes the
-    masks; by default the process-wide generator is used."""
+    """Dropout that is active in training mode only.
 
-    def __init__(self, p, generator=None):
-        self.p, self.generator = p, generator
+    ``rng`` (a ``minipar.rng.RNGTracker``, shared by a model) gives every call its key; without
+    one the process-wide generator does. ``shards`` lists the (axis, communicator) pairs along
+    which this rank holds only a part of the activation: the mask is drawn for the whole and this
+    rank's part kept, so that any layout drops exactly what one device would (see ``minipar.rng``).
+    """
+
+    def __init__(self, p, rng=None, shards=()):
+        self.p, self.rng, self.shards = p, rng, tuple(shards)
 
     def forward(self, x):
-        return F.dropout(x, self.p, self.training, self.generator)
+        if not self.training or self.p == 0.0:
+            return x
+        key = self.rng.next_key() if self.rng is not None else None
+        if not self.shards:
+            return F.dropout(x, self.p, key=key)
+        full = list(x.shape)
+        for axis, comm in self.shards:
+            full[axis] *= comm.size
+        mask = rng.keep_mask(key or F.fresh_key(), tuple(full), self.p, x.dtype)
+        return F.apply_mask(x, rng.local_part(mask, self.shards))
 
 
 def describe(module):

@@ -107,3 +107,8 @@ def test_launcher_explains_a_python_without_mpi(tmp_path):
         "env", f"PATH={tmp_path}:/usr/bin:/bin", os.path.join(ROOT, "run_mpi.sh"), "-n", "2",
         os.path.join(ROOT, "tests", "mpi", "comm_ops.py")])
     assert code == 2 and "No module named mpi4py" in out and 'pip install -e ".[dev]"' in out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tensor_parallel_layers_and_gpt_match_their_serial_twins(n):
+    assert f"tensor parallel OK on {n} ranks" in check_mpi(n, "tensor_parallel.py", timeout=180)

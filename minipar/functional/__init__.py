@@ -13,9 +13,11 @@ Each op is a ``Function`` (see ``minipar.autograd``) in one of these files:
 from minipar.functional.attention import causal_attention
 from minipar.functional.elementwise import (
     add,
+    apply_mask,
     div,
     dropout,
     exp,
+    fresh_key,
     gelu,
     log,
     masked_fill,
@@ -34,5 +36,5 @@ __all__ = [
     "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "gelu", "masked_fill",
     "dropout", "sum", "mean", "softmax", "log_softmax", "layer_norm", "reshape", "transpose",
     "getitem", "split", "concat", "matmul", "linear", "embedding", "cross_entropy",
-    "causal_attention",
+    "causal_attention", "apply_mask", "fresh_key",
 ]

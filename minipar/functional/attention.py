@@ -22,9 +22,10 @@ batched ``matmul``; the tests check the two agree). Doing it as one op buys two 
 import math
 
 from minipar.autograd import Function
-from minipar.backend import default_generator, xp
+from minipar.backend import xp
 from minipar.functional.checks import floats, probability
-from minipar.functional.elementwise import dropout_mask
+from minipar.functional.elementwise import fresh_key
+from minipar.rng import keep_mask
 
 
 def _heads(x, n_head):
@@ -48,7 +49,7 @@ class CausalAttention(Function):
     queries, ~3x faster than reducing along rows of 128. BLAS reads the transposes for free."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, dropout_p, generator, query_block):
+    def forward(ctx, qkv, n_head, dropout_p, key, offsets, query_block):
         B, T, C3 = qkv.shape
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
@@ -59,6 +60,9 @@ class CausalAttention(Function):
         for b in range(B):
             q, k, v = (_heads(qkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
             y = _heads(out[b], n_head)
+            if dropout_p > 0:  # one (query, key) mask per sequence and head, numbered globally
+                keep = xp.stack([keep_mask(key, (T, T), dropout_p, qkv.dtype,
+                                           (offsets[0] + b, offsets[1] + h)) for h in range(n_head)])
             for q0, q1, future in blocks:
                 pt = k[:, :q1] @ q[:, q0:q1].transpose(0, 2, 1)  # S^T = k q^T
                 pt *= scale
@@ -68,7 +72,7 @@ class CausalAttention(Function):
                 pt /= (ones[:q1] @ pt)[:, None, :]  # column sums as one vector-matrix product
                 probs_t.append(pt)
                 if dropout_p > 0:
-                    keep_t.append(dropout_mask(generator, pt.shape, dropout_p, pt.dtype))
+                    keep_t.append(keep[:, q0:q1, :q1].transpose(0, 2, 1))
                     pt = pt * keep_t[-1]
                 xp.matmul(pt.transpose(0, 2, 1), v[:, :q1], out=y[:, q0:q1])  # y = P v
         ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
@@ -100,15 +104,18 @@ class CausalAttention(Function):
                 dpt *= scale
                 xp.matmul(dpt.transpose(0, 2, 1), k[:, :q1], out=dq[:, q0:q1])  # dq = dS k
                 dk[:, :q1] += dpt @ q[:, q0:q1]  # dk = dS^T q
-        return dqkv, None, None, None, None
+        return dqkv, None, None, None, None, None
 
 
-def causal_attention(qkv, n_head, dropout_p=0.0, generator=None, query_block=64):
+def causal_attention(qkv, n_head, dropout_p=0.0, key=None, batch_offset=0, head_offset=0,
+                     query_block=64):
     """Multi-head causal self-attention of a fused projection ``qkv`` (B, T, 3C) -> (B, T, C):
     q, k and v are the three thirds of the last axis, each split into ``n_head`` heads; the output
     holds the heads side by side (head h in columns h*C/H ... (h+1)*C/H). ``dropout_p`` drops
-    attention probabilities (pass 0 at evaluation). Queries are processed ``query_block`` at a
-    time; the result does not depend on it beyond rounding."""
+    attention probabilities (pass 0 at evaluation) with masks drawn for ``key`` (see
+    ``minipar.rng``), one per sequence and head, numbered from ``batch_offset`` and ``head_offset``:
+    a rank holding some heads or sequences of a bigger batch draws exactly their masks. Queries are
+    processed ``query_block`` at a time; the result does not depend on it beyond rounding."""
     qkv = floats("causal_attention", qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % 3:
         raise ValueError(f"causal_attention needs qkv of shape (B, T, 3C), got {qkv.shape}")
@@ -117,4 +124,6 @@ def causal_attention(qkv, n_head, dropout_p=0.0, generator=None, query_block=64)
     p = probability(dropout_p)
     if int(query_block) < 1:
         raise ValueError(f"causal_attention: query_block must be >= 1, got {query_block}")
-    return CausalAttention.apply(qkv, int(n_head), p, generator or default_generator(), int(query_block))
+    key = (key or fresh_key()) if p > 0 else None
+    offsets = (int(batch_offset), int(head_offset))
+    return CausalAttention.apply(qkv, int(n_head), p, key, offsets, int(query_block))

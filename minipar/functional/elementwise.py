@@ -7,25 +7,15 @@ NumPy treats as "weak" (float32 * 0.5 stays float32); see ``checks`` for the dty
 
 import math
 
-import numpy
-
 from minipar.autograd import Function, Tensor
 from minipar.backend import blocks, default_generator, xp
 from minipar.functional.checks import floats, probability, scalar
+from minipar.rng import keep_mask
 
 
 def _binary(fn, a, b):
     a, b = floats(fn.__name__.lower(), scalar(a), scalar(b))
     return fn.apply(a, b)
-
-
-def dropout_mask(generator, shape, p, dtype):
-    """Inverted dropout's mask: 0 with probability p, else 1/(1-p), so that E[x * mask] = x and
-    evaluation needs no rescaling. Drawn on the host from a seeded NumPy generator."""
-    keep = generator.random(shape, dtype=numpy.float32) >= p
-    mask = xp.asarray(keep, dtype=dtype)
-    mask *= 1.0 / (1.0 - p)
-    return mask
 
 
 class Add(Function):
@@ -195,14 +185,16 @@ class MaskedFill(Function):
 
 
 class Dropout(Function):
+    """x times a given mask (0 or 1/(1-p), see ``minipar.rng.keep_mask``)."""
+
     @staticmethod
-    def forward(ctx, x, p, generator):
-        ctx.mask = dropout_mask(generator, x.shape, p, x.dtype)
-        return x * ctx.mask
+    def forward(ctx, x, mask):
+        ctx.mask = mask
+        return x * mask
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.mask, None, None
+        return grad * ctx.mask, None
 
 
 def add(a, b):
@@ -256,11 +248,23 @@ def masked_fill(x, mask, value):
     return MaskedFill.apply(floats("masked_fill", x), mask, float(value))
 
 
-def dropout(x, p, training=True, generator=None):
+def dropout(x, p, training=True, key=None):
     """Zero each element with probability p and scale the rest by 1/(1-p). Identity when p == 0 or
-    not training. ``generator`` (a NumPy Generator) makes masks reproducible; the default is the
-    process-wide one from ``minipar.backend.manual_seed``."""
+    not training. The mask is drawn for ``key`` (see ``minipar.rng``); without one, a key is taken
+    from the process-wide generator of ``minipar.backend.manual_seed``."""
     p = probability(p)
     if not training or p == 0.0:
         return x
-    return Dropout.apply(floats("dropout", x), p, generator or default_generator())
+    x = floats("dropout", x)
+    return apply_mask(x, keep_mask(key or fresh_key(), x.shape, p, x.dtype))
+
+
+def apply_mask(x, mask):
+    """x * mask, differentiable in x: dropout with a mask the caller drew (e.g. a shard's part of
+    a bigger mask)."""
+    return Dropout.apply(floats("dropout", x), mask)
+
+
+def fresh_key():
+    """A dropout key from the process-wide generator, for calls that bring none."""
+    return tuple(int(k) for k in default_generator().integers(0, 2**62, size=2))

@@ -1,0 +1,72 @@
+"""Cross-entropy over a vocabulary split across ranks, without ever gathering the logits.
+
+Rank r holds logits z[:, v] for its vocabulary slice only. For each token the loss is
+
+    loss = log sum_v exp(z_v - m) - (z_target - m),   m = max_v z_v,
+
+and each of its three pieces is a sum (or max) over the vocabulary, so each is computed locally and
+combined over the ranks with an all-reduce of one number per token: the max, then the sum of
+exponentials together with the target's logit (which exactly one rank holds; the others add 0).
+That is 3 numbers per token on the wire instead of the whole (tokens x vocabulary) logits.
+
+The gradient, softmax(z) - onehot(target), needs only this rank's columns of the softmax and
+whether the target is among them: no communication in backward. Columns past the true vocabulary
+(padding up to a multiple of the TP size) are set to -inf, so padding never changes the loss.
+"""
+
+from minipar.autograd import Function
+from minipar.backend import xp
+from minipar.functional.checks import floats
+
+
+class VocabParallelCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, logits, targets, comm, vocab_start, vocab_size, ignore_index):
+        per_rank = logits.shape[-1]
+        z = logits.reshape(-1, per_rank).copy()
+        t = targets.reshape(-1)
+        padding = xp.arange(vocab_start, vocab_start + per_rank) >= vocab_size
+        if padding.any():
+            z[:, padding] = -xp.inf
+        row_max = comm.all_reduce(z.max(axis=1), op="max")
+        z -= row_max[:, None]
+        local = t - vocab_start
+        mine = (local >= 0) & (local < per_rank)
+        rows = xp.arange(z.shape[0])
+        sums = xp.zeros((2, z.shape[0]), z.dtype)  # [sum of exp(z), target's z]: one all-reduce
+        sums[1] = xp.where(mine, z[rows, xp.where(mine, local, 0)], 0.0)
+        xp.exp(z, out=z)
+        sums[0] = z.sum(axis=1)
+        comm.all_reduce(sums)
+        valid = t != ignore_index
+        count = int(valid.sum())
+        total = ((xp.log(sums[0]) - sums[1]) * valid).sum()
+        z /= sums[0][:, None]  # this rank's columns of the softmax
+        ctx.probs, ctx.rows, ctx.local, ctx.mine, ctx.valid = z, rows, local, mine, valid
+        ctx.count, ctx.shape = count, logits.shape
+        return xp.asarray(total / count, dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dz = ctx.probs
+        hit = ctx.mine & ctx.valid
+        dz[ctx.rows[hit], ctx.local[hit]] -= 1.0
+        dz *= (ctx.valid * (grad / ctx.count))[:, None]
+        return dz.reshape(ctx.shape), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start, vocab_size, ignore_index=-1):
+    """Mean cross-entropy of ``logits`` (..., V/N), this rank's vocabulary columns starting at
+    ``vocab_start``, against integer ``targets`` (...) in the whole vocabulary of ``vocab_size``.
+    Every rank of ``comm`` gets the same loss."""
+    logits = floats("vocab_parallel_cross_entropy", logits)
+    targets = xp.asarray(getattr(targets, "data", targets))
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets of shape {targets.shape} do not match logits {logits.shape}")
+    used = targets[targets != ignore_index]
+    if used.size == 0:
+        raise ValueError("every target equals ignore_index, so the mean is undefined")
+    if int(used.min()) < 0 or int(used.max()) >= vocab_size:
+        raise IndexError(f"targets must lie in [0, {vocab_size}) or equal ignore_index ({ignore_index})")
+    return VocabParallelCrossEntropy.apply(logits, targets, comm, int(vocab_start), int(vocab_size),
+                                           int(ignore_index))

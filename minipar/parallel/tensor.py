@@ -1,0 +1,208 @@
+"""Tensor-parallel layers (Shoeybi et al. 2019, Megatron-LM) and how their weights are split.
+
+A linear layer Y = X A (our weights are stored transposed, W = A^T, shape (out, in)) can be split
+two ways across the N ranks of a tensor-parallel group:
+
+* ColumnParallelLinear splits A by columns (W by rows): rank r computes Y_r = X A_r, its own slice
+  of the output features, from the whole input. Nothing to sum; the input must be the same on
+  every rank, which f (``copy_to_region``) states: identity forward, all-reduce of dX backward.
+* RowParallelLinear splits A by rows (W by columns): rank r multiplies its slice of the input
+  features, X_r A_r, and the output is the *sum* over ranks, which g (``reduce_from_region``)
+  computes: all-reduce forward, identity backward. The bias is added once, after the sum.
+
+Column followed by row (attention: qkv then the output projection; the MLP: c_fc then c_proj) keeps
+everything in between local, GeLU and attention included, so each pair costs one all-reduce forward
+and one backward. With sequence parallelism (Korthikanti et al. 2022) f becomes an all-gather of
+the sequence shards and g a reduce-scatter back into them.
+
+Weights are initialised whole, from the same generator calls as the single-device model, and each
+rank keeps its part, so a model built on any grid starts from the very same numbers.
+"""
+
+import numpy
+
+import minipar.functional as F
+from minipar.backend import get_default_dtype, xp
+from minipar.nn import Module, Parameter, normal_
+from minipar.parallel.collectives import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence_region,
+    reduce_from_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_region,
+)
+
+
+class Partition:
+    """How a parameter is split across ``comm``: along ``axis``, which holds ``chunks`` equal
+    blocks each split separately (3 for the fused q, k, v), after padding to ``padded`` entries
+    (the vocabulary); ``size`` is the unpadded length."""
+
+    def __init__(self, comm, axis, size, chunks=1, padded=None):
+        self.comm, self.axis, self.size, self.chunks = comm, axis, size, chunks
+        self.padded = padded or size
+
+    def full_shape(self, local_shape):
+        shape = list(local_shape)
+        shape[self.axis] = self.size
+        return tuple(shape)
+
+    def shard(self, full):
+        """This rank's part of the whole array."""
+        if self.padded != self.size:
+            pad = [(0, 0)] * full.ndim
+            pad[self.axis] = (0, self.padded - self.size)
+            full = xp.pad(full, pad)
+        blocks = xp.split(full, self.chunks, axis=self.axis)
+        mine = [xp.split(b, self.comm.size, axis=self.axis)[self.comm.rank] for b in blocks]
+        return xp.ascontiguousarray(xp.concatenate(mine, axis=self.axis))
+
+    def gather(self, local):
+        """The whole array from every rank's part (a collective)."""
+        parts = self.comm.all_gather(xp.ascontiguousarray(local))
+        per_rank = [xp.split(part, self.chunks, axis=self.axis) for part in parts]
+        blocks = [xp.concatenate([p[c] for p in per_rank], axis=self.axis) for c in range(self.chunks)]
+        full = xp.concatenate(blocks, axis=self.axis)
+        return xp.take(full, xp.arange(self.size), axis=self.axis) if self.padded != self.size else full
+
+
+def sharded_parameter(full, partition):
+    p = Parameter(partition.shard(full))
+    p.partition = partition
+    return p
+
+
+def _check_split(what, n, comm):
+    if n % comm.size:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {comm.size}")
+
+
+class ColumnParallelLinear(Module):
+    """y = x W_r^T + b_r on every rank r: the output features split across ``comm``.
+
+    ``chunks`` > 1 splits each of that many blocks of output rows separately: for the fused qkv
+    projection (chunks=3) rank r holds q, k and v of the same heads. ``gather_output`` concatenates
+    the slices (rarely wanted: the next layer is usually row-parallel). ``sequence_parallel``: the
+    input is this rank's sequence shard, all-gathered on the way in.
+    """
+
+    def __init__(self, in_features, out_features, comm, bias=True, std=0.02, chunks=1,
+                 gather_output=False, sequence_parallel=False):
+        _check_split("output features per chunk", out_features // chunks, comm)
+        self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
+        rows = Partition(comm, axis=0, size=out_features, chunks=chunks)
+        self.weight = sharded_parameter(normal_((out_features, in_features), std), rows)
+        self.bias = sharded_parameter(xp.zeros(out_features, get_default_dtype()), rows) if bias else None
+
+    def forward(self, x):
+        x = gather_from_sequence_region(x, self.comm) if self.sequence_parallel else copy_to_region(x, self.comm)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_region(y, self.comm) if self.gather_output else y
+
+
+class RowParallelLinear(Module):
+    """y = sum over ranks of x_r W_r^T, plus b once: the input features split across ``comm``.
+
+    ``input_is_parallel=False`` slices a whole input first. With ``sequence_parallel`` the sum is
+    reduce-scattered into sequence shards, and the bias (added to a shard) is one of the
+    parameters whose gradient ``finalize_grads`` sums over the group.
+    """
+
+    def __init__(self, in_features, out_features, comm, bias=True, std=0.02, input_is_parallel=True,
+                 sequence_parallel=False):
+        _check_split("input features", in_features, comm)
+        self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
+        cols = Partition(comm, axis=1, size=in_features)
+        self.weight = sharded_parameter(normal_((out_features, in_features), std), cols)
+        self.bias = Parameter(xp.zeros(out_features, get_default_dtype())) if bias else None
+        if bias and sequence_parallel:
+            self.bias.sequence_parallel_grad = True
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.comm)
+        partial = F.linear(x, self.weight)
+        y = (reduce_scatter_to_sequence_region(partial, self.comm) if self.sequence_parallel
+             else reduce_from_region(partial, self.comm))
+        return y + self.bias if self.bias is not None else y
+
+
+def padded_vocab(vocab_size, tp):
+    """The vocabulary rounded up to a multiple of the TP size (GPT-2's 50257 is prime)."""
+    return -(-vocab_size // tp) * tp
+
+
+class VocabParallelEmbedding(Module):
+    """The token embedding with its rows (the vocabulary) split across ``comm``.
+
+    Rank r holds rows [r V/N, (r+1) V/N) of the padded table. It looks up the ids that fall in its
+    range, writes zeros for the others, and the ranks' outputs are summed (all-reduce; with
+    sequence parallelism, reduce-scatter into sequence shards): every id is found on exactly one
+    rank. Padding rows are zeros that no id reaches and no logit uses.
+    """
+
+    def __init__(self, num_embeddings, dim, comm, std=0.02, sequence_parallel=False):
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.num_embeddings = num_embeddings
+        padded = padded_vocab(num_embeddings, comm.size)
+        self.per_rank = padded // comm.size
+        self.start = comm.rank * self.per_rank
+        rows = Partition(comm, axis=0, size=num_embeddings, padded=padded)
+        self.weight = sharded_parameter(normal_((num_embeddings, dim), std), rows)
+
+    def forward(self, ids):
+        ids = xp.asarray(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.masked_fill(F.embedding(xp.where(outside, 0, local), self.weight), outside[..., None], 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.comm)
+        return reduce_from_region(out, self.comm)
+
+    def logits(self, x):
+        """The tied output head: this rank's vocabulary slice of x @ wte^T, (B, T, V/N)."""
+        x = gather_from_sequence_region(x, self.comm) if self.sequence_parallel else copy_to_region(x, self.comm)
+        return F.linear(x, self.weight)
+
+
+def finalize_grads(model, comm):
+    """Sum over ``comm`` the gradients that sequence parallelism leaves partial on each rank
+    (LayerNorm weights and biases, row-parallel biases, position embeddings: each rank saw only its
+    sequence shard), packed in one buffer so that it takes one all-reduce."""
+    params = [p for p in model.parameters() if getattr(p, "sequence_parallel_grad", False)]
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or comm.size == 1:
+        return
+    flat = comm.all_reduce(xp.concatenate([g.reshape(-1) for g in grads]))
+    offset = 0
+    for g in grads:
+        g[...] = flat[offset : offset + g.size].reshape(g.shape)
+        offset += g.size
+
+
+def full_parameters(model, which="data"):
+    """``{name: whole array}`` of every parameter (``which="grad"``: of every gradient), gathered
+    from the shards; padding removed. A collective: every rank of the model must call it."""
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.data if which == "data" else p.grad
+        if value is None:
+            value = xp.zeros_like(p.data)
+        part = getattr(p, "partition", None)
+        out[name] = part.gather(value) if part is not None else value.copy()
+    return out
+
+
+def load_full_parameters(model, state):
+    """Load a single-device state dict into a model on any grid: each rank keeps its shard."""
+    sharded = dict(state)
+    for name, p in model.named_parameters():
+        part = getattr(p, "partition", None)
+        if part is None or name not in state:
+            continue
+        value = xp.asarray(numpy.asarray(state[name]))
+        if value.shape != part.full_shape(p.shape):
+            raise ValueError(f"{name}: shape {value.shape}, the whole model has {part.full_shape(p.shape)}")
+        sharded[name] = part.shard(value)
+    model.load_state_dict(sharded)

@@ -1,0 +1,57 @@
+"""Dropout randomness that does not depend on how the work is split across ranks.
+
+A dropout mask is drawn from a NumPy generator seeded with a *key*: the model's seed, the number
+of the dropout call (counted identically on every rank, since every rank runs the same program)
+and, where it helps, a position such as (sequence, head). A rank that holds only part of a tensor
+(a sequence shard, its attention heads, its slice of the batch) draws the mask of the whole tensor
+for that key and keeps its own part, so
+
+* ranks that hold the same (replicated) activation draw the same mask, and
+* ranks that hold different parts draw different masks, and together they hold exactly the mask
+  that a single device would have drawn.
+
+That makes a tensor-parallel run with dropout equal to the single-device run, mask for mask.
+(Megatron-LM instead seeds each tensor-parallel rank differently: statistically the same, but not
+comparable to a single device.) Drawing whole masks costs random numbers, not memory bandwidth:
+a counter-based generator could draw only the local part; NumPy's generators are not counter-based.
+"""
+
+import numpy
+
+from minipar.backend import xp
+
+
+class RNGTracker:
+    """Hands out one key per dropout call: (seed, call number)."""
+
+    def __init__(self, seed=0):
+        self.seed, self.calls = int(seed), 0
+
+    def next_key(self):
+        key = (self.seed, self.calls)
+        self.calls += 1
+        return key
+
+    def state(self):
+        return {"seed": self.seed, "calls": self.calls}
+
+    def set_state(self, state):
+        self.seed, self.calls = int(state["seed"]), int(state["calls"])
+
+
+def keep_mask(key, shape, p, dtype, index=()):
+    """Inverted dropout's mask for ``key`` (and sub-position ``index``): 0 with probability p and
+    1/(1-p) otherwise, so that E[x * mask] = x and evaluation needs no rescaling."""
+    generator = numpy.random.default_rng([*key, *index])
+    keep = generator.random(shape, dtype=numpy.float32) >= p
+    mask = xp.asarray(keep, dtype=dtype)
+    mask *= 1.0 / (1.0 - p)
+    return mask
+
+
+def local_part(full, shards):
+    """This rank's part of ``full``: for each (axis, comm) in ``shards``, slice ``comm.rank`` of
+    ``comm.size`` equal parts along ``axis``."""
+    for axis, comm in shards:
+        full = xp.split(full, comm.size, axis=axis)[comm.rank]
+    return full

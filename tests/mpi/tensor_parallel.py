@@ -1,0 +1,150 @@
+"""Every tensor-parallel layer, the vocab-parallel loss and the whole GPT against their serial twins
+(float64): outputs, input gradients and weight gradients.
+
+    run_mpi.sh -n 4 tests/mpi/tensor_parallel.py
+"""
+
+import numpy as np
+
+import minipar
+import minipar.functional as F
+from minipar import Tensor
+from minipar.comm import world
+from minipar.models import GPT, GPTConfig
+from minipar.nn import Embedding, Linear
+from minipar.parallel import ProcessGrid
+from minipar.parallel import tensor as T
+from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+minipar.set_default_dtype("float64")
+grid = ProcessGrid(tp=world().size, pp=1)
+tp = grid.tp_group
+N, r = tp.size, tp.rank
+
+
+def data(seed, shape):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def close(a, b, what, tol=1e-11):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or not np.allclose(a, b, rtol=tol, atol=tol):
+        err = np.abs(a - b).max() if a.shape == b.shape else f"shapes {a.shape} vs {b.shape}"
+        raise AssertionError(f"rank {r}: {what}: {err}")
+
+
+def part(x, axis, chunks=1):
+    """This rank's shard of x along axis, each of ``chunks`` blocks split separately."""
+    blocks = np.split(x, chunks, axis=axis)
+    return np.concatenate([np.split(b, N, axis=axis)[r] for b in blocks], axis=axis)
+
+
+def leaf(a):
+    return Tensor(a, requires_grad=True)
+
+
+def twins(make_serial, make_parallel, seed=0):
+    minipar.manual_seed(seed)
+    serial = make_serial()
+    minipar.manual_seed(seed)
+    return serial, make_parallel()
+
+
+B, S, C_in, C_out = 2, 2 * N, 6, 4 * N
+x_full, seq = data(1, (B, S, C_in)), slice(r * S // N, (r + 1) * S // N)
+
+# ColumnParallelLinear, also with the fused-qkv split and with a sequence-parallel input
+for chunks, sp in ((1, False), (3, False), (1, True)):
+    serial, col = twins(lambda: Linear(C_in, 3 * C_out),
+                        lambda: T.ColumnParallelLinear(C_in, 3 * C_out, tp, chunks=chunks, sequence_parallel=sp))
+    g = data(2, (B, S, 3 * C_out))
+    xs = leaf(x_full)
+    serial(xs).backward(g)
+    xp_ = leaf(x_full[:, seq] if sp else x_full)
+    y = col(xp_)
+    close(y.data, part(serial(leaf(x_full)).data, -1, chunks), f"column forward chunks={chunks} sp={sp}")
+    y.backward(part(g, -1, chunks))
+    close(xp_.grad, xs.grad[:, seq] if sp else xs.grad, f"column dx chunks={chunks} sp={sp}")
+    close(col.weight.grad, part(serial.weight.grad, 0, chunks), f"column dW chunks={chunks}")
+    close(col.bias.grad, part(serial.bias.grad, 0, chunks), f"column db chunks={chunks}")
+
+# RowParallelLinear: parallel input, whole input, sequence-parallel output
+for parallel_in, sp in ((True, False), (False, False), (True, True)):
+    serial, row = twins(lambda: Linear(C_out, C_in),
+                        lambda: T.RowParallelLinear(C_out, C_in, tp, input_is_parallel=parallel_in, sequence_parallel=sp))
+    x = data(3, (B, S, C_out))
+    g = data(4, (B, S, C_in))
+    xs = leaf(x)
+    ys = serial(xs)
+    ys.backward(g)
+    xr = leaf(part(x, -1) if parallel_in else x)
+    y = row(xr)
+    close(y.data, ys.data[:, seq] if sp else ys.data, f"row forward in_parallel={parallel_in} sp={sp}")
+    y.backward(g[:, seq] if sp else g)
+    close(xr.grad, part(xs.grad, -1) if parallel_in else xs.grad, f"row dx in_parallel={parallel_in}")
+    close(row.weight.grad, part(serial.weight.grad, 1), "row dW")
+    if sp:  # each rank saw its shard of the sequence: the bias gradient is partial until summed
+        row.bias.grad = tp.all_reduce(row.bias.grad.copy())
+    close(row.bias.grad, serial.bias.grad, f"row db sp={sp}")
+
+# VocabParallelEmbedding with a vocabulary that needs padding (10 rows over 4 ranks -> 12)
+V = 10 if N == 4 else 9
+serial, emb = twins(lambda: Embedding(V, 5), lambda: T.VocabParallelEmbedding(V, 5, tp))
+ids = np.random.default_rng(5).integers(0, V, (B, S))
+g = data(6, (B, S, 5))
+ys = serial(ids)
+ys.backward(g)
+y = emb(ids)
+close(y.data, ys.data, "vocab embedding forward")
+y.backward(g)
+padded = np.concatenate([serial.weight.grad, np.zeros((T.padded_vocab(V, N) - V, 5))])
+close(emb.weight.grad, part(padded, 0), "vocab embedding dW")
+
+# Vocab-parallel cross-entropy: padding columns hold garbage, two targets are ignored
+Vp = T.padded_vocab(V, N)
+logits = data(7, (B, S, Vp)) * 3
+targets = np.random.default_rng(8).integers(0, V, (B, S))
+targets[0, 1] = targets[1, 0] = -1
+ls = leaf(logits[..., :V])
+loss_s = F.cross_entropy(ls, targets)
+loss_s.backward()
+lp = leaf(part(logits, -1))
+loss = vocab_parallel_cross_entropy(lp, targets, tp, r * Vp // N, V)
+close(loss.item(), loss_s.item(), "vocab-parallel loss")
+loss.backward()
+close(lp.grad, part(np.concatenate([ls.grad, np.zeros((B, S, Vp - V))], axis=-1), -1), "vocab-parallel dlogits")
+
+# The whole GPT, with and without sequence parallelism, with dropout
+config = GPTConfig(n_layer=2, n_head=2 * N, n_embd=4 * N, block_size=2 * N, vocab_size=V, dropout=0.1)
+ids = np.random.default_rng(9).integers(0, V, (2, 2 * N))
+targets = np.random.default_rng(10).integers(0, V, (2, 2 * N))
+for sp in (False, True):
+    serial, model = twins(lambda: GPT(config), lambda: GPT(config, grid, sequence_parallel=sp))
+    close_state = model.full_state_dict()
+    for name, value in serial.state_dict().items():
+        close(close_state[name], value, f"initial {name} sp={sp}", tol=0)
+    logits_s, loss_s = serial(ids, targets)
+    loss_s.backward()
+    logits, loss = model(ids, targets)
+    loss.backward()
+    model.finalize_grads()
+    close(model.gather_logits(logits).data, logits_s.data, f"GPT logits sp={sp}")
+    close(loss.item(), loss_s.item(), f"GPT loss sp={sp}")
+    grads = T.full_parameters(model, "grad")
+    for name, p in serial.named_parameters():
+        close(grads[name], p.grad, f"GPT grad {name} sp={sp}")
+    twin = GPT(config, grid, sequence_parallel=sp)
+    twin.load_full_state_dict(serial.state_dict())
+    for name, value in twin.full_state_dict().items():
+        close(value, serial.state_dict()[name], f"load/gather round trip {name}", tol=0)
+
+# A model that does not fit the grid fails on every rank, before any communication
+raised = 0
+try:
+    GPT(GPTConfig(n_layer=1, n_head=N + 1, n_embd=4 * (N + 1), block_size=4), grid)
+except ValueError as exc:
+    raised = int("not divisible by TP" in str(exc))
+if tp.all_reduce(np.array([raised]))[0] != N:
+    raise AssertionError("a model with heads not divisible by TP was accepted")
+if r == 0:
+    print(f"tensor parallel OK on {N} ranks")
