@@ -178,6 +178,7 @@ def train_loop(args, data, model, optimizer, log):
         x, y = data.batch("train", it, args.batch_size, args.block_size, args.seed)
         _, loss = model(x, y)
         loss.backward()
+        model.finalize_grads()
         grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
         if not (math.isfinite(loss.item()) and math.isfinite(grad_norm)):
             print(f"error: at iter {it} the loss is {loss.item()} and the gradient norm {grad_norm}: "

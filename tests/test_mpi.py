@@ -112,3 +112,17 @@ def test_launcher_explains_a_python_without_mpi(tmp_path):
 @pytest.mark.parametrize("n", [2, 4])
 def test_tensor_parallel_layers_and_gpt_match_their_serial_twins(n):
     assert f"tensor parallel OK on {n} ranks" in check_mpi(n, "tensor_parallel.py", timeout=180)
+
+
+LESSON_3 = os.path.join(ROOT, "lessons", "03_tensor_parallel.py")
+
+
+@pytest.mark.parametrize("n,args", [(8, []), (8, ["--tp", "4"]), (4, ["--dtype", "float64"])])
+def test_tensor_parallel_lesson(n, args):
+    out = check_mpi(n, LESSON_3, *args, timeout=300)
+    assert "equals the single-device GPT" in out and "SP on" in out
+
+
+def test_tensor_parallel_lesson_fails_on_a_planted_bug():
+    code, out, _ = run_mpi(4, LESSON_3, "--plant-bug", timeout=300)
+    assert code != 0 and "MISMATCH" in out

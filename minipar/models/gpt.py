@@ -58,10 +58,11 @@ class GPTConfig:
 
 
 class _Layers:
-    """Makes each layer plain (no tensor parallelism) or split across the TP group ``tp``."""
+    """Makes each layer plain (no tensor parallelism) or split across the TP group ``tp``; ``dp``
+    is the data-parallel group (or None), whose ranks each hold a slice of the batch."""
 
-    def __init__(self, tp, sequence_parallel, rng):
-        self.tp, self.sp, self.rng = tp, sequence_parallel, rng
+    def __init__(self, tp, dp, sequence_parallel, rng):
+        self.tp, self.dp, self.sp, self.rng = tp, dp, sequence_parallel, rng
 
     def column(self, n_in, n_out, bias, chunks=1):
         if self.tp is None:
@@ -87,8 +88,10 @@ class _Layers:
         return ln
 
     def dropout(self, p):
-        """In a sequence-parallel region each rank drops its part of the whole mask."""
-        return Dropout(p, self.rng, shards=[(1, self.tp)] if self.sp else ())
+        """Each rank drops its part of the whole batch's mask: its slice of the batch (data
+        parallel) and, in a sequence-parallel region, its slice of the sequence."""
+        shards = ([(0, self.dp)] if self.dp is not None else []) + ([(1, self.tp)] if self.sp else [])
+        return Dropout(p, self.rng, shards=shards)
 
 
 class CausalSelfAttention(Module):
@@ -111,6 +114,7 @@ class CausalSelfAttention(Module):
         tp = layers.tp.size if layers.tp is not None else 1
         self.n_head = config.n_head // tp  # heads on this rank
         self.head_offset = layers.tp.rank * self.n_head if layers.tp is not None else 0
+        self.dp = layers.dp
         self.dropout, self.rng = config.dropout, layers.rng
         self.c_attn = layers.column(config.n_embd, 3 * config.n_embd, config.bias, chunks=3)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 n_layer):
@@ -122,7 +126,9 @@ class CausalSelfAttention(Module):
     def forward(self, x):
         p = self.dropout if self.training else 0.0
         key = self.rng.next_key() if p > 0 else None
-        y = F.causal_attention(self.c_attn(x), self.n_head, p, key=key, head_offset=self.head_offset)
+        batch_offset = x.shape[0] * self.dp.rank if self.dp is not None else 0
+        y = F.causal_attention(self.c_attn(x), self.n_head, p, key=key, batch_offset=batch_offset,
+                               head_offset=self.head_offset)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -153,13 +159,14 @@ class GPT(Module):
     def __init__(self, config, grid=None, sequence_parallel=False):
         self.config = config
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
+        self.dp = grid.dp_group if grid is not None and grid.dp > 1 else None
         if grid is not None:
             grid.layout.check_model(config.n_head, config.n_embd, config.n_layer)
         if sequence_parallel and self.tp is None:
             raise ValueError("sequence parallelism shards along a TP group: it needs TP > 1")
         self.sequence_parallel = bool(sequence_parallel)
         self.rng = RNGTracker()
-        layers = _Layers(self.tp, self.sequence_parallel, self.rng)
+        layers = _Layers(self.tp, self.dp, self.sequence_parallel, self.rng)
         self.transformer = ModuleDict(
             wte=layers.vocab_embedding(config.vocab_size, config.n_embd),
             wpe=Embedding(config.block_size, config.n_embd),
@@ -212,7 +219,19 @@ class GPT(Module):
         return gather_from_region(logits, self.tp)[..., : self.config.vocab_size]
 
     def finalize_grads(self):
-        """Finish the gradients after backward: sum the ones sequence parallelism leaves partial."""
+        """Finish the gradients after backward, before the optimizer step.
+
+        * The key bias gets exactly zero: softmax ignores a shift shared by all keys, so the
+          gradient of q . (k + b) with respect to b vanishes (each row of dS sums to 0). Computed,
+          it is rounding noise, and Adam's g / sqrt(v) would blow that noise up into steps as large
+          as any other, different for every summation order (every layout).
+        * With sequence parallelism, the gradients each rank holds only part of are summed.
+        """
+        for block in self.transformer.h:
+            bias = block.attn.c_attn.bias
+            if bias is not None and bias.grad is not None:
+                third = bias.shape[0] // 3  # q | k | v, also in a rank's shard
+                bias.grad[third : 2 * third] = 0.0
         if self.sequence_parallel:
             tensor.finalize_grads(self, self.tp)
 
