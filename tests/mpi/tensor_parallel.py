@@ -68,6 +68,18 @@ for chunks, sp in ((1, False), (3, False), (1, True)):
     close(col.weight.grad, part(serial.weight.grad, 0, chunks), f"column dW chunks={chunks}")
     close(col.bias.grad, part(serial.bias.grad, 0, chunks), f"column db chunks={chunks}")
 
+# gather_output: every rank ends with the whole output; its gradient is the same on every rank
+serial, col = twins(lambda: Linear(C_in, C_out), lambda: T.ColumnParallelLinear(C_in, C_out, tp, gather_output=True))
+g = data(11, (B, S, C_out))
+xs, xg = leaf(x_full), leaf(x_full)
+ys = serial(xs)
+ys.backward(g)
+y = col(xg)
+close(y.data, ys.data, "column gather_output forward")
+y.backward(g)
+close(xg.grad, xs.grad, "column gather_output dx")
+close(col.weight.grad, part(serial.weight.grad, 0), "column gather_output dW")
+
 # RowParallelLinear: parallel input, whole input, sequence-parallel output
 for parallel_in, sp in ((True, False), (False, False), (True, True)):
     serial, row = twins(lambda: Linear(C_out, C_in),
