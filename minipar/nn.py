@@ -169,6 +169,9 @@ class Dropout(Module):
     """
 
     def __init__(self, p, rng=None, shards=()):
+        if shards and rng is None:
+            raise ValueError("a sharded Dropout needs the model's RNGTracker: without it each rank "
+                             "would draw its own mask")
         self.p, self.rng, self.shards = p, rng, tuple(shards)
 
     def forward(self, x):
@@ -180,7 +183,7 @@ class Dropout(Module):
         full = list(x.shape)
         for axis, comm in self.shards:
             full[axis] *= comm.size
-        mask = rng.keep_mask(key or F.fresh_key(), tuple(full), self.p, x.dtype)
+        mask = rng.keep_mask(key, tuple(full), self.p, x.dtype)
         return F.apply_mask(x, rng.local_part(mask, self.shards))
 
 

@@ -199,7 +199,8 @@ class GPT(Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         tr = self.transformer
-        x = tr.drop(tr.wte(idx) + tr.wpe(self._positions(T)))
+        positions = self._positions(T)  # checks T against sequence parallelism before any communication
+        x = tr.drop(tr.wte(idx) + tr.wpe(positions))
         for block in tr.h:
             x = block(x)
         x = tr.ln_f(x)
@@ -219,19 +220,8 @@ class GPT(Module):
         return gather_from_region(logits, self.tp)[..., : self.config.vocab_size]
 
     def finalize_grads(self):
-        """Finish the gradients after backward, before the optimizer step.
-
-        * The key bias gets exactly zero: softmax ignores a shift shared by all keys, so the
-          gradient of q . (k + b) with respect to b vanishes (each row of dS sums to 0). Computed,
-          it is rounding noise, and Adam's g / sqrt(v) would blow that noise up into steps as large
-          as any other, different for every summation order (every layout).
-        * With sequence parallelism, the gradients each rank holds only part of are summed.
-        """
-        for block in self.transformer.h:
-            bias = block.attn.c_attn.bias
-            if bias is not None and bias.grad is not None:
-                third = bias.shape[0] // 3  # q | k | v, also in a rank's shard
-                bias.grad[third : 2 * third] = 0.0
+        """Finish the gradients once after the last backward of a step, before the optimizer:
+        with sequence parallelism, sum the ones each rank holds only part of."""
         if self.sequence_parallel:
             tensor.finalize_grads(self, self.tp)
 
@@ -247,6 +237,9 @@ class GPT(Module):
         """Sample ``max_new_tokens`` continuations of ``idx`` (B, T), one token at a time."""
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if self.sequence_parallel:
+            raise ValueError("generate() adds one token at a time, which sequence parallelism cannot "
+                             "split; sample from a model built without sequence_parallel")
         generator = generator or default_generator()
         idx = numpy.asarray(idx)
         was_training = self.training
@@ -256,7 +249,9 @@ class GPT(Module):
                 logits = self.gather_logits(self(idx[:, -self.config.block_size :])[0])
                 probs = F.softmax(logits[:, -1, :] * (1.0 / temperature)).numpy().astype(numpy.float64)
                 probs /= probs.sum(axis=1, keepdims=True)  # exactly 1 in float64, as choice() wants
-                nxt = [generator.choice(probs.shape[1], p=row) for row in probs]
-                idx = numpy.concatenate([idx, numpy.array(nxt)[:, None]], axis=1)
+                nxt = numpy.array([generator.choice(probs.shape[1], p=row) for row in probs])
+                if self.tp is not None:  # the TP ranks must continue the same text
+                    self.tp.broadcast(nxt, root=0)
+                idx = numpy.concatenate([idx, nxt[:, None]], axis=1)
         self.train(was_training)
         return idx

@@ -19,6 +19,8 @@ Weights are initialised whole, from the same generator calls as the single-devic
 rank keeps its part, so a model built on any grid starts from the very same numbers.
 """
 
+import weakref
+
 import numpy
 
 import minipar.functional as F
@@ -89,6 +91,8 @@ class ColumnParallelLinear(Module):
 
     def __init__(self, in_features, out_features, comm, bias=True, std=0.02, chunks=1,
                  gather_output=False, sequence_parallel=False):
+        if out_features % chunks:
+            raise ValueError(f"{out_features} output features do not form {chunks} equal blocks")
         _check_split("output features per chunk", out_features // chunks, comm)
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
         rows = Partition(comm, axis=0, size=out_features, chunks=chunks)
@@ -112,6 +116,9 @@ class RowParallelLinear(Module):
     def __init__(self, in_features, out_features, comm, bias=True, std=0.02, input_is_parallel=True,
                  sequence_parallel=False):
         _check_split("input features", in_features, comm)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("a sequence-parallel RowParallelLinear takes its input already split by "
+                             "features (input_is_parallel=True), as the column-parallel layer leaves it")
         self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
         cols = Partition(comm, axis=1, size=in_features)
         self.weight = sharded_parameter(normal_((out_features, in_features), std), cols)
@@ -153,6 +160,10 @@ class VocabParallelEmbedding(Module):
 
     def forward(self, ids):
         ids = xp.asarray(ids)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            # every rank holds the same ids, so every rank raises here, before communicating
+            raise IndexError(f"embedding ids must lie in [0, {self.num_embeddings}), "
+                             f"got [{int(ids.min())}, {int(ids.max())}]")
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.masked_fill(F.embedding(xp.where(outside, 0, local), self.weight), outside[..., None], 0.0)
@@ -170,8 +181,13 @@ def finalize_grads(model, comm):
     """Sum over ``comm`` the gradients that sequence parallelism leaves partial on each rank
     (LayerNorm weights and biases, row-parallel biases, position embeddings: each rank saw only its
     sequence shard), packed in one buffer so that it takes one all-reduce."""
-    params = [p for p in model.parameters() if getattr(p, "sequence_parallel_grad", False)]
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in model.parameters() if getattr(p, "sequence_parallel_grad", False) and p.grad is not None]
+    for p in params:
+        if getattr(p, "_summed", lambda: None)() is p.grad:
+            raise RuntimeError("finalize_grads was already called on these gradients: call it once, "
+                               "after the last backward of a step (sums twice would be N times too big)")
+        p._summed = weakref.ref(p.grad)
+    grads = [p.grad for p in params]
     if not grads or comm.size == 1:
         return
     flat = comm.all_reduce(xp.concatenate([g.reshape(-1) for g in grads]))

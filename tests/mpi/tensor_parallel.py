@@ -150,6 +150,47 @@ for sp in (False, True):
     for name, value in twin.full_state_dict().items():
         close(value, serial.state_dict()[name], f"load/gather round trip {name}", tol=0)
 
+# TP x DP with dropout: each DP rank runs its slice of the batch and drops its part of the masks
+if world().size % 2 == 0 and world().size >= 4:
+    grid2 = ProcessGrid(tp=world().size // 2, pp=1)  # DP = 2
+    dp = grid2.dp_group
+    ids4 = np.random.default_rng(12).integers(0, V, (4, 2 * N))
+    targets4 = np.random.default_rng(13).integers(0, V, (4, 2 * N))
+    rows = slice(2 * dp.rank, 2 * dp.rank + 2)
+    config2 = GPTConfig(n_layer=2, n_head=N, n_embd=2 * N, block_size=2 * N, vocab_size=V, dropout=0.2)
+    for sp in (False, True):
+        serial, model = twins(lambda: GPT(config2), lambda: GPT(config2, grid2, sequence_parallel=sp))
+        logits_s, loss_s = serial(ids4, targets4)
+        loss_s.backward()
+        logits, loss = model(ids4[rows], targets4[rows])
+        loss.backward()
+        model.finalize_grads()
+        close(model.gather_logits(logits).data, logits_s.data[rows], f"TPxDP logits sp={sp}")
+        grads = T.full_parameters(model, "grad")
+        for name, p in serial.named_parameters():  # equal halves: the batch mean is the mean of means
+            close(dp.all_reduce(grads[name]) / 2, p.grad, f"TPxDP grad {name} sp={sp}")
+
+# Bad input is refused on every rank: out-of-range ids, a sequence that does not split, a second
+# finalize_grads, sampling from a sequence-parallel model
+model = GPT(config, grid, sequence_parallel=True)
+checks = 0
+for attempt, kind in ((lambda: model(np.full((1, 2 * N), V)), IndexError),
+                      (lambda: model(np.zeros((1, 2 * N - 1), np.int64)), ValueError),
+                      (lambda: model.generate(np.zeros((1, 2), np.int64), 1), ValueError)):
+    try:
+        attempt()
+    except kind:
+        checks += 1
+_, loss = model(ids, targets)
+loss.backward()
+model.finalize_grads()
+try:
+    model.finalize_grads()
+except RuntimeError:
+    checks += 1
+if tp.all_reduce(np.array([checks]))[0] != 4 * N:
+    raise AssertionError(f"rank {r}: bad input was accepted ({checks} of 4 refused here)")
+
 # A model that does not fit the grid fails on every rank, before any communication
 raised = 0
 try:
