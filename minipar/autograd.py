@@ -145,6 +145,15 @@ class Tensor:
     def backward(self, grad=None):
         backward(self, grad)
 
+    def register_grad_hook(self, hook):
+        """Call ``hook(tensor)`` during each backward, as soon as this leaf's gradient for that
+        backward is complete (all its uses have contributed)."""
+        if self._node is not None:
+            raise RuntimeError("gradient hooks are for leaf tensors (parameters)")
+        if not hasattr(self, "_grad_hooks"):
+            self._grad_hooks = []
+        self._grad_hooks.append(hook)
+
     # ---- operators: thin forwards to minipar.functional ----------------------------------------
     def __add__(self, other):
         return F.add(self, other)

@@ -118,14 +118,18 @@ def backward(tensor, grad=None):
         )
     if tensor._node is None:  # a leaf: its gradient with respect to itself
         tensor._accumulate(grad, owned=False)
+        _fire_hooks(tensor)
         return
 
     root = tensor._node
+    order = _topological_order(root)
+    waiting = _leaves_with_hooks(order)
     slots = {root: [None] * len(root.out_meta)}
     slots[root][tensor._index] = _GradSlot(grad, owned=False)
-    for node in reversed(_topological_order(root)):
+    for node in reversed(order):
         node_slots = slots.pop(node, None)
         if node_slots is None:  # no gradient flows through this node
+            _count_down(node, waiting)
             node.free()
             continue
         if node.ctx is None:
@@ -173,4 +177,33 @@ def backward(tensor, grad=None):
                     parent_slots[t._index] = _GradSlot(g, owned)
                 else:
                     slot.add(g)
+        _count_down(node, waiting)
         node.free()
+
+
+def _leaves_with_hooks(order):
+    """{leaf: number of uses in this graph} for the leaves that asked to hear when their gradient
+    is complete (data parallelism starts a bucket's all-reduce then, while backward goes on)."""
+    waiting = {}
+    for node in order:
+        for t in node.inputs:
+            if t is not None and t._node is None and getattr(t, "_grad_hooks", None):
+                waiting[t] = waiting.get(t, 0) + 1
+    return waiting
+
+
+def _count_down(node, waiting):
+    """One use of each hooked leaf input of ``node`` has been accounted for; fire at zero."""
+    if not waiting:
+        return
+    for t in node.inputs:
+        if t is not None and t in waiting:
+            waiting[t] -= 1
+            if waiting[t] == 0:
+                del waiting[t]
+                _fire_hooks(t)
+
+
+def _fire_hooks(tensor):
+    for hook in getattr(tensor, "_grad_hooks", ()):
+        hook(tensor)

@@ -54,10 +54,15 @@ class SGD(Optimizer):
 
 class AdamW(Optimizer):
     """Adam with decoupled weight decay, applied to parameters with ndim >= 2 only (weights and
-    embeddings; biases and LayerNorm gains are not decayed, as in GPT-2 and nanoGPT)."""
+    embeddings; biases and LayerNorm gains are not decayed, as in GPT-2 and nanoGPT). ``decay``
+    (one bool per parameter) overrides that rule: ZeRO passes flat pieces of parameters, whose
+    own ndim says nothing."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decay=None):
         super().__init__(params, lr)
+        self.decay = [p.ndim >= 2 for p in self.params] if decay is None else [bool(d) for d in decay]
+        if len(self.decay) != len(self.params):
+            raise ValueError(f"decay has {len(self.decay)} flags for {len(self.params)} parameters")
         b1, b2 = betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
@@ -78,10 +83,10 @@ class AdamW(Optimizer):
         step_size = self.lr / (1.0 - b1**t)
         rsqrt_bc2 = 1.0 / math.sqrt(1.0 - b2**t)
         scratch = {}
-        for p, m, v in zip(self.params, self.m, self.v):
+        for p, m, v, decays in zip(self.params, self.m, self.v, self.decay):
             if p.grad is None:
                 continue
-            decay = 1.0 - self.lr * self.weight_decay if p.ndim >= 2 else 1.0
+            decay = 1.0 - self.lr * self.weight_decay if decays else 1.0
             flat = (p.data.reshape(-1), p.grad.reshape(-1), m.reshape(-1), v.reshape(-1))
             for s in blocks(p.size):  # each block's ~14 passes run in cache
                 n = s.stop - s.start

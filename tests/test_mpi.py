@@ -126,3 +126,13 @@ def test_tensor_parallel_lesson(n, args):
 def test_tensor_parallel_lesson_fails_on_a_planted_bug():
     code, out, _ = run_mpi(4, LESSON_3, "--plant-bug", timeout=300)
     assert code != 0 and "MISMATCH" in out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_data_parallel_matches_the_single_device_run(n):
+    assert f"data parallel OK on {n} ranks" in check_mpi(n, "data_parallel.py", timeout=180)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero_stages_match_the_single_device_run(n):
+    assert f"zero OK on {n} ranks" in check_mpi(n, "zero.py", timeout=180)

@@ -192,6 +192,15 @@ class GPT(Module):
         """``idx`` (B, T) integer ids -> logits (B, T, vocab) and, given targets, the mean loss.
         Under tensor parallelism the logits are this rank's vocabulary columns (see
         ``gather_logits``); the loss is the whole model's, the same on every rank."""
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.logits(x)
+        return logits, (self.loss(logits, targets) if targets is not None else None)
+
+    # The forward in its pieces (ZeRO-3 wraps each one to gather its parameters just in time).
+    def embed(self, idx):
+        """Token and position embeddings of the ids (B, T), then dropout."""
         idx = xp.asarray(idx)
         if idx.ndim != 2:
             raise ValueError(f"GPT input must be (batch, time) token ids, got shape {idx.shape}")
@@ -200,18 +209,19 @@ class GPT(Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         tr = self.transformer
         positions = self._positions(T)  # checks T against sequence parallelism before any communication
-        x = tr.drop(tr.wte(idx) + tr.wpe(positions))
-        for block in tr.h:
-            x = block(x)
+        return tr.drop(tr.wte(idx) + tr.wpe(positions))
+
+    def logits(self, x):
+        """The final LayerNorm and the tied output head."""
+        tr = self.transformer
         x = tr.ln_f(x)
+        return F.linear(x, tr.wte.weight) if self.tp is None else tr.wte.logits(x)
+
+    def loss(self, logits, targets):
         if self.tp is None:
-            logits = F.linear(x, tr.wte.weight)
-            loss = F.cross_entropy(logits, targets) if targets is not None else None
-        else:
-            logits = tr.wte.logits(x)
-            loss = None if targets is None else vocab_parallel_cross_entropy(
-                logits, targets, self.tp, tr.wte.start, self.config.vocab_size)
-        return logits, loss
+            return F.cross_entropy(logits, targets)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp, self.transformer.wte.start,
+                                            self.config.vocab_size)
 
     def gather_logits(self, logits):
         """The whole vocabulary's logits (B, T, V) from this rank's columns (a collective)."""

@@ -19,8 +19,6 @@ Weights are initialised whole, from the same generator calls as the single-devic
 rank keeps its part, so a model built on any grid starts from the very same numbers.
 """
 
-import weakref
-
 import numpy
 
 import minipar.functional as F
@@ -182,14 +180,15 @@ def finalize_grads(model, comm):
     (LayerNorm weights and biases, row-parallel biases, position embeddings: each rank saw only its
     sequence shard), packed in one buffer so that it takes one all-reduce."""
     params = [p for p in model.parameters() if getattr(p, "sequence_parallel_grad", False) and p.grad is not None]
-    for p in params:
-        if getattr(p, "_summed", lambda: None)() is p.grad:
-            raise RuntimeError("finalize_grads was already called on these gradients: call it once, "
-                               "after the last backward of a step (sums twice would be N times too big)")
-        p._summed = weakref.ref(p.grad)
-    grads = [p.grad for p in params]
-    if not grads or comm.size == 1:
+    if not params or comm.size == 1:
         return
+    if not hasattr(model, "_partial_grads_summed"):  # any backward makes the gradients partial again
+        params[0].register_grad_hook(lambda _: setattr(model, "_partial_grads_summed", False))
+    elif model._partial_grads_summed:
+        raise RuntimeError("finalize_grads was already called since the last backward: call it once, "
+                           "after the last backward of a step (summing twice makes them N times too big)")
+    model._partial_grads_summed = True
+    grads = [p.grad for p in params]
     flat = comm.all_reduce(xp.concatenate([g.reshape(-1) for g in grads]))
     offset = 0
     for g in grads:

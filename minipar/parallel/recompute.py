@@ -1,0 +1,66 @@
+"""Activation recomputation ("checkpointing", Chen et al. 2016): keep a layer's input, not its
+activations, and run the layer again in backward.
+
+During forward, ``checkpoint(fn, x)`` runs ``fn`` without recording a graph, so none of its
+intermediate arrays are kept: only x. In backward it runs ``fn(x)`` again, this time recording,
+and backpropagates the incoming gradient through that fresh graph. The parameters inside ``fn``
+receive their gradients from that inner backward, exactly as without checkpointing. The price is
+one more forward of ``fn``; the saving is every activation inside it.
+
+Two things must repeat exactly in the second run: the dropout masks (the model's RNG tracker is
+set back to its state at the first run, then restored), and, for ZeRO-3, the parameters, which
+``before`` gathers and ``after`` frees around each of the two runs.
+"""
+
+import numpy
+
+from minipar.autograd import Function, Tensor, no_grad
+from minipar.backend import xp
+
+
+def _nothing():
+    return None
+
+
+class Checkpoint(Function):
+    @staticmethod
+    def forward(ctx, x, anchor, fn, rng, before, after, after_backward):
+        ctx.x, ctx.fn, ctx.rng = x, fn, rng
+        ctx.rng_state = rng.state() if rng is not None else None
+        ctx.hooks = (before, after, after_backward)
+        before()
+        with no_grad():
+            y = fn(Tensor._wrap(x))
+        after()
+        return y.data
+
+    @staticmethod
+    def backward(ctx, grad):
+        before, after, after_backward = ctx.hooks
+        before()
+        float_input = ctx.x.dtype.kind == "f"
+        x = Tensor._wrap(ctx.x, requires_grad=float_input)
+        if ctx.rng is not None:  # draw the same dropout masks as the first run
+            now = ctx.rng.state()
+            ctx.rng.set_state(ctx.rng_state)
+        y = ctx.fn(x)
+        if ctx.rng is not None:
+            ctx.rng.set_state(now)
+        y.backward(grad)
+        after()
+        after_backward()
+        return (x.grad if float_input else None), None, None, None, None, None, None
+
+
+def checkpoint(fn, x, rng=None, before=_nothing, after=_nothing, after_backward=_nothing):
+    """``fn(x)`` that keeps only ``x`` for backward and recomputes the rest there.
+
+    ``rng``: the model's RNG tracker, so that dropout inside ``fn`` draws the same masks twice.
+    ``before``/``after`` run around each execution of ``fn`` (ZeRO-3 gathers and frees the
+    parameters there); ``after_backward`` runs once the parameters of ``fn`` have their gradients.
+    ``x`` may be integer ids (an embedding): the result still depends on the parameters inside,
+    which an ``anchor`` that requires grad tells the engine.
+    """
+    x = x if isinstance(x, Tensor) else Tensor(xp.asarray(x))
+    anchor = Tensor(numpy.zeros(0), requires_grad=True)
+    return Checkpoint.apply(x, anchor, fn, rng, before, after, after_backward)

@@ -1,0 +1,107 @@
+"""ZeRO stage 3: parameters sharded too; each layer's are gathered just in time and freed after.
+
+Every rank keeps only its pieces of the parameters (see ``zero.py`` for the layout). Around each
+unit of the model (the embeddings, each transformer block, the final LayerNorm with the head):
+
+    forward   all-gather the unit's parameters, run it without recording a graph, free them
+    backward  all-gather them again, run the unit again with a graph (``recompute.checkpoint``),
+              backpropagate, reduce-scatter the unit's gradients into the shards, free them all
+
+Running the unit without a graph in forward is what makes freeing real: a recorded graph would keep
+the gathered weights alive (a linear layer saves its weight for backward). So stage 3 here always
+recomputes, trading one extra forward per unit for holding only one unit's parameters at a time.
+
+The tied embedding is used by two units, the embeddings and the head: it is gathered for each, and
+its gradient arrives in two parts, each reduce-scattered and added to the same shard.
+"""
+
+from minipar.backend import xp
+from minipar.parallel.recompute import checkpoint
+from minipar.parallel.zero import Group, ZeroAdamW
+
+
+def gpt_units(model):
+    """(owner, method name, parameters it uses) for each unit of a GPT, in forward order."""
+    tr = model.transformer
+    units = [(model, "embed", [tr.wte.weight, tr.wpe.weight])]
+    units += [(block, "forward", block.parameters()) for block in tr.h]
+    units.append((model, "logits", tr.ln_f.parameters() + [tr.wte.weight]))
+    return units
+
+
+class Zero3(ZeroAdamW):
+    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        units = gpt_units(model)
+        params = model.parameters()
+        for p in params:  # every rank starts from rank 0's weights ...
+            comm.broadcast(p.data, root=0)
+        tr = model.transformer
+        order = [[tr.wte.weight], [tr.wpe.weight]] + [b.parameters() for b in tr.h] + [tr.ln_f.parameters()]
+        groups, offset = [], 0
+        for ps in order:
+            groups.append(Group(ps, comm, offset))
+            offset += groups[-1].piece
+        self.shapes = {id(p): p.shape for p in params}
+        dtype = params[0].dtype
+        self.master = xp.concatenate([g.flatten([p.data for p in g.params], dtype)[slice(*g.own())] for g in groups])
+        self._empty = xp.empty(0, dtype)
+        for p in params:  # ... and keeps only its pieces
+            p.data = self._empty
+        super().__init__(model, comm, 3, lr, betas, eps, weight_decay, groups=groups)
+        self.ledger.add("parameters", self.master.nbytes)
+        self._group_of = {id(p): g for g in groups for p in g.params}
+        for owner, name, used in units:
+            self._wrap(owner, name, [self._group_of[id(p)] for p in dict.fromkeys(used)])
+
+    def master_pieces(self):
+        return [self.master[g.shard] for g in self.groups]
+
+    def _wrap(self, owner, name, groups):
+        groups = list({id(g): g for g in groups}.values())
+        run = getattr(owner, name)
+
+        def unit(x):
+            return checkpoint(run, x, rng=getattr(self.model, "rng", None),
+                              before=lambda: self.gather(groups), after=lambda: self.release(groups),
+                              after_backward=lambda: self.send_gradients(groups))
+
+        setattr(owner, name, unit)
+
+    def gather(self, groups):
+        """All-gather the groups' parameters into whole buffers the parameters point into."""
+        for g in groups:
+            whole = xp.empty((self.comm.size, g.piece), self.master.dtype)
+            self.comm.all_gather(self.master[g.shard].copy(), out=whole)
+            flat = whole.reshape(-1)
+            for p, part in zip(g.params, g.unflatten(flat)):
+                if p.data.size:
+                    raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
+                p.data = part.reshape(self.shapes[id(p)])
+            self.ledger.add("parameters", flat.nbytes)
+
+    def release(self, groups):
+        for g in groups:
+            for p in g.params:
+                p.data = self._empty
+            self.ledger.remove("parameters", g.padded * self.master.itemsize)
+
+    def send_gradients(self, groups):
+        """After a unit's backward: reduce-scatter its parameters' gradients and drop them."""
+        alive = sum(p.grad.nbytes for g in groups for p in g.params if p.grad is not None)
+        self.ledger.add("gradients", alive)
+        for g in groups:
+            self.reduce_scatter(g, g.flatten([p.grad for p in g.params], self.master.dtype))
+            for p in g.params:
+                p.grad = None
+        self.ledger.remove("gradients", alive)
+
+    def full_state_dict(self, model_names):
+        """{name: whole array} gathered from the shards (a collective)."""
+        names = {id(p): n for n, p in model_names}
+        out = {}
+        for g in self.groups:
+            self.gather([g])
+            for p in g.params:
+                out[names[id(p)]] = p.data.copy()
+            self.release([g])
+        return out
