@@ -40,6 +40,7 @@ from minipar.models.gpt import Block
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.tensor import full_parameters
+from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 
@@ -66,12 +67,6 @@ def parse_args(world_size):
     if args.batch_size % (world_size // args.tp):
         p.error(f"--batch-size {args.batch_size} does not split over DP = {world_size // args.tp}")
     return args
-
-
-def rel_err(a, b):
-    """||a - b|| / ||b||, the relative error of a whole tensor (2-norm over all its entries)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def count_per_layer(grid):
@@ -126,18 +121,15 @@ def run(args, grid, data, sp):
         loss_all = dp.all_reduce(np.array([loss.item()]))[0] / dp.size
         if step == 0:
             errors["logits"] = rel_err(model.gather_logits(logits).data, logits_s.data[rows])
-            grads = full_parameters(model, "grad")
-            errors["gradients (worst tensor)"] = max(rel_err(grads[n], p.grad) for n, p in serial.named_parameters())
+            errors["gradients (worst tensor)"] = worst_tensor(full_parameters(model, "grad"),
+                                                              {n: p.grad for n, p in serial.named_parameters()})
             traffic = dict(per_block=per_block, forward=forward_total, backward=backward_total,
                            block_input=block_inputs[0])
         errors["loss"] = max(errors.get("loss", 0.0), rel_err(loss_all, loss_s.item()))
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    state, reference = model.full_state_dict(), serial.state_dict()
-    names = sorted(reference)  # all parameters as one vector: see the module docstring
-    errors[f"parameters after {args.steps} steps"] = rel_err(np.concatenate([state[n].ravel() for n in names]),
-                                                       np.concatenate([reference[n].ravel() for n in names]))
+    errors[f"parameters after {args.steps} steps"] = as_one_vector(model.full_state_dict(), serial.state_dict())
     return errors, traffic
 
 

@@ -164,8 +164,9 @@ class Dropout(Module):
 
     ``rng`` (a ``minipar.rng.RNGTracker``, shared by a model) gives every call its key; without
     one the process-wide generator does. ``shards`` lists the (axis, communicator) pairs along
-    which this rank holds only a part of the activation: the mask is drawn for the whole and this
-    rank's part kept, so that any layout drops exactly what one device would (see ``minipar.rng``).
+    which this rank holds only a part of the activation (in that order, after the micro-batch
+    the tracker may be in): the mask is drawn for the whole and this rank's part kept, so that any
+    layout drops exactly what one device would (see ``minipar.rng``).
     """
 
     def __init__(self, p, rng=None, shards=()):
@@ -178,13 +179,16 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             return x
         key = self.rng.next_key() if self.rng is not None else None
-        if not self.shards:
+        parts = [(axis, comm.size, comm.rank) for axis, comm in self.shards]
+        if self.rng is not None and self.rng.micro[1] > 1:
+            parts.insert(0, (0, self.rng.micro[1], self.rng.micro[0]))
+        if not parts:
             return F.dropout(x, self.p, key=key)
         full = list(x.shape)
-        for axis, comm in self.shards:
-            full[axis] *= comm.size
+        for axis, count, _ in parts:
+            full[axis] *= count
         mask = rng.keep_mask(key, tuple(full), self.p, x.dtype)
-        return F.apply_mask(x, rng.local_part(mask, self.shards))
+        return F.apply_mask(x, rng.local_part(mask, parts))
 
 
 def describe(module):

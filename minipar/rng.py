@@ -16,21 +16,39 @@ comparable to a single device.) Drawing whole masks costs random numbers, not me
 a counter-based generator could draw only the local part; NumPy's generators are not counter-based.
 """
 
+import contextlib
+
 import numpy
 
 from minipar.backend import xp
 
 
 class RNGTracker:
-    """Hands out one key per dropout call: (seed, call number)."""
+    """Hands out one key per dropout call: (seed, call number). Inside ``micro_batch(i, k)`` a
+    forward is micro-batch i of k cutting one step's batch into consecutive rows: every micro-batch
+    gets the keys the whole batch would get, and keeps its rows of the masks."""
 
     def __init__(self, seed=0):
         self.seed, self.calls = int(seed), 0
+        self.micro = (0, 1)
+        self._base = 0
 
     def next_key(self):
         key = (self.seed, self.calls)
         self.calls += 1
         return key
+
+    @contextlib.contextmanager
+    def micro_batch(self, index, count):
+        if index == 0:
+            self._base = self.calls
+        else:  # the same dropout calls as micro-batch 0: they are parts of the same masks
+            self.calls = self._base
+        self.micro = (index, count)
+        try:
+            yield
+        finally:
+            self.micro = (0, 1)
 
     def state(self):
         return {"seed": self.seed, "calls": self.calls}
@@ -49,9 +67,9 @@ def keep_mask(key, shape, p, dtype, index=()):
     return mask
 
 
-def local_part(full, shards):
-    """This rank's part of ``full``: for each (axis, comm) in ``shards``, slice ``comm.rank`` of
-    ``comm.size`` equal parts along ``axis``."""
-    for axis, comm in shards:
-        full = xp.split(full, comm.size, axis=axis)[comm.rank]
+def local_part(full, parts):
+    """This rank's part of ``full``: for each (axis, count, index) in ``parts``, in order, cut
+    ``count`` equal parts along ``axis`` and keep part ``index``."""
+    for axis, count, index in parts:
+        full = xp.split(full, count, axis=axis)[index]
     return full

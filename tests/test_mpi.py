@@ -136,3 +136,25 @@ def test_data_parallel_matches_the_single_device_run(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_zero_stages_match_the_single_device_run(n):
     assert f"zero OK on {n} ranks" in check_mpi(n, "zero.py", timeout=180)
+
+
+LESSON_2 = os.path.join(ROOT, "lessons", "02_data_parallel.py")
+LESSON_5 = os.path.join(ROOT, "lessons", "05_zero.py")
+
+
+@pytest.mark.parametrize("n,args", [(4, []), (4, ["--micro-batches", "2", "--bucket-kb", "16"]),
+                                    (2, ["--dtype", "float64"])])
+def test_data_parallel_lesson(n, args):
+    assert "equals the single-device run" in check_mpi(n, LESSON_2, *args, timeout=300)
+
+
+@pytest.mark.parametrize("n,args", [(4, []), (2, ["--dtype", "float64"])])
+def test_zero_lesson(n, args):
+    out = check_mpi(n, LESSON_5, *args, timeout=300)
+    assert "Every stage equals the single-device run" in out and "16P/N" in out
+
+
+@pytest.mark.parametrize("lesson", [LESSON_2, LESSON_5])
+def test_data_parallel_lessons_fail_on_a_planted_bug(lesson):
+    code, out, _ = run_mpi(2, lesson, "--plant-bug", timeout=300)
+    assert code != 0 and "MISMATCH" in out

@@ -126,7 +126,10 @@ class CausalSelfAttention(Module):
     def forward(self, x):
         p = self.dropout if self.training else 0.0
         key = self.rng.next_key() if p > 0 else None
-        batch_offset = x.shape[0] * self.dp.rank if self.dp is not None else 0
+        # which sequences of the step's whole batch these are: micro-batch-major, then DP rank
+        micro = self.rng.micro[0]
+        dp_rank, dp_size = (self.dp.rank, self.dp.size) if self.dp is not None else (0, 1)
+        batch_offset = x.shape[0] * (micro * dp_size + dp_rank)
         y = F.causal_attention(self.c_attn(x), self.n_head, p, key=key, batch_offset=batch_offset,
                                head_offset=self.head_offset)
         return self.resid_dropout(self.c_proj(y))

@@ -95,6 +95,7 @@ class DataParallel:
                 self._bucket_of[p] = bucket
                 p.register_grad_hook(self._gradient_ready)
         self._sync = True
+        self.started_in_backward = 0  # buckets whose all-reduce began while backward still ran
 
     def _gradient_ready(self, p):
         if not self._sync:
@@ -105,6 +106,7 @@ class DataParallel:
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.request = self.comm.iall_reduce(bucket.flat)
+            self.started_in_backward += 1
         for b in self.buckets:  # MPI moves data only inside MPI calls: let started buckets progress
             if b.request is not None:
                 b.request.test()
@@ -131,6 +133,13 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.flat[...] = 0
             bucket.ready, bucket.request = 0, None
+        self.started_in_backward = 0
+
+    def state_bytes(self, optimizer):
+        """Bytes this rank holds for training state: parameters, gradient buckets, optimizer."""
+        return {"parameters": sum(p.data.nbytes for p in self.model.parameters()),
+                "gradients": sum(b.flat.nbytes for b in self.buckets),
+                "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(optimizer.m, optimizer.v))}
 
     def scale_loss(self, loss, targets, ignore_index=-1):
         return scale_loss(loss, targets, self.comm, ignore_index)

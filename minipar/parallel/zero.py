@@ -193,17 +193,26 @@ class ZeroAdamW:
             for q in g.params:  # stage 2 keeps no whole gradient once its group is sent
                 q.grad = None
 
+    IN_FLIGHT = 2  # groups sent but not yet summed in: bounds the gradient memory of stages 2 and 3
+
     def reduce_scatter(self, g, flat):
-        """Start sending a group's flat gradients (a buffer made for the purpose); ``_collect``
-        adds this rank's piece of their sum to its shard."""
+        """Start sending a group's flat gradients (a buffer made for the purpose). Finished sends
+        are summed into the shard and their buffers dropped as we go; beyond ``IN_FLIGHT``
+        pending groups we wait for the oldest, so that backward never holds them all."""
         self.ledger.add("gradients", flat.nbytes + flat.nbytes // self.comm.size)
         self.pending.append((g, self.comm.ireduce_scatter(flat), flat.nbytes))
+        self._collect(keep=self.IN_FLIGHT)
 
-    def _collect(self):
-        for g, request, nbytes in self.pending:
-            self.grad_pieces[self.groups.index(g)] += request.wait()
-            self.ledger.remove("gradients", nbytes + nbytes // self.comm.size)
-        self.pending = []
+    def _collect(self, keep=0):
+        """Sum finished (and, beyond ``keep`` pending, the oldest) sends into the shard."""
+        still = []
+        for i, (g, request, nbytes) in enumerate(self.pending):
+            if request.test() or len(self.pending) - i > keep:
+                self.grad_pieces[self.groups.index(g)] += request.wait()
+                self.ledger.remove("gradients", nbytes + nbytes // self.comm.size)
+            else:
+                still.append((g, request, nbytes))
+        self.pending = still
 
     def finish_gradients(self):
         """Sum every group's gradients over the group into this rank's pieces (once per step)."""
