@@ -158,7 +158,7 @@ def main():
             a, b = FORMULA[s]
             formula = item * (a * P + b * P // N) // 4
             a_, b_ = a * item // 4, b * item // 4  # the paper counts 4-byte values
-            text = f"{a_}P + {b_}P/N" if a_ else f"{b_}P/N"
+            text = f"{a_}P + {b_}P/N" if a_ and b_ else (f"{a_}P" if a_ else f"{b_}P/N")
             print(f"  {s:<7}{held['parameters']:>12,}{held['gradients']:>12,}{held['optimizer']:>12,}"
                   f"{sum(held.values()):>13,}{formula:>13,}  {text:<11}{peak_state:>13,}{peak_numpy:>18,}")
         print(f"\nbytes sent per rank per step on the data-parallel group (ring model | formula)")

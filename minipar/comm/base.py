@@ -60,14 +60,16 @@ def wait_without_spinning(test):
 
 class Request:
     """A pending non-blocking operation. ``wait()`` returns its result (the received or reduced
-    array) without spinning; ``test()`` says whether it has finished."""
+    array) without spinning; ``test()`` says whether it has finished. ``keep`` holds whatever
+    references the operation's buffers (MPI reads and writes them until it is done: a send buffer
+    the caller drops must not be freed under it)."""
 
-    def __init__(self, test, result=None):
-        self._test, self._result, self._done = test, result, False
+    def __init__(self, test, result=None, keep=None):
+        self._test, self._result, self._keep, self._done = test, result, keep, False
 
     def test(self):
         if not self._done and self._test():
-            self._done = True
+            self._done, self._keep = True, None
         return self._done
 
     def wait(self):

@@ -64,7 +64,7 @@ class MPICommunicator(Communicator):
         if wait and not self.polite:
             blocking_call()
             return result
-        request = Request(start_call().Test, result)
+        request = Request(start_call().Test, result, keep=start_call)  # its closure holds the buffers
         return request.wait() if wait else request
 
     # Each operation below is written once; the blocking form is the non-blocking one with wait=True.

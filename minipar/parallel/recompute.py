@@ -24,10 +24,10 @@ def _nothing():
 
 class Checkpoint(Function):
     @staticmethod
-    def forward(ctx, x, anchor, fn, rng, before, after, after_backward):
+    def forward(ctx, x, anchor, fn, rng, before, after, before_backward, after_backward):
         ctx.x, ctx.fn, ctx.rng = x, fn, rng
         ctx.rng_state = rng.state() if rng is not None else None
-        ctx.hooks = (before, after, after_backward)
+        ctx.hooks = (before, after, before_backward, after_backward)
         before()
         with no_grad():
             y = fn(Tensor._wrap(x))
@@ -36,8 +36,9 @@ class Checkpoint(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        before, after, after_backward = ctx.hooks
+        before, after, before_backward, after_backward = ctx.hooks
         before()
+        before_backward()
         float_input = ctx.x.dtype.kind == "f"
         x = Tensor._wrap(ctx.x, requires_grad=float_input)
         if ctx.rng is not None:  # draw the same dropout masks as the first run
@@ -49,18 +50,20 @@ class Checkpoint(Function):
         y.backward(grad)
         after()
         after_backward()
-        return (x.grad if float_input else None), None, None, None, None, None, None
+        return (x.grad if float_input else None), None, None, None, None, None, None, None
 
 
-def checkpoint(fn, x, rng=None, before=_nothing, after=_nothing, after_backward=_nothing):
+def checkpoint(fn, x, rng=None, before=_nothing, after=_nothing, before_backward=_nothing,
+               after_backward=_nothing):
     """``fn(x)`` that keeps only ``x`` for backward and recomputes the rest there.
 
     ``rng``: the model's RNG tracker, so that dropout inside ``fn`` draws the same masks twice.
     ``before``/``after`` run around each execution of ``fn`` (ZeRO-3 gathers and frees the
-    parameters there); ``after_backward`` runs once the parameters of ``fn`` have their gradients.
+    parameters there); ``before_backward`` and ``after_backward`` run around the backward of
+    ``fn``'s parameters (ZeRO-3 gives them gradient buffers, then sends those).
     ``x`` may be integer ids (an embedding): the result still depends on the parameters inside,
     which an ``anchor`` that requires grad tells the engine.
     """
     x = x if isinstance(x, Tensor) else Tensor(xp.asarray(x))
     anchor = Tensor(numpy.zeros(0), requires_grad=True)
-    return Checkpoint.apply(x, anchor, fn, rng, before, after, after_backward)
+    return Checkpoint.apply(x, anchor, fn, rng, before, after, before_backward, after_backward)

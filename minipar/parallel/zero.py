@@ -193,13 +193,14 @@ class ZeroAdamW:
             for q in g.params:  # stage 2 keeps no whole gradient once its group is sent
                 q.grad = None
 
-    IN_FLIGHT = 2  # groups sent but not yet summed in: bounds the gradient memory of stages 2 and 3
+    IN_FLIGHT = 1  # groups sent but not yet summed in: bounds the gradient memory of stages 2 and 3
 
-    def reduce_scatter(self, g, flat):
-        """Start sending a group's flat gradients (a buffer made for the purpose). Finished sends
-        are summed into the shard and their buffers dropped as we go; beyond ``IN_FLIGHT``
-        pending groups we wait for the oldest, so that backward never holds them all."""
-        self.ledger.add("gradients", flat.nbytes + flat.nbytes // self.comm.size)
+    def reduce_scatter(self, g, flat, counted=False):
+        """Start sending a group's flat gradients (a buffer made for the purpose, already in the
+        ledger if ``counted``). Finished sends are summed into the shard and their buffers
+        dropped as we go; beyond ``IN_FLIGHT`` pending groups we wait for the oldest, so that
+        backward never holds them all."""
+        self.ledger.add("gradients", (0 if counted else flat.nbytes) + flat.nbytes // self.comm.size)
         self.pending.append((g, self.comm.ireduce_scatter(flat), flat.nbytes))
         self._collect(keep=self.IN_FLIGHT)
 

@@ -63,6 +63,7 @@ class Zero3(ZeroAdamW):
         def unit(x):
             return checkpoint(run, x, rng=getattr(self.model, "rng", None),
                               before=lambda: self.gather(groups), after=lambda: self.release(groups),
+                              before_backward=lambda: self.gradient_buffers(groups),
                               after_backward=lambda: self.send_gradients(groups))
 
         setattr(owner, name, unit)
@@ -85,15 +86,24 @@ class Zero3(ZeroAdamW):
                 p.data = self._empty
             self.ledger.remove("parameters", g.padded * self.master.itemsize)
 
-    def send_gradients(self, groups):
-        """After a unit's backward: reduce-scatter its parameters' gradients and drop them."""
-        alive = sum(p.grad.nbytes for g in groups for p in g.params if p.grad is not None)
-        self.ledger.add("gradients", alive)
+    def gradient_buffers(self, groups):
+        """Before a unit's backward: one flat zeroed buffer per group, its parameters' gradients
+        views into it, so that the engine accumulates straight into what will be sent."""
+        self._flats = []
         for g in groups:
-            self.reduce_scatter(g, g.flatten([p.grad for p in g.params], self.master.dtype))
+            flat = xp.zeros(g.padded, self.master.dtype)
+            for p, part in zip(g.params, g.unflatten(flat)):
+                p.grad = part.reshape(self.shapes[id(p)])
+            self.ledger.add("gradients", flat.nbytes)
+            self._flats.append(flat)
+
+    def send_gradients(self, groups):
+        """After a unit's backward: reduce-scatter its gradient buffers and drop the views."""
+        for g, flat in zip(groups, self._flats):
+            self.reduce_scatter(g, flat, counted=True)
             for p in g.params:
                 p.grad = None
-        self.ledger.remove("gradients", alive)
+        self._flats = []
 
     def full_state_dict(self, model_names):
         """{name: whole array} gathered from the shards (a collective)."""

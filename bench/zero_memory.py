@@ -1,0 +1,81 @@
+"""How deep a GPT fits in a per-rank memory budget under ZeRO stages 0-3, from measured bytes.
+
+    ./run_mpi.sh -n 8 bench/zero_memory.py                 # 256 MiB per rank, width 256
+    ./run_mpi.sh -n 8 bench/zero_memory.py --budget-mb 1024 --n-embd 512
+
+For each stage, the training state a rank holds (parameters, gradients, optimizer; the peak during
+a step, measured by the stage's own accounting) is measured for a 2-layer and a 3-layer GPT of the
+given width. Their difference is the cost of one more layer; the rest is the embeddings, the final
+LayerNorm and a step's transient buffers (gradient groups in flight, stage 3's gathered layer),
+which stop growing after two layers. The budget then gives the deepest model that fits.
+Activations are not part of the budget: they depend on batch and sequence, not on ZeRO.
+"""
+
+import argparse
+import sys
+
+import numpy as np
+
+import minipar
+from minipar.comm import world
+from minipar.models import GPT, GPTConfig
+from minipar.optim import AdamW
+from minipar.parallel import ProcessGrid
+from minipar.parallel.data import DataParallel, scale_loss, split_batch
+from minipar.parallel.zero import ZeroAdamW
+from minipar.parallel.zero3 import Zero3
+
+
+def state_peak(stage, n_layer, args, grid):
+    """Peak bytes of training state on this rank during one step of a GPT with ``n_layer``."""
+    config = GPTConfig(n_layer=n_layer, n_head=4, n_embd=args.n_embd, block_size=16)
+    minipar.manual_seed(0)
+    model = GPT(config, grid)
+    dp = grid.dp_group
+    if stage == 0:
+        ddp, opt = DataParallel(model, dp), AdamW(model.parameters())
+    else:
+        opt = Zero3(model, dp) if stage == 3 else ZeroAdamW(model, dp, stage, bucket_bytes=args.bucket_kb << 10)
+    rng = np.random.default_rng(0)
+    x, y = split_batch(rng.integers(0, 256, (dp.size, 16)), rng.integers(0, 256, (dp.size, 16)), dp)
+    _, loss = model(x, y)
+    scale_loss(loss, y, dp).backward()
+    if stage == 0:
+        ddp.finish_gradients()
+        opt.step()
+        return sum(ddp.state_bytes(opt).values()), model.num_parameters()
+    opt.step()
+    return opt.ledger.peak_total, sum(g.size for g in opt.groups)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget-mb", type=float, default=256, help="per-rank budget for training state, MiB")
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--bucket-kb", type=int, default=256, help="ZeRO gradient group size (stages 1-2)")
+    args = p.parse_args()
+    comm = world()
+    grid = ProcessGrid(tp=1, pp=1)
+    budget = args.budget_mb * 2**20
+    rows = []
+    for stage in range(4):
+        (two, p2), (three, p3) = state_peak(stage, 2, args, grid), state_peak(stage, 3, args, grid)
+        per_layer, base = three - two, two - 2 * (three - two)
+        depth = int((budget - base) // per_layer) if budget > base else 0
+        params = p2 + (depth - 2) * (p3 - p2)
+        rows.append((stage, per_layer, base, depth, params, per_layer / (p3 - p2)))
+    if comm.rank == 0:
+        print(f"{comm.size} data-parallel ranks, float32, width {args.n_embd}, budget {args.budget_mb:g} MiB "
+              "of training state per rank\n")
+        print(f"  {'stage':<7}{'bytes/layer':>13}{'bytes/param':>13}{'rest':>13}{'deepest GPT':>13}{'parameters':>16}")
+        print(f"  {'':<7}{'':>13}{'(per layer)':>13}{'':>13}{'(n_layer)':>13}")
+        for stage, per_layer, base, depth, params, per_param in rows:
+            print(f"  {stage:<7}{per_layer:>13,}{per_param:>13.2f}{base:>13,}{depth:>13}{params:>16,}")
+        n = comm.size
+        print(f"\n  the paper's bytes per parameter for N={n}: 16, 8 + 8/N = {8 + 8 / n:.2f}, "
+              f"4 + 12/N = {4 + 12 / n:.2f}, 16/N = {16 / n:.2f} (the peaks add a step's transient buffers)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
