@@ -158,3 +158,14 @@ def test_zero_lesson(n, args):
 def test_data_parallel_lessons_fail_on_a_planted_bug(lesson):
     code, out, _ = run_mpi(2, lesson, "--plant-bug", timeout=300)
     assert code != 0 and "MISMATCH" in out
+
+
+@pytest.mark.parametrize("bench,args", [
+    ("collectives.py", ["--max-size", "64K", "--rounds", "1"]),
+    ("waiting.py", []),
+    ("zero_memory.py", ["--n-embd", "64", "--budget-mb", "16"]),
+])
+def test_benchmarks_run(bench, args):
+    out = check_mpi(2, os.path.join(ROOT, "bench", bench), *args, timeout=300)
+    assert {"collectives.py": "lowest throughput ratio", "waiting.py": "polite",
+            "zero_memory.py": "deepest GPT"}[bench] in out

@@ -91,6 +91,11 @@ t = comm.stats.by_op["broadcast"]
 totals = comm.all_reduce(np.array([t.bytes_sent, t.bytes_received]))
 check(list(totals) == [(N - 1) * 800, (N - 1) * 800], f"broadcast bytes {list(totals)}")
 
+# a non-blocking operation keeps its buffers alive: the caller may drop the send buffer at once
+request = comm.ireduce_scatter(np.full(N * 4096, float(r + 1)))
+scribble = [np.full(N * 4096, 7.0) for _ in range(8)]  # reuse whatever memory was freed
+check(np.all(request.wait() == N * (N + 1) / 2), "ireduce_scatter with a dropped send buffer")
+
 # a receive that does not match the message is an error, not stale or reinterpreted data
 if N > 1 and r < 2:
     if r == 0:
