@@ -8,7 +8,9 @@ a step, measured by the stage's own accounting) is measured for a 2-layer and a 
 given width. Their difference is the cost of one more layer; the rest is the embeddings, the final
 LayerNorm and a step's transient buffers (gradient groups in flight, stage 3's gathered layer),
 which stop growing after two layers. The budget then gives the deepest model that fits.
-Activations are not part of the budget: they depend on batch and sequence, not on ZeRO.
+Activations are not part of the budget: they depend on batch and sequence, not on ZeRO. Nor is
+construction: to start from the single-device weights, every rank draws the whole model once and
+keeps its shards (a system for models bigger than one rank would draw each shard directly).
 """
 
 import argparse

@@ -29,7 +29,7 @@ from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel
+from minipar.parallel.data import DataParallel, token_count
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
@@ -45,7 +45,7 @@ def parse_args(n):
     p.add_argument("--bucket-kb", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
-                   help="backward on each rank's mean loss instead of its share of the global mean")
+                   help="average the ranks' means instead of summing shares of the global mean: N times too big")
     args = p.parse_args()
     if args.steps < 1 or args.micro_batches < 1 or args.bucket_kb < 1:
         p.error("--steps, --micro-batches and --bucket-kb must be >= 1")
@@ -76,17 +76,18 @@ def main():
         _, loss_s = serial(x, y)  # the whole batch at once on one device
         loss_s.backward()
         dp.stats.reset()
-        losses = []
+        losses, total = [], token_count(y)  # every rank has the global batch: it can count it
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):  # micro-batches
             xs, ys = ddp.split_batch(x[rows], y[rows])
             with ddp.no_sync() if i < k - 1 else contextlib.nullcontext(), model.rng.micro_batch(i, k):
                 _, loss = model(xs, ys)
-                share = loss if args.plant_bug else ddp.scale_loss(loss, ys)  # bug: N times too big
-                (share * (1.0 / k)).backward()
+                # each micro-batch mean times (its tokens / the step's): its share of the global mean
+                share = loss * (1.0 / k) if args.plant_bug else ddp.scale_loss(loss, ys, total=total)
+                share.backward()
             losses.append(loss.item())
         overlap.append((ddp.started_in_backward, len(ddp.buckets)))
         ddp.finish_gradients()
-        sent.append(dp.stats.by_op["all_reduce"].bytes_sent - 2 * (N - 1) * 8 * k // N)  # minus the token counts
+        sent.append(dp.stats.by_op["all_reduce"].bytes_sent)
         if step == 0:
             errors["gradients (worst tensor)"] = worst_tensor({n: p.grad for n, p in model.named_parameters()},
                                                               {n: p.grad for n, p in serial.named_parameters()})
@@ -101,24 +102,28 @@ def main():
     ddp.check_replicas()  # every rank holds bit-identical weights
 
     tol = TOLERANCE[args.dtype]
-    failed = comm.all_reduce(np.array([int(any(e > tol for e in errors.values()))]), op="max")[0]
     P = serial.num_parameters()
     item = np.dtype(args.dtype).itemsize
+    held = ddp.state_bytes(opt)
+    formula_sent = 2 * (N - 1) * item * P // N
+    agrees = all(abs(s - formula_sent) < len(ddp.buckets) for s in sent)  # (ring bytes round per call)
+    agrees &= sum(held.values()) == 4 * item * P
+    failed = int(any(e > tol for e in errors.values()) or not agrees)
+    failed = comm.all_reduce(np.array([failed]), op="max")[0]
     if comm.rank == 0:
         print(f"{N} data-parallel ranks; GPT of P = {P:,} parameters ({args.dtype}); global batch "
               f"{args.batch_size} = {N} ranks x {k} micro-batch(es) x {args.batch_size // N // k}")
         print(f"\nrelative error against the single-device run (tolerance {tol:g})")
         for name, e in errors.items():
             print(f"  {name:<28}{e:>10.1e}")
-        print(f"\ngradient buckets of {args.bucket_kb} KiB: {len(ddp.buckets)}; all-reduces started while "
-              f"backward still ran, per step: {', '.join(f'{s}/{b}' for s, b in overlap)}")
-        print(f"bytes sent per rank per step (ring model): {sent[0]:,}; 2 (N-1)/N x {item}P = "
-              f"{2 * (N - 1) * item * P // N:,}")
-        held = ddp.state_bytes(opt)
+        print(f"\ngradient buckets of {args.bucket_kb} KiB: {len(ddp.buckets)}; all-reduces started by the "
+              f"gradient hooks during backward, per step: {', '.join(f'{s}/{b}' for s, b in overlap)}")
+        print(f"bytes sent per rank per step (ring model): {sent[0]:,}; 2 (N-1)/N x {item}P = {formula_sent:,}")
         print(f"bytes held per rank: parameters {held['parameters']:,} + gradients {held['gradients']:,} + "
               f"optimizer {held['optimizer']:,} = {sum(held.values()):,} = {4 * item}P "
               f"(every rank holds everything: ZeRO, lesson 5, shards it)")
-        print("\nMISMATCH: see the rows above" if failed else "\nThe data-parallel run equals the single-device run.")
+        print("\nMISMATCH: see the rows above" if failed else
+              "\nThe data-parallel run equals the single-device run, and holds and sends what the formulas say.")
     return int(failed)
 
 

@@ -17,6 +17,7 @@ and again for backward). Read next: minipar/parallel/zero.py, zero3.py, docs/zer
 """
 
 import argparse
+import contextlib
 import sys
 import tracemalloc
 
@@ -28,7 +29,7 @@ from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel, scale_loss, split_batch
+from minipar.parallel.data import DataParallel, scale_loss, split_batch, token_count
 from minipar.parallel.zero import ZeroAdamW
 from minipar.parallel.zero3 import Zero3
 from minipar.verify import as_one_vector, rel_err, worst_tensor
@@ -47,12 +48,14 @@ def parse_args(n):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="the global batch")
     p.add_argument("--bucket-kb", type=int, default=256, help="gradient bucket / ZeRO group size")
+    p.add_argument("--micro-batches", type=int, default=1, help="accumulated per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
                    help="backward on each rank's mean loss instead of its share of the global mean")
     args = p.parse_args()
-    if args.steps < 1 or args.batch_size % n:
-        p.error(f"--steps must be >= 1 and --batch-size a multiple of the {n} ranks")
+    if args.steps < 1 or args.micro_batches < 1 or args.batch_size % (n * args.micro_batches):
+        p.error(f"--steps and --micro-batches must be >= 1, and --batch-size a multiple of "
+                f"{n} ranks x --micro-batches")
     return args
 
 
@@ -64,7 +67,7 @@ def reference_run(args, config, batches):
     losses, rng_states = [], []
     for step, (x, y) in enumerate(batches):
         rng_states.append(model.rng.state())
-        _, loss = model(x, y)
+        _, loss = model(x, y)  # the whole batch at once
         loss.backward()
         if step == 0:
             grads = {n: p.grad.copy() for n, p in model.named_parameters()}
@@ -76,9 +79,9 @@ def reference_run(args, config, batches):
 
 
 def parallel_run(stage, args, config, grid, batches, reference):
-    """The same training under ZeRO ``stage``; errors, bytes held and bytes sent."""
+    """The same training under ZeRO ``stage``; errors, bytes held and sent, and the optimizer."""
     losses_s, grads_s, params_s, rng_states = reference
-    dp = grid.dp_group
+    dp, k = grid.dp_group, args.micro_batches
     tracemalloc.start()
     minipar.manual_seed(args.seed)
     model = GPT(config, grid)
@@ -86,44 +89,52 @@ def parallel_run(stage, args, config, grid, batches, reference):
         ddp, opt = DataParallel(model, dp, args.bucket_kb << 10), AdamW(model.parameters(), **HYPER)
     else:
         opt = Zero3(model, dp, **HYPER) if stage == 3 else ZeroAdamW(model, dp, stage, bucket_bytes=args.bucket_kb << 10, **HYPER)
-    tracemalloc.reset_peak()
-    errors = {"loss": 0.0}
+    errors, peak_numpy, sent = {"loss": 0.0}, 0, []
+    moved = ("all_reduce",) if stage == 0 else ("reduce_scatter", "all_gather")  # the step's traffic
+    traffic = lambda: sum(t.bytes_sent for op, t in dp.stats.by_op.items() if op in moved)  # noqa: E731
     for step, (x, y) in enumerate(batches):
         model.rng.set_state(rng_states[step])
         dp.stats.reset()
-        xs, ys = split_batch(x, y, dp)
-        _, loss = model(xs, ys)
-        scaled = loss if args.plant_bug else scale_loss(loss, ys, dp)  # bug: N times too big
-        count = dp.stats.by_op["all_reduce"].bytes_sent  # the token count's: not a gradient
-        scaled.backward()
+        tracemalloc.reset_peak()
+        total, losses = token_count(y), []  # every rank holds the global batch and can count it
+        for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):
+            xs, ys = split_batch(x[rows], y[rows], dp)
+            with (ddp.no_sync() if stage == 0 and i < k - 1 else contextlib.nullcontext()), model.rng.micro_batch(i, k):
+                _, loss = model(xs, ys)
+                share = loss * (1.0 / k) if args.plant_bug else scale_loss(loss, ys, total=total)
+                share.backward()
+            losses.append(loss.item() * len(xs))
         if stage == 0:
             ddp.finish_gradients()
-            grads = {n: p.grad.copy() for n, p in model.named_parameters()}
+        else:
+            opt.finish_gradients()
+        if step == 0:  # the verification's own traffic and memory are not the step's
+            step_bytes, peak_numpy = traffic(), tracemalloc.get_traced_memory()[1]
+            full = (opt.full_gradients() if stage else {id(p): p.grad.copy() for p in model.parameters()})
+            errors["gradients (worst tensor)"] = worst_tensor({n: full[id(p)] for n, p in model.named_parameters()}, grads_s)
+            dp.stats.reset()
+            tracemalloc.reset_peak()
+        else:
+            step_bytes = 0
+        if stage == 0:
             clip_grad_norm(model.parameters(), 1.0)
             opt.step()
             ddp.zero_grad()
         else:
-            if step == 0:
-                full = opt.full_gradients()
-                grads = {n: full[id(p)] for n, p in model.named_parameters()}
             opt.clip_grad_norm(1.0)
             opt.step()
             opt.zero_grad()
-        if stage == 0:
-            sent = dp.stats.by_op["all_reduce"].bytes_sent - count
-        else:  # ZeRO's all-reduces carry only the token count and the gradient norm
-            sent = sum(t.bytes_sent for op, t in dp.stats.by_op.items() if op in ("reduce_scatter", "all_gather"))
-        if step == 0:
-            errors["gradients (worst tensor)"] = worst_tensor(grads, grads_s)
-        loss_all = dp.all_reduce(np.array([loss.item() * len(xs)]))[0] / len(x)
+        sent.append(step_bytes + traffic())
+        peak_numpy = max(peak_numpy, tracemalloc.get_traced_memory()[1])
+        loss_all = dp.all_reduce(np.array([sum(losses)]))[0] / len(x)
         errors["loss"] = max(errors["loss"], rel_err(loss_all, losses_s[step]))
     params = opt.full_state_dict(model.named_parameters()) if stage == 3 else model.state_dict()
     errors[f"parameters after {args.steps} steps"] = as_one_vector(params, params_s)
-    peak_numpy = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     held = ddp.state_bytes(opt) if stage == 0 else dict(opt.ledger.now)
     peak_state = sum(held.values()) if stage == 0 else opt.ledger.peak_total
-    return errors, held, peak_state, peak_numpy, sent
+    padding = 0 if stage == 0 else sum(g.padded - g.size for g in opt.groups)
+    return errors, held, peak_state, peak_numpy, sent, padding
 
 
 def main():
@@ -138,36 +149,47 @@ def main():
     reference = reference_run(args, config, batches)
     results = {stage: parallel_run(stage, args, config, grid, batches, reference) for stage in range(4)}
     tol = TOLERANCE[args.dtype]
-    failed = int(any(e > tol for r in results.values() for e in r[0].values()))
     P = sum(v.size for v in reference[2].values())
     item = np.dtype(args.dtype).itemsize
     wte = config.vocab_size * config.n_embd
-    failed = comm.all_reduce(np.array([failed]), op="max")[0]
+    rows, failed = [], any(e > tol for r in results.values() for e in r[0].values())
+    for s, (errors, held, peak_state, peak_numpy, sent, padding) in results.items():
+        a, b = FORMULA[s]
+        memory = item * (a * P + b * P // N) // 4
+        # passes over the model per step: stages 0-1 send the accumulated gradients once; stage 2
+        # reduce-scatters every micro-batch's; stage 3 also gathers the weights twice per micro-batch
+        k = args.micro_batches
+        passes = {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[s]
+        traffic = passes * (N - 1) * item * P // N + (3 * k * (N - 1) * item * wte // N if s == 3 else 0)
+        # agreement: the formulas plus padding (each padded entry can be held 4 times and sent
+        # 3 times), and a byte of rounding per collective call in the ring-model count
+        held_ok = 0 <= sum(held.values()) - memory <= 4 * item * padding
+        sent_ok = all(abs(x - traffic) <= 3 * item * padding + 100 for x in sent)
+        failed |= not (held_ok and sent_ok)
+        rows.append((s, held, memory, peak_state, peak_numpy, sent[-1], traffic, padding, passes))
+    failed = comm.all_reduce(np.array([int(failed)]), op="max")[0]
     if comm.rank == 0:
-        print(f"{N} data-parallel ranks; GPT of P = {P:,} parameters ({args.dtype}), "
-              f"{args.steps} AdamW steps, dropout 0.1\n")
+        print(f"{N} data-parallel ranks; GPT of P = {P:,} parameters ({args.dtype}), {args.steps} AdamW "
+              f"steps of {args.micro_batches} micro-batch(es), dropout 0.1\n")
         print(f"relative error against the single-device run (tolerance {tol:g})")
         print(f"  {'':<28}" + "".join(f"{'stage ' + str(s):>11}" for s in results))
         for name in results[0][0]:
             print(f"  {name:<28}" + "".join(f"{results[s][0][name]:>11.1e}" for s in results))
-        print(f"\nbytes held per rank: training state after a step, the ZeRO paper's formula "
+        print(f"\nbytes held per rank: training state after a step next to the ZeRO paper's formula "
               f"({item}-byte values), and the peaks during a step")
         print(f"  {'stage':<7}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total':>13}"
-              f"{'formula':>13}  {'':<11}{'peak, state':>13}{'peak, all arrays':>18}")
-        for s, (_, held, peak_state, peak_numpy, _) in results.items():
-            a, b = FORMULA[s]
-            formula = item * (a * P + b * P // N) // 4
-            a_, b_ = a * item // 4, b * item // 4  # the paper counts 4-byte values
-            text = f"{a_}P + {b_}P/N" if a_ and b_ else (f"{a_}P" if a_ else f"{b_}P/N")
+              f"{'formula':>13}  {'':<11}{'padding':>8}{'peak, state':>13}{'peak, all arrays':>18}")
+        for s, held, memory, peak_state, peak_numpy, *_, padding, passes in rows:
+            a, b = (x * item // 4 for x in FORMULA[s])  # the paper counts 4-byte values
+            text = f"{a}P + {b}P/N" if a and b else (f"{a}P" if a else f"{b}P/N")
             print(f"  {s:<7}{held['parameters']:>12,}{held['gradients']:>12,}{held['optimizer']:>12,}"
-                  f"{sum(held.values()):>13,}{formula:>13,}  {text:<11}{peak_state:>13,}{peak_numpy:>18,}")
-        print(f"\nbytes sent per rank per step on the data-parallel group (ring model | formula)")
-        for s, (*_, sent) in results.items():
-            k = "3" if s == 3 else "2"
-            formula = (3 if s == 3 else 2) * (N - 1) * item * P // N + (3 * (N - 1) * item * wte // N if s == 3 else 0)
-            extra = " + 3 (N-1)/N x the tied embedding (used by two units)" if s == 3 else ""
-            print(f"  stage {s}  {sent:>13,} | {formula:>13,}   {k} (N-1)/N x {item}P{extra}")
-        print("\nMISMATCH: see the rows above" if failed else "\nEvery stage equals the single-device run.")
+                  f"{sum(held.values()):>13,}{memory:>13,}  {text:<11}{padding:>8,}{peak_state:>13,}{peak_numpy:>18,}")
+        print("\nbytes sent per rank per step on the data-parallel group (ring model | formula)")
+        for s, *_, sent, traffic, padding, passes in rows:
+            tied = f" + {passes} (N-1)/N x the tied embedding (used by two units)" if s == 3 else ""
+            print(f"  stage {s}  {sent:>13,} | {traffic:>13,}   {passes} (N-1)/N x {item}P{tied}")
+        print("\nMISMATCH: see the rows above" if failed else
+              "\nEvery stage equals the single-device run and holds and sends what the formulas say (plus padding).")
     return int(failed)
 
 

@@ -16,6 +16,8 @@ The engine knows tensors only by their attributes (``data``, ``requires_grad``, 
 ``_index``, ``_accumulate``), so it sits below ``autograd`` and imports nothing from it.
 """
 
+import contextlib
+
 from minipar.backend import xp
 
 
@@ -204,6 +206,24 @@ def _count_down(node, waiting):
                 _fire_hooks(t)
 
 
+_hooks_held = 0
+
+
+@contextlib.contextmanager
+def hold_hooks():
+    """Inside, gradient hooks do not fire. A recomputed region's inner backward runs inside: its
+    parameters are also inputs of the outer node, whose completion fires their hooks once, after
+    the inner backward has added everything."""
+    global _hooks_held
+    _hooks_held += 1
+    try:
+        yield
+    finally:
+        _hooks_held -= 1
+
+
 def _fire_hooks(tensor):
+    if _hooks_held:
+        return
     for hook in getattr(tensor, "_grad_hooks", ()):
         hook(tensor)

@@ -61,7 +61,7 @@ class Module:
         return [p for _, p in self.named_parameters()]
 
     def num_parameters(self):
-        return sum(p.size for p in self.parameters())
+        return sum(getattr(p, "full_size", p.size) for p in self.parameters())  # ZeRO-3 empties p
 
     def zero_grad(self):
         for p in self.parameters():
@@ -77,6 +77,8 @@ class Module:
 
     def state_dict(self):
         """``{name: array}``: copies, so later training does not change a saved state."""
+        if any(getattr(p, "zero3", False) for p in self.parameters()):
+            raise RuntimeError("ZeRO-3 holds this model's parameters in shards: use Zero3.full_state_dict()")
         return {name: p.data.copy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state):

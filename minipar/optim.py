@@ -20,8 +20,7 @@ class Optimizer:
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("optimizer got an empty parameter list")
-        if lr < 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        check_hyperparameters(lr)
         self.lr = float(lr)
 
     def zero_grad(self):
@@ -52,6 +51,13 @@ class SGD(Optimizer):
             p.data -= d
 
 
+def check_hyperparameters(lr, betas=(0.0, 0.0)):
+    if lr < 0:
+        raise ValueError(f"learning rate must be >= 0, got {lr}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must lie in [0, 1), got {betas}")
+
+
 class AdamW(Optimizer):
     """Adam with decoupled weight decay, applied to parameters with ndim >= 2 only (weights and
     embeddings; biases and LayerNorm gains are not decayed, as in GPT-2 and nanoGPT). ``decay``
@@ -63,9 +69,8 @@ class AdamW(Optimizer):
         self.decay = [p.ndim >= 2 for p in self.params] if decay is None else [bool(d) for d in decay]
         if len(self.decay) != len(self.params):
             raise ValueError(f"decay has {len(self.decay)} flags for {len(self.params)} parameters")
+        check_hyperparameters(lr, betas)
         b1, b2 = betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
         self.b1, self.b2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
         self.step_count = 0
         for p in self.params:

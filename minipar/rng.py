@@ -51,10 +51,11 @@ class RNGTracker:
             self.micro = (0, 1)
 
     def state(self):
-        return {"seed": self.seed, "calls": self.calls}
+        return {"seed": self.seed, "calls": self.calls, "micro": self.micro}
 
     def set_state(self, state):
         self.seed, self.calls = int(state["seed"]), int(state["calls"])
+        self.micro = tuple(state.get("micro", (0, 1)))
 
 
 def keep_mask(key, shape, p, dtype, index=()):

@@ -13,11 +13,11 @@ How the sum is made cheap (as PyTorch DDP and Megatron do):
 * **Gradient accumulation.** Inside ``no_sync()`` nothing is sent: micro-batches add their
   gradients into the buckets, and the backward after the block sends the sum once.
 
-The batch mean. Each rank's loss is a mean over its own tokens, and what we want is the mean over
-the whole batch. So ``scale_loss`` multiplies each rank's mean by (its token count / the global
-count) before backward, making it the rank's share of the global mean; the all-reduce then *sums*
-the gradients. That is exact even when ranks hold different numbers of counted tokens (ignored
-targets), where averaging per-rank means would not be.
+The batch mean. Each rank's loss is a mean over its own tokens (of one micro-batch), and what we
+want is the mean over the step's whole batch. So ``scale_loss`` multiplies each such mean by (its
+token count / the step's global count) before backward, making it its share of the global mean;
+the all-reduce then *sums* the gradients. That is exact even when ranks or micro-batches hold
+different numbers of counted tokens (ignored targets), where averaging means would not be.
 """
 
 import contextlib
@@ -28,13 +28,30 @@ import numpy
 from minipar.backend import to_numpy, xp
 
 
-def scale_loss(loss, targets, comm, ignore_index=-1):
-    """This rank's share of the global-batch mean: its mean loss times (its counted tokens / all
-    ranks' counted tokens). Backward on the result, and the summed gradients are those of the
-    global mean."""
-    local = int((xp.asarray(getattr(targets, "data", targets)) != ignore_index).sum())
-    total = int(comm.all_reduce(numpy.array([local], numpy.int64))[0])
+def token_count(targets, ignore_index=-1):
+    """Targets that count in the loss (not ``ignore_index``)."""
+    return int((xp.asarray(getattr(targets, "data", targets)) != ignore_index).sum())
+
+
+def scale_loss(loss, targets, comm=None, ignore_index=-1, total=None):
+    """The share of the global-batch mean that ``loss`` (a mean over ``targets``) stands for:
+    loss x (its counted tokens / the step's). ``total`` is the step's count (every rank can count
+    the global batch itself); without it, the ranks of ``comm`` add up their counts, which is
+    exact for one micro-batch per step."""
+    local = token_count(targets, ignore_index)
+    if total is None:
+        total = int(comm.all_reduce(numpy.array([local], numpy.int64))[0])
     return loss * (local / total)
+
+
+def sync_replicas(model, comm):
+    """Make every replica start from rank 0's weights and draw rank 0's dropout keys."""
+    for p in model.parameters():
+        comm.broadcast(p.data, root=0)
+    rng = getattr(model, "rng", None)
+    if rng is not None:
+        state = comm.broadcast(numpy.array([rng.seed, rng.calls], numpy.int64), root=0)
+        rng.set_state({"seed": state[0], "calls": state[1]})
 
 
 def split_batch(x, y, comm):
@@ -71,12 +88,7 @@ class DataParallel:
             raise ValueError(f"data parallelism buckets need one dtype, the model has {sorted(map(str, dtypes))}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        for p in params:  # every replica starts from rank 0's weights
-            comm.broadcast(p.data, root=0)
-        rng = getattr(model, "rng", None)
-        if rng is not None:  # and draws the same dropout keys (each rank then keeps its rows' part)
-            state = comm.broadcast(numpy.array([rng.seed, rng.calls], numpy.int64), root=0)
-            rng.set_state({"seed": state[0], "calls": state[1]})
+        sync_replicas(model, comm)
         self.buckets, current, size = [], [], 0
         for p in reversed(params):  # backward meets the last parameters first
             current.append(p)
@@ -88,20 +100,29 @@ class DataParallel:
             self.buckets.append(Bucket(current, current[0].dtype))
         self._bucket_of = {}
         for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[p] = bucket
+                p.register_grad_hook(self._gradient_ready)
+        self._views()
+        self._sync, self._finished = True, False
+        self.started_in_backward = 0  # buckets whose all-reduce began while backward still ran
+
+    def _views(self):
+        """Each parameter's .grad becomes (again) a view into its bucket."""
+        for bucket in self.buckets:
             offset = 0
             for p in bucket.params:
                 p.grad = bucket.flat[offset : offset + p.size].reshape(p.shape)
                 offset += p.size
-                self._bucket_of[p] = bucket
-                p.register_grad_hook(self._gradient_ready)
-        self._sync = True
-        self.started_in_backward = 0  # buckets whose all-reduce began while backward still ran
 
     def _gradient_ready(self, p):
+        if p.grad is None or p.grad.base is not self._bucket_of[p].flat:
+            raise RuntimeError("a gradient left its bucket (an optimizer's zero_grad sets it to None): "
+                               "call DataParallel.zero_grad(), which restores the buckets")
+        if self._finished:
+            raise RuntimeError("backward after finish_gradients(): call zero_grad() before the next step's backward")
         if not self._sync:
             return
-        if p.grad is None or p.grad.base is not self._bucket_of[p].flat:
-            raise RuntimeError("a gradient left its bucket: use DataParallel.zero_grad(), not model.zero_grad()")
         bucket = self._bucket_of[p]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
@@ -112,7 +133,11 @@ class DataParallel:
                 b.request.test()
 
     def finish_gradients(self):
-        """Wait for every bucket's all-reduce (starting those no hook started) before the step."""
+        """Wait for every bucket's all-reduce (starting those no hook started) before the step.
+        Once per step: the buckets then hold sums, which must not be summed again."""
+        if self._finished:
+            return
+        self._finished = True
         for bucket in self.buckets:  # the same order on every rank, as collectives require
             if bucket.request is None:
                 bucket.request = self.comm.iall_reduce(bucket.flat)
@@ -133,7 +158,8 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.flat[...] = 0
             bucket.ready, bucket.request = 0, None
-        self.started_in_backward = 0
+        self._views()
+        self.started_in_backward, self._finished = 0, False
 
     def state_bytes(self, optimizer):
         """Bytes this rank holds for training state: parameters, gradient buckets, optimizer."""
@@ -141,8 +167,8 @@ class DataParallel:
                 "gradients": sum(b.flat.nbytes for b in self.buckets),
                 "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(optimizer.m, optimizer.v))}
 
-    def scale_loss(self, loss, targets, ignore_index=-1):
-        return scale_loss(loss, targets, self.comm, ignore_index)
+    def scale_loss(self, loss, targets, ignore_index=-1, total=None):
+        return scale_loss(loss, targets, self.comm, ignore_index, total)
 
     def split_batch(self, x, y):
         return split_batch(x, y, self.comm)

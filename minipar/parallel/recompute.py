@@ -8,14 +8,20 @@ receive their gradients from that inner backward, exactly as without checkpointi
 one more forward of ``fn``; the saving is every activation inside it.
 
 Two things must repeat exactly in the second run: the dropout masks (the model's RNG tracker is
-set back to its state at the first run, then restored), and, for ZeRO-3, the parameters, which
-``before`` gathers and ``after`` frees around each of the two runs.
+set back to its state at the first run, micro-batch included, then restored), and, for ZeRO-3, the
+parameters, which ``before`` gathers and ``after`` frees around each of the two runs.
+
+The parameters of ``fn`` are also passed as inputs of the recorded node (their gradients come from
+the inner backward, not from it). The outer graph then counts the node as a use of each parameter,
+so gradient hooks (data parallelism's buckets) fire once, after the inner backward has added the
+region's part; the inner backward holds them back.
 """
 
 import numpy
 
 from minipar.autograd import Function, Tensor, no_grad
 from minipar.backend import xp
+from minipar.engine import hold_hooks
 
 
 def _nothing():
@@ -24,36 +30,41 @@ def _nothing():
 
 class Checkpoint(Function):
     @staticmethod
-    def forward(ctx, x, anchor, fn, rng, before, after, before_backward, after_backward):
-        ctx.x, ctx.fn, ctx.rng = x, fn, rng
+    def forward(ctx, x, anchor, fn, rng, before, after, before_backward, after_backward, *params):
+        ctx.x, ctx.fn, ctx.rng, ctx.n_params = x, fn, rng, len(params)
         ctx.rng_state = rng.state() if rng is not None else None
         ctx.hooks = (before, after, before_backward, after_backward)
         before()
-        with no_grad():
-            y = fn(Tensor._wrap(x))
-        after()
+        try:
+            with no_grad():
+                y = fn(Tensor._wrap(x))
+        finally:
+            after()
         return y.data
 
     @staticmethod
     def backward(ctx, grad):
         before, after, before_backward, after_backward = ctx.hooks
         before()
-        before_backward()
-        float_input = ctx.x.dtype.kind == "f"
-        x = Tensor._wrap(ctx.x, requires_grad=float_input)
-        if ctx.rng is not None:  # draw the same dropout masks as the first run
-            now = ctx.rng.state()
-            ctx.rng.set_state(ctx.rng_state)
-        y = ctx.fn(x)
-        if ctx.rng is not None:
-            ctx.rng.set_state(now)
-        y.backward(grad)
-        after()
+        try:
+            before_backward()
+            float_input = ctx.x.dtype.kind == "f"
+            x = Tensor._wrap(ctx.x, requires_grad=float_input)
+            if ctx.rng is not None:  # draw the same dropout masks as the first run
+                now = ctx.rng.state()
+                ctx.rng.set_state(ctx.rng_state)
+            y = ctx.fn(x)
+            if ctx.rng is not None:
+                ctx.rng.set_state(now)
+            with hold_hooks():
+                y.backward(grad)
+        finally:
+            after()
         after_backward()
-        return (x.grad if float_input else None), None, None, None, None, None, None, None
+        return ((x.grad if float_input else None),) + (None,) * (7 + ctx.n_params)
 
 
-def checkpoint(fn, x, rng=None, before=_nothing, after=_nothing, before_backward=_nothing,
+def checkpoint(fn, x, params=(), rng=None, before=_nothing, after=_nothing, before_backward=_nothing,
                after_backward=_nothing):
     """``fn(x)`` that keeps only ``x`` for backward and recomputes the rest there.
 
@@ -61,9 +72,10 @@ def checkpoint(fn, x, rng=None, before=_nothing, after=_nothing, before_backward
     ``before``/``after`` run around each execution of ``fn`` (ZeRO-3 gathers and frees the
     parameters there); ``before_backward`` and ``after_backward`` run around the backward of
     ``fn``'s parameters (ZeRO-3 gives them gradient buffers, then sends those).
+    ``params``: the parameters ``fn`` uses (for gradient hooks, see the module docstring).
     ``x`` may be integer ids (an embedding): the result still depends on the parameters inside,
-    which an ``anchor`` that requires grad tells the engine.
+    which an ``anchor`` that requires grad tells the engine even when ``params`` is empty.
     """
     x = x if isinstance(x, Tensor) else Tensor(xp.asarray(x))
     anchor = Tensor(numpy.zeros(0), requires_grad=True)
-    return Checkpoint.apply(x, anchor, fn, rng, before, after, before_backward, after_backward)
+    return Checkpoint.apply(x, anchor, fn, rng, before, after, before_backward, after_backward, *params)

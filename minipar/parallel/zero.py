@@ -8,11 +8,10 @@ of the data-parallel group, in three stages:
     stage 2  + gradients sharded          4P + (4P + 8P)/N = 4P + 12P/N
     stage 3  + parameters sharded         16P/N
 
-Layout. The parameters are grouped in order into groups (buckets; in stage 3 one per layer), each
-laid out flat and padded to a multiple of N, so it cuts into N equal pieces: rank r owns piece r of
-every group. Its shard, the pieces it owns one after the other, is one contiguous buffer for its
-Adam moments and gradients, and AdamW updates it piece by piece, with the same arithmetic as the
-unsharded optimizer (segments of pieces, each flagged for weight decay by its parameter's ndim).
+Layout (``shards.py``): groups of parameters, each flat and padded into N equal pieces; rank r owns
+piece r of every group, and its pieces one after another are its shard, one contiguous buffer each
+for its gradients and Adam moments. AdamW updates the shard piece by piece with the same arithmetic
+as the unsharded optimizer (segments of pieces, each flagged for weight decay by its parameter).
 
 A step, per stage (N ranks, S the bytes of all gradients):
 
@@ -29,80 +28,9 @@ the parameters: ``zero3.py`` gathers each layer's just in time.
 
 from minipar.autograd import Tensor
 from minipar.backend import xp
-from minipar.optim import AdamW
-
-
-class Ledger:
-    """Bytes held per kind ("parameters", "gradients", "optimizer"), now and at the peak."""
-
-    def __init__(self):
-        self.now, self.peak = {}, {}
-        self.peak_total = 0
-
-    def add(self, kind, nbytes):
-        self.now[kind] = self.now.get(kind, 0) + int(nbytes)
-        self.peak[kind] = max(self.peak.get(kind, 0), self.now[kind])
-        self.peak_total = max(self.peak_total, sum(self.now.values()))
-
-    def remove(self, kind, nbytes):
-        self.now[kind] -= int(nbytes)
-
-
-class Group:
-    """Parameters laid out flat, padded to ``comm.size`` equal pieces."""
-
-    def __init__(self, params, comm, shard_offset):
-        self.params, self.comm = params, comm
-        self.offsets, self.sizes, total = [], [p.size for p in params], 0
-        self.decays = [p.ndim >= 2 for p in params]  # AdamW's rule, kept while ZeRO-3 empties p
-        for size in self.sizes:
-            self.offsets.append(total)
-            total += size
-        self.size = total
-        self.piece = -(-total // comm.size)
-        self.padded = self.piece * comm.size
-        self.shard = slice(shard_offset, shard_offset + self.piece)  # this rank's piece in its shard
-
-    def own(self):
-        """(start, stop) of this rank's piece in the group's flat index space."""
-        start = self.comm.rank * self.piece
-        return start, start + self.piece
-
-    def segments(self):
-        """(decays, start, stop in the flat group, start in own piece) for the parts of
-        parameters that fall in this rank's piece."""
-        lo, hi = self.own()
-        for decays, offset, size in zip(self.decays, self.offsets, self.sizes):
-            a, b = max(lo, offset), min(hi, offset + size)
-            if a < b:
-                yield decays, a, b, a - lo
-
-    def flatten(self, arrays, dtype):
-        """The group's padded flat buffer from per-parameter arrays (None: zeros)."""
-        flat = xp.zeros(self.padded, dtype)
-        for offset, size, a in zip(self.offsets, self.sizes, arrays):
-            if a is not None:
-                flat[offset : offset + size] = a.reshape(-1)
-        return flat
-
-    def unflatten(self, flat):
-        """Per-parameter views of a flat buffer of this group."""
-        return [flat[o : o + n] for o, n in zip(self.offsets, self.sizes)]
-
-
-def group_parameters(params, comm, bucket_bytes):
-    """Consecutive parameters in groups of about ``bucket_bytes`` (a bigger one alone)."""
-    groups, current, size, offset = [], [], 0, 0
-    for p in params:
-        current.append(p)
-        size += p.data.nbytes
-        if size >= bucket_bytes:
-            groups.append(Group(current, comm, offset))
-            offset += groups[-1].piece
-            current, size = [], 0
-    if current:
-        groups.append(Group(current, comm, offset))
-    return groups
+from minipar.optim import AdamW, check_hyperparameters
+from minipar.parallel.data import sync_replicas
+from minipar.parallel.shards import Ledger, group_parameters
 
 
 class ZeroAdamW:
@@ -117,10 +45,19 @@ class ZeroAdamW:
                  bucket_bytes=4 << 20, groups=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        self.model, self.comm, self.stage = model, comm, stage
-        self.ledger = Ledger()
+        check_hyperparameters(lr, betas)
         params = model.parameters()
+        if len({p.dtype for p in params}) != 1:
+            raise ValueError("ZeRO lays all parameters out in flat buffers of one dtype; the model mixes dtypes")
+        if stage >= 2 and getattr(model, "sequence_parallel", False):
+            raise ValueError("ZeRO stages 2 and 3 send gradients during backward, before sequence "
+                             "parallelism's partial gradients are summed: use stage 1 with it")
+        self.model, self.comm, self.stage = model, comm, stage
+        self.tp = getattr(model, "tp", None)  # a TP group shards parameters across it already
+        self.ledger = Ledger()
         self.dtype = params[0].dtype
+        if stage < 3:
+            sync_replicas(model, comm)
         self.groups = groups or group_parameters(params, comm, bucket_bytes)
         self.pending, self._summed = [], False
         if stage < 3:
@@ -133,6 +70,8 @@ class ZeroAdamW:
             self.grad_pieces = [shard[g.shard] for g in self.groups]
         if stage == 2:
             self._ready = {id(g): 0 for g in self.groups}
+            self._sent = set()
+            self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
             self._group_of = {id(p): g for g in self.groups for p in g.params}
         for p in params:
             p.register_grad_hook(self._gradient_ready)
@@ -142,8 +81,6 @@ class ZeroAdamW:
     def _flat_parameters(self, params):
         """Stages 1 and 2 keep whole parameters (views into one flat buffer per group), and
         stage 1 whole gradients the engine accumulates into."""
-        for p in params:
-            self.comm.broadcast(p.data, root=0)
         self.flat_params, self.flat_grads = [], []
         for g in self.groups:
             flat = g.flatten([p.data for p in g.params], self.dtype)
@@ -163,16 +100,22 @@ class ZeroAdamW:
         return [flat[slice(*g.own())] for g, flat in zip(self.groups, self.flat_params)]
 
     def _sharded_adamw(self, lr, betas, eps, weight_decay):
-        """AdamW over segments: the parts of each parameter in this rank's pieces."""
-        segments, decay = [], []
+        """AdamW over segments: the parts of each parameter in this rank's pieces. Its moments are
+        views into two flat buffers the size of this rank's shard."""
+        segments, decay, offsets = [], [], []
         for g, master, grad in zip(self.groups, self.master_pieces(), self.grad_pieces):
-            for decays, a, b, at in g.segments():
+            for i, a, b, at in g.segments():
                 seg = Tensor._wrap(master[at : at + b - a], requires_grad=True)
                 seg.grad = grad[at : at + b - a]
                 segments.append(seg)
-                decay.append(decays)
+                decay.append(g.decays[i])
+                offsets.append(g.shard.start + at)
         optimizer = AdamW(segments, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decay=decay)
-        self.ledger.add("optimizer", sum(m.nbytes + v.nbytes for m, v in zip(optimizer.m, optimizer.v)))
+        shard = sum(g.piece for g in self.groups)
+        self.moments = (xp.zeros(shard, self.dtype), xp.zeros(shard, self.dtype))
+        optimizer.m = [self.moments[0][o : o + s.size] for o, s in zip(offsets, segments)]
+        optimizer.v = [self.moments[1][o : o + s.size] for o, s in zip(offsets, segments)]
+        self.ledger.add("optimizer", self.moments[0].nbytes + self.moments[1].nbytes)
         return optimizer
 
     # ---- gradients ----------------------------------------------------------------------------
@@ -182,16 +125,21 @@ class ZeroAdamW:
         if self.stage != 2:
             return
         g = self._group_of[id(p)]
+        self._alive += p.grad.nbytes if p.grad is not None else 0
         self._ready[id(g)] += 1
         if self._ready[id(g)] == len(g.params):
-            self._ready[id(g)] = 0
-            # measure what backward holds now: this group's and unfinished groups' gradients
-            alive = sum(q.grad.nbytes for q in self.model.parameters() if q.grad is not None)
-            self.ledger.add("gradients", alive)
-            self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.dtype))
-            self.ledger.remove("gradients", alive)
-            for q in g.params:  # stage 2 keeps no whole gradient once its group is sent
-                q.grad = None
+            self._send_group(g)
+
+    def _send_group(self, g):
+        """Stage 2: send a finished group's whole gradients (None counts as zeros) and drop them."""
+        self.ledger.add("gradients", self._alive)  # what backward holds at this moment
+        self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.dtype))
+        self.ledger.remove("gradients", self._alive)
+        for q in g.params:
+            self._alive -= q.grad.nbytes if q.grad is not None else 0
+            q.grad = None
+        self._ready[id(g)] = 0
+        self._sent.add(id(g))
 
     IN_FLIGHT = 1  # groups sent but not yet summed in: bounds the gradient memory of stages 2 and 3
 
@@ -201,18 +149,18 @@ class ZeroAdamW:
         dropped as we go; beyond ``IN_FLIGHT`` pending groups we wait for the oldest, so that
         backward never holds them all."""
         self.ledger.add("gradients", (0 if counted else flat.nbytes) + flat.nbytes // self.comm.size)
-        self.pending.append((g, self.comm.ireduce_scatter(flat), flat.nbytes))
+        self.pending.append((self.groups.index(g), self.comm.ireduce_scatter(flat), flat.nbytes))
         self._collect(keep=self.IN_FLIGHT)
 
     def _collect(self, keep=0):
         """Sum finished (and, beyond ``keep`` pending, the oldest) sends into the shard."""
         still = []
-        for i, (g, request, nbytes) in enumerate(self.pending):
+        for i, (index, request, nbytes) in enumerate(self.pending):
             if request.test() or len(self.pending) - i > keep:
-                self.grad_pieces[self.groups.index(g)] += request.wait()
+                self.grad_pieces[index] += request.wait()
                 self.ledger.remove("gradients", nbytes + nbytes // self.comm.size)
             else:
-                still.append((g, request, nbytes))
+                still.append((index, request, nbytes))
         self.pending = still
 
     def finish_gradients(self):
@@ -226,6 +174,11 @@ class ZeroAdamW:
                 self.comm.reduce_scatter(flat, out=piece)
                 flat[slice(*g.own())] = piece
                 self.ledger.remove("gradients", piece.nbytes)
+        if self.stage == 2:  # groups some parameter of which got no gradient: send them now, in order
+            for g in self.groups:
+                if id(g) not in self._sent:
+                    self._send_group(g)
+            self._sent.clear()
         self._collect()
         self._summed = True
 
@@ -240,10 +193,21 @@ class ZeroAdamW:
 
     # ---- the step -----------------------------------------------------------------------------
     def grad_norm(self):
-        """The global gradient norm: every rank's sum of squares over its pieces, summed."""
+        """The global gradient norm: every rank's sum of squares over its pieces, summed over the
+        data-parallel group and, for a tensor-parallel model, over its TP group (a parameter that
+        every TP rank holds whole counted once)."""
         self.finish_gradients()
-        local = xp.asarray([sum(float(xp.vdot(piece, piece)) for piece in self.grad_pieces)])
-        return float(self.comm.all_reduce(local)[0]) ** 0.5
+        tp_rank = self.tp.rank if self.tp is not None else 0
+        local = 0.0
+        for g, piece in zip(self.groups, self.grad_pieces):
+            for i, a, b, at in g.segments():
+                if tp_rank == 0 or not g.replicated[i]:
+                    seg = piece[at : at + b - a]
+                    local += float(xp.vdot(seg, seg))
+        total = self.comm.all_reduce(xp.asarray([local]))
+        if self.tp is not None:
+            self.tp.all_reduce(total)
+        return float(total[0]) ** 0.5
 
     def clip_grad_norm(self, max_norm):
         """Scale the gradients by min(1, max_norm / ||g||) over the whole model; returns ||g||."""
@@ -266,4 +230,7 @@ class ZeroAdamW:
             piece[...] = 0
         for flat in getattr(self, "flat_grads", ()):
             flat[...] = 0
+        if self.stage == 2:
+            self._ready = {key: 0 for key in self._ready}
+            self._sent.clear()
         self._summed = False

@@ -16,8 +16,10 @@ its gradient arrives in two parts, each reduce-scattered and added to the same s
 """
 
 from minipar.backend import xp
+from minipar.parallel.data import sync_replicas
 from minipar.parallel.recompute import checkpoint
-from minipar.parallel.zero import Group, ZeroAdamW
+from minipar.parallel.shards import Group
+from minipar.parallel.zero import ZeroAdamW
 
 
 def gpt_units(model):
@@ -33,8 +35,7 @@ class Zero3(ZeroAdamW):
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         units = gpt_units(model)
         params = model.parameters()
-        for p in params:  # every rank starts from rank 0's weights ...
-            comm.broadcast(p.data, root=0)
+        sync_replicas(model, comm)  # every rank starts from rank 0's weights ...
         tr = model.transformer
         order = [[tr.wte.weight], [tr.wpe.weight]] + [b.parameters() for b in tr.h] + [tr.ln_f.parameters()]
         groups, offset = [], 0
@@ -43,9 +44,12 @@ class Zero3(ZeroAdamW):
             offset += groups[-1].piece
         self.shapes = {id(p): p.shape for p in params}
         dtype = params[0].dtype
-        self.master = xp.concatenate([g.flatten([p.data for p in g.params], dtype)[slice(*g.own())] for g in groups])
+        self.master = xp.empty(sum(g.piece for g in groups), dtype)
+        for g in groups:  # one group's flat copy at a time, not the whole model's
+            self.master[g.shard] = g.flatten([p.data for p in g.params], dtype)[slice(*g.own())]
         self._empty = xp.empty(0, dtype)
         for p in params:  # ... and keeps only its pieces
+            p.full_size, p.zero3 = p.size, True
             p.data = self._empty
         super().__init__(model, comm, 3, lr, betas, eps, weight_decay, groups=groups)
         self.ledger.add("parameters", self.master.nbytes)
@@ -60,8 +64,10 @@ class Zero3(ZeroAdamW):
         groups = list({id(g): g for g in groups}.values())
         run = getattr(owner, name)
 
+        params = [p for g in groups for p in g.params]
+
         def unit(x):
-            return checkpoint(run, x, rng=getattr(self.model, "rng", None),
+            return checkpoint(run, x, params, rng=getattr(self.model, "rng", None),
                               before=lambda: self.gather(groups), after=lambda: self.release(groups),
                               before_backward=lambda: self.gradient_buffers(groups),
                               after_backward=lambda: self.send_gradients(groups))

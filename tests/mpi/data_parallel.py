@@ -14,6 +14,7 @@ from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import DataParallel
+from minipar.parallel.recompute import checkpoint
 
 minipar.set_default_dtype("float64")
 comm = world()
@@ -74,6 +75,45 @@ for bucket_bytes in (1, 2048, 1 << 30):
     for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):
         close(p.data, p_s.data, f"bucket {bucket_bytes} parameter {name}")
     ddp.check_replicas()
+
+# recomputation inside data parallelism: the last block and the embeddings are recomputed; the tied
+# embedding is used inside a recomputed region (embed) and outside it (the head). Every parameter's
+# hook must fire once, when all of its gradient is in: one bucket for all, so that a hook firing
+# early or twice would start the all-reduce before the first layers' gradients exist.
+serial, replica, ddp = models(1 << 30)
+replica.load_state_dict(serial.state_dict())
+run_embed, tr = replica.embed, replica.transformer
+last = tr.h[len(tr.h) - 1]
+run_last = last.forward
+replica.embed = lambda idx: checkpoint(run_embed, idx, [tr.wte.weight, tr.wpe.weight], rng=replica.rng)
+last.forward = lambda x: checkpoint(run_last, x, last.parameters(), rng=replica.rng)
+x, y = batch(40)
+serial.rng.set_state(replica.rng.state())
+serial(x, y)[1].backward()
+xs, ys = ddp.split_batch(x, y)
+ddp.scale_loss(replica(xs, ys)[1], ys).backward()
+ddp.finish_gradients()
+for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):
+    close(p.grad, p_s.grad, f"recomputed embedding grad {name}")
+# misuse is refused: a backward after finish_gradients() without zero_grad(), gradients moved out of
+# the buckets by an optimizer's zero_grad(); a second finish_gradients() changes nothing
+before = [p.grad.copy() for p in replica.parameters()]
+ddp.finish_gradients()
+close(np.concatenate([p.grad.ravel() for p in replica.parameters()]), np.concatenate([b.ravel() for b in before]),
+      "a second finish_gradients")
+refused = 0
+try:
+    replica(xs, ys)[1].backward()
+except RuntimeError:
+    refused += 1
+ddp.zero_grad()
+replica.zero_grad()  # what an optimizer's zero_grad does: the buckets lose their views
+try:
+    replica(xs, ys)[1].backward()
+except RuntimeError:
+    refused += 1
+if refused != 2:
+    raise AssertionError(f"rank {r}: misuse of DataParallel was accepted")
 
 # gradient accumulation: two micro-batches, the all-reduce only after the second
 serial, replica, ddp = models(4096)

@@ -1,5 +1,6 @@
 """ZeRO stages 1, 2 and 3 against the single-device run (float64): gradients, parameters after
-AdamW steps with weight decay, dropout and gradient clipping.
+AdamW steps with weight decay, dropout, gradient clipping, ignored targets spread unevenly over
+ranks and micro-batches, two micro-batches accumulated per step, and sizes that need padding.
 
     run_mpi.sh -n 4 tests/mpi/zero.py
 """
@@ -7,11 +8,13 @@ AdamW steps with weight decay, dropout and gradient clipping.
 import numpy as np
 
 import minipar
+import minipar.functional as F
 from minipar.comm import world
 from minipar.models import GPT, GPTConfig
+from minipar.nn import Linear, Module
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import scale_loss, split_batch
+from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.zero import ZeroAdamW
 from minipar.parallel.zero3 import Zero3
 
@@ -20,7 +23,8 @@ world()
 grid = ProcessGrid(tp=1, pp=1)
 dp = grid.dp_group
 N, r = dp.size, dp.rank
-config = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=13, dropout=0.1)
+# hidden 6 and vocabulary 13: most parameter sizes do not divide by 4, so groups are padded
+config = GPTConfig(n_layer=2, n_head=2, n_embd=6, block_size=6, vocab_size=13, dropout=0.1)
 hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 
 
@@ -29,33 +33,38 @@ def close(a, b, what, tol=1e-11):
         raise AssertionError(f"rank {r}: {what}: max error {np.abs(np.asarray(a) - np.asarray(b)).max()}")
 
 
+def make(stage, bucket_bytes):
+    minipar.manual_seed(0)
+    serial = GPT(config)
+    minipar.manual_seed(7 + r)  # other weights and dropout seed on every rank: ZeRO must broadcast rank 0's
+    model = GPT(config, grid)  # the grid tells dropout which rows of the batch are this rank's
+    if r == 0:
+        model.load_state_dict(serial.state_dict())
+        model.rng.set_state(serial.rng.state())
+    if stage == 3:
+        return serial, model, Zero3(model, dp, **hyper)
+    return serial, model, ZeroAdamW(model, dp, stage, bucket_bytes=bucket_bytes, **hyper)
+
+
 for stage in (1, 2, 3):
     for bucket_bytes in ((1, 700) if stage < 3 else (None,)):  # 1: a group per parameter
-        minipar.manual_seed(0)
-        serial = GPT(config)
-        minipar.manual_seed(7 + r)  # different weights on every rank: ZeRO must broadcast rank 0's
-        model = GPT(config, grid)  # the grid tells dropout which rows of the batch are this rank's
-        model.load_state_dict(serial.state_dict()) if r == 0 else None
-        model.rng.set_state(serial.rng.state())
+        serial, model, zero = make(stage, bucket_bytes)
         names = [n for n, _ in serial.named_parameters()]
-        if stage == 3:
-            zero = Zero3(model, dp, **hyper)
-        else:
-            zero = ZeroAdamW(model, dp, stage, bucket_bytes=bucket_bytes, **hyper)
         opt = AdamW(serial.parameters(), **hyper)
         for step in range(3):
             rng = np.random.default_rng(step)
-            x, y = rng.integers(0, 13, (2 * N, 6)), rng.integers(0, 13, (2 * N, 6))
-            y[0, :3] = -1  # ignored targets on rank 0 only
-            start = serial.rng.state()
+            x, y = rng.integers(0, 13, (4 * N, 6)), rng.integers(0, 13, (4 * N, 6))
+            y[0, :3] = y[-1, :5] = -1  # ignored targets: uneven over ranks and over micro-batches
             _, loss_s = serial(x, y)
             loss_s.backward()
             grads_s = {n: p.grad.copy() for n, p in serial.named_parameters()}
             norm_s = clip_grad_norm(serial.parameters(), 0.5)
-            model.rng.set_state(start)
-            xs, ys = split_batch(x, y, dp)
-            _, loss = model(xs, ys)
-            scale_loss(loss, ys, dp).backward()
+            total = token_count(y)
+            for i, half in enumerate((slice(0, 2 * N), slice(2 * N, 4 * N))):  # two micro-batches
+                xs, ys = split_batch(x[half], y[half], dp)
+                with model.rng.micro_batch(i, 2):
+                    _, loss = model(xs, ys)
+                    scale_loss(loss, ys, total=total).backward()
             if step == 0:
                 grads = zero.full_gradients()
                 for name, p in zip(names, model.parameters()):
@@ -68,5 +77,45 @@ for stage in (1, 2, 3):
         state = zero.full_state_dict(model.named_parameters()) if stage == 3 else model.state_dict()
         for name in names:
             close(state[name], serial.state_dict()[name], f"stage {stage} buckets {bucket_bytes} parameter {name}")
+
+
+class HalfUsed(Module):
+    """Two layers, the second never used: its group still has to be sent (and zero)."""
+
+    def __init__(self):
+        self.used, self.unused = Linear(5, 5), Linear(5, 5)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+for stage in (1, 2):
+    minipar.manual_seed(3)
+    plain, sharded = HalfUsed(), HalfUsed()
+    sharded.load_state_dict(plain.state_dict())
+    zero = ZeroAdamW(sharded, dp, stage, bucket_bytes=1 << 20, **hyper)  # one group for everything
+    x = np.random.default_rng(4).standard_normal((2 * N, 5))
+    F.sum(plain(x) ** 2).backward()
+    F.sum(sharded(split_batch(x, x, dp)[0]) ** 2).backward()
+    grads = zero.full_gradients()
+    close(grads[id(sharded.used.weight)], plain.used.weight.grad.reshape(-1), f"stage {stage} used")
+    close(grads[id(sharded.unused.weight)], np.zeros(25), f"stage {stage} unused")
+
+# misuse is refused: a backward after the step's gradients were summed, bad hyperparameters
+serial, model, zero = make(2, 700)
+_, loss = model(*split_batch(np.zeros((N, 6), np.int64), np.zeros((N, 6), np.int64), dp))
+loss.backward()
+zero.step()
+refused = 0
+try:
+    model(*split_batch(np.zeros((N, 6), np.int64), np.zeros((N, 6), np.int64), dp))[1].backward()
+except RuntimeError:
+    refused += 1
+try:
+    ZeroAdamW(model, dp, 1, lr=-1.0)
+except ValueError:
+    refused += 1
+if refused != 2:
+    raise AssertionError(f"rank {r}: misuse was accepted")
 if r == 0:
     print(f"zero OK on {N} ranks")
