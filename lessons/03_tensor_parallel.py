@@ -36,7 +36,7 @@ import minipar
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
-from minipar.models.gpt import Block
+from minipar.models.layers import Block
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.tensor import full_parameters

@@ -104,14 +104,17 @@ class Module:
 
 
 class ModuleList(Module):
-    """Sub-modules named by their position: ``h.0``, ``h.1``, ..."""
+    """Sub-modules named by their position: ``h.0``, ``h.1``, ... or, given ``names``, by those
+    (a pipeline stage holds blocks 8 and 9 of a GPT under their names in the whole model)."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, names=None):
         self._items = list(modules)
+        self._names = [str(n) for n in (names if names is not None else range(len(self._items)))]
+        if len(self._names) != len(self._items):
+            raise ValueError(f"{len(self._items)} modules but {len(self._names)} names")
 
     def named_children(self):
-        for i, module in enumerate(self._items):
-            yield str(i), module
+        yield from zip(self._names, self._items)
 
     def __iter__(self):
         return iter(self._items)

@@ -39,8 +39,12 @@ class RNGTracker:
         return key
 
     @contextlib.contextmanager
-    def micro_batch(self, index, count):
-        if index == 0:
+    def micro_batch(self, index, count, calls=None):
+        """``calls``: start counting from there instead (a pipeline stage runs a chunk of the
+        model: its first dropout call is the single-device model's call number ``calls``)."""
+        if calls is not None:
+            self.calls = calls
+        elif index == 0:
             self._base = self.calls
         else:  # the same dropout calls as micro-batch 0: they are parts of the same masks
             self.calls = self._base

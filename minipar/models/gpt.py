@@ -13,10 +13,12 @@ One definition serves every layout. ``GPT(config)`` is the single-device model. 
 grid)`` on a grid with TP > 1 builds the same model from tensor-parallel layers (``_Layers`` picks
 them): attention heads, MLP columns and the vocabulary split across the TP group, the same
 parameter names holding shards, the same initial values. ``sequence_parallel=True`` also shards
-the LayerNorm and dropout regions along the sequence.
+the LayerNorm and dropout regions along the sequence. With PP > 1 each rank keeps only its
+pipeline stage's blocks (``virtual_stages`` chunks of them, placed round-robin), still named by
+their place in the whole model (``transformer.h.8``); the first stage holds the embeddings, the
+last the final LayerNorm, and both the tied ``wte``. ``chunk_forward`` runs one chunk.
 """
 
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -26,10 +28,12 @@ import minipar.functional as F
 from minipar.autograd import no_grad
 from minipar.backend import default_generator, xp
 from minipar.functional.checks import probability
-from minipar.nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
+from minipar.models.layers import Block, _Layers
+from minipar.nn import Embedding, Module, ModuleDict, ModuleList
 from minipar.parallel import tensor
 from minipar.parallel.collectives import gather_from_region
 from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from minipar.parallel.recompute import checkpoint
 from minipar.rng import RNGTracker
 
 
@@ -57,128 +61,49 @@ class GPTConfig:
         self.dropout = probability(self.dropout, "GPTConfig.dropout")
 
 
-class _Layers:
-    """Makes each layer plain (no tensor parallelism) or split across the TP group ``tp``; ``dp``
-    is the data-parallel group (or None), whose ranks each hold a slice of the batch."""
-
-    def __init__(self, tp, dp, sequence_parallel, rng):
-        self.tp, self.dp, self.sp, self.rng = tp, dp, sequence_parallel, rng
-
-    def column(self, n_in, n_out, bias, chunks=1):
-        if self.tp is None:
-            return Linear(n_in, n_out, bias)
-        return tensor.ColumnParallelLinear(n_in, n_out, self.tp, bias, chunks=chunks, sequence_parallel=self.sp)
-
-    def row(self, n_in, n_out, bias, std):
-        if self.tp is None:
-            return Linear(n_in, n_out, bias, std=std)
-        return tensor.RowParallelLinear(n_in, n_out, self.tp, bias, std=std, sequence_parallel=self.sp)
-
-    def vocab_embedding(self, vocab, dim):
-        if self.tp is None:
-            return Embedding(vocab, dim)
-        return tensor.VocabParallelEmbedding(vocab, dim, self.tp, sequence_parallel=self.sp)
-
-    def layer_norm(self, dim, bias):
-        """With sequence parallelism each rank normalises its own positions only: the weight
-        gradients are partial sums, added up over the TP group by ``GPT.finalize_grads``."""
-        ln = LayerNorm(dim, bias)
-        for p in ln.parameters():
-            p.sequence_parallel_grad = self.sp
-        return ln
-
-    def dropout(self, p):
-        """Each rank drops its part of the whole batch's mask: its slice of the batch (data
-        parallel) and, in a sequence-parallel region, its slice of the sequence."""
-        shards = ([(0, self.dp)] if self.dp is not None else []) + ([(1, self.tp)] if self.sp else [])
-        return Dropout(p, self.rng, shards=shards)
-
-
-class CausalSelfAttention(Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v over n_head heads, from one fused qkv projection.
-
-    The middle is the fused ``F.causal_attention`` op; written with the basic ops it would read
-
-        q, k, v = F.split(qkv, 3, axis=-1)                        # each (B, T, C)
-        q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
-        att = F.masked_fill(q @ k.transpose(0, 1, 3, 2) / sqrt(C // H), causal, -inf)
-        y = (dropout(F.softmax(att)) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
-
-    which tests/test_gpt.py checks it against, values and gradients. Under tensor parallelism the
-    qkv projection is column-parallel with whole heads per rank (q, k and v of heads
-    rank*H/N .. (rank+1)*H/N), attention runs on those heads alone, and the output projection is
-    row-parallel: one all-reduce forward, one backward.
-    """
-
-    def __init__(self, config, layers):
-        tp = layers.tp.size if layers.tp is not None else 1
-        self.n_head = config.n_head // tp  # heads on this rank
-        self.head_offset = layers.tp.rank * self.n_head if layers.tp is not None else 0
-        self.dp = layers.dp
-        self.dropout, self.rng = config.dropout, layers.rng
-        self.c_attn = layers.column(config.n_embd, 3 * config.n_embd, config.bias, chunks=3)
-        # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 n_layer):
-        # 2 n_layer of them add up along the residual path.
-        self.c_proj = layers.row(config.n_embd, config.n_embd, config.bias,
-                                 std=0.02 / math.sqrt(2 * config.n_layer))
-        self.resid_dropout = layers.dropout(config.dropout)
-
-    def forward(self, x):
-        p = self.dropout if self.training else 0.0
-        key = self.rng.next_key() if p > 0 else None
-        # which sequences of the step's whole batch these are: micro-batch-major, then DP rank
-        micro = self.rng.micro[0]
-        dp_rank, dp_size = (self.dp.rank, self.dp.size) if self.dp is not None else (0, 1)
-        batch_offset = x.shape[0] * (micro * dp_size + dp_rank)
-        y = F.causal_attention(self.c_attn(x), self.n_head, p, key=key, batch_offset=batch_offset,
-                               head_offset=self.head_offset)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(Module):
-    def __init__(self, config, layers):
-        self.c_fc = layers.column(config.n_embd, 4 * config.n_embd, config.bias)
-        self.c_proj = layers.row(4 * config.n_embd, config.n_embd, config.bias,
-                                 std=0.02 / math.sqrt(2 * config.n_layer))
-        self.dropout = layers.dropout(config.dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
-
-
-class Block(Module):
-    def __init__(self, config, layers):
-        self.ln_1 = layers.layer_norm(config.n_embd, config.bias)
-        self.attn = CausalSelfAttention(config, layers)
-        self.ln_2 = layers.layer_norm(config.n_embd, config.bias)
-        self.mlp = MLP(config, layers)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
 class GPT(Module):
-    def __init__(self, config, grid=None, sequence_parallel=False):
+    def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1):
         self.config = config
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
         self.dp = grid.dp_group if grid is not None and grid.dp > 1 else None
+        self.pp = grid.pp_group if grid is not None and grid.pp > 1 else None
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
         if grid is not None:
-            grid.layout.check_model(config.n_head, config.n_embd, config.n_layer)
+            grid.layout.check_model(config.n_head, config.n_embd, config.n_layer, virtual_stages)
+        elif virtual_stages > 1:
+            raise ValueError("virtual stages split a pipeline: they need a grid with PP > 1")
         if sequence_parallel and self.tp is None:
             raise ValueError("sequence parallelism shards along a TP group: it needs TP > 1")
         self.sequence_parallel = bool(sequence_parallel)
         self.rng = RNGTracker()
         layers = _Layers(self.tp, self.dp, self.sequence_parallel, self.rng)
+        p, r = (grid.pp, grid.pp_rank) if grid is not None else (1, 0)
+        self.n_chunks = p * virtual_stages
+        # local chunk c is global chunk c*p + r (Megatron's round-robin); chunk g has layers
+        # g*per .. (g+1)*per - 1. The first global chunk embeds, the last one ends with the head.
+        self.chunks = [c * p + r for c in range(virtual_stages)]
+        per = config.n_layer // self.n_chunks
+        self.chunk_layers = [list(range(g * per, (g + 1) * per)) for g in self.chunks]
+        first, last = self.chunks[0] == 0, self.chunks[-1] == self.n_chunks - 1
+        # Every rank draws the whole model in the single-device order, so each layer gets the
+        # single-device weights, and keeps its own layers (construction holds the whole model once).
+        wte = layers.vocab_embedding(config.vocab_size, config.n_embd)
+        wpe = Embedding(config.block_size, config.n_embd)
+        blocks = [Block(config, layers) for _ in range(config.n_layer)]
+        mine = [i for layer_ids in self.chunk_layers for i in layer_ids]
         self.transformer = ModuleDict(
-            wte=layers.vocab_embedding(config.vocab_size, config.n_embd),
-            wpe=Embedding(config.block_size, config.n_embd),
-            drop=layers.dropout(config.dropout),
-            h=ModuleList(Block(config, layers) for _ in range(config.n_layer)),
-            ln_f=layers.layer_norm(config.n_embd, config.bias),
+            wte=wte if first or last else None,  # the tied head: the first and the last stage
+            wpe=wpe if first else None,
+            drop=layers.dropout(config.dropout) if first else None,
+            h=ModuleList([blocks[i] for i in mine], names=mine),
+            ln_f=layers.layer_norm(config.n_embd, config.bias) if last else None,
         )
+        self._block = dict(zip(mine, self.transformer.h))
         # each rank of a sequence-parallel group uses the rows of its own positions
-        self.transformer.wpe.weight.sequence_parallel_grad = self.sequence_parallel
+        wpe.weight.sequence_parallel_grad = self.sequence_parallel
+        # the tied embedding's gradient has two parts, on two stages: finalize_grads adds them
+        self.embedding_group = grid.embedding_group if self.pp is not None else None
         # drawn after the weights, so the weights do not depend on it
         self.rng.seed = int(default_generator().integers(0, 2**62))
 
@@ -195,11 +120,47 @@ class GPT(Module):
         """``idx`` (B, T) integer ids -> logits (B, T, vocab) and, given targets, the mean loss.
         Under tensor parallelism the logits are this rank's vocabulary columns (see
         ``gather_logits``); the loss is the whole model's, the same on every rank."""
+        self._whole_model_only("forward() (run the stages with minipar.parallel.pipeline.PipelineExecutor)")
         x = self.embed(idx)
         for block in self.transformer.h:
             x = block(x)
         logits = self.logits(x)
         return logits, (self.loss(logits, targets) if targets is not None else None)
+
+    # ---- pipeline stages ------------------------------------------------------------------------
+    def chunk_forward(self, c, x, targets=None, recompute=False):
+        """Run local chunk ``c``: token ids (the first chunk) or the previous chunk's activation
+        in, the activation (B, T, C) out, or for the last chunk the mean loss over ``targets``.
+        ``recompute``: keep only each block's input, and run the block again in backward."""
+        g = self.chunks[c]
+        if g == 0:
+            x = self.embed(x)
+        for i in self.chunk_layers[c]:
+            block = self._block[i]
+            x = checkpoint(block, x, block.parameters(), rng=self.rng) if recompute else block(x)
+        if g < self.n_chunks - 1:
+            return x
+        logits = self.logits(x)
+        return self.loss(logits, targets) if targets is not None else logits
+
+    def dropout_calls_before(self, c):
+        """The single-device model's number of dropout keys drawn before local chunk ``c``
+        (the embedding's dropout, then Block.DROPOUT_CALLS per block)."""
+        if self.config.dropout == 0 or not self.training:
+            return 0
+        first_layer = self.chunk_layers[c][0]
+        return (0 if self.chunks[c] == 0 else 1) + Block.DROPOUT_CALLS * first_layer
+
+    def dropout_calls_per_forward(self):
+        """Dropout keys one forward of the whole model draws."""
+        if self.config.dropout == 0 or not self.training:
+            return 0
+        return 1 + Block.DROPOUT_CALLS * self.config.n_layer
+
+    def activation_shape(self, batch, T):
+        """The shape of what one chunk sends the next: (batch, positions on this rank, n_embd)."""
+        positions = T // self.tp.size if self.sequence_parallel else T
+        return (batch, positions, self.config.n_embd)
 
     # The forward in its pieces (ZeRO-3 wraps each one to gather its parameters just in time).
     def embed(self, idx):
@@ -234,20 +195,44 @@ class GPT(Module):
 
     def finalize_grads(self):
         """Finish the gradients once after the last backward of a step, before the optimizer:
-        with sequence parallelism, sum the ones each rank holds only part of."""
+        with sequence parallelism, sum the ones each rank holds only part of; with pipeline
+        stages, add the tied embedding's two parts (the first stage's use as the input
+        embedding, the last stage's as the output head), so both copies take the same step."""
         if self.sequence_parallel:
             tensor.finalize_grads(self, self.tp)
+        group = self.embedding_group
+        if group is None or group.size == 1:
+            return
+        wte = self.transformer.wte.weight
+        if not hasattr(self, "_tied_grads_summed"):  # a backward through wte makes its part new
+            wte.register_grad_hook(lambda _: setattr(self, "_tied_grads_summed", False))
+        elif self._tied_grads_summed:
+            raise RuntimeError("finalize_grads was already called since the last backward: call it "
+                               "once, after the last backward of a step (adding the tied parts "
+                               "twice doubles them)")
+        self._tied_grads_summed = True
+        if wte.grad is None:
+            wte.grad = xp.zeros_like(wte.data)
+        group.all_reduce(wte.grad)
+
+    def _whole_model_only(self, what):
+        if self.pp is not None:
+            raise RuntimeError(f"{what} needs the whole model, and this GPT is split into pipeline "
+                               "stages (each rank holds some layers only)")
 
     def full_state_dict(self):
         """The single-device state dict, gathered from the shards (a collective on TP ranks)."""
+        self._whole_model_only("full_state_dict()")
         return tensor.full_parameters(self) if self.tp is not None else self.state_dict()
 
     def load_full_state_dict(self, state):
         """Load a single-device state dict; each rank keeps its shards."""
+        self._whole_model_only("load_full_state_dict()")
         tensor.load_full_parameters(self, state) if self.tp is not None else self.load_state_dict(state)
 
     def generate(self, idx, max_new_tokens, temperature=1.0, generator=None):
         """Sample ``max_new_tokens`` continuations of ``idx`` (B, T), one token at a time."""
+        self._whole_model_only("generate()")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if self.sequence_parallel:

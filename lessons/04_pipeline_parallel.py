@@ -1,0 +1,263 @@
+"""Lesson 4: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), checked against one device.
+
+    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py              # PP = 4
+    ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py --pp 4       # PP = 4 x DP = 2
+    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --dtype float64
+
+The GPT's 8 blocks are cut into stages: rank r runs blocks 2r and 2r+1, the first rank also the
+embeddings, the last the final LayerNorm and the loss (with 2 virtual stages, rank r holds blocks r
+and 4 + r: a micro-batch passes every rank twice). The step's batch is cut into m micro-batches
+that follow each other through the stages, each rank forwarding one while its neighbours work on
+others. Activations go forward and their gradients back as point-to-point messages.
+
+Each schedule trains a few AdamW steps from the same seed as the single-device run, with dropout,
+with and without activation recompute, and we compare the loss, every gradient and the parameters.
+Then the costs, each next to its formula:
+
+* the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved,
+  exact in a simulation with unit costs, and as measured on this machine;
+* memory: how many micro-batches' activations a rank holds at once (m for GPipe, p - rank for
+  1F1B), and the bytes measured with and without recompute;
+* the bytes each rank sends per step.
+
+The timelines are drawn in --out: one Gantt picture per schedule as measured, one simulated, and a
+Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
+"""
+
+import argparse
+import os
+import sys
+import tracemalloc
+
+import numpy as np
+
+import minipar
+from minipar.backend import xp
+from minipar.comm import world
+from minipar.data import Dataset, load_corpus
+from minipar.models import GPT, GPTConfig
+from minipar.optim import AdamW
+from minipar.parallel import ProcessGrid
+from minipar.parallel.data import DataParallel
+from minipar.parallel.pipeline import schedules, trace
+from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
+from minipar.verify import rel_err, worst_tensor
+
+TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+
+
+def parse_args(n):
+    p = argparse.ArgumentParser(description="Pipeline parallelism against the single-device run.")
+    p.add_argument("--pp", type=int, default=n, help="pipeline stages (DP = ranks / PP)")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank, interleaved schedule")
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/pipeline", help="where the timeline pictures and traces go")
+    p.add_argument("--plant-bug", action="store_true",
+                   help="skip adding the tied embedding's two gradient parts (first and last stage)")
+    args = p.parse_args()
+    if args.pp < 1 or n % args.pp:
+        p.error(f"--pp {args.pp} must divide the number of ranks ({n})")
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (memory is measured in the first step, time in the last)")
+    schedules.check(args.pp, args.micro_batches, args.virtual_stages, args.n_layer, interleaved=True)
+    if args.batch_size % (args.micro_batches * (n // args.pp)):
+        p.error(f"--batch-size {args.batch_size} must split into {args.micro_batches} micro-batches "
+                f"of equal slices for each of the {n // args.pp} data-parallel replicas")
+    return args
+
+
+def reference_run(config, batches, seed):
+    """The single-device run: its losses, first-step gradients and final parameters."""
+    minipar.manual_seed(seed)
+    model = GPT(config)
+    opt = AdamW(model.parameters(), **HYPER)
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        _, loss = model(x, y)  # the whole batch at once
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: p.grad.copy() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, model.state_dict()
+
+
+def pipeline_run(name, v, recompute, args, config, grid, batches, reference):
+    """Train with one schedule; errors against the reference, and what the step cost."""
+    losses_s, grads_s, params_s = reference
+    minipar.manual_seed(args.seed)
+    model = GPT(config, grid, virtual_stages=v)
+    ddp = DataParallel(model, grid.dp_group) if grid.dp > 1 else None
+    opt = AdamW(model.parameters(), **HYPER)
+    run = PipelineExecutor(model, grid, name, args.micro_batches, ddp=ddp, recompute=recompute)
+    errors = {"loss": 0.0, "gradients (worst tensor)": 0.0}
+    costs = {}
+    for step, (x, y) in enumerate(batches):
+        for p in model.parameters():  # allocated before the step, so the step's peak is activations
+            if p.grad is None:
+                p.grad = xp.zeros_like(p.data)
+        if step == 0:
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+        if grid.pp_group is not None:
+            grid.pp_group.stats.reset()
+
+        def optimizer_step():
+            if ddp is not None:
+                ddp.finish_gradients()
+            if not args.plant_bug:
+                model.finalize_grads()
+            if step == 0:
+                costs["activation bytes"] = tracemalloc.get_traced_memory()[1] - before
+                tracemalloc.stop()
+                mine = {n: p.grad for n, p in model.named_parameters()}
+                errors["gradients (worst tensor)"] = worst_tensor(mine, {n: grads_s[n] for n in mine})
+            opt.step()
+
+        record = run.step(x, y, optimizer_step)
+        if grid.is_last_stage:
+            loss = record.loss if ddp is None else grid.dp_group.all_reduce(np.array([record.loss]))[0]
+            errors["loss"] = max(errors["loss"], rel_err(loss, losses_s[step]))
+        if ddp is not None:
+            ddp.zero_grad()
+        else:
+            model.zero_grad()
+    # parameters as one vector over all ranks: sums of squares, added up over the world
+    sq = np.zeros(2)
+    for n, p in model.named_parameters():
+        a, b = np.asarray(p.data, np.float64), np.asarray(params_s[n], np.float64)
+        sq += [((a - b) ** 2).sum(), (b ** 2).sum()]
+    costs.update(timeline=record.timeline, peak_alive=record.peak_alive,
+                 sent=grid.pp_group.stats.total().bytes_sent if grid.pp_group is not None else 0,
+                 sq=sq, chunks=model.chunks)
+    return errors, costs
+
+
+def gather_timelines(comm, grid, name, m, v, timeline):
+    """Every rank's (start, end) per instruction, on every rank; kept: the pipeline of replica 0."""
+    plans = schedules.build(name, grid.pp, m, v)
+    n = max(len(s) for s in plans.values())
+    mine = np.full((n, 2), np.nan)
+    mine[: len(timeline)] = [(start, end) for *_, start, end in timeline]
+    everyone = comm.all_gather(mine)
+    out = {}
+    for r, plan in plans.items():
+        times = everyone[grid.layout.rank(0, 0, r)]
+        out[r] = [(i.op, i.mb, i.chunk, s, e) for i, (s, e) in zip(plan, times)]
+    return out
+
+
+def main():
+    comm = world()
+    args = parse_args(comm.size)
+    minipar.set_default_dtype(args.dtype)
+    grid = ProcessGrid(tp=1, pp=args.pp)
+    p, m, v = grid.pp, args.micro_batches, args.virtual_stages
+    config = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=128, block_size=args.block_size, dropout=0.1)
+    data = Dataset(load_corpus())
+    batches = [data.batch("train", s, args.batch_size, config.block_size, args.seed) for s in range(args.steps)]
+    reference = reference_run(config, batches, args.seed)
+    tol = TOLERANCE[args.dtype]
+    runs = [(name, vv) for name, vv in (("gpipe", 1), ("1f1b", 1), ("interleaved", v))]
+    results, failed = {}, False
+    for name, vv in runs:
+        for recompute in (False, True):
+            errors, costs = pipeline_run(name, vv, recompute, args, config, grid, batches, reference)
+            sq = comm.all_reduce(costs["sq"])
+            errors[f"parameters after {args.steps} steps"] = float(np.sqrt(sq[0] / sq[1]))
+            errors = {k: comm.all_reduce(np.array([e]), op="max")[0] for k, e in errors.items()}
+            costs["timelines"] = gather_timelines(comm, grid, name, m, vv, costs["timeline"])
+            costs["peak_alive"] = comm.all_gather(np.array([costs["peak_alive"]]))[:, 0]
+            costs["activation bytes"] = comm.all_gather(np.array([costs["activation bytes"]]))[:, 0]
+            results[name, recompute] = errors, costs
+            failed |= any(e > tol for e in errors.values())
+
+    # the costs, each next to its formula (rank r of the table is pipeline rank r of replica 0)
+    act_bytes = (args.batch_size // m // grid.dp) * config.block_size * config.n_embd * np.dtype(args.dtype).itemsize
+    stage_ranks = [grid.layout.rank(0, 0, r) for r in range(p)]
+    lines = []
+    for name, vv in runs:
+        sim = simulate(schedules.build(name, p, m, vv), m, vv)
+        theory = theoretical_bubble(p, m, vv)
+        failed |= any(b != theory for b in sim.bubble.values())
+        costs, costs_r = results[name, False][1], results[name, True][1]
+        alive = [int(costs["peak_alive"][g]) for g in stage_ranks]
+        failed |= alive != [sim.peak_alive[r] for r in range(p)] or list(costs_r["peak_alive"]) != list(costs["peak_alive"])
+        if name == "gpipe":
+            failed |= alive != [m] * p
+        elif name == "1f1b":
+            failed |= alive != [min(p - r, m) for r in range(p)]
+        else:
+            failed |= alive != [min((p - r - 1) * 2 + (vv - 1) * p + 1, vv * m) for r in range(p)]
+        # messages: an activation per micro-batch for each chunk but the last global one, and a
+        # gradient for each but the first
+        n_chunks = p * vv
+        per_rank = [sum((g < n_chunks - 1) + (g > 0) for g in range(r, n_chunks, p)) * m * act_bytes for r in range(p)]
+        failed |= results[name, False][1]["sent"] != per_rank[grid.pp_rank]  # every rank checks its own
+        measured = trace.bubble(costs["timelines"])
+        mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
+        mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks]
+        failed |= any(b >= a for a, b in zip(mem, mem_r))
+        lines.append((name, vv, theory, sim, measured, alive, mem, mem_r, per_rank))
+        if comm.rank == 0:
+            tag = f"{name}, p={p}, m={m}" + (f", v={vv}" if vv > 1 else "")
+            trace.gantt(sim.timeline, os.path.join(args.out, f"{name}_simulated.png"),
+                        f"{tag}: unit costs, bubble {float(theory):.3f}", chunks=vv, unit="units")
+            trace.gantt(costs["timelines"], os.path.join(args.out, f"{name}_measured.png"),
+                        f"{tag}: measured on this machine", chunks=vv)
+            trace.chrome_trace(costs["timelines"], os.path.join(args.out, f"{name}_trace.json"), chunks=vv)
+    failed = comm.all_reduce(np.array([int(failed)]), op="max")[0]
+    if comm.rank == 0:
+        report(args, grid, results, runs, lines, tol)
+        print("\nMISMATCH: see the rows above" if failed else
+              "\nEvery schedule, with and without recompute, equals the single-device run; the bubble, "
+              "the activations held and the bytes sent are what the formulas say.")
+    return int(failed)
+
+
+def report(args, grid, results, runs, lines, tol):
+    p, m = grid.pp, args.micro_batches
+    print(f"PP={p} x DP={grid.dp}; GPT of {args.n_layer} blocks; global batch {args.batch_size} in {m} "
+          f"micro-batches; {args.dtype}, dropout 0.1, {args.steps} AdamW steps")
+    print(f"\nrelative error against the single-device run (tolerance {tol:g}); +r: with recompute")
+    keys = list(results)
+    print(f"  {'':<28}" + "".join(f"{n + (' +r' if r else ''):>15}" for n, r in keys))
+    for row in results[keys[0]][0]:
+        print(f"  {row:<28}" + "".join(f"{results[k][0][row]:>15.1e}" for k in keys))
+    print("\nbubble: the idle fraction of a step (convention: idle time / makespan)")
+    print(f"  {'schedule':<13}{'formula':<22}{'theory':>8}{'simulated':>11}{'measured':>10}   measured per rank")
+    for name, vv, theory, sim, measured, *_ in lines:
+        formula = f"(p-1)/({'v*' if vv > 1 else ''}m+p-1)"
+        sims = {float(b) for b in sim.bubble.values()}
+        print(f"  {name:<13}{formula:<22}{float(theory):>8.3f}{max(sims):>11.3f}"
+              f"{np.mean(list(measured.values())):>10.3f}   " + " ".join(f"{b:.2f}" for b in measured.values()))
+    print("  (simulated: forward 1, backward 2 time units, no communication cost; measured: this run's")
+    print("  last step. With more ranks than cores, ranks that compute at once share a core, which the")
+    print("  simulation does not model: the measured bubble is only roughly the formula here.)")
+    print("\nactivations held: the most micro-batches a rank had run forward but not yet backward")
+    print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>9}" for r in range(p)) + "   formula")
+    for name, vv, _, _, _, alive, *_ in lines:
+        formula = {"gpipe": "m", "1f1b": "p - rank"}.get(
+            name, f"(p-rank-1)*2 + (v-1)*p + 1 chunks, each 1/{vv} of a stage")
+        print(f"  {name:<13}" + "".join(f"{a:>9}" for a in alive) + f"   {formula}")
+    print("\npeak bytes of the step's arrays per rank (activations and temporaries), without | with recompute")
+    print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>17}" for r in range(p)))
+    for name, _, _, _, _, _, mem, mem_r, _ in lines:
+        print(f"  {name:<13}" + "".join(f"{a / 1e6:>7.1f} |{b / 1e6:>5.1f} MB " for a, b in zip(mem, mem_r)))
+    print("\nbytes sent per rank per step (activations forward, gradients back): measured = formula")
+    for name, *_, per_rank in lines:
+        print(f"  {name:<13}" + "".join(f"{b:>12,}" for b in per_rank))
+    print(f"\ntimelines: {args.out}/<schedule>_measured.png, _simulated.png, _trace.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, a unit-cost simulator, and an executor on MPI."""

@@ -1,0 +1,168 @@
+"""The executor: run one rank's schedule on its pipeline stage of a GPT, with real messages.
+
+Each instruction of ``schedules.py`` becomes
+
+    recv_act   post a receive of the activation into a buffer of the agreed shape; wait politely
+    forward    ``model.chunk_forward`` on it (token ids for the first chunk), keeping the graph
+    send_act   start a non-blocking send of the output
+    recv_grad  receive the gradient of that output
+    backward   backpropagate it through the kept graph; the input's gradient is left in its .grad
+    send_grad  start a non-blocking send of the input's gradient
+    step       wait for the sends still in flight, then the caller's optimizer step
+
+Shapes are agreed, not sent: every rank computes (micro-batch rows, positions, n_embd) from the
+batch it is given and the model, so a message is only its bytes. Each message has its own tag,
+(micro-batch, sending chunk, kind), so a receive can only match the message it expects.
+
+What makes the pipelined run equal to one device:
+
+* Micro-batch i is rows i*B..(i+1)*B of the step's batch (then cut across data-parallel ranks), and
+  its loss, a mean over its tokens, is scaled by (its tokens / the step's tokens) before backward:
+  the shares add up to the mean over the whole batch, not to a sum of per-micro-batch means.
+* Dropout draws the single-device masks: a chunk's forward starts at the single-device model's
+  dropout call number for its first layer, inside ``rng.micro_batch(i, m)`` (see minipar.rng).
+* The tied embedding's two gradient parts (first and last stage) are added by
+  ``model.finalize_grads()``, which the caller runs before the optimizer, after the data-parallel
+  all-reduce (``ddp.finish_gradients()``); inside this executor, a data-parallel bucket is sent
+  only by the last backward of each chunk (the others run under ``ddp.no_sync()``).
+"""
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from minipar.autograd import Tensor
+from minipar.backend import get_default_dtype, xp
+from minipar.parallel.data import scale_loss, split_batch, token_count
+from minipar.parallel.pipeline import schedules as S
+from minipar.parallel.pipeline.simulate import message_key, peer
+
+MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
+
+
+@dataclass
+class StepRecord:
+    """What one step did on this rank. ``timeline``: (op, mb, chunk, start, end) for every
+    instruction, in seconds of ``time.perf_counter``; ``loss``: the sum of this rank's scaled
+    micro-batch losses (the last stage; None elsewhere); ``peak_alive``: the most chunk
+    activations held at once."""
+
+    timeline: list = field(default_factory=list)
+    loss: float = None
+    peak_alive: int = 0
+
+    def busy(self):
+        return sum(end - start for op, _, _, start, end in self.timeline if op in (S.FORWARD, S.BACKWARD))
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` ("gpipe", "1f1b" or "interleaved") with ``micro_batches`` per step on this
+    rank's stage of ``model`` (a GPT built on ``grid``). ``ddp``: the DataParallel wrapper when the
+    grid has DP > 1. ``recompute``: keep only each block's input during forward."""
+
+    def __init__(self, model, grid, schedule="1f1b", micro_batches=1, ddp=None, recompute=False):
+        v = len(model.chunks)
+        if schedule not in S.SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(S.SCHEDULES)}")
+        if v > 1 and schedule != "interleaved":
+            raise ValueError(f"a model with {v} virtual stages per rank runs the interleaved schedule, "
+                             f"not {schedule!r}")
+        S.check(grid.pp, micro_batches, v, model.config.n_layer, interleaved=schedule == "interleaved")
+        n_tags = 2 * micro_batches * grid.pp * v
+        if n_tags > MAX_TAG:
+            raise ValueError(f"{micro_batches} micro-batches x {grid.pp * v} chunks need {n_tags} message "
+                             f"tags, more than MPI promises ({MAX_TAG}): use fewer micro-batches")
+        if grid.dp > 1 and ddp is None:
+            raise ValueError("the grid has DP > 1: pass the DataParallel wrapper as ddp=")
+        self.model, self.grid, self.ddp, self.recompute = model, grid, ddp, recompute
+        self.m, self.v, self.name = micro_batches, v, schedule
+        self.pipe = S.Pipeline(grid.pp, micro_batches, v)
+        self.instructions = S.build(schedule, grid.pp, micro_batches, v)[grid.pp_rank]
+        self.comm = grid.pp_group  # None when PP = 1: then nothing is sent
+        # the backward after which a chunk's gradients are complete for the step
+        self.last_backward = {}
+        for ins in self.instructions:
+            if ins.op == S.BACKWARD:
+                self.last_backward[ins.chunk] = ins.mb
+
+    def _check_batch(self, x, y):
+        dp = self.grid.dp
+        if x.ndim != 2 or x.shape != y.shape:
+            raise ValueError(f"a batch is (rows, time) ids and targets of one shape; got {x.shape} and {y.shape}")
+        if len(x) % (self.m * dp):
+            raise ValueError(f"a batch of {len(x)} rows does not split into {self.m} micro-batches of "
+                             f"equal slices for {dp} data-parallel ranks: use a multiple of {self.m * dp}")
+
+    def step(self, x, y, optimizer_step=None):
+        """One training step on the global batch (x, y) (every rank passes the same one): run the
+        schedule, then ``optimizer_step()`` at its step instruction. Returns a StepRecord."""
+        x, y = xp.asarray(x), xp.asarray(y)
+        self._check_batch(x, y)  # on every rank, before any message
+        model, m = self.model, self.m
+        rows = len(x) // m
+        total = token_count(y)  # every rank sees the whole batch: the step's count, with no message
+        micro = []
+        for i in range(m):
+            xs, ys = x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]
+            micro.append(split_batch(xs, ys, self.grid.dp_group) if self.grid.dp > 1 else (xs, ys))
+        shape = model.activation_shape(rows // self.grid.dp, x.shape[1])
+        dtype = get_default_dtype()
+        base = model.rng.calls
+        received, saved, input_grads, grads, sends = {}, {}, {}, {}, []
+        record, loss = StepRecord(), 0.0
+        for ins in self.instructions:
+            start = time.perf_counter()
+            unit = (ins.mb, ins.chunk)
+            if ins.op in (S.RECV_ACT, S.RECV_GRAD):
+                buf = self.comm.irecv(xp.empty(shape, dtype), self._peer(ins), self._tag(ins)).wait()
+                if ins.op == S.RECV_ACT:
+                    received[unit] = Tensor(buf, requires_grad=True)
+                else:
+                    grads[unit] = buf
+            elif ins.op == S.FORWARD:
+                inp = received.pop(unit, None)  # None: the first chunk, which reads token ids
+                ids, targets = micro[ins.mb]
+                last = model.chunks[ins.chunk] == self.pipe.n_chunks - 1
+                calls = base + model.dropout_calls_before(ins.chunk)
+                with model.rng.micro_batch(ins.mb, m, calls=calls):
+                    out = model.chunk_forward(ins.chunk, ids if inp is None else inp,
+                                              targets if last else None, recompute=self.recompute)
+                if last:  # this micro-batch's share of the step's mean loss
+                    out = scale_loss(out, targets, total=total)
+                    loss += out.item()
+                saved[unit] = (inp, out)
+                record.peak_alive = max(record.peak_alive, len(saved))
+            elif ins.op == S.SEND_ACT:
+                out = xp.ascontiguousarray(saved[unit][1].data)
+                sends.append(self.comm.isend(out, self._peer(ins), self._tag(ins)))
+            elif ins.op == S.BACKWARD:
+                inp, out = saved.pop(unit)  # dropping the graph frees the activations
+                quiet = self.ddp is not None and ins.mb != self.last_backward[ins.chunk]
+                with self.ddp.no_sync() if quiet else contextlib.nullcontext():
+                    out.backward(grads.pop(unit, None))
+                if inp is not None:
+                    input_grads[unit] = inp.grad
+            elif ins.op == S.SEND_GRAD:
+                sends.append(self.comm.isend(input_grads.pop(unit), self._peer(ins), self._tag(ins)))
+            elif ins.op == S.STEP:
+                for request in sends:
+                    request.wait()
+                # the next step's dropout keys follow this step's, as on one device
+                model.rng.calls = base + model.dropout_calls_per_forward()
+                if optimizer_step is not None:
+                    optimizer_step()
+            for request in sends:  # MPI moves data only inside MPI calls: let the sends progress
+                request.test()
+            record.timeline.append((ins.op, ins.mb, ins.chunk, start, time.perf_counter()))
+        if model.chunks[-1] == self.pipe.n_chunks - 1:
+            record.loss = loss
+        return record
+
+    def _peer(self, ins):
+        """The pipeline-group rank at the other end of a send or receive."""
+        return peer(self.pipe, self.grid.pp_rank, ins)
+
+    def _tag(self, ins):
+        """A tag per message: (micro-batch, sending global chunk, activation or gradient)."""
+        kind, mb, g = message_key(self.pipe, self.grid.pp_rank, ins)
+        return 2 * (mb * self.pipe.n_chunks + g) + (kind == "grad")

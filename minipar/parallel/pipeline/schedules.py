@@ -1,0 +1,189 @@
+"""Pipeline schedules as data: for each rank, the list of instructions it executes in one step.
+
+A pipeline of p ranks runs m micro-batches. With ``v`` virtual stages (model chunks) per rank, the
+model's layers are cut into p*v chunks placed round-robin (Megatron-LM): rank r holds global chunks
+r, p + r, 2p + r, ... so a micro-batch visits ranks 0, 1, ..., p-1, 0, 1, ... v times. Local chunk c
+of rank r is global chunk ``c*p + r``.
+
+An instruction is one of
+
+    recv_act  (mb, chunk)    receive the input activation of micro-batch mb for this chunk
+    forward   (mb, chunk)    run the chunk; keep what backward needs
+    send_act  (mb, chunk)    send its output to the rank holding the next chunk (non-blocking)
+    recv_grad (mb, chunk)    receive the gradient of that output
+    backward  (mb, chunk)    backpropagate it through the chunk
+    send_grad (mb, chunk)    send the gradient of the chunk's input back (non-blocking)
+    step                     the optimizer step, after everything
+
+The three schedules differ only in the order of forwards and backwards (the communication is put
+around them by the same rule):
+
+* ``gpipe`` (Huang et al. 2019): every forward, then every backward. All m micro-batches'
+  activations are alive at once.
+* ``one_f_one_b`` (PipeDream-Flush, Narayanan et al. 2021): rank r runs p - r - 1 warm-up forwards,
+  then alternates one forward and one backward, then drains the remaining backwards. At most
+  p - r micro-batches are alive: the memory of p micro-batches, whatever m is. Same bubble as GPipe.
+* ``interleaved_one_f_one_b`` (Narayanan et al. 2021, Megatron-LM): 1F1B over v chunks per rank;
+  each step of the pipeline is 1/v as long, so the fill and drain shrink v-fold.
+
+Sends never block (a send only starts) and receives do, so a schedule is free of deadlock exactly
+when replaying the sends and receives in order always lets some rank move on: ``simulate.py``
+checks that, and measures each schedule's bubble with unit costs.
+"""
+
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = "forward", "backward"
+RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, STEP = "recv_act", "send_act", "recv_grad", "send_grad", "step"
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: str
+    mb: int = -1
+    chunk: int = 0
+
+    def __str__(self):
+        return self.op if self.op == STEP else f"{self.op}({self.mb},{self.chunk})"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The shape of a pipeline: p ranks, v chunks per rank, m micro-batches per step."""
+
+    p: int
+    m: int
+    v: int = 1
+
+    def global_chunk(self, rank, chunk):
+        return chunk * self.p + rank
+
+    def place(self, global_chunk):
+        """(rank, local chunk) holding a global chunk."""
+        return global_chunk % self.p, global_chunk // self.p
+
+    @property
+    def n_chunks(self):
+        return self.p * self.v
+
+
+def check(p, m, v=1, n_layer=None, interleaved=False):
+    """Raise a ValueError naming every requirement the sizes break (call it on every rank before
+    any communication)."""
+    problems = []
+    for name, value in (("pipeline size p", p), ("micro-batches m", m), ("virtual stages v", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name} must be an integer >= 1, got {value!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    if v > 1 and not interleaved:
+        problems.append(f"{v} virtual stages need the interleaved schedule")
+    if interleaved and m % p:
+        problems.append(f"the interleaved schedule runs micro-batches in groups of p: m={m} is not "
+                        f"divisible by p={p}; choose m among the multiples of {p}")
+    if n_layer is not None and n_layer % (p * v):
+        problems.append(f"n_layer={n_layer} is not divisible by p x v = {p} x {v}: every chunk needs "
+                        "the same number of layers")
+    if problems:
+        raise ValueError("pipeline schedule: " + "; ".join(problems))
+
+
+def _with_communication(pipe, rank, compute):
+    """Put the receives before and the sends after each forward and backward. The first global
+    chunk reads token ids, the last computes the loss: those need no activation or gradient."""
+    last = pipe.n_chunks - 1
+    out = []
+    for op, mb, c in compute:
+        g = pipe.global_chunk(rank, c)
+        if op == FORWARD:
+            if g > 0:
+                out.append(Instruction(RECV_ACT, mb, c))
+            out.append(Instruction(FORWARD, mb, c))
+            if g < last:
+                out.append(Instruction(SEND_ACT, mb, c))
+        else:
+            if g < last:
+                out.append(Instruction(RECV_GRAD, mb, c))
+            out.append(Instruction(BACKWARD, mb, c))
+            if g > 0:
+                out.append(Instruction(SEND_GRAD, mb, c))
+    out.append(Instruction(STEP))
+    return out
+
+
+def gpipe(p, m, rank):
+    check(p, m)
+    compute = [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
+    return _with_communication(Pipeline(p, m), rank, compute)
+
+
+def one_f_one_b(p, m, rank):
+    check(p, m)
+    warmup = min(p - rank - 1, m)  # the forwards in flight when the first gradient comes back
+    compute = [(FORWARD, i, 0) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: one forward, then the oldest backward
+        compute += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
+    compute += [(BACKWARD, i, 0) for i in range(m - warmup, m)]
+    return _with_communication(Pipeline(p, m), rank, compute)
+
+
+def interleaved_one_f_one_b(p, m, v, rank):
+    """Megatron-LM's order. The k-th forward of a rank (k = 0 .. v*m - 1) takes micro-batches in
+    groups of p through all v chunks before the next group:
+
+        chunk(k) = (k mod p*v) div p        mb(k) = (k div p*v) * p + k mod p
+
+    and its k-th backward goes through the chunks in reverse (chunk v - 1 - chunk(k)). Warm-up:
+    (p - rank - 1) * 2 + (v - 1) * p forwards, enough that the first backward's gradient has
+    come back down the v passes of the pipeline by the time it is needed; so a rank holds at most
+    warm-up + 1 chunk activations. (Megatron-LM makes every forward a warm-up one when m = p; the
+    simulator shows the rule above free of deadlock there too, with the same bubble and fewer
+    activations held, so it is used for every m.)"""
+    check(p, m, v, interleaved=True)
+    total = v * m
+
+    def chunk(k, forward):
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def mb(k):
+        return (k // (p * v)) * p + k % p
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    compute = [(FORWARD, mb(k), chunk(k, True)) for k in range(warmup)]
+    for i in range(total - warmup):
+        k = warmup + i
+        compute += [(FORWARD, mb(k), chunk(k, True)), (BACKWARD, mb(i), chunk(i, False))]
+    compute += [(BACKWARD, mb(k), chunk(k, False)) for k in range(total - warmup, total)]
+    return _with_communication(Pipeline(p, m, v), rank, compute)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
+
+
+def build(name, p, m, v=1):
+    """Every rank's instruction list for a schedule by name: {rank: [Instruction]}."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved":
+        return {r: interleaved_one_f_one_b(p, m, v, r) for r in range(p)}
+    if v != 1:
+        check(p, m, v)  # raises: virtual stages need the interleaved schedule
+    return {r: SCHEDULES[name](p, m, r) for r in range(p)}
+
+
+def table(schedules, compute_only=True):
+    """The schedule as text, one column per rank: F3.1 is the forward of micro-batch 3 on local
+    chunk 1 (the chunk is left out when v = 1), B the backward."""
+    def cell(ins):
+        tag = "F" if ins.op == FORWARD else "B" if ins.op == BACKWARD else ins.op
+        return tag if ins.op == STEP else f"{tag}{ins.mb}" + (f".{ins.chunk}" if interleaved else "")
+
+    interleaved = any(i.chunk for s in schedules.values() for i in s)
+    cols = {r: [cell(i) for i in s if not compute_only or i.op in (FORWARD, BACKWARD)]
+            for r, s in schedules.items()}
+    width = max(len(c) for col in cols.values() for c in col) + 2
+    rows = [" " * 5 + "".join(f"rank {r}".ljust(width + 2) for r in cols)]
+    for k in range(max(len(c) for c in cols.values())):
+        rows.append(f"{k:>3}  " + "".join((col[k] if k < len(col) else "").ljust(width + 2) for col in cols.values()))
+    return "\n".join(rows)

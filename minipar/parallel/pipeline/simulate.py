@@ -1,0 +1,132 @@
+"""Run a schedule on paper: unit costs, no data, exact arithmetic.
+
+Each rank executes its instruction list in order with its own clock. A forward costs ``forward``
+time units and a backward ``backward`` (1 and 2 by default: a backward computes two products per
+forward one, the gradients of the input and of the weights); sends take no time and never wait;
+a receive waits until the matching send has happened. Replaying all ranks this way
+
+* proves the schedule free of deadlock (if at some point no rank can move, it raises and names the
+  receives everyone is stuck on),
+* checks that every receive has exactly one matching send and every send is received, and that
+  each chunk's backward of a micro-batch comes after its forward,
+* gives the timeline of the ideal run, from which the bubble: the fraction of the step a rank is
+  idle, (makespan - its busy time) / makespan. With p ranks, m micro-batches and v chunks of
+  equal cost, the formulas are
+
+      GPipe, 1F1B:      (p - 1) / (m + p - 1)
+      interleaved:      (p - 1) / (v*m + p - 1)
+
+  (the fill and drain take p - 1 chunk-times of forward plus backward; the work, m (or v*m) of
+  them). Some papers quote the bubble relative to the work instead, (p - 1)/m and (p - 1)/(v*m).
+* counts the peak number of micro-batches whose activations a rank holds (forwards done, their
+  backwards not yet): m for GPipe, p - rank for 1F1B.
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from minipar.parallel.pipeline.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT,
+                                                 SEND_GRAD, Pipeline)
+
+
+@dataclass
+class Simulation:
+    makespan: Fraction
+    busy: dict  # rank -> time spent computing
+    timeline: dict  # rank -> [(op, mb, chunk, start, end)] of forwards and backwards
+    peak_alive: dict  # rank -> most micro-batch activations held at once (chunk activations)
+    messages: int = 0
+    bubble: dict = field(default_factory=dict)  # rank -> idle fraction of the makespan
+
+
+def message_key(pipe, rank, ins):
+    """What a send or receive carries, named the same on both sides: (kind, mb, sending global
+    chunk). An activation goes from global chunk g to g + 1, a gradient from g + 1 back to g."""
+    g = pipe.global_chunk(rank, ins.chunk)
+    if ins.op == SEND_ACT:
+        return ("act", ins.mb, g)
+    if ins.op == RECV_ACT:
+        return ("act", ins.mb, g - 1)
+    if ins.op == SEND_GRAD:
+        return ("grad", ins.mb, g)
+    if ins.op == RECV_GRAD:
+        return ("grad", ins.mb, g + 1)
+    raise ValueError(f"{ins} is not a message")
+
+
+def peer(pipe, rank, ins):
+    """The rank at the other end of a send or receive."""
+    g = pipe.global_chunk(rank, ins.chunk)
+    other = g + 1 if ins.op in (SEND_ACT, RECV_GRAD) else g - 1
+    return pipe.place(other)[0]
+
+
+def simulate(schedules, m, v=1, forward=1, backward=2):
+    """Replay ``schedules`` ({rank: [Instruction]}) and return a Simulation; raises RuntimeError on
+    a deadlock or a broken schedule."""
+    p = len(schedules)
+    pipe = Pipeline(p, m, v)
+    forward, backward = Fraction(forward), Fraction(backward)
+    clock = {r: Fraction(0) for r in schedules}
+    at = {r: 0 for r in schedules}  # next instruction per rank
+    sent = {}  # message key -> time it was sent
+    received = Counter()
+    alive = {r: set() for r in schedules}
+    peak = {r: 0 for r in schedules}
+    busy = {r: Fraction(0) for r in schedules}
+    timeline = {r: [] for r in schedules}
+    while any(at[r] < len(s) for r, s in schedules.items()):
+        moved = False
+        for r, s in schedules.items():
+            while at[r] < len(s):
+                ins = s[at[r]]
+                if ins.op in (RECV_ACT, RECV_GRAD):
+                    key = message_key(pipe, r, ins)
+                    if key not in sent:
+                        break  # blocked; try the other ranks
+                    received[key] += 1
+                    clock[r] = max(clock[r], sent[key])
+                elif ins.op in (SEND_ACT, SEND_GRAD):
+                    key = message_key(pipe, r, ins)
+                    if key in sent:
+                        raise RuntimeError(f"rank {r} sends {key} twice")
+                    sent[key] = clock[r]
+                elif ins.op in (FORWARD, BACKWARD):
+                    unit = (ins.mb, ins.chunk)
+                    if ins.op == FORWARD:
+                        if unit in alive[r]:
+                            raise RuntimeError(f"rank {r} runs forward {unit} twice")
+                        alive[r].add(unit)
+                        peak[r] = max(peak[r], len(alive[r]))
+                    elif unit not in alive[r]:
+                        raise RuntimeError(f"rank {r} runs backward {unit} before its forward")
+                    else:
+                        alive[r].remove(unit)
+                    cost = forward if ins.op == FORWARD else backward
+                    timeline[r].append((ins.op, ins.mb, ins.chunk, clock[r], clock[r] + cost))
+                    clock[r] += cost
+                    busy[r] += cost
+                at[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: str(s[at[r]]) for r, s in schedules.items() if at[r] < len(s)}
+            raise RuntimeError(f"deadlock: every unfinished rank waits on a receive: {stuck}")
+    unmatched = [k for k in sent if received[k] != 1]
+    if unmatched or any(v != 1 for v in received.values()):
+        raise RuntimeError(f"sends and receives do not pair up: {unmatched[:5]}")
+    for r in schedules:
+        if alive[r]:
+            raise RuntimeError(f"rank {r} ends with forwards never backpropagated: {sorted(alive[r])}")
+        done = Counter((op, c) for op, _, c, _, _ in timeline[r])
+        if any(n != m for n in done.values()) or len(done) != 2 * v:
+            raise RuntimeError(f"rank {r} does not run every micro-batch once through each chunk")
+    makespan = max(clock.values())
+    sim = Simulation(makespan, busy, timeline, peak, messages=len(sent))
+    sim.bubble = {r: (makespan - busy[r]) / makespan for r in schedules}
+    return sim
+
+
+def theoretical_bubble(p, m, v=1):
+    """(p - 1) / (v*m + p - 1), as an exact fraction (v = 1 for GPipe and 1F1B)."""
+    return Fraction(p - 1, v * m + p - 1)

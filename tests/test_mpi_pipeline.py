@@ -1,0 +1,49 @@
+"""Pipeline parallelism under mpiexec: every schedule, with tied weights across the first and last
+stage, against the single-device run; with data and tensor parallelism; bad sizes refused on every
+rank; and the lesson."""
+
+import os
+
+import pytest
+
+from mpi_run import ROOT, check_mpi, run_mpi
+
+
+@pytest.mark.parametrize("n,args", [
+    (2, ["--pp", "2", "--schedule", "gpipe", "--m", "3"]),
+    (2, ["--pp", "2", "--schedule", "1f1b", "--m", "4", "--recompute"]),
+    (2, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2"]),
+    (4, ["--pp", "4", "--schedule", "gpipe", "--m", "4", "--recompute"]),
+    (4, ["--pp", "4", "--schedule", "1f1b", "--m", "6"]),
+    (4, ["--pp", "4", "--schedule", "interleaved", "--v", "2", "--m", "8", "--recompute"]),
+    (4, ["--pp", "2", "--schedule", "1f1b", "--m", "2"]),  # PP 2 x DP 2
+    (4, ["--pp", "2", "--tp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2"]),
+    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "1f1b", "--recompute"]),
+])
+def test_pipeline_matches_the_single_device_run(n, args):
+    out = check_mpi(n, "pipeline.py", *args, timeout=180)
+    assert out.count("OK (layers") == n
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--schedule", "interleaved", "--v", "2", "--m", "3"], "m=3 is not divisible by p=2"),
+    (["--schedule", "1f1b", "--v", "2"], "runs the interleaved schedule"),
+])
+def test_bad_pipeline_sizes_end_the_job_with_the_reason(args, message):
+    code, out, _ = run_mpi(2, "pipeline.py", "--pp", "2", *args, timeout=60)
+    assert code != 0 and message in out
+
+
+LESSON_4 = os.path.join(ROOT, "lessons", "04_pipeline_parallel.py")
+
+
+@pytest.mark.parametrize("n,args", [(4, []), (8, ["--pp", "4"]), (2, ["--dtype", "float64", "--micro-batches", "4"])])
+def test_pipeline_lesson(n, args, tmp_path):
+    out = check_mpi(n, LESSON_4, "--out", str(tmp_path), *args, timeout=300)
+    assert "equals the single-device run" in out
+    assert {f.name for f in tmp_path.iterdir()} >= {"1f1b_measured.png", "interleaved_simulated.png", "gpipe_trace.json"}
+
+
+def test_pipeline_lesson_fails_on_a_planted_bug(tmp_path):
+    code, out, _ = run_mpi(2, LESSON_4, "--out", str(tmp_path), "--plant-bug", timeout=300)
+    assert code != 0 and "MISMATCH" in out

@@ -1,0 +1,156 @@
+"""Pipeline schedules on paper (no MPI): every schedule free of deadlock, with sends and receives
+paired, each backward after its forward, the bubble exactly the formula and the activations held
+as the papers say; the simulator catches broken schedules; the executor on a 1-stage grid equals
+plain gradient accumulation; timelines are written as Chrome traces and pictures."""
+
+import json
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import minipar
+from minipar.models import GPT, GPTConfig
+from minipar.models.layers import Block
+from minipar.parallel import ProcessGrid
+from minipar.parallel.pipeline import schedules as S
+from minipar.parallel.pipeline import trace
+from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
+
+CASES = [(name, p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12)
+         for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
+         if name != "interleaved" or m % p == 0]
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_every_schedule_runs_to_the_end_with_the_formula_bubble(name, p, m, v):
+    sim = simulate(S.build(name, p, m, v), m, v)  # raises on deadlock or unpaired messages
+    assert all(b == theoretical_bubble(p, m, v) for b in sim.bubble.values())
+    assert sim.makespan == 3 * (v * m + p - 1)  # forward 1 + backward 2 per chunk-time
+    assert sim.messages == 2 * m * (p * v - 1)  # an activation and a gradient per chunk boundary
+    expected = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)]}.get(
+        name, [min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)])
+    assert [sim.peak_alive[r] for r in range(p)] == expected
+
+
+def test_bubble_formulas_by_hand():
+    assert theoretical_bubble(4, 8) == Fraction(3, 11)
+    assert theoretical_bubble(4, 8, 2) == Fraction(3, 19)
+
+
+def test_one_f_one_b_order_of_the_papers():
+    s = S.one_f_one_b(4, 6, 1)
+    compute = [str(i) for i in s if i.op in (S.FORWARD, S.BACKWARD)]
+    assert compute[:5] == ["forward(0,0)", "forward(1,0)", "forward(2,0)", "backward(0,0)", "forward(3,0)"]
+    assert s[-1].op == S.STEP
+    assert str(s[0]) == "recv_act(0,0)" and str(s[2]) == "send_act(0,0)"  # rank 1: receive, run, send
+
+
+def test_interleaved_places_chunks_round_robin():
+    s = S.interleaved_one_f_one_b(4, 8, 2, 0)
+    forwards = [(i.mb, i.chunk) for i in s if i.op == S.FORWARD]
+    # micro-batches in groups of p through chunk 0, then the same group through chunk 1
+    assert forwards[:8] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
+    pipe = S.Pipeline(4, 8, 2)
+    assert [pipe.global_chunk(0, c) for c in range(2)] == [0, 4] and pipe.place(5) == (1, 1)
+    assert "F0.1" in S.table({0: s}) and "rank 0" in S.table({0: s})
+
+
+def test_the_simulator_catches_broken_schedules():
+    good = S.build("1f1b", 2, 2)
+    backward_first = {**good, 1: [S.Instruction(S.BACKWARD, 0, 0)] + good[1]}  # the last stage
+    with pytest.raises(RuntimeError, match="backward .* before its forward"):
+        simulate(backward_first, 2)
+    waits_forever = {**good, 0: [S.Instruction(S.RECV_GRAD, 0, 0)] + good[0]}
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(waits_forever, 2)
+    unsent = {**good, 1: [i for i in good[1] if i.op != S.SEND_GRAD]}
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(unsent, 2)
+    sent_twice = {**good, 0: [good[0][0], good[0][1]] + good[0]}  # forward(0) and its send, again
+    with pytest.raises(RuntimeError, match="twice"):
+        simulate(sent_twice, 2)
+    unreceived = {**good, 1: [i for i in good[1] if not (i.op == S.RECV_ACT and i.mb == 1)]}
+    with pytest.raises(RuntimeError, match="pair up"):
+        simulate(unreceived, 2)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: S.build("interleaved", 4, 6, 2), "not divisible by p=4"),
+    (lambda: S.build("1f1b", 4, 8, 2), "need the interleaved schedule"),
+    (lambda: S.build("zigzag", 4, 8), "unknown pipeline schedule"),
+    (lambda: S.check(4, 8, 2, n_layer=12, interleaved=True), "n_layer=12 is not divisible by p x v"),
+    (lambda: S.check(0, 8), "pipeline size p must be an integer >= 1"),
+])
+def test_requirements_are_checked_up_front(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_block_dropout_calls_match_what_a_pipeline_stage_assumes():
+    minipar.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.1))
+    before = model.rng.calls
+    model.transformer.h[0](minipar.Tensor(np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)))
+    assert model.rng.calls - before == Block.DROPOUT_CALLS
+    model(np.zeros((2, 8), np.int64))
+    assert model.rng.calls - before - Block.DROPOUT_CALLS == model.dropout_calls_per_forward()
+
+
+@pytest.mark.parametrize("schedule,recompute", [("gpipe", False), ("1f1b", True)])
+def test_executor_on_one_stage_equals_the_whole_batch(schedule, recompute):
+    """PP = 1: the schedule is plain gradient accumulation over micro-batches, with loss shares
+    by token count (micro-batches of unequal counts) and dropout masks of the whole batch."""
+    minipar.set_default_dtype("float64")
+    try:
+        config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.2)
+        rng = np.random.default_rng(1)
+        x, y = rng.integers(0, 32, (6, 8)), rng.integers(0, 32, (6, 8))
+        y[0, :5] = -1
+        minipar.manual_seed(0)
+        serial = GPT(config)
+        _, loss = serial(x, y)
+        loss.backward()
+        minipar.manual_seed(0)
+        model = GPT(config, ProcessGrid(1, 1))
+        run = PipelineExecutor(model, ProcessGrid(1, 1), schedule, micro_batches=3, recompute=recompute)
+        record = run.step(x, y)
+        assert abs(record.loss - loss.item()) < 1e-12
+        for (n, p), q in zip(model.named_parameters(), serial.parameters()):
+            np.testing.assert_allclose(p.grad, q.grad, rtol=1e-10, atol=1e-13, err_msg=n)
+        assert model.rng.calls == serial.rng.calls and record.peak_alive == (3 if schedule == "gpipe" else 1)
+        with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+            run.step(x[:4], y[:4])
+    finally:
+        minipar.set_default_dtype("float32")
+
+
+def test_a_pipelined_model_refuses_whole_model_calls():
+    class FakeGrid:  # a stage of a 2-stage pipeline, as GPT sees it (no communicator needed)
+        tp_group = dp_group = embedding_group = None
+        pp_group = object()
+        tp = dp = 1
+        pp, pp_rank = 2, 1
+        layout = minipar.parallel.Layout(1, 2, 1)
+
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32), FakeGrid())
+    names = [n for n, _ in model.named_parameters()]
+    assert "transformer.h.2.attn.c_attn.weight" in names and not any(".h.0." in n for n in names)
+    assert "transformer.wte.weight" in names and "transformer.wpe.weight" not in names  # the tied head
+    with pytest.raises(RuntimeError, match="pipeline stages"):
+        model(np.zeros((1, 8), np.int64))
+    with pytest.raises(ValueError, match="not divisible by PP x virtual stages"):
+        GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16), FakeGrid())
+
+
+def test_traces_and_pictures(tmp_path):
+    sim = simulate(S.build("1f1b", 3, 4), 4)
+    assert trace.bubble(sim.timeline) == {r: theoretical_bubble(3, 4) for r in range(3)}
+    trace.chrome_trace(sim.timeline, tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert len(slices) == 3 * 2 * 4 and {e["tid"] for e in slices} == {0, 1, 2}
+    assert {e["name"] for e in slices if e["tid"] == 0} >= {"F0", "B3"}
+    trace.gantt(sim.timeline, tmp_path / "g.png", "1f1b", unit="units")
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
