@@ -3,6 +3,7 @@
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py              # PP = 4
     ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py --pp 4       # PP = 4 x DP = 2
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --dtype float64
+    ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --show-schedules   # a core per rank
 
 The GPT's 8 blocks are cut into stages: rank r runs blocks 2r and 2r+1, the first rank also the
 embeddings, the last the final LayerNorm and the loss (with 2 virtual stages, rank r holds blocks r
@@ -15,7 +16,8 @@ with and without activation recompute, and we compare the loss, every gradient a
 Then the costs, each next to its formula:
 
 * the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved,
-  exact in a simulation with unit costs, and as measured on this machine;
+  exact in a simulation with unit costs, and as measured on this machine (close to the formula
+  when every rank has a core of its own; well above it when ranks share cores);
 * memory: how many micro-batches' activations a rank holds at once (m for GPipe, p - rank for
   1F1B), and the bytes measured with and without recompute;
 * the bytes each rank sends per step.
@@ -60,6 +62,7 @@ def parse_args(n):
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/pipeline", help="where the timeline pictures and traces go")
+    p.add_argument("--show-schedules", action="store_true", help="print each schedule as a table first")
     p.add_argument("--plant-bug", action="store_true",
                    help="skip adding the tied embedding's two gradient parts (first and last stage)")
     args = p.parse_args()
@@ -168,6 +171,9 @@ def main():
     reference = reference_run(config, batches, args.seed)
     tol = TOLERANCE[args.dtype]
     runs = [(name, vv) for name, vv in (("gpipe", 1), ("1f1b", 1), ("interleaved", v))]
+    if args.show_schedules and comm.rank == 0:
+        for name, vv in runs:  # F3.1: the forward of micro-batch 3 on the rank's chunk 1
+            print(f"{name} (compute order per rank)\n{schedules.table(schedules.build(name, p, m, vv))}\n")
     results, failed = {}, False
     for name, vv in runs:
         for recompute in (False, True):

@@ -49,6 +49,10 @@ class ZeroAdamW:
         params = model.parameters()
         if len({p.dtype for p in params}) != 1:
             raise ValueError("ZeRO lays all parameters out in flat buffers of one dtype; the model mixes dtypes")
+        if getattr(model, "pp", None) is not None:
+            raise ValueError("ZeRO over pipeline stages is not supported yet (the tied embedding's two "
+                             "parts must be added before the shards are updated): with PP > 1 use "
+                             "DataParallel, ZeRO stage 0")
         if stage >= 2 and getattr(model, "sequence_parallel", False):
             raise ValueError("ZeRO stages 2 and 3 send gradients during backward, before sequence "
                              "parallelism's partial gradients are summed: use stage 1 with it")

@@ -51,9 +51,6 @@ class StepRecord:
     loss: float = None
     peak_alive: int = 0
 
-    def busy(self):
-        return sum(end - start for op, _, _, start, end in self.timeline if op in (S.FORWARD, S.BACKWARD))
-
 
 class PipelineExecutor:
     """Runs ``schedule`` ("gpipe", "1f1b" or "interleaved") with ``micro_batches`` per step on this

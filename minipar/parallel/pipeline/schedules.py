@@ -182,8 +182,8 @@ def table(schedules, compute_only=True):
     interleaved = any(i.chunk for s in schedules.values() for i in s)
     cols = {r: [cell(i) for i in s if not compute_only or i.op in (FORWARD, BACKWARD)]
             for r, s in schedules.items()}
-    width = max(len(c) for col in cols.values() for c in col) + 2
-    rows = [" " * 5 + "".join(f"rank {r}".ljust(width + 2) for r in cols)]
+    width = max([len(c) for col in cols.values() for c in col] + [len(f"rank {r}") for r in cols]) + 2
+    rows = [" " * 5 + "".join(f"rank {r}".ljust(width) for r in cols)]
     for k in range(max(len(c) for c in cols.values())):
-        rows.append(f"{k:>3}  " + "".join((col[k] if k < len(col) else "").ljust(width + 2) for col in cols.values()))
-    return "\n".join(rows)
+        rows.append(f"{k:>3}  " + "".join((col[k] if k < len(col) else "").ljust(width) for col in cols.values()))
+    return "\n".join(row.rstrip() for row in rows)

@@ -60,6 +60,7 @@ def gantt(timelines, path, title, chunks=1, unit="ms"):
 
     scale = {"ms": 1e3, "units": 1}[unit]
     t0 = origin(timelines)
+    span = float(max(t[4] for events in timelines.values() for t in events) - t0) * scale
     ranks = sorted(timelines)
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(ranks) + 1.2))
     for row, r in enumerate(ranks):
@@ -71,7 +72,7 @@ def gantt(timelines, path, title, chunks=1, unit="ms"):
             ax.broken_barh([(x, w)], (row - 0.4, 0.8), facecolors=COLORS[op], alpha=shade,
                            edgecolor="white", linewidth=0.5)
             ax.text(x + w / 2, row, label(op, mb, chunk, chunks), ha="center", va="center",
-                    fontsize=6, color="white", clip_on=True)
+                    fontsize=6 if w > span / 45 else 4, color="white", clip_on=True)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("time (unit costs: forward 1, backward 2)" if unit == "units" else "time (ms)")
