@@ -105,13 +105,15 @@ class Module:
 
 class ModuleList(Module):
     """Sub-modules named by their position: ``h.0``, ``h.1``, ... or, given ``names``, by those
-    (a pipeline stage holds blocks 8 and 9 of a GPT under their names in the whole model)."""
+    (a pipeline stage holds blocks 8 and 9 of a GPT under their names in the whole model).
+    Indexing and iteration go by position either way."""
 
     def __init__(self, modules, names=None):
         self._items = list(modules)
         self._names = [str(n) for n in (names if names is not None else range(len(self._items)))]
-        if len(self._names) != len(self._items):
-            raise ValueError(f"{len(self._items)} modules but {len(self._names)} names")
+        if len(self._names) != len(self._items) or len(set(self._names)) != len(self._names):
+            raise ValueError(f"ModuleList needs one distinct name per module, got {self._names} "
+                             f"for {len(self._items)} modules")
 
     def named_children(self):
         yield from zip(self._names, self._items)
@@ -170,8 +172,9 @@ class Dropout(Module):
     ``rng`` (a ``minipar.rng.RNGTracker``, shared by a model) gives every call its key; without
     one the process-wide generator does. ``shards`` lists the (axis, communicator) pairs along
     which this rank holds only a part of the activation (in that order, after the micro-batch
-    the tracker may be in): the mask is drawn for the whole and this rank's part kept, so that any
-    layout drops exactly what one device would (see ``minipar.rng``).
+    the tracker may be in): each row of the step's whole batch has its own mask, and a rank draws
+    the rows it holds and keeps its part of each, so that any layout drops exactly what one device
+    would (see ``minipar.rng``).
     """
 
     def __init__(self, p, rng=None, shards=()):
@@ -183,17 +186,12 @@ class Dropout(Module):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        key = self.rng.next_key() if self.rng is not None else None
-        parts = [(axis, comm.size, comm.rank) for axis, comm in self.shards]
-        if self.rng is not None and self.rng.micro[1] > 1:
-            parts.insert(0, (0, self.rng.micro[1], self.rng.micro[0]))
-        if not parts:
-            return F.dropout(x, self.p, key=key)
-        full = list(x.shape)
-        for axis, count, _ in parts:
-            full[axis] *= count
-        mask = rng.keep_mask(key, tuple(full), self.p, x.dtype)
-        return F.apply_mask(x, rng.local_part(mask, parts))
+        if self.rng is None:
+            return F.dropout(x, self.p)
+        key = self.rng.next_key()
+        parts = [(0, self.rng.micro[1], self.rng.micro[0])]
+        parts += [(axis, comm.size, comm.rank) for axis, comm in self.shards]
+        return F.apply_mask(x, rng.row_masks(key, x.shape, self.p, x.dtype, parts))
 
 
 def describe(module):

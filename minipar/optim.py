@@ -120,11 +120,12 @@ class AdamW(Optimizer):
         p -= tmp
 
 
-def clip_grad_norm(params, max_norm):
+def clip_grad_norm(params, max_norm, norm=None):
     """Scale all gradients by min(1, max_norm / ||g||), ||g|| the global L2 norm over every
-    parameter; returns ||g|| before clipping."""
+    parameter (or ``norm``, computed by the caller across ranks: minipar.parallel.grad_norm);
+    returns ||g|| before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = math.sqrt(sum(float(xp.vdot(g.ravel(), g.ravel())) for g in grads))
+    total = norm if norm is not None else math.sqrt(sum(float(xp.vdot(g.ravel(), g.ravel())) for g in grads))
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for g in grads:

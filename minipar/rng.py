@@ -2,7 +2,7 @@
 
 A dropout mask is drawn from a NumPy generator seeded with a *key*: the model's seed, the number
 of the dropout call (counted identically on every rank, since every rank runs the same program)
-and, where it helps, a position such as (sequence, head). A rank that holds only part of a tensor
+and a position: the sequence's row in the step's whole batch (and, in attention, the head). A rank that holds only part of a tensor
 (a sequence shard, its attention heads, its slice of the batch) draws the mask of the whole tensor
 for that key and keeps its own part, so
 
@@ -12,8 +12,9 @@ for that key and keeps its own part, so
 
 That makes a tensor-parallel run with dropout equal to the single-device run, mask for mask.
 (Megatron-LM instead seeds each tensor-parallel rank differently: statistically the same, but not
-comparable to a single device.) Drawing whole masks costs random numbers, not memory bandwidth:
-a counter-based generator could draw only the local part; NumPy's generators are not counter-based.
+comparable to a single device.) Rows of the batch are drawn separately, so a micro-batch or a
+data-parallel rank draws only its own rows; a sequence shard draws its rows whole and keeps its
+positions (a counter-based generator could draw only those; NumPy's generators are not).
 """
 
 import contextlib
@@ -70,6 +71,27 @@ def keep_mask(key, shape, p, dtype, index=()):
     mask = xp.asarray(keep, dtype=dtype)
     mask *= 1.0 / (1.0 - p)
     return mask
+
+
+def row_masks(key, shape, p, dtype, parts):
+    """This rank's part of the dropout mask of a whole batch, drawn row by row: row (sequence) i
+    of the whole batch gets its own mask from (key, i), so a rank draws only the rows it holds
+    (a micro-batch of a pipeline does not draw the other micro-batches' rows). ``parts`` is a
+    list of (axis, count, index) cuts, as in ``local_part``: those along axis 0 say which rows
+    these are, the others are cut from each row."""
+    first, row_cuts = 0, []
+    for axis, count, index in parts:
+        if axis == 0:
+            first = first * count + index  # nested cuts of the rows: micro-batch, then DP rank
+        else:
+            row_cuts.append((axis - 1, count, index))
+    first *= shape[0]
+    row_shape = list(shape[1:])
+    for axis, count, _ in row_cuts:
+        row_shape[axis] *= count
+    rows = [local_part(keep_mask(key, tuple(row_shape), p, dtype, (first + i,)), row_cuts)
+            for i in range(shape[0])]
+    return xp.stack(rows)  # a fresh array: no view keeps the whole rows alive
 
 
 def local_part(full, parts):

@@ -4,6 +4,7 @@ as the papers say; the simulator catches broken schedules; the executor on a 1-s
 plain gradient accumulation; timelines are written as Chrome traces and pictures."""
 
 import json
+import tracemalloc
 from fractions import Fraction
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import minipar
 from minipar.models import GPT, GPTConfig
 from minipar.models.layers import Block
+from minipar.nn import Linear, ModuleList
 from minipar.parallel import ProcessGrid
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline import trace
@@ -33,6 +35,14 @@ def test_every_schedule_runs_to_the_end_with_the_formula_bubble(name, p, m, v):
     expected = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)]}.get(
         name, [min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)])
     assert [sim.peak_alive[r] for r in range(p)] == expected
+
+
+@pytest.mark.parametrize("p,m,v", [(1, 3, 1), (2, 4, 1), (4, 8, 2), (3, 6, 3)])
+def test_forward_only_schedules_run_every_micro_batch_through_every_chunk(p, m, v):
+    plans = {r: S.forward_only(p, m, v, r) for r in range(p)}
+    sim = simulate(plans, m, v, forward_only=True)
+    assert all(i.op != S.BACKWARD for s in plans.values() for i in s)
+    assert sim.messages == m * (p * v - 1)
 
 
 def test_bubble_formulas_by_hand():
@@ -121,21 +131,70 @@ def test_executor_on_one_stage_equals_the_whole_batch(schedule, recompute):
         for (n, p), q in zip(model.named_parameters(), serial.parameters()):
             np.testing.assert_allclose(p.grad, q.grad, rtol=1e-10, atol=1e-13, err_msg=n)
         assert model.rng.calls == serial.rng.calls and record.peak_alive == (3 if schedule == "gpipe" else 1)
-        with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
-            run.step(x[:4], y[:4])
+        serial.eval(), model.eval()
+        with minipar.no_grad():
+            assert abs(run.evaluate(x, y).loss - serial(x, y)[1].item()) < 1e-12
+        bad_targets = y.copy()
+        bad_targets[1, 1] = 32
+        for xb, yb, message in ((x[:4], y[:4], "does not split into 3 micro-batches"),
+                                (x + 32, y, r"token ids must lie in \[0, 32\)"),
+                                (x, bad_targets, "or be -1"),
+                                (np.zeros((3, 9), np.int64), np.zeros((3, 9), np.int64), "exceeds block_size")):
+            with pytest.raises(ValueError, match=message):
+                run.step(xb, yb)
     finally:
         minipar.set_default_dtype("float32")
 
 
-def test_a_pipelined_model_refuses_whole_model_calls():
-    class FakeGrid:  # a stage of a 2-stage pipeline, as GPT sees it (no communicator needed)
-        tp_group = dp_group = embedding_group = None
-        pp_group = object()
-        tp = dp = 1
-        pp, pp_rank = 2, 1
-        layout = minipar.parallel.Layout(1, 2, 1)
+class FakeGrid:
+    """One stage of a pipeline as GPT and the executor see it at construction (no communicator:
+    no embedding group, so nothing is broadcast)."""
 
-    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32), FakeGrid())
+    tp_group = dp_group = embedding_group = None
+    pp_group = object()
+    tp = dp = 1
+    tp_rank = dp_rank = 0
+
+    def __init__(self, pp, pp_rank):
+        self.pp, self.pp_rank, self.layout = pp, pp_rank, minipar.parallel.Layout(1, pp, 1)
+
+
+def test_stages_hold_their_chunks_round_robin():
+    config = GPTConfig(n_layer=16, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.1)
+    held = {}
+    for r in range(4):
+        model = GPT(config, FakeGrid(4, r), virtual_stages=2)
+        held[r] = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".h." in n})
+        if r == 0:  # chunk 1 of rank 0 is global chunk 4: blocks 8, 9, after the embedding's call
+            assert model.dropout_calls_before(0) == 0 and model.dropout_calls_before(1) == 1 + 8 * Block.DROPOUT_CALLS
+            assert "transformer.wpe.weight" in dict(model.named_parameters())
+    assert held == {0: [0, 1, 8, 9], 1: [2, 3, 10, 11], 2: [4, 5, 12, 13], 3: [6, 7, 14, 15]}
+    with pytest.raises(ValueError, match="message tags"):
+        PipelineExecutor(model, FakeGrid(4, 3), "interleaved", micro_batches=4096)
+
+
+def test_one_f_one_b_memory_does_not_grow_with_the_micro_batches():
+    """1F1B on one stage holds one micro-batch at a time: quadrupling m (micro-batches of the same
+    size) must not grow the step's peak memory, dropout masks included (each micro-batch draws
+    only its own rows)."""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=64, dropout=0.1)
+    peaks = []
+    for m in (2, 8):
+        minipar.manual_seed(0)
+        model = GPT(config, ProcessGrid(1, 1))
+        for p in model.parameters():
+            p.grad = np.zeros_like(p.data)
+        x = np.random.default_rng(0).integers(0, 64, (2 * m, 32))
+        run = PipelineExecutor(model, ProcessGrid(1, 1), "1f1b", micro_batches=m)
+        tracemalloc.start()
+        run.step(x, x)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.2 * peaks[0], f"peak bytes {peaks[0]:,} at m=2, {peaks[1]:,} at m=8"
+
+
+def test_a_pipelined_model_refuses_whole_model_calls():
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32), FakeGrid(2, 1))
     names = [n for n, _ in model.named_parameters()]
     assert "transformer.h.2.attn.c_attn.weight" in names and not any(".h.0." in n for n in names)
     assert "transformer.wte.weight" in names and "transformer.wpe.weight" not in names  # the tied head
@@ -144,16 +203,23 @@ def test_a_pipelined_model_refuses_whole_model_calls():
     with pytest.raises(ValueError, match="ZeRO over pipeline stages"):
         ZeroAdamW(model, None, 1)  # refused before it touches a communicator
     with pytest.raises(ValueError, match="not divisible by PP x virtual stages"):
-        GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16), FakeGrid())
+        GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16), FakeGrid(2, 1))
+
+
+def test_module_list_names_are_distinct():
+    with pytest.raises(ValueError, match="distinct name"):
+        ModuleList([Linear(2, 2), Linear(2, 2)], names=[8, 8])
 
 
 def test_traces_and_pictures(tmp_path):
     sim = simulate(S.build("1f1b", 3, 4), 4)
     assert trace.bubble(sim.timeline) == {r: theoretical_bubble(3, 4) for r in range(3)}
+    sim.timeline[0].append((S.STEP, -1, 0, sim.makespan, sim.makespan + 5))  # not pipeline idle
+    assert trace.bubble(sim.timeline) == {r: theoretical_bubble(3, 4) for r in range(3)}
     trace.chrome_trace(sim.timeline, tmp_path / "t.json")
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
-    assert len(slices) == 3 * 2 * 4 and {e["tid"] for e in slices} == {0, 1, 2}
+    assert len(slices) == 3 * 2 * 4 + 1 and {e["tid"] for e in slices} == {0, 1, 2}
     assert {e["name"] for e in slices if e["tid"] == 0} >= {"F0", "B3"}
     trace.gantt(sim.timeline, tmp_path / "g.png", "1f1b", unit="units")
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"

@@ -148,7 +148,7 @@ class MPICommunicator(Communicator):
     def isend(self, x, dest, tag=0):
         _buffer(x, "send")
         self.stats.record("send", x.nbytes, 0)
-        return Request(self.comm.Isend(x, dest, tag).Test, x)  # holds x until the send completes
+        return Request(self.comm.Isend(x, dest, tag).Test, keep=x)  # holds x until the send completes
 
     def irecv(self, out, source, tag=0):
         """Receive into ``out``, which must be exactly as large as the message (a larger buffer

@@ -33,6 +33,7 @@ from minipar.nn import Embedding, Module, ModuleDict, ModuleList
 from minipar.parallel import tensor
 from minipar.parallel.collectives import gather_from_region
 from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from minipar.parallel.pipeline.schedules import Pipeline
 from minipar.parallel.recompute import checkpoint
 from minipar.rng import RNGTracker
 
@@ -78,11 +79,12 @@ class GPT(Module):
         self.sequence_parallel = bool(sequence_parallel)
         self.rng = RNGTracker()
         layers = _Layers(self.tp, self.dp, self.sequence_parallel, self.rng)
-        p, r = (grid.pp, grid.pp_rank) if grid is not None else (1, 0)
-        self.n_chunks = p * virtual_stages
+        pipe = Pipeline(grid.pp if grid is not None else 1, 1, virtual_stages)
+        r = grid.pp_rank if grid is not None else 0
+        self.n_chunks = pipe.n_chunks
         # local chunk c is global chunk c*p + r (Megatron's round-robin); chunk g has layers
         # g*per .. (g+1)*per - 1. The first global chunk embeds, the last one ends with the head.
-        self.chunks = [c * p + r for c in range(virtual_stages)]
+        self.chunks = [pipe.global_chunk(r, c) for c in range(virtual_stages)]
         per = config.n_layer // self.n_chunks
         self.chunk_layers = [list(range(g * per, (g + 1) * per)) for g in self.chunks]
         first, last = self.chunks[0] == 0, self.chunks[-1] == self.n_chunks - 1
@@ -102,8 +104,14 @@ class GPT(Module):
         self._block = dict(zip(mine, self.transformer.h))
         # each rank of a sequence-parallel group uses the rows of its own positions
         wpe.weight.sequence_parallel_grad = self.sequence_parallel
-        # the tied embedding's gradient has two parts, on two stages: finalize_grads adds them
+        # The tied embedding lives on two stages. Its copies start equal (the first stage's is
+        # broadcast, as Megatron-LM does, so they agree even if the ranks were seeded differently)
+        # and take equal steps: finalize_grads adds the two gradient parts.
         self.embedding_group = grid.embedding_group if self.pp is not None else None
+        if self.embedding_group is not None and self.embedding_group.size > 1:
+            self.embedding_group.broadcast(wte.weight.data, root=0)
+            if last:  # counted once in a global gradient norm: the first stage counts it
+                wte.weight.pipeline_copy = True
         # drawn after the weights, so the weights do not depend on it
         self.rng.seed = int(default_generator().integers(0, 2**62))
 
@@ -162,6 +170,28 @@ class GPT(Module):
         positions = T // self.tp.size if self.sequence_parallel else T
         return (batch, positions, self.config.n_embd)
 
+    def check_batch(self, idx, targets=None):
+        """Raise a ValueError naming what is wrong with a batch of ids (B, T) and targets: a
+        pipeline calls this on every rank, since only the first stage reads the ids and only the
+        last the targets, and a rank that failed alone would leave its neighbours waiting."""
+        idx = xp.asarray(idx)
+        if idx.ndim != 2 or idx.dtype.kind not in "iu":
+            raise ValueError(f"GPT input must be (batch, time) integer token ids, got {idx.dtype} {idx.shape}")
+        T, V = idx.shape[1], self.config.vocab_size
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if self.sequence_parallel and T % self.tp.size:
+            raise ValueError(f"sequence parallelism splits the sequence: length {T} is not divisible by TP={self.tp.size}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= V):
+            raise ValueError(f"token ids must lie in [0, {V}), got ids from {int(idx.min())} to {int(idx.max())}")
+        if targets is not None:
+            targets = xp.asarray(targets)
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets {targets.shape} must have the ids' shape {idx.shape}")
+            bad = (targets != -1) & ((targets < 0) | (targets >= V))
+            if bool(bad.any()):
+                raise ValueError(f"targets must lie in [0, {V}) or be -1 (ignored), got {int(targets[bad][0])}")
+
     # The forward in its pieces (ZeRO-3 wraps each one to gather its parameters just in time).
     def embed(self, idx):
         """Token and position embeddings of the ids (B, T), then dropout."""
@@ -197,23 +227,22 @@ class GPT(Module):
         """Finish the gradients once after the last backward of a step, before the optimizer:
         with sequence parallelism, sum the ones each rank holds only part of; with pipeline
         stages, add the tied embedding's two parts (the first stage's use as the input
-        embedding, the last stage's as the output head), so both copies take the same step."""
+        embedding, the last stage's as the output head), so both copies take the same step.
+        A second call before the next backward is refused on every rank (it would add twice)."""
+        if not hasattr(self, "_grads_final"):  # any backward through this rank's layers resets it
+            self.parameters()[0].register_grad_hook(lambda _: setattr(self, "_grads_final", False))
+        elif self._grads_final:
+            raise RuntimeError("finalize_grads was already called since the last backward: call it "
+                               "once, after the last backward of a step")
+        self._grads_final = True
         if self.sequence_parallel:
             tensor.finalize_grads(self, self.tp)
         group = self.embedding_group
-        if group is None or group.size == 1:
-            return
-        wte = self.transformer.wte.weight
-        if not hasattr(self, "_tied_grads_summed"):  # a backward through wte makes its part new
-            wte.register_grad_hook(lambda _: setattr(self, "_tied_grads_summed", False))
-        elif self._tied_grads_summed:
-            raise RuntimeError("finalize_grads was already called since the last backward: call it "
-                               "once, after the last backward of a step (adding the tied parts "
-                               "twice doubles them)")
-        self._tied_grads_summed = True
-        if wte.grad is None:
-            wte.grad = xp.zeros_like(wte.data)
-        group.all_reduce(wte.grad)
+        if group is not None and group.size > 1:
+            wte = self.transformer.wte.weight
+            if wte.grad is None:
+                wte.grad = xp.zeros_like(wte.data)
+            group.all_reduce(wte.grad)
 
     def _whole_model_only(self, what):
         if self.pp is not None:

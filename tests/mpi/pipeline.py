@@ -1,20 +1,23 @@
 """A pipelined GPT against the single-device GPT (float64, dropout on): the loss, every gradient
-the rank holds (the tied embedding's on the first and the last stage) and the parameters after
-two AdamW steps, for one schedule.
+the rank holds (the tied embedding's on the first and the last stage), the gradient norm and the
+parameters after two clipped AdamW steps, and the evaluation loss, for one schedule.
 
     run_mpi.sh -n 4 tests/mpi/pipeline.py --pp 4 --schedule interleaved --v 2 --m 4 [--recompute]
 """
 
 import argparse
+import sys
 
 import numpy as np
 
 import minipar
+from minipar.autograd import no_grad
 from minipar.comm import world
 from minipar.models import GPT, GPTConfig
-from minipar.optim import AdamW
+from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import DataParallel
+from minipar.parallel.grad_norm import clip_grad_norm as clip_across_ranks
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.verify import rel_err
 
@@ -37,13 +40,19 @@ serial = GPT(config)
 minipar.manual_seed(3)
 model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.v)
 ddp = DataParallel(model, grid.dp_group) if grid.dp > 1 else None
-run = PipelineExecutor(model, grid, args.schedule, args.m, ddp=ddp, recompute=args.recompute)
+try:
+    run = PipelineExecutor(model, grid, args.schedule, args.m, ddp=ddp, recompute=args.recompute)
+except ValueError as e:  # bad sizes: every rank must refuse, before any message (then all meet here)
+    print(f"rank {world().rank} refused: {e}", flush=True)
+    world().barrier()
+    sys.exit(3)
 hyper = dict(lr=1e-2, weight_decay=0.1)
 opt_s, opt = AdamW(serial.parameters(), **hyper), AdamW(model.parameters(), **hyper)
 rank = world().rank
 batch = 2 * args.m * grid.dp
 data = np.random.default_rng(0)
 mine = dict(model.named_parameters())
+MAX_NORM = 0.05  # below the gradient norm: clipping is active
 
 
 def shard(name, value):
@@ -60,6 +69,7 @@ for step in range(2):
     _, loss_s = serial(x, y)
     loss_s.backward()
     grads = {n: p.grad.copy() for n, p in serial.named_parameters() if n in mine}
+    norm_s = clip_grad_norm(serial.parameters(), MAX_NORM)
 
     def check_grads_then_step():
         if ddp is not None:
@@ -69,9 +79,16 @@ for step in range(2):
             got = mine[n].grad
             err = rel_err(got, shard(n, g))
             assert err < 1e-10, f"rank {rank} step {step}: gradient of {n} off by {err:.1e}"
+        try:
+            model.finalize_grads()
+            raise AssertionError("a second finalize_grads() was not refused")
+        except RuntimeError as e:
+            assert "already called" in str(e), e
+        norm = clip_across_ranks(model.parameters(), MAX_NORM, grid)
+        assert abs(norm / norm_s - 1) < 1e-12 and norm > MAX_NORM, f"rank {rank}: norm {norm} vs {norm_s}"
         opt.step()
 
-    record = run.step(x, y, optimizer_step=check_grads_then_step)
+    record = trained = run.step(x, y, optimizer_step=check_grads_then_step)
     if grid.is_last_stage:
         loss = grid.dp_group.all_reduce(np.array([record.loss]))[0] if grid.dp > 1 else record.loss
         assert rel_err(loss, loss_s.item()) < 1e-12, f"rank {rank}: loss {loss} vs {loss_s.item()}"
@@ -82,9 +99,19 @@ for step in range(2):
     else:
         model.zero_grad()
 
+serial.eval()
+model.eval()
+x = data.integers(0, config.vocab_size, (batch, config.block_size))
+with no_grad():
+    loss_s = serial(x, x)[1].item()
+record = run.evaluate(x, x)
+if grid.is_last_stage:
+    loss = grid.dp_group.all_reduce(np.array([record.loss]))[0] if grid.dp > 1 else record.loss
+    assert rel_err(loss, loss_s) < 1e-12, f"rank {rank}: evaluation loss {loss} vs {loss_s}"
+
 reference = serial.state_dict()
 for n, p in mine.items():
     err = rel_err(p.data, shard(n, reference[n]))
     assert err < 1e-10, f"rank {rank}: parameter {n} off by {err:.1e} after 2 steps"
 layers = sorted(int(n.split(".")[2]) for n in mine if n.startswith("transformer.h."))
-print(f"rank {rank}: pipeline {args.schedule} OK (layers {sorted(set(layers))}, peak alive {record.peak_alive})")
+print(f"rank {rank}: pipeline {args.schedule} OK (layers {sorted(set(layers))}, peak alive {trained.peak_alive})")

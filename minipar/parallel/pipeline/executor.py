@@ -23,16 +23,20 @@ What makes the pipelined run equal to one device:
   dropout call number for its first layer, inside ``rng.micro_batch(i, m)`` (see minipar.rng).
 * The tied embedding's two gradient parts (first and last stage) are added by
   ``model.finalize_grads()``, which the caller runs before the optimizer, after the data-parallel
-  all-reduce (``ddp.finish_gradients()``); inside this executor, a data-parallel bucket is sent
-  only by the last backward of each chunk (the others run under ``ddp.no_sync()``).
+  all-reduce (``ddp.finish_gradients()``). With data parallelism, only the last backward of each
+  chunk counts its gradients as ready (the others run under ``ddp.no_sync()``); a bucket is sent
+  when all of its parameters are ready, which for a bucket spanning two chunks is the later one's.
+
+``evaluate`` runs the forwards alone (every micro-batch through every chunk, in the schedule's
+forward order) without recording a graph: the validation loss of a pipelined model.
 """
 
 import contextlib
 import time
 from dataclasses import dataclass, field
 
-from minipar.autograd import Tensor
-from minipar.backend import get_default_dtype, xp
+from minipar.autograd import Tensor, is_grad_enabled, no_grad
+from minipar.backend import xp
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.simulate import message_key, peer
@@ -73,8 +77,10 @@ class PipelineExecutor:
             raise ValueError("the grid has DP > 1: pass the DataParallel wrapper as ddp=")
         self.model, self.grid, self.ddp, self.recompute = model, grid, ddp, recompute
         self.m, self.v, self.name = micro_batches, v, schedule
+        self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
         self.pipe = S.Pipeline(grid.pp, micro_batches, v)
         self.instructions = S.build(schedule, grid.pp, micro_batches, v)[grid.pp_rank]
+        self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank)
         self.comm = grid.pp_group  # None when PP = 1: then nothing is sent
         # the backward after which a chunk's gradients are complete for the step
         self.last_backward = {}
@@ -82,38 +88,47 @@ class PipelineExecutor:
             if ins.op == S.BACKWARD:
                 self.last_backward[ins.chunk] = ins.mb
 
-    def _check_batch(self, x, y):
+    def step(self, x, y, optimizer_step=None):
+        """One training step on the global batch (x, y) (every rank passes the same one): run the
+        schedule, then ``optimizer_step()`` at its step instruction. Returns a StepRecord."""
+        return self._run(self.instructions, x, y, optimizer_step)
+
+    def evaluate(self, x, y):
+        """The mean loss over the batch (x, y), forwards only and no graph (call ``model.eval()``
+        first to turn dropout off). Returns a StepRecord; its loss is on the last stage."""
+        with no_grad():
+            return self._run(self.forward_only, x, y, None)
+
+    def _micro_batches(self, x, y):
+        """This rank's (ids, targets) of each micro-batch: rows i*B..(i+1)*B of the step's batch,
+        then this data-parallel rank's slice. Checked on every rank, before any message."""
         dp = self.grid.dp
         if x.ndim != 2 or x.shape != y.shape:
             raise ValueError(f"a batch is (rows, time) ids and targets of one shape; got {x.shape} and {y.shape}")
         if len(x) % (self.m * dp):
             raise ValueError(f"a batch of {len(x)} rows does not split into {self.m} micro-batches of "
                              f"equal slices for {dp} data-parallel ranks: use a multiple of {self.m * dp}")
+        self.model.check_batch(x, y)
+        rows = len(x) // self.m
+        micro = [(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) for i in range(self.m)]
+        return [split_batch(xs, ys, self.grid.dp_group) for xs, ys in micro] if dp > 1 else micro
 
-    def step(self, x, y, optimizer_step=None):
-        """One training step on the global batch (x, y) (every rank passes the same one): run the
-        schedule, then ``optimizer_step()`` at its step instruction. Returns a StepRecord."""
+    def _run(self, instructions, x, y, optimizer_step):
         x, y = xp.asarray(x), xp.asarray(y)
-        self._check_batch(x, y)  # on every rank, before any message
+        micro = self._micro_batches(x, y)
         model, m = self.model, self.m
-        rows = len(x) // m
         total = token_count(y)  # every rank sees the whole batch: the step's count, with no message
-        micro = []
-        for i in range(m):
-            xs, ys = x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]
-            micro.append(split_batch(xs, ys, self.grid.dp_group) if self.grid.dp > 1 else (xs, ys))
-        shape = model.activation_shape(rows // self.grid.dp, x.shape[1])
-        dtype = get_default_dtype()
+        shape = model.activation_shape(len(micro[0][0]), x.shape[1])
         base = model.rng.calls
         received, saved, input_grads, grads, sends = {}, {}, {}, {}, []
         record, loss = StepRecord(), 0.0
-        for ins in self.instructions:
+        for ins in instructions:
             start = time.perf_counter()
             unit = (ins.mb, ins.chunk)
             if ins.op in (S.RECV_ACT, S.RECV_GRAD):
-                buf = self.comm.irecv(xp.empty(shape, dtype), self._peer(ins), self._tag(ins)).wait()
+                buf = self.comm.irecv(xp.empty(shape, self.dtype), self._peer(ins), self._tag(ins)).wait()
                 if ins.op == S.RECV_ACT:
-                    received[unit] = Tensor(buf, requires_grad=True)
+                    received[unit] = Tensor(buf, requires_grad=is_grad_enabled())
                 else:
                     grads[unit] = buf
             elif ins.op == S.FORWARD:
@@ -131,6 +146,8 @@ class PipelineExecutor:
                 record.peak_alive = max(record.peak_alive, len(saved))
             elif ins.op == S.SEND_ACT:
                 out = xp.ascontiguousarray(saved[unit][1].data)
+                if not is_grad_enabled():  # forwards only: nothing waits for a backward
+                    del saved[unit]
                 sends.append(self.comm.isend(out, self._peer(ins), self._tag(ins)))
             elif ins.op == S.BACKWARD:
                 inp, out = saved.pop(unit)  # dropping the graph frees the activations
@@ -148,9 +165,11 @@ class PipelineExecutor:
                 model.rng.calls = base + model.dropout_calls_per_forward()
                 if optimizer_step is not None:
                     optimizer_step()
-            for request in sends:  # MPI moves data only inside MPI calls: let the sends progress
-                request.test()
+            # MPI moves data only inside MPI calls: let the sends progress; forget finished ones
+            sends = [request for request in sends if not request.test()]
             record.timeline.append((ins.op, ins.mb, ins.chunk, start, time.perf_counter()))
+        for request in sends:  # forwards only: no step instruction waited for them
+            request.wait()
         if model.chunks[-1] == self.pipe.n_chunks - 1:
             record.loss = loss
         return record

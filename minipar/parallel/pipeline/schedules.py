@@ -127,6 +127,11 @@ def one_f_one_b(p, m, rank):
     return _with_communication(Pipeline(p, m), rank, compute)
 
 
+def _mb(k, p, v):
+    """The micro-batch of a rank's k-th forward (or backward) in the interleaved order."""
+    return (k // (p * v)) * p + k % p
+
+
 def interleaved_one_f_one_b(p, m, v, rank):
     """Megatron-LM's order. The k-th forward of a rank (k = 0 .. v*m - 1) takes micro-batches in
     groups of p through all v chunks before the next group:
@@ -146,16 +151,21 @@ def interleaved_one_f_one_b(p, m, v, rank):
         c = (k % (p * v)) // p
         return c if forward else v - 1 - c
 
-    def mb(k):
-        return (k // (p * v)) * p + k % p
-
     warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    compute = [(FORWARD, mb(k), chunk(k, True)) for k in range(warmup)]
+    compute = [(FORWARD, _mb(k, p, v), chunk(k, True)) for k in range(warmup)]
     for i in range(total - warmup):
         k = warmup + i
-        compute += [(FORWARD, mb(k), chunk(k, True)), (BACKWARD, mb(i), chunk(i, False))]
-    compute += [(BACKWARD, mb(k), chunk(k, False)) for k in range(total - warmup, total)]
+        compute += [(FORWARD, _mb(k, p, v), chunk(k, True)), (BACKWARD, _mb(i, p, v), chunk(i, False))]
+    compute += [(BACKWARD, _mb(k, p, v), chunk(k, False)) for k in range(total - warmup, total)]
     return _with_communication(Pipeline(p, m, v), rank, compute)
+
+
+def forward_only(p, m, v, rank):
+    """Forwards alone, for evaluation: every micro-batch through every chunk, in the interleaved
+    forward order (for v = 1 simply micro-batch 0, 1, ...), no backward and no step."""
+    check(p, m, v, interleaved=v > 1)
+    order = [(_mb(k, p, v), (k % (p * v)) // p) for k in range(v * m)] if v > 1 else [(i, 0) for i in range(m)]
+    return _with_communication(Pipeline(p, m, v), rank, [(FORWARD, mb, c) for mb, c in order])[:-1]
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}

@@ -62,9 +62,9 @@ def peer(pipe, rank, ins):
     return pipe.place(other)[0]
 
 
-def simulate(schedules, m, v=1, forward=1, backward=2):
+def simulate(schedules, m, v=1, forward=1, backward=2, forward_only=False):
     """Replay ``schedules`` ({rank: [Instruction]}) and return a Simulation; raises RuntimeError on
-    a deadlock or a broken schedule."""
+    a deadlock or a broken schedule (``forward_only``: an evaluation schedule, no backwards)."""
     p = len(schedules)
     pipe = Pipeline(p, m, v)
     forward, backward = Fraction(forward), Fraction(backward)
@@ -116,10 +116,10 @@ def simulate(schedules, m, v=1, forward=1, backward=2):
     if unmatched or any(v != 1 for v in received.values()):
         raise RuntimeError(f"sends and receives do not pair up: {unmatched[:5]}")
     for r in schedules:
-        if alive[r]:
+        if alive[r] and not forward_only:
             raise RuntimeError(f"rank {r} ends with forwards never backpropagated: {sorted(alive[r])}")
         done = Counter((op, c) for op, _, c, _, _ in timeline[r])
-        if any(n != m for n in done.values()) or len(done) != 2 * v:
+        if any(n != m for n in done.values()) or len(done) != (1 if forward_only else 2) * v:
             raise RuntimeError(f"rank {r} does not run every micro-batch once through each chunk")
     makespan = max(clock.values())
     sim = Simulation(makespan, busy, timeline, peak, messages=len(sent))

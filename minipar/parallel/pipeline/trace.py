@@ -21,9 +21,10 @@ def origin(timelines):
 
 def bubble(timelines):
     """{rank: idle fraction of the step}: 1 - (time in forwards and backwards) / makespan, the
-    makespan running from the first rank's start to the last rank's end."""
+    makespan running from the first rank's start to the end of the last backward anywhere (the
+    optimizer step after it, and the gradient all-reduces it waits for, are not pipeline idle)."""
     t0 = origin(timelines)
-    end = max(t[4] for events in timelines.values() for t in events)
+    end = max(t[4] for events in timelines.values() for t in events if t[0] in (FORWARD, BACKWARD))
     span = end - t0
     return {r: 1 - sum(e - s for op, _, _, s, e in events if op in (FORWARD, BACKWARD)) / span
             for r, events in timelines.items()}
