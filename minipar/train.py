@@ -1,17 +1,22 @@
-"""Train the GPT: ``python -m minipar.train --help``.
+"""Train the GPT on any layout: ``python -m minipar.train --help``, or on N ranks
+``./run_mpi.sh -n 8 -m minipar.train --tp 2 --pp 2 --zero-stage 1``.
 
 On one device this is nanoGPT's loop: sample a batch, forward, backward, clip, AdamW, with a
 warm-up and cosine learning-rate schedule, a validation estimate every ``--eval-interval`` steps, a
-progress line, an optional JSON log and a loss-curve picture at the end. A run is a pure function of
-its flags: the same seed and flags give the same losses, bit for bit.
+progress line, an optional JSON log and a loss-curve picture at the end. On N ranks the same loop
+runs on a TP x PP x DP grid (``minipar/trainer.py`` builds it), with Megatron-LM's flag names. A
+run is a pure function of its flags, whatever the layout: ``--global-batch-size`` samples are
+drawn per step from the seed, and a layout only changes how they are split across data-parallel
+ranks and micro-batches.
+
+Every flag is checked on every rank before any rank communicates, so a bad one is one line on
+rank 0 and exit status 2, never a hang.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
-import time
 
 DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
@@ -38,26 +43,40 @@ def non_negative_float(text):
 
 
 class _Parser(argparse.ArgumentParser):
+    rank = 0  # only rank 0 prints; every rank exits
+
     def error(self, message):
         """One line naming the problem (argparse would print the whole usage first)."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if self.rank == 0 else None)
+
+    def print_help(self, file=None):
+        if self.rank == 0:
+            super().print_help(file)
 
 
 def build_parser():
-    p = _Parser(
-        prog="python -m minipar.train",
-        description="Train a GPT on bytes of text (by default the Python standard library's source).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = _Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                description="Train a GPT on bytes of text (by default the Python standard library's "
+                            "source), on one device or on a TP x PP x DP grid of MPI ranks.")
     m = p.add_argument_group("model")
-    m.add_argument("--n-layer", type=positive_int, default=DEFAULTS["n_layer"], help="transformer blocks")
-    m.add_argument("--n-head", type=positive_int, default=DEFAULTS["n_head"], help="attention heads")
-    m.add_argument("--n-embd", type=positive_int, default=DEFAULTS["n_embd"], help="hidden size")
-    m.add_argument("--block-size", type=positive_int, default=DEFAULTS["block_size"], help="context length in bytes")
+    m.add_argument("--n-layer", "--num-layers", type=positive_int, default=DEFAULTS["n_layer"], help="transformer blocks")
+    m.add_argument("--n-head", "--num-attention-heads", type=positive_int, default=DEFAULTS["n_head"], help="attention heads")
+    m.add_argument("--n-embd", "--hidden-size", type=positive_int, default=DEFAULTS["n_embd"], help="hidden size")
+    m.add_argument("--block-size", "--seq-length", type=positive_int, default=DEFAULTS["block_size"], help="context length in bytes")
     m.add_argument("--dropout", type=non_negative_float, default=0.0, help="dropout probability")
+    g = p.add_argument_group("parallelism (DP = ranks / (TP x PP))")
+    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=positive_int, default=1, help="tensor-parallel size")
+    g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=positive_int, default=1, help="pipeline stages")
+    g.add_argument("--dp", type=positive_int, help="data-parallel size (checked against the number of ranks)")
+    g.add_argument("--num-virtual-stages", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b", help="pipeline schedule")
+    g.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch per DP rank (default: the global batch / DP / PP)")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of the data-parallel optimizer")
+    g.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm and dropout along the sequence (TP > 1)")
+    g.add_argument("--recompute", action="store_true", help="keep only each block's input; recompute it in backward")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--max-iters", type=positive_int, default=DEFAULTS["max_iters"], help="training steps")
-    o.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"], help="sequences per step")
+    o.add_argument("--max-iters", type=positive_int, default=DEFAULTS["max_iters"], help="training steps in total")
+    o.add_argument("--global-batch-size", "--batch-size", dest="batch_size", type=positive_int, default=DEFAULTS["batch_size"], help="sequences per step")
     o.add_argument("--lr", type=non_negative_float, default=DEFAULTS["lr"], help="peak learning rate")
     o.add_argument("--min-lr", type=non_negative_float, default=DEFAULTS["min_lr"], help="final learning rate of the cosine decay")
     o.add_argument("--warmup-iters", type=int, default=DEFAULTS["warmup_iters"], help="linear warm-up steps")
@@ -65,7 +84,7 @@ def build_parser():
     o.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max global gradient norm (0: off)")
     o.add_argument("--seed", type=int, default=1337, help="seed of the weights, the batches and dropout")
     o.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="floating dtype of the whole run")
-    d = p.add_argument_group("data and output")
+    d = p.add_argument_group("data, output and checkpoints")
     d.add_argument("--data", metavar="PATH", help="text file or directory (default: the Python standard library)")
     d.add_argument("--eval-interval", type=positive_int, default=100, help="steps between validation estimates")
     d.add_argument("--eval-iters", type=positive_int, default=10, help="batches per validation estimate")
@@ -73,6 +92,11 @@ def build_parser():
     d.add_argument("--log-json", metavar="FILE", help="write one JSON object per step (iter, loss, lr, ms, ...)")
     d.add_argument("--init-weights", metavar="FILE", help="start from these weights (.safetensors, GPT-2 names)")
     d.add_argument("--export-weights", metavar="FILE", help="save the final weights (.safetensors, GPT-2 names)")
+    d.add_argument("--save", metavar="DIR", help="write sharded checkpoints here (every --save-interval steps and at the end)")
+    d.add_argument("--save-interval", type=positive_int, default=100, help="steps between checkpoints")
+    d.add_argument("--load", metavar="DIR", help="continue from the latest checkpoint in DIR (or a checkpoint directory)")
+    d.add_argument("--exit-interval", type=positive_int, help="stop after this iteration (a planned interruption; resume with --load)")
+    d.add_argument("--report", action="store_true", help="print every rank's memory and bytes sent per step at the end")
     d.add_argument("--plot", metavar="FILE", default="out/loss.png", help="loss-curve picture ('' for none)")
     d.add_argument("--sample", type=int, default=200, help="bytes to generate after training (0: none)")
     return p
@@ -89,8 +113,9 @@ def _writable(p, flag, path):
         p.error(f"{flag} {path}: not a writable file path")
 
 
-def check_args(p, args):
-    """Errors a flag's own type cannot see, one line each, before anything is built."""
+def check_args(p, args, world_size):
+    """Errors a flag's own type cannot see, one line each, before anything is built or sent.
+    Fills in ``args.dp`` and ``args.micro_batches``."""
     if args.warmup_iters < 0:
         p.error(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     if args.min_lr > args.lr:
@@ -101,6 +126,8 @@ def check_args(p, args):
         p.error(f"--data {args.data}: no such file or directory")
     if args.init_weights is not None and not os.path.isfile(args.init_weights):
         p.error(f"--init-weights {args.init_weights}: no such file")
+    if args.init_weights and args.load:
+        p.error("--init-weights and --load both set the weights: give one")
     for flag in ("init_weights", "export_weights"):
         path = getattr(args, flag)
         if path is not None and not path.endswith(".safetensors"):
@@ -108,18 +135,98 @@ def check_args(p, args):
     for flag in ("log_json", "export_weights", "plot"):
         if getattr(args, flag):
             _writable(p, "--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.save:
+        _writable(p, "--save", os.path.join(args.save, "latest"))
+    check_layout(p, args, world_size)
+
+
+def check_layout(p, args, world_size):
+    from minipar.parallel.pipeline.schedules import check as check_schedule
+    from minipar.parallel.topology import Layout
+    from minipar.parallel.zero import NOT_WITH_PIPELINES
+
+    tp, pp = args.tp, args.pp
+    if args.dp is None:
+        if world_size % (tp * pp):
+            p.error(f"{world_size} ranks do not split into TP x PP = {tp} x {pp} groups: launch a multiple "
+                    f"of {tp * pp} ranks or change --tp/--pp")
+        args.dp = world_size // (tp * pp)
+    elif tp * pp * args.dp != world_size:
+        p.error(f"TP x PP x DP = {tp} x {pp} x {args.dp} = {tp * pp * args.dp} ranks, but the job has "
+                f"{world_size}: launch with -n {tp * pp * args.dp} or change the sizes")
+    try:
+        Layout(tp, pp, args.dp).check_model(args.n_head, args.n_embd, args.n_layer, args.vpp)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.vpp > 1 and (pp == 1 or args.schedule != "interleaved"):
+        p.error(f"--num-virtual-stages {args.vpp} needs --pp > 1 and --schedule interleaved")
+    rows = args.batch_size // args.dp  # sequences per DP rank per step
+    if args.batch_size % args.dp:
+        p.error(f"--global-batch-size {args.batch_size} does not split over DP={args.dp} ranks: use a multiple of {args.dp}")
+    mbs = args.micro_batch_size or (rows // pp if rows % pp == 0 else None)
+    if mbs is None or rows % mbs:
+        p.error(f"{rows} sequences per data-parallel rank do not split into micro-batches of "
+                f"{mbs or 'the default size (rows / PP)'}: set --micro-batch-size to a divisor of {rows}")
+    args.micro_batches = rows // mbs
+    try:
+        check_schedule(pp, args.micro_batches, args.vpp, interleaved=args.schedule == "interleaved")
+    except ValueError as exc:
+        p.error(f"{exc} (micro-batches = global batch / (DP x micro-batch size))")
+    if args.sequence_parallel and tp == 1:
+        p.error("--sequence-parallel splits along the tensor-parallel group: it needs --tp > 1")
+    if args.sequence_parallel and args.block_size % tp:
+        p.error(f"--sequence-parallel splits the sequence: --block-size {args.block_size} is not divisible by TP={tp}")
+    if args.sequence_parallel and args.zero_stage >= 2:
+        p.error("ZeRO stages 2 and 3 send gradients before sequence parallelism's partial sums are "
+                "added: use --zero-stage 0 or 1 with --sequence-parallel")
+    if pp > 1 and args.zero_stage >= 2:
+        p.error(NOT_WITH_PIPELINES.replace("ZeRO stage 1 (or 0)", "--zero-stage 1 (or 0)"))
+
+
+def check_files(p, args, config):
+    """The checkpoint or weights to start from must hold this model (read on every rank, before
+    any communication)."""
+    from minipar.checkpoint.sharded import CheckpointError, check_model, read_index
+
+    if args.load:
+        try:
+            index = read_index(args.load)
+            check_model(index, config, args.dtype)
+        except CheckpointError as exc:
+            p.error(f"--load: {exc}")
+        saved = index["trainer"]
+        for key, flag in (("seed", "--seed"), ("batch_size", "--global-batch-size")):
+            if saved[key] != getattr(args, key):
+                p.error(f"--load: the checkpoint was trained with {flag} {saved[key]}, not "
+                        f"{getattr(args, key)}: the data would differ from the run it continues")
+    if args.init_weights:
+        from minipar import checkpoint
+        from minipar.models import GPT
+
+        try:
+            weights = checkpoint.load_weights(args.init_weights)
+        except (OSError, ValueError) as exc:
+            p.error(f"--init-weights {args.init_weights}: {exc}")
+        # the names and shapes of the single-device model (the trainer reseeds before its own)
+        expected = {n: q.shape for n, q in GPT(config).named_parameters()}
+        problems = [f"missing: {n}" for n in expected if n not in weights]
+        problems += [f"unexpected: {n}" for n in weights if n not in expected]
+        problems += [f"{n}: shape {tuple(weights[n].shape)}, model has {s}" for n, s in expected.items()
+                     if n in weights and tuple(weights[n].shape) != s]
+        if problems:
+            more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+            p.error(f"--init-weights {args.init_weights}: {'; '.join(problems[:2])}{more}; "
+                    "the model flags must match the file's model")
+        # a float32 file may start a float64 run and back: the cast is explicit, here
+        return {k: v.astype(args.dtype) for k, v in weights.items()}
+    return None
 
 
 def build(p, args):
-    """The data, model and optimizer the flags describe; a bad combination is a one-line error."""
-    import minipar
-    from minipar import checkpoint
+    """The data and the model's config the flags describe; a bad combination is a one-line error."""
     from minipar.data import Dataset, load_corpus
-    from minipar.models import GPT, GPTConfig
-    from minipar.optim import AdamW
+    from minipar.models import GPTConfig
 
-    minipar.set_default_dtype(args.dtype)
-    minipar.manual_seed(args.seed)
     try:
         config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                            block_size=args.block_size, dropout=args.dropout)
@@ -130,114 +237,30 @@ def build(p, args):
         data.check_block_size(args.block_size)
     except (OSError, ValueError) as exc:
         p.error(f"--data {args.data or '(default corpus)'}: {exc}")
-    model = GPT(config)
-    if args.init_weights:
-        try:
-            weights = checkpoint.load_weights(args.init_weights)
-            # a float32 file may start a float64 run and back: the cast is explicit, here
-            model.load_state_dict({k: v.astype(args.dtype) for k, v in weights.items()})
-        except (OSError, ValueError) as exc:
-            problems = str(exc).splitlines()
-            more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-            p.error(f"--init-weights {args.init_weights}: {' '.join(problems[:2])}{more}; "
-                    "the model flags must match the file's model")
-    optimizer = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                      weight_decay=args.weight_decay)
-    return data, model, optimizer
-
-
-def learning_rate(it, args):
-    """Linear warm-up to --lr, then cosine decay to --min-lr at --max-iters (as nanoGPT)."""
-    if it < args.warmup_iters:
-        return args.lr * (it + 1) / args.warmup_iters
-    progress = (it - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
-
-
-def estimate_val_loss(model, data, args):
-    from minipar.autograd import no_grad
-
-    model.eval()
-    with no_grad():
-        losses = [model(*data.batch("val", i, args.batch_size, args.block_size, args.seed))[1].item()
-                  for i in range(args.eval_iters)]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def train_loop(args, data, model, optimizer, log):
-    """Run --max-iters steps; returns the train losses and (step, val loss) pairs, or None if the
-    run diverged."""
-    from minipar.optim import clip_grad_norm
-
-    tokens_per_step = args.batch_size * args.block_size
-    history, val_history, val_loss = [], [], None
-    clock = time.perf_counter()
-    for it in range(args.max_iters):
-        lr = optimizer.lr = learning_rate(it, args)
-        x, y = data.batch("train", it, args.batch_size, args.block_size, args.seed)
-        _, loss = model(x, y)
-        loss.backward()
-        model.finalize_grads()
-        grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
-        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm)):
-            print(f"error: at iter {it} the loss is {loss.item()} and the gradient norm {grad_norm}: "
-                  "training diverged; lower --lr or raise --warmup-iters", file=sys.stderr)
-            return None
-        optimizer.step()
-        optimizer.zero_grad()
-        now = time.perf_counter()
-        ms, clock = 1e3 * (now - clock), now
-        record = {"iter": it, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm, "ms": ms}
-        last = it == args.max_iters - 1
-        if (it + 1) % args.eval_interval == 0 or last:
-            val_loss = record["val_loss"] = estimate_val_loss(model, data, args)
-            val_history.append((it, val_loss))
-            clock = time.perf_counter()  # validation time is not a training step's time
-        history.append(record["loss"])
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        if it % args.log_interval == 0 or last:
-            val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
-            print(f"iter {it:>5} | loss {record['loss']:.4f} | val {val} | lr {lr:.2e} | "
-                  f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter", flush=True)
-    return history, val_history
+    return data, config
 
 
 def main(argv=None):
+    from minipar.comm import world
+
+    comm = world()
     parser = build_parser()
+    parser.rank = comm.rank
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    data, model, optimizer = build(parser, args)
-    print(f"model: {model.num_parameters():,} parameters, {args.n_layer} layers, {args.n_head} heads, "
-          f"{args.n_embd} hidden, context {args.block_size}, {args.dtype}")
-    print(f"data: {sum(len(s) for s in data.splits.values()):,} bytes "
-          f"({args.data or 'Python standard library'}), "
-          f"{args.batch_size * args.block_size:,} tokens per step")
+    check_args(parser, args, comm.size)
+    data, config = build(parser, args)
+    weights = check_files(parser, args, config)
+    from minipar.checkpoint.sharded import CheckpointError
+    from minipar.trainer import Trainer
 
-    with open(args.log_json or os.devnull, "w") as log:
-        result = train_loop(args, data, model, optimizer, log)
-    if result is None:
+    try:
+        trainer = Trainer(args, config, data, comm, weights)
+    except CheckpointError as exc:  # found by the rank that read the damaged part: end every rank
+        print(f"{parser.prog}: error: --load: {exc}", file=sys.stderr, flush=True)
+        if comm.size > 1:
+            comm.abort(1)
         return 1
-    history, val_history = result
-
-    if args.export_weights:
-        from minipar import checkpoint
-
-        checkpoint.save_weights(model.state_dict(), args.export_weights)
-        print(f"weights written to {args.export_weights}")
-    if args.plot:
-        from minipar.plots import plot_loss
-
-        plot_loss(history, val_history, args.plot, title=f"GPT {model.num_parameters():,} params")
-        print(f"loss curve written to {args.plot}")
-    if args.sample > 0:
-        from minipar.data import decode, encode
-
-        prompt = encode("def ")[None, :]
-        text = decode(model.generate(prompt, args.sample, temperature=0.8)[0])
-        print("sample:\n" + text)
-    return 0
+    return trainer.run()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from minipar.parallel.pipeline import trace
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
 from minipar.parallel.zero import ZeroAdamW
+from minipar.parallel.zero3 import Zero3
 
 CASES = [(name, p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
@@ -200,8 +201,9 @@ def test_a_pipelined_model_refuses_whole_model_calls():
     assert "transformer.wte.weight" in names and "transformer.wpe.weight" not in names  # the tied head
     with pytest.raises(RuntimeError, match="pipeline stages"):
         model(np.zeros((1, 8), np.int64))
-    with pytest.raises(ValueError, match="ZeRO over pipeline stages"):
-        ZeroAdamW(model, None, 1)  # refused before it touches a communicator
+    for make in (lambda: ZeroAdamW(model, None, 2), lambda: Zero3(model, None)):
+        with pytest.raises(ValueError, match="with pipeline parallelism use ZeRO stage 1"):
+            make()  # refused before it touches a communicator
     with pytest.raises(ValueError, match="not divisible by PP x virtual stages"):
         GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16), FakeGrid(2, 1))
 

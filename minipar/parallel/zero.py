@@ -33,6 +33,11 @@ from minipar.parallel.data import sync_replicas
 from minipar.parallel.shards import Ledger, group_parameters
 
 
+NOT_WITH_PIPELINES = ("ZeRO stages 2 and 3 send gradients during backward, before the tied embedding's "
+                      "two parts on the first and last pipeline stage are added: with pipeline "
+                      "parallelism use ZeRO stage 1 (or 0)")
+
+
 class ZeroAdamW:
     """AdamW over a data-parallel group with ZeRO stage 1 or 2 (stage 3: ``zero3.Zero3``).
 
@@ -49,10 +54,8 @@ class ZeroAdamW:
         params = model.parameters()
         if len({p.dtype for p in params}) != 1:
             raise ValueError("ZeRO lays all parameters out in flat buffers of one dtype; the model mixes dtypes")
-        if getattr(model, "pp", None) is not None:
-            raise ValueError("ZeRO over pipeline stages is not supported yet (the tied embedding's two "
-                             "parts must be added before the shards are updated): with PP > 1 use "
-                             "DataParallel, ZeRO stage 0")
+        if stage >= 2 and getattr(model, "pp", None) is not None:
+            raise ValueError(NOT_WITH_PIPELINES)
         if stage >= 2 and getattr(model, "sequence_parallel", False):
             raise ValueError("ZeRO stages 2 and 3 send gradients during backward, before sequence "
                              "parallelism's partial gradients are summed: use stage 1 with it")
@@ -198,19 +201,23 @@ class ZeroAdamW:
     # ---- the step -----------------------------------------------------------------------------
     def grad_norm(self):
         """The global gradient norm: every rank's sum of squares over its pieces, summed over the
-        data-parallel group and, for a tensor-parallel model, over its TP group (a parameter that
-        every TP rank holds whole counted once)."""
+        data-parallel group and, for a model split over TP and PP groups, over those (a parameter
+        every TP rank holds whole, and the last stage's copy of the tied embedding, counted once;
+        see ``minipar.parallel.grad_norm``)."""
         self.finish_gradients()
         tp_rank = self.tp.rank if self.tp is not None else 0
         local = 0.0
         for g, piece in zip(self.groups, self.grad_pieces):
             for i, a, b, at in g.segments():
+                if getattr(g.params[i], "pipeline_copy", False):
+                    continue
                 if tp_rank == 0 or not g.replicated[i]:
                     seg = piece[at : at + b - a]
                     local += float(xp.vdot(seg, seg))
         total = self.comm.all_reduce(xp.asarray([local]))
-        if self.tp is not None:
-            self.tp.all_reduce(total)
+        for group in (self.tp, getattr(self.model, "pp", None)):
+            if group is not None:
+                group.all_reduce(total)
         return float(total[0]) ** 0.5
 
     def clip_grad_norm(self, max_norm):

@@ -19,7 +19,7 @@ from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.recompute import checkpoint
 from minipar.parallel.shards import Group
-from minipar.parallel.zero import ZeroAdamW
+from minipar.parallel.zero import NOT_WITH_PIPELINES, ZeroAdamW
 
 
 def gpt_units(model):
@@ -34,8 +34,7 @@ def gpt_units(model):
 class Zero3(ZeroAdamW):
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         if getattr(model, "pp", None) is not None:
-            raise ValueError("ZeRO-3 over pipeline stages is not supported: with PP > 1 use "
-                             "DataParallel, ZeRO stage 0")
+            raise ValueError(NOT_WITH_PIPELINES)
         units = gpt_units(model)
         params = model.parameters()
         sync_replicas(model, comm)  # every rank starts from rank 0's weights ...

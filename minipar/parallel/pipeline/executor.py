@@ -58,8 +58,10 @@ class StepRecord:
 
 class PipelineExecutor:
     """Runs ``schedule`` ("gpipe", "1f1b" or "interleaved") with ``micro_batches`` per step on this
-    rank's stage of ``model`` (a GPT built on ``grid``). ``ddp``: the DataParallel wrapper when the
-    grid has DP > 1. ``recompute``: keep only each block's input during forward."""
+    rank's stage of ``model`` (a GPT built on ``grid``). ``ddp``: what sums the gradients over the
+    data-parallel group when the grid has DP > 1: the DataParallel wrapper (whose ``no_sync`` keeps
+    all but each chunk's last backward from sending) or a ZeRO optimizer (which sums them in its
+    own time). ``recompute``: keep only each block's input during forward."""
 
     def __init__(self, model, grid, schedule="1f1b", micro_batches=1, ddp=None, recompute=False):
         v = len(model.chunks)
@@ -74,7 +76,8 @@ class PipelineExecutor:
             raise ValueError(f"{micro_batches} micro-batches x {grid.pp * v} chunks need {n_tags} message "
                              f"tags, more than MPI promises ({MAX_TAG}): use fewer micro-batches")
         if grid.dp > 1 and ddp is None:
-            raise ValueError("the grid has DP > 1: pass the DataParallel wrapper as ddp=")
+            raise ValueError("the grid has DP > 1: pass what sums the gradients over it (DataParallel "
+                             "or a ZeRO optimizer) as ddp=")
         self.model, self.grid, self.ddp, self.recompute = model, grid, ddp, recompute
         self.m, self.v, self.name = micro_batches, v, schedule
         self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
@@ -151,7 +154,7 @@ class PipelineExecutor:
                 sends.append(self.comm.isend(out, self._peer(ins), self._tag(ins)))
             elif ins.op == S.BACKWARD:
                 inp, out = saved.pop(unit)  # dropping the graph frees the activations
-                quiet = self.ddp is not None and ins.mb != self.last_backward[ins.chunk]
+                quiet = hasattr(self.ddp, "no_sync") and ins.mb != self.last_backward[ins.chunk]
                 with self.ddp.no_sync() if quiet else contextlib.nullcontext():
                     out.backward(grads.pop(unit, None))
                 if inp is not None:

@@ -1,0 +1,12 @@
+"""Weights and checkpoints on disk: safetensors only (no pickle), written atomically, verified.
+
+    weights.py   single-device weights with GPT-2's names (``--init-weights``, ``--export-weights``)
+    boxes.py     where a rank's piece of a tensor lies in the whole tensor
+    pieces.py    what a rank holds of the training state (parameters, AdamW moments)
+    sharded.py   checkpoints every rank writes its pieces of, loadable on any layout
+    full.py      the whole weights gathered from any layout, or spread onto it
+"""
+
+from minipar.checkpoint.weights import load_weights, save_weights
+
+__all__ = ["load_weights", "save_weights"]

@@ -1,0 +1,287 @@
+"""The training loop on a TP x PP x DP grid: what ``python -m minipar.train`` runs after its flags
+are checked.
+
+One step, on every layout (a 1 x 1 x 1 grid is the single-device run):
+
+    batch      the step's global batch from (seed, iteration); every rank draws the same one
+    schedule   the pipeline executor runs this rank's forwards and backwards over its micro-batches
+               (PP = 1: one stage; gradient accumulation over micro-batches)
+    gradients  summed over DP (DataParallel's buckets, or ZeRO's reduce-scatter) and finished by
+               ``model.finalize_grads()`` (sequence-parallel sums, the tied embedding's two parts)
+    clip       by the whole model's gradient norm, across TP and PP groups
+    step       AdamW, or its ZeRO-sharded form
+
+Order matters in one place: DataParallel's all-reduces are in flight during backward and must be
+finished before ``finalize_grads`` touches the gradients; ZeRO-1's reduce-scatter sums whole
+gradient buffers and so must come after the tied embedding's parts have been added to them.
+
+A gradient norm that is not finite stops the run before the optimizer step: every rank sees the
+same global norm, so every rank stops, and the ranks name the tensors that went bad.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy
+
+import minipar
+from minipar.backend import xp
+from minipar.checkpoint import full, sharded
+from minipar.checkpoint.boxes import volume
+from minipar.checkpoint.pieces import pieces
+from minipar.models import GPT
+from minipar.optim import AdamW
+from minipar.parallel import ProcessGrid
+from minipar.parallel.data import DataParallel
+from minipar.parallel.grad_norm import clip_grad_norm
+from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.pipeline.schedules import BACKWARD, FORWARD
+from minipar.parallel.zero import ZeroAdamW
+from minipar.parallel.zero3 import Zero3
+
+
+def learning_rate(it, args):
+    """Linear warm-up to --lr, then cosine decay to --min-lr at --max-iters (as nanoGPT)."""
+    if it < args.warmup_iters:
+        return args.lr * (it + 1) / args.warmup_iters
+    progress = (it - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
+
+
+def gather_text(world, text):
+    """Every rank's ``text`` on rank 0, in rank order (None elsewhere): bytes, no pickle."""
+    data = numpy.frombuffer(text.encode(), numpy.uint8).copy()
+    if world.rank != 0:
+        world.send(numpy.array([data.size], numpy.int64), 0, tag=7101)
+        world.send(data, 0, tag=7102)
+        return None
+    out = [text]
+    for r in range(1, world.size):
+        n = int(world.recv(numpy.zeros(1, numpy.int64), r, tag=7101)[0])
+        out.append(world.recv(numpy.zeros(n, numpy.uint8), r, tag=7102).tobytes().decode())
+    return out
+
+
+def local_bubble(timeline):
+    """The idle fraction of this rank's step: 1 - (forwards and backwards) / (first start to last end)."""
+    work = [(s, e) for op, _, _, s, e in timeline if op in (FORWARD, BACKWARD)]
+    span = work[-1][1] - timeline[0][3]
+    return 1.0 - sum(e - s for s, e in work) / span if span > 0 else 0.0
+
+
+class Trainer:
+    def __init__(self, args, config, data, world, weights=None):
+        self.args, self.config, self.data, self.world = args, config, data, world
+        minipar.set_default_dtype(args.dtype)
+        minipar.manual_seed(args.seed)
+        self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world)
+        self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp)
+        hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        self.ddp = None
+        if args.zero_stage == 0:
+            self.ddp = DataParallel(model, grid.dp_group) if grid.dp > 1 else None
+            self.opt = AdamW(model.parameters(), **hyper)
+        elif args.zero_stage < 3:
+            self.opt = ZeroAdamW(model, grid.dp_group, args.zero_stage, **hyper)
+        else:
+            self.opt = Zero3(model, grid.dp_group, **hyper)
+        self.adamw = getattr(self.opt, "optimizer", self.opt)  # the one whose lr the schedule sets
+        sync = self.ddp if args.zero_stage == 0 else self.opt
+        self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
+                                         ddp=sync if grid.dp > 1 else None, recompute=args.recompute)
+        self.start = 0
+        if weights is not None:
+            full.load_full_state(model, self.opt, weights, grid)
+        if args.load:
+            state = sharded.load(args.load, model, self.opt, grid)
+            model.rng.set_state(state["rng"])
+            self.start = state["iteration"]
+        self.speaks = world.rank == 0
+        self.reports_loss = grid.is_last_stage and grid.tp_rank == 0  # one copy of each loss share
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _update(self):
+        """The executor's step instruction: finish the gradients, clip, and step (unless bad)."""
+        if self.ddp is not None:
+            self.ddp.finish_gradients()
+        self.model.finalize_grads()
+        if self.args.zero_stage == 0:
+            self.norm = clip_grad_norm(self.model.parameters(), self.args.grad_clip, self.grid)
+        else:
+            self.norm = self.opt.clip_grad_norm(self.args.grad_clip)
+        if math.isfinite(self.norm):
+            self.opt.step()
+
+    def _zero_grad(self):
+        if self.ddp is not None:
+            self.ddp.zero_grad()
+        elif self.args.zero_stage == 0:
+            self.model.zero_grad()
+        else:
+            self.opt.zero_grad()
+
+    def step(self, it):
+        """Train iteration ``it``; returns (loss, gradient norm, bubble) the same on every rank."""
+        self.adamw.lr = learning_rate(it, self.args)
+        x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
+        for _, group in self._groups():
+            group.stats.reset()
+        record = self.executor.step(x, y, optimizer_step=self._update)
+        self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
+        bad = [] if math.isfinite(self.norm) else self._nonfinite()
+        self._zero_grad()
+        loss = record.loss if self.reports_loss else 0.0
+        totals = self.world.all_reduce(numpy.array([loss, local_bubble(record.timeline)]))
+        return float(totals[0]), self.norm, float(totals[1]) / self.world.size, bad
+
+    def _groups(self):
+        g = self.grid
+        return [(name, group) for name, group in (("tp", g.tp_group), ("dp", g.dp_group), ("pp", g.pp_group),
+                                                  ("embedding", g.embedding_group)) if group is not None]
+
+    def _nonfinite(self):
+        """Names of this rank's parameters whose gradient has a NaN or an infinity."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not bool(xp.isfinite(p.grad).all())]
+        for g, piece in zip(getattr(self.opt, "groups", ()), getattr(self.opt, "grad_pieces", ())):
+            for i, a, b, at in g.segments():
+                if not bool(xp.isfinite(piece[at : at + b - a]).all()):
+                    bad.append(names[id(g.params[i])])
+        return sorted(set(bad))
+
+    def evaluate(self):
+        """The mean validation loss over --eval-iters batches (forwards only)."""
+        self.model.eval()
+        total = 0.0
+        for i in range(self.args.eval_iters):
+            x, y = self.data.batch("val", i, self.args.batch_size, self.args.block_size, self.args.seed)
+            record = self.executor.evaluate(x, y)
+            total += record.loss if self.reports_loss else 0.0
+        self.model.train()
+        return float(self.world.all_reduce(numpy.array([total]))[0]) / self.args.eval_iters
+
+    def save(self, iteration):
+        state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
+                 "rng": {"seed": self.model.rng.seed, "calls": self.model.rng.calls}}
+        return sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
+
+    # ---- the run ----------------------------------------------------------------------------
+    def run(self):
+        args = self.args
+        self._describe()
+        end = min(args.max_iters, args.exit_interval or args.max_iters)
+        history, val_history, val_loss = [], [], None
+        tokens_per_step = args.batch_size * args.block_size
+        with open(args.log_json if args.log_json and self.speaks else os.devnull, "a" if self.start else "w") as log:
+            clock = time.perf_counter()
+            for it in range(self.start, end):
+                loss, norm, bubble, bad = self.step(it)
+                if not (math.isfinite(loss) and math.isfinite(norm)):
+                    return self._diverged(it, loss, norm, bad)
+                now = time.perf_counter()
+                ms, clock = 1e3 * (now - clock), now
+                record = {"iter": it, "loss": loss, "lr": self.adamw.lr, "grad_norm": norm, "ms": ms, "bubble": bubble}
+                last = it == end - 1
+                if (it + 1) % args.eval_interval == 0 or it == args.max_iters - 1:
+                    val_loss = record["val_loss"] = self.evaluate()
+                    val_history.append((it, val_loss))
+                if args.save and ((it + 1) % args.save_interval == 0 or last):
+                    self.save(it + 1)
+                clock = time.perf_counter()  # validation and saving are not a step's time
+                history.append(loss)
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                if self.speaks and (it % args.log_interval == 0 or last):
+                    val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
+                    print(f"iter {it:>5} | loss {loss:.4f} | val {val} | lr {record['lr']:.2e} | "
+                          f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter | "
+                          f"bubble {bubble:.2f}", flush=True)
+        if args.report:
+            self._report()
+        if end < args.max_iters:
+            if self.speaks:
+                print(f"stopped after iteration {end - 1} (--exit-interval); resume with --load {args.save}")
+            return 0
+        self._finish(history, val_history)
+        return 0
+
+    def _describe(self):
+        n_params = self.model_parameters()  # a collective: before the rank check
+        if not self.speaks:
+            return
+        a, g = self.args, self.grid
+        print(f"model: {n_params:,} parameters, {a.n_layer} layers, {a.n_head} heads, "
+              f"{a.n_embd} hidden, context {a.block_size}, {a.dtype}")
+        print(f"layout: {self.world.size} ranks = TP {g.tp} x PP {g.pp} x DP {g.dp}; {a.micro_batches} "
+              f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
+              + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {a.zero_stage}"
+              + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else ""))
+        print(f"data: {sum(len(s) for s in self.data.splits.values()):,} bytes "
+              f"({a.data or 'Python standard library'}), {a.batch_size * a.block_size:,} tokens per step"
+              + (f"; resuming at iteration {self.start} from {a.load}" if a.load else ""))
+
+    def model_parameters(self):
+        """Parameters of the whole model: every rank counts what it would save (each element
+        exactly once over the world) and the counts are added (a collective, on first call)."""
+        if not hasattr(self, "_n_params"):
+            mine = sum(volume(start, stop) for piece in pieces(self.model, self.opt, self.grid)
+                       if piece.kind == "param" and piece.write for start, stop, _ in piece.global_boxes())
+            self._n_params = int(self.world.all_reduce(numpy.array([mine], numpy.int64))[0])
+        return self._n_params
+
+    def _diverged(self, it, loss, norm, bad):
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        lines = gather_text(self.world, f"rank {self.world.rank}: {', '.join(bad[:3])}{more}" if bad else "")
+        if self.speaks:
+            named = "; ".join(line for line in lines if line) or "none found (the loss itself)"
+            saved = f" The last checkpoint in {self.args.save} is kept." if self.args.save else ""
+            print(f"error: at iter {it} the loss is {loss} and the gradient norm {norm}: training diverged; "
+                  f"non-finite gradients: {named}. Lower --lr or raise --warmup-iters.{saved}",
+                  file=sys.stderr, flush=True)
+        return 1
+
+    def _report(self):
+        if self.args.zero_stage:
+            held = dict(self.opt.ledger.now)
+        else:
+            params = sum(p.data.nbytes for p in self.model.parameters())
+            held = {"parameters": params,
+                    "gradients": sum(b.flat.nbytes for b in self.ddp.buckets) if self.ddp else params,
+                    "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(self.opt.m, self.opt.v))}
+        g, sent = self.grid, self.sent
+        line = (f"{self.world.rank:>4} {g.tp_rank:>3} {g.dp_rank:>3} {g.pp_rank:>3} "
+                + "".join(f"{held.get(k, 0):>13,}" for k in ("parameters", "gradients", "optimizer"))
+                + "  " + ", ".join(f"{k} {v:,}" for k, v in sent.items()))
+        lines = gather_text(self.world, line)
+        if self.speaks:
+            print("\nper rank: bytes held (parameters, gradients, optimizer state) and bytes sent in the last step")
+            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}  sent")
+            print("\n".join(lines))
+
+    def _finish(self, history, val_history):
+        args = self.args
+        needed = args.export_weights or args.sample > 0
+        weights = full.gather_full_state(self.model, self.opt, self.grid) if needed else None
+        if not self.speaks:
+            return
+        if args.export_weights:
+            from minipar.checkpoint import save_weights
+
+            save_weights(weights, args.export_weights)
+            print(f"weights written to {args.export_weights}")
+        if args.plot:
+            from minipar.plots import plot_loss
+
+            plot_loss(history, val_history, args.plot, title=f"GPT {self.model_parameters():,} params")
+            print(f"loss curve written to {args.plot}")
+        if args.sample > 0:
+            from minipar.data import decode, encode
+
+            serial = GPT(self.config)
+            serial.load_state_dict(weights)
+            prompt = encode("def ")[None, :]
+            rng = numpy.random.default_rng(args.seed)
+            print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))

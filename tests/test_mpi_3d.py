@@ -1,0 +1,126 @@
+"""The training CLI on a TP x PP x DP grid, as a user runs it: equal to one device, checkpoints that
+reshard onto other layouts and resume exactly, damaged checkpoints and bad flags refused, divergence
+stopped; and lesson 6."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from mpi_run import ROOT, check_mpi, run_mpi
+
+SMALL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "32", "--block-size", "16", "--global-batch-size", "8",
+         "--sample", "0", "--plot", "", "--eval-interval", "1000", "--log-interval", "1000"]
+
+
+def train(n, *args, timeout=180):
+    return run_mpi(n, "", "-m", "minipar.train", *SMALL, *args, timeout=timeout,
+                   command=[os.path.join(ROOT, "run_mpi.sh"), "-n", str(n), "-m", "minipar.train", *SMALL,
+                            *[str(a) for a in args]])
+
+
+def losses(path):
+    with open(path) as f:
+        return {r["iter"]: r["loss"] for r in map(json.loads, f)}
+
+
+def close(a, b, tol=1e-5):
+    return set(a) <= set(b) and all(abs(a[i] - b[i]) <= tol * abs(b[i]) for i in a)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The single-device run the layouts are compared with: 20 steps."""
+    log = str(tmp_path_factory.mktemp("single") / "log.jsonl")
+    code, out, _ = train(1, "--max-iters", "20", "--log-json", log)
+    assert code == 0, out
+    return losses(log)
+
+
+def test_3d_layout_trains_the_single_device_model(single, tmp_path):
+    log = str(tmp_path / "log.jsonl")
+    code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
+                         "--log-json", log, "--report")
+    assert code == 0, out
+    assert "TP 2 x PP 2 x DP 2" in out and "bubble" in out and out.count(" tp ") >= 8  # a report line per rank
+    assert len(losses(log)) == 20 and close(losses(log), single)
+
+
+def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):
+    save = str(tmp_path / "ckpt")
+    code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
+                         "--save", save, "--save-interval", "5", "--exit-interval", "10")
+    assert code == 0 and "resume with --load" in out, out
+    assert sorted(os.listdir(save)) == ["iter_0000005", "iter_0000010", "latest"]
+    for n, layout in ((8, ["--tp", "4"]), (8, ["--pp", "4", "--schedule", "gpipe"]), (1, []),
+                      (4, ["--pp", "2", "--num-virtual-stages", "2", "--schedule", "interleaved", "--micro-batch-size", "2"])):
+        log = str(tmp_path / f"resumed{n}{''.join(layout)}.jsonl")
+        code, out, _ = train(n, "--max-iters", "20", *layout, "--load", save, "--log-json", log)
+        assert code == 0, out
+        resumed = losses(log)
+        assert sorted(resumed) == list(range(10, 20)) and close(resumed, single), (layout, resumed)
+
+
+def test_resume_is_exact_on_the_same_layout(tmp_path):
+    args = ["--max-iters", "8", "--tp", "2", "--pp", "2", "--dtype", "float64", "--dropout", "0.1", "--zero-stage", "1"]
+    whole, parts, save = str(tmp_path / "whole.jsonl"), str(tmp_path / "parts.jsonl"), str(tmp_path / "ckpt")
+    assert train(8, *args, "--log-json", whole)[0] == 0
+    assert train(8, *args, "--save", save, "--save-interval", "4", "--exit-interval", "4", "--log-json", parts)[0] == 0
+    code, out, _ = train(8, *args, "--load", save, "--log-json", parts)
+    assert code == 0, out
+    assert losses(parts) == losses(whole)  # bit for bit in float64
+
+
+def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
+    save = str(tmp_path / "ckpt")
+    assert train(4, "--max-iters", "2", "--pp", "2", "--save", save)[0] == 0
+    assert sorted(f for f in os.listdir(os.path.join(save, "iter_0000002")) if f.endswith(".safetensors")) == [
+        "rank_00000.safetensors", "rank_00002.safetensors"]  # the DP replicas 1 and 3 save nothing
+    shard = os.path.join(save, "iter_0000002", "rank_00002.safetensors")
+    raw = bytearray(open(shard, "rb").read())
+    raw[-5] ^= 0xFF
+    open(shard, "wb").write(bytes(raw))
+    code, out, seconds = train(4, "--max-iters", "4", "--pp", "2", "--load", save)
+    assert code != 0 and "rank_00002.safetensors is damaged" in out and seconds < 60
+    shutil.rmtree(os.path.join(save, "iter_0000002"))
+    code, out, _ = train(4, "--max-iters", "4", "--pp", "2", "--load", save)
+    assert code == 2 and "has no index.json" in out
+
+
+@pytest.mark.parametrize("n,args,message", [
+    (4, ["--tp", "3"], "4 ranks do not split into TP x PP = 3 x 1"),
+    (4, ["--tp", "2", "--dp", "3"], "TP x PP x DP = 2 x 1 x 3 = 6 ranks, but the job has 4"),
+    (2, ["--tp", "2", "--n-head", "3", "--n-embd", "33"], "n_head=3 is not divisible by TP=2"),
+    (2, ["--pp", "2", "--n-layer", "3"], "n_layer=3 is not divisible by PP x virtual stages"),
+    (2, ["--global-batch-size", "5"], "does not split over DP=2"),
+    (2, ["--pp", "2", "--zero-stage", "2"], "use --zero-stage 1"),
+    (2, ["--num-virtual-stages", "2"], "needs --pp > 1 and --schedule interleaved"),
+    (2, ["--sequence-parallel"], "needs --tp > 1"),
+    (4, ["--pp", "2", "--schedule", "interleaved", "--micro-batch-size", "4"], "not divisible by p=2"),
+])
+def test_bad_layouts_get_one_line_on_rank_0(n, args, message):
+    code, out, _ = train(n, "--max-iters", "1", *args, timeout=60)
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and message in errors[0], out
+
+
+def test_divergence_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    code, out, _ = train(4, "--max-iters", "30", "--pp", "2", "--tp", "2", "--lr", "1e12", "--warmup-iters", "0",
+                         "--min-lr", "0", "--grad-clip", "0", "--save", save, "--save-interval", "1")
+    assert code != 0 and "training diverged; non-finite gradients: rank" in out
+    assert "The last checkpoint in" in out and open(os.path.join(save, "latest")).read().startswith("iter_")
+
+
+LESSON_6 = os.path.join(ROOT, "lessons", "06_3d_parallel.py")
+
+
+def test_3d_lesson():
+    out = check_mpi(8, LESSON_6, timeout=180)
+    assert "equals the single-device run" in out and "Adam m, v: piece 1 of 2" in out
+
+
+def test_3d_lesson_fails_on_a_planted_bug():
+    code, out, _ = run_mpi(8, LESSON_6, "--plant-bug", timeout=180)
+    assert code != 0 and "MISMATCH" in out

@@ -1,0 +1,165 @@
+"""Sharded checkpoints on one rank: the box arithmetic against brute force, exact resume for every
+optimizer, loading across optimizers, and every kind of damaged checkpoint refused by name."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import minipar
+from minipar.checkpoint import full, sharded
+from minipar.checkpoint.boxes import Placement, flat_boxes, region, to_global
+from minipar.models import GPT, GPTConfig
+from minipar.optim import AdamW
+from minipar.parallel import ProcessGrid
+from minipar.parallel.zero import ZeroAdamW
+from minipar.parallel.zero3 import Zero3
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (4, 1, 3)])
+def test_flat_boxes_cover_every_flat_range_in_order(shape):
+    n = int(np.prod(shape))
+    array = np.arange(n).reshape(shape)
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            boxes = flat_boxes(shape, a, b)
+            values = [array[region(s, e)].ravel() for s, e in boxes]
+            assert list(np.concatenate(values) if values else []) == list(range(a, b))
+
+
+def _shard(whole, axis, size, padded, chunks, ranks, rank):
+    """The TP shard the way Partition.shard cuts it, padding marked -1."""
+    pad = [(0, 0)] * whole.ndim
+    pad[axis] = (0, padded - size)
+    blocks = np.split(np.pad(whole, pad, constant_values=-1), chunks, axis=axis)
+    return np.concatenate([np.split(b, ranks, axis=axis)[rank] for b in blocks], axis=axis)
+
+
+@pytest.mark.parametrize("shape,axis,chunks,padded", [((12, 5), 0, 3, 12), ((6, 8), 1, 1, 8),
+                                                      ((10, 4), 0, 1, 12), ((7, 3), 0, 1, 8)])
+def test_local_boxes_map_onto_the_whole_tensor(shape, axis, chunks, padded):
+    whole = np.arange(np.prod(shape)).reshape(shape)
+    rng = np.random.default_rng(0)
+    for ranks in (1, 2, 4):
+        if padded % (chunks * ranks):
+            continue
+        for rank in range(ranks):
+            local = _shard(whole, axis, shape[axis], padded, chunks, ranks, rank)
+            place = Placement(axis, shape[axis], padded, chunks, ranks, rank)
+            for _ in range(30):
+                s = [int(rng.integers(0, d)) for d in local.shape]
+                e = [int(rng.integers(a + 1, d + 1)) for a, d in zip(s, local.shape)]
+                covered = np.zeros(local.shape, bool)
+                for gs, ge, ls, le in to_global(place, s, e):
+                    np.testing.assert_array_equal(local[region(ls, le)], whole[region(gs, ge)])
+                    covered[region(ls, le)] = True
+                inside = np.zeros(local.shape, bool)
+                inside[region(s, e)] = True
+                assert (local[inside & ~covered] == -1).all()  # only padding is left out
+
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.1)
+
+
+def _make(kind):
+    minipar.manual_seed(0)
+    grid = ProcessGrid(1, 1)
+    model = GPT(CONFIG, grid)
+    if kind == "adamw":
+        opt = AdamW(model.parameters(), lr=1e-2)
+    elif kind == "zero1":
+        opt = ZeroAdamW(model, grid.dp_group, 1, lr=1e-2, bucket_bytes=3000)
+    else:
+        opt = Zero3(model, grid.dp_group, lr=1e-2)
+    return model, opt, grid
+
+
+def _train(model, opt, steps):
+    x = np.random.default_rng(1).integers(0, 32, (4, 8))
+    out = []
+    for _ in range(steps):
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    minipar.set_default_dtype("float64")
+    yield
+    minipar.set_default_dtype("float32")
+
+
+@pytest.mark.parametrize("kind", ["adamw", "zero1", "zero3"])
+def test_resume_is_exact_for_every_optimizer(kind, tmp_path):
+    model, opt, grid = _make(kind)
+    _train(model, opt, 2)
+    sharded.save(str(tmp_path), 2, model, opt, grid, {"iteration": 2})
+    again, opt2, _ = _make(kind)
+    state = sharded.load(str(tmp_path), again, opt2, grid)
+    assert state == {"iteration": 2, "optimizer_steps": 2} and again.rng.calls == 0
+    again.rng.set_state(model.rng.state())
+    assert _train(model, opt, 3) == _train(again, opt2, 3)  # bit for bit
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest"]
+
+
+def test_a_checkpoint_loads_into_another_optimizer_and_gathers_whole(tmp_path):
+    model, opt, grid = _make("zero1")
+    _train(model, opt, 2)
+    sharded.save(str(tmp_path), 2, model, opt, grid, {})
+    other, opt2, _ = _make("zero3")
+    sharded.load(str(tmp_path), other, opt2, grid)
+    whole = full.gather_full_state(other, opt2, grid)
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(whole[name], value)
+
+
+def _damage(path, how):
+    step = os.path.join(path, "iter_0000001")
+    shard = os.path.join(step, "rank_00000.safetensors")
+    if how == "flipped":
+        raw = bytearray(open(shard, "rb").read())
+        raw[-5] ^= 0xFF
+        open(shard, "wb").write(bytes(raw))
+    elif how == "truncated":
+        os.truncate(shard, os.path.getsize(shard) - 64)
+    elif how == "missing":
+        os.remove(shard)
+    elif how == "no index":
+        os.remove(os.path.join(step, "index.json"))
+    elif how == "bad index":
+        open(os.path.join(step, "index.json"), "w").write("{not json")
+
+
+@pytest.mark.parametrize("how,message", [
+    ("flipped", "rank_00000.safetensors is damaged: .* does not match its checksum"),
+    ("truncated", "rank_00000.safetensors is truncated or damaged"),
+    ("missing", "rank_00000.safetensors is missing"),
+    ("no index", "has no index.json: the checkpoint is incomplete"),
+    ("bad index", "index.json is not readable JSON"),
+])
+def test_damaged_checkpoints_are_refused_by_name(how, message, tmp_path):
+    model, opt, grid = _make("adamw")
+    sharded.save(str(tmp_path), 1, model, opt, grid, {})
+    _damage(str(tmp_path), how)
+    with pytest.raises(sharded.CheckpointError, match=message):
+        sharded.load(str(tmp_path), *_make("adamw"))
+
+
+def test_another_model_and_an_unfinished_save_are_refused(tmp_path):
+    model, opt, grid = _make("adamw")
+    sharded.save(str(tmp_path), 1, model, opt, grid, {})
+    minipar.manual_seed(0)
+    bigger = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    with pytest.raises(sharded.CheckpointError, match="different model: n_layer 2 .flags: 3."):
+        sharded.load(str(tmp_path), bigger, AdamW(bigger.parameters()), grid)
+    # a save that died half-way leaves its .partial directory; the last good one still loads
+    shutil.copytree(os.path.join(tmp_path, "iter_0000001"), os.path.join(tmp_path, "iter_0000002.partial"))
+    os.remove(os.path.join(tmp_path, "iter_0000002.partial", "index.json"))
+    assert sharded.find(str(tmp_path)).endswith("iter_0000001")
+    with pytest.raises(sharded.CheckpointError, match="no checkpoint here"):
+        sharded.find(str(tmp_path / "iter_0000002.partial"))
