@@ -42,12 +42,16 @@ def non_negative_float(text):
     return value
 
 
+class FlagError(Exception):
+    """A bad flag, found by one rank without communicating (see ``_agree``)."""
+
+
 class _Parser(argparse.ArgumentParser):
-    rank = 0  # only rank 0 prints; every rank exits
+    rank = 0  # only rank 0 prints help
 
     def error(self, message):
         """One line naming the problem (argparse would print the whole usage first)."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if self.rank == 0 else None)
+        raise FlagError(f"{self.prog}: error: {message} (see --help)")
 
     def print_help(self, file=None):
         if self.rank == 0:
@@ -240,16 +244,42 @@ def build(p, args):
     return data, config
 
 
+def _agree(comm, problem):
+    """End the job with one line if any rank found a bad flag.
+
+    Every rank checked the flags on its own, so every rank reaches this one all-reduce, and it
+    cannot hang. The lowest rank with a problem prints it, and no rank exits before it has
+    (under ``python -m mpi4py`` the first non-zero exit aborts the whole job at once).
+    """
+    first = 0 if problem else None
+    if comm.size > 1:
+        from minipar.backend import xp
+
+        votes = comm.all_reduce(xp.array([comm.size - comm.rank if problem else 0], dtype=xp.int64), op="max")
+        first = comm.size - int(votes[0]) if votes[0] else None
+    if first is None:
+        return
+    if comm.rank == first:
+        print(problem, file=sys.stderr, flush=True)
+    comm.barrier()
+    sys.exit(2)
+
+
 def main(argv=None):
     from minipar.comm import world
 
     comm = world()
     parser = build_parser()
     parser.rank = comm.rank
-    args = parser.parse_args(argv)
-    check_args(parser, args, comm.size)
-    data, config = build(parser, args)
-    weights = check_files(parser, args, config)
+    problem = None
+    try:
+        args = parser.parse_args(argv)
+        check_args(parser, args, comm.size)
+        data, config = build(parser, args)
+        weights = check_files(parser, args, config)
+    except FlagError as exc:
+        problem = exc
+    _agree(comm, problem)
     from minipar.checkpoint.sharded import CheckpointError
     from minipar.trainer import Trainer
 
