@@ -9,8 +9,8 @@ run is a pure function of its flags, whatever the layout: ``--global-batch-size`
 drawn per step from the seed, and a layout only changes how they are split across data-parallel
 ranks and micro-batches.
 
-Every flag is checked on every rank before any rank communicates, so a bad one is one line on
-rank 0 and exit status 2, never a hang.
+Every flag is checked on every rank before any rank communicates; then one all-reduce tells every
+rank whether any found a problem, so a bad flag is one line and exit status 2, never a hang.
 """
 
 import argparse
