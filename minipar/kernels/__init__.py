@@ -1,0 +1,1 @@
+"""Our own CUDA kernels: the tiled GEMM every matmul uses on the GPU, and its CPU emulator."""

@@ -1,0 +1,219 @@
+// Runs gemm.cu, unchanged, on the CPU: what CI (which has no GPU) uses to test the kernel.
+//
+// The shims below give the CUDA source what it expects from the hardware:
+//   * one OS thread per CUDA thread of a block; blocks run one after another;
+//   * __shared__ becomes `static`: every thread of the running block sees the same array, which is
+//     exactly shared memory when only one block runs at a time;
+//   * __syncthreads() is a real barrier.
+// Two ways to schedule a block's threads:
+//   * PARALLEL: all threads run at once and meet at a std::barrier (races happen as on a GPU, by
+//     chance);
+//   * SERIAL: one thread runs at a time, from one barrier to the next, in an adversarial order
+//     (reversed, or shuffled by a seed). A missing __syncthreads() then fails every time: some
+//     thread reads a tile its neighbours have not written yet, or already overwrote.
+// Built by emulator.py with g++ -std=c++20; the tile shapes come in as -D flags.
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <semaphore>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+static thread_local dim3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) double2 { double x, y; };
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(threads)
+#define __restrict__ __restrict
+#define __shared__ static
+
+// The loads of one chosen thread (the lesson prints its walk), and every load counted.
+struct Load {
+    int operand, i, k, along_k, count;
+};
+static const void* g_operand_a = nullptr;
+static int g_watch_thread = -1;  // linear thread id in the launch; -1: watch none
+static thread_local int t_linear_id = 0;
+static std::mutex g_trace_mutex;
+static std::vector<Load> g_trace;
+static std::atomic<long long> g_loads{0}, g_elements{0};
+
+static void trace_load(const void* operand, int i, int k, bool along_k, int count) {
+    g_loads += 1;
+    g_elements += count > 0 ? count : 0;
+    if (t_linear_id == g_watch_thread) {
+        std::lock_guard<std::mutex> lock(g_trace_mutex);
+        // operand: 0 = A, 1 = B (the kernel has already moved A to its batch; batch 0 is watched)
+        g_trace.push_back({operand == g_operand_a ? 0 : 1, i, k, along_k ? 1 : 0, count});
+    }
+}
+#define GEMM_TRACE(operand, i, k, along_k, count) trace_load(operand, i, k, along_k, count)
+
+void __syncthreads();
+#include "gemm.cu"
+
+// ---- scheduling a block's threads --------------------------------------------------------------
+enum Mode { PARALLEL = 0, SERIAL_REVERSED = 1, SERIAL_SHUFFLED = 2 };
+
+struct Scheduler {
+    Mode mode;
+    int n;
+    std::unique_ptr<std::barrier<>> barrier;
+    // SERIAL: the thread `order[pos]` runs; every other thread waits on its own semaphore, so a
+    // hand-over wakes exactly one thread.
+    std::mutex mu;
+    std::vector<std::unique_ptr<std::binary_semaphore>> turn;
+    std::vector<int> order;
+    int pos = 0, arrived = 0, exited = 0;
+    bool divergent = false;
+    std::mt19937 rng;
+
+    Scheduler(Mode m, int threads, unsigned seed) : mode(m), n(threads), order(threads), rng(seed) {
+        if (mode == PARALLEL) {
+            barrier = std::make_unique<std::barrier<>>(threads);
+            return;
+        }
+        for (int t = 0; t < n; ++t) turn.push_back(std::make_unique<std::binary_semaphore>(0));
+        new_phase();
+    }
+    void new_phase() {
+        std::iota(order.begin(), order.end(), 0);
+        if (mode == SERIAL_REVERSED) std::reverse(order.begin(), order.end());
+        if (mode == SERIAL_SHUFFLED) std::shuffle(order.begin(), order.end(), rng);
+        pos = arrived = 0;
+        turn[order[0]]->release();
+    }
+    void start(int tid) {
+        if (mode != PARALLEL) turn[tid]->acquire();
+    }
+    // This thread reached a barrier (exit = false) or the end of the kernel (exit = true).
+    void arrive(int tid, bool exit) {
+        if (mode == PARALLEL) {
+            if (exit) barrier->arrive_and_drop(); else barrier->arrive_and_wait();
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            exit ? ++exited : ++arrived;
+            if (divergent) return;
+            if (++pos < n) {
+                turn[order[pos]]->release();
+            } else if (exited > 0 && arrived > 0) {  // some threads skipped a barrier: let all run
+                divergent = true;
+                for (auto& t : turn) t->release();
+            } else if (exited == 0) {
+                new_phase();
+            }
+        }
+        if (!exit && !divergent) turn[tid]->acquire();
+    }
+};
+
+static Scheduler* g_scheduler = nullptr;
+static thread_local int t_tid = 0;
+void __syncthreads() { g_scheduler->arrive(t_tid, false); }
+
+template <typename Kernel>
+static int launch(Kernel kernel, dim3 grid, dim3 block, Mode mode, unsigned seed) {
+    gridDim = grid;
+    blockDim = block;
+    const int threads = block.x * block.y * block.z;
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                Scheduler scheduler(mode, threads, seed + bx + 7919 * by + 104729 * bz);
+                g_scheduler = &scheduler;
+                std::vector<std::thread> pool;
+                pool.reserve(threads);
+                const long long block_id = bx + grid.x * (by + (long long)grid.y * bz);
+                for (int t = 0; t < threads; ++t)
+                    pool.emplace_back([&, t] {
+                        t_tid = t;
+                        t_linear_id = int(block_id * threads + t);
+                        threadIdx = {unsigned(t % block.x), unsigned(t / block.x % block.y),
+                                     unsigned(t / (block.x * block.y))};
+                        blockIdx = {bx, by, bz};
+                        scheduler.start(t);
+                        kernel();
+                        scheduler.arrive(t, true);
+                    });
+                for (auto& th : pool) th.join();
+                if (scheduler.divergent) return 2;
+            }
+    return 0;
+}
+
+template <typename T, bool TA, bool TB>
+static int run(bool naive, const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb,
+               int ldc, long long sa, long long sb, long long sc, int batch, Mode mode, unsigned seed) {
+    const T* a = static_cast<const T*>(A);
+    const T* b = static_cast<const T*>(B);
+    T* c = static_cast<T*>(C);
+    g_operand_a = A;
+    if (naive) {
+        dim3 grid{unsigned((N + 15) / 16), unsigned((M + 15) / 16), unsigned(batch)}, block{16, 16, 1};
+        return launch([=] { gemm_naive<T, TA, TB>(a, b, c, M, N, K, lda, ldb, ldc, sa, sb, sc); },
+                      grid, block, mode, seed);
+    }
+    const int threads = (EMU_BM / EMU_TM) * (EMU_BN / EMU_TN);
+    dim3 grid{unsigned((N + EMU_BN - 1) / EMU_BN), unsigned((M + EMU_BM - 1) / EMU_BM), unsigned(batch)};
+    return launch([=] {
+        gemm_tiled<T, EMU_BM, EMU_BN, EMU_BK, EMU_TM, EMU_TN, TA, TB>(a, b, c, M, N, K, lda, ldb, ldc, sa, sb, sc);
+    }, grid, dim3{unsigned(threads), 1, 1}, mode, seed);
+}
+
+extern "C" {
+
+// Returns 0 on success, 2 if a block's threads did not all meet at the same barriers.
+int emulate_gemm(int trans_a, int trans_b, int naive, const void* A, const void* B, void* C, int M, int N,
+                 int K, int lda, int ldb, int ldc, long long sa, long long sb, long long sc, int batch,
+                 int mode, unsigned seed) {
+    using T = EMU_T;
+    const Mode m = Mode(mode);
+    if (trans_a && trans_b) return run<T, true, true>(naive, A, B, C, M, N, K, lda, ldb, ldc, sa, sb, sc, batch, m, seed);
+    if (trans_a) return run<T, true, false>(naive, A, B, C, M, N, K, lda, ldb, ldc, sa, sb, sc, batch, m, seed);
+    if (trans_b) return run<T, false, true>(naive, A, B, C, M, N, K, lda, ldb, ldc, sa, sb, sc, batch, m, seed);
+    return run<T, false, false>(naive, A, B, C, M, N, K, lda, ldb, ldc, sa, sb, sc, batch, m, seed);
+}
+
+// Record the loads of thread `linear_id` (block-major) from now on; -1 stops recording.
+void emulate_watch(int linear_id) {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    g_watch_thread = linear_id;
+    g_trace.clear();
+    g_loads = 0;
+    g_elements = 0;
+}
+
+// The recorded loads as rows of 5 ints (operand, i, k, along_k, count); returns how many there are.
+int emulate_trace(int* out, int capacity) {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    const int n = int(g_trace.size());
+    for (int r = 0; r < n && r < capacity; ++r) {
+        const Load& l = g_trace[r];
+        const int row[5] = {l.operand, l.i, l.k, l.along_k, l.count};
+        std::memcpy(out + 5 * r, row, sizeof row);
+    }
+    return n;
+}
+
+// Global-memory load instructions and elements loaded since the last emulate_watch.
+void emulate_counts(long long* out) {
+    out[0] = g_loads;
+    out[1] = g_elements;
+}
+}

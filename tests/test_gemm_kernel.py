@@ -1,0 +1,175 @@
+"""gemm.cu without a GPU: compiled by nvcc (resources, no spills) and run by the CPU emulator
+(results, every element written, planted bugs caught). GPU runs are in test_gpu.py."""
+
+import re
+import shutil
+import subprocess
+
+import numpy
+import pytest
+
+from minipar.kernels import emulator, gemm
+
+pytestmark = pytest.mark.skipif(emulator.compiler() is None, reason="no C++ compiler for the emulator")
+rng = numpy.random.default_rng(0)
+
+
+def operands(M, N, K, trans_a, trans_b, dtype):
+    """op(A) (M x K) and op(B) (K x N); a transposed operand is a view of a stored transpose."""
+    a = rng.standard_normal((K, M) if trans_a else (M, K)).astype(dtype)
+    b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(dtype)
+    return (a.T if trans_a else a), (b.T if trans_b else b)
+
+
+def relative_error(c, a, b):
+    ref = a.astype(numpy.float64) @ b.astype(numpy.float64)
+    return numpy.abs(c - ref).max() / max(numpy.abs(ref).max(), 1e-300)
+
+
+SIZES = [(1, 1, 1), (7, 33, 1), (33, 7, 127), (127, 129, 7), (1, 130, 33), (129, 1, 8), (7, 7, 4097),
+         (4097, 3, 5), (3, 4097, 2)]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 2e-6), ("float64", 1e-14)])
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_every_shape_and_transpose_matches_float64(dtype, tolerance, trans_a, trans_b):
+    for M, N, K in SIZES:
+        a, b = operands(M, N, K, trans_a, trans_b, dtype)
+        assert gemm.plan(a, b, numpy).a.trans == (trans_a and M > 1 and K > 1)  # read in place
+        out = numpy.full((M, N), numpy.nan, dtype)  # poisoned: an element never written stays NaN
+        c = emulator.matmul(a, b, out=out)
+        assert c is out and not numpy.isnan(c).any(), (M, N, K)
+        assert relative_error(c, a, b) < tolerance * max(1, numpy.sqrt(K)), (M, N, K)
+
+
+@pytest.mark.parametrize("mode", ["reversed", "shuffled"])
+def test_one_thread_at_a_time_in_any_order_gives_the_same_result(mode):
+    a, b = operands(70, 131, 37, False, True, "float32")
+    assert numpy.array_equal(emulator.matmul(a, b, mode=mode), emulator.matmul(a, b))
+
+
+def test_the_naive_kernel_agrees():
+    a, b = operands(19, 21, 23, True, False, "float32")
+    assert relative_error(emulator.matmul(a, b, naive=True), a, b) < 1e-6
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [
+    ((3, 2, 9, 5), (2, 5, 4)),   # broadcast batch
+    ((4, 6, 5), (5, 7)),         # a batch times one shared matrix (stride 0)
+    ((6, 5), (4, 5, 7)),
+    ((2, 1, 3, 4), (1, 5, 4, 2)),
+])
+def test_batched_and_broadcast_products_follow_numpy(shape_a, shape_b):
+    a, b = rng.standard_normal(shape_a), rng.standard_normal(shape_b)
+    assert numpy.allclose(emulator.matmul(a, b), a @ b, rtol=1e-13, atol=1e-13)
+
+
+def test_views_are_read_in_place_and_awkward_ones_copied():
+    x = rng.standard_normal((4, 10, 6))
+    p = gemm.plan(x.transpose(0, 2, 1), x, numpy)  # x^T x per batch: the backward's product
+    assert p.a.trans and not p.b.trans and p.a.batch_stride == 60 and p.a.array.base is not None
+    flipped = x[:, ::-1]  # negative strides: copied first
+    assert numpy.allclose(emulator.matmul(flipped, x.transpose(0, 2, 1)), flipped @ x.transpose(0, 2, 1))
+    gapped = x[::2, :, :3]  # every other batch entry: one stride still steps through them
+    assert gemm.plan(gapped, x[0, :3, :], numpy).a.batch_stride == 120
+    assert numpy.allclose(emulator.matmul(gapped, x[0, :3, :]), gapped @ x[0, :3, :])
+
+
+def test_out_may_be_a_strided_slice():
+    q, k = rng.standard_normal((2, 8, 4)), rng.standard_normal((2, 8, 4))
+    y = numpy.zeros((2, 12, 8))
+    emulator.matmul(q, k.transpose(0, 2, 1), out=y[:, 2:10])  # as attention writes a query block
+    assert numpy.allclose(y[:, 2:10], q @ k.transpose(0, 2, 1)) and not y[:, :2].any() and not y[:, 10:].any()
+
+
+def test_bad_operands_are_refused_by_name():
+    with pytest.raises(TypeError, match="float32 @ float64"):
+        emulator.matmul(numpy.ones((2, 2), "float32"), numpy.ones((2, 2)))
+    with pytest.raises(ValueError, match="inner dimensions"):
+        emulator.matmul(numpy.ones((2, 3)), numpy.ones((2, 3)))
+
+
+# ---- planted bugs -----------------------------------------------------------------------------
+def planted(old, new, count=1):
+    source = gemm.SOURCE.read_text()
+    assert source.count(old) >= count, old
+    return source.replace(old, new, count)
+
+
+def test_a_wrong_tile_index_is_caught():
+    source = planted("const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;",
+                     "const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BM / 2;")
+    a, b = operands(40, 300, 9, False, False, "float32")
+    assert relative_error(emulator.matmul(a, b, source=source), a, b) > 0.1
+
+
+def test_a_wrong_slab_index_is_caught():
+    source = planted("const int i = r / RUN_STEPS, k = (r % RUN_STEPS) * VEC;",
+                     "const int i = r / RUN_STEPS, k = (r % RUN_STEPS);")
+    a, b = operands(33, 20, 30, False, False, "float32")
+    assert relative_error(emulator.matmul(a, b, source=source), a, b) > 0.1
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+@pytest.mark.parametrize("mode", ["reversed", "shuffled"])
+def test_a_missing_syncthreads_fails_every_time_one_thread_at_a_time(which, mode):
+    source = gemm.SOURCE.read_text()
+    at = source.index("__syncthreads();") if which == "first" else source.rindex("__syncthreads();")
+    source = source[:at] + source[at + len("__syncthreads();"):]
+    a, b = operands(40, 40, 300, False, False, "float32")
+    for seed in range(3):
+        assert relative_error(emulator.matmul(a, b, mode=mode, seed=seed, source=source), a, b) > 0.1
+
+
+def test_a_barrier_only_some_threads_reach_is_reported():
+    source = planted("__syncthreads();  // the whole slab", "if (threadIdx.x % 2) __syncthreads();  //")
+    a, b = operands(8, 8, 8, False, False, "float32")
+    with pytest.raises(emulator.EmulatorError, match="did not all reach"):
+        emulator.matmul(a, b, mode="reversed", source=source)
+
+
+def test_the_trace_counts_the_tiled_kernels_loads():
+    M = N = K = 256
+    a, b = operands(M, N, K, False, False, "float32")
+    emulator.watch("float32", 0)
+    emulator.matmul(a, b)
+    rows, (loads, elements) = emulator.trace("float32")
+    t = gemm.TILES["float32"]
+    assert elements == M * N * K * (1 / t["BN"] + 1 / t["BM"])  # each A element N/BN times, B M/BM
+    assert loads == elements // 4  # all of them as 16-byte vectors
+    assert len(rows) == 2 * K // t["BK"] and set(rows[:, 0]) == {0, 1}  # thread 0: one run of A, one of B per slab
+
+
+# ---- nvcc -------------------------------------------------------------------------------------
+def instantiations():
+    """gemm.cu plus an explicit instantiation of every kernel the launcher uses."""
+    lines = [gemm.SOURCE.read_text()]
+    for dtype, ctype in (("float32", "float"), ("float64", "double")):
+        for naive in (False, True):
+            for ta in (False, True):
+                for tb in (False, True):
+                    name = gemm.kernel_name(dtype, ta, tb, naive)
+                    lines.append(f"template __global__ void {name}(const {ctype}*, const {ctype}*, {ctype}*, "
+                                 "int, int, int, int, int, int, long long, long long, long long);")
+    return "\n".join(lines)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvcc_compiles_every_kernel_without_spills(arch, tmp_path):
+    source = tmp_path / "gemm_all.cu"
+    source.write_text(instantiations())
+    result = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
+                             "-o", str(tmp_path / "gemm.cubin"), str(source)], capture_output=True, text=True,
+                            timeout=300)
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
+    kernels = re.findall(r"Compiling entry function '(\w+)'", report)
+    assert len(kernels) == 16, report
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    stacks = re.findall(r"(\d+) bytes stack frame", report)
+    assert len(spills) == 16 and all(s == ("0", "0") for s in spills), report
+    assert all(s == "0" for s in stacks), report  # no local memory
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert len(registers) == 16 and max(registers) <= 255, report
