@@ -78,6 +78,7 @@ def main():
     if bad or sent_by_ring != formula:
         if r == 0:
             print("MISMATCH: the ring's result or its byte count differs from MPI's all-reduce")
+        comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
         return 1
     if r == 0:
         print("The hand-made ring equals MPI's all-reduce and sends exactly 2 (N-1)/N x S bytes per rank.")

@@ -124,6 +124,7 @@ def main():
               f"(every rank holds everything: ZeRO, lesson 5, shards it)")
         print("\nMISMATCH: see the rows above" if failed else
               "\nThe data-parallel run equals the single-device run, and holds and sends what the formulas say.")
+    comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
     return int(failed)
 
 

@@ -201,6 +201,7 @@ def main():
             print_traffic(sp, results[sp][1], args.n_layer, activation, grid.tp)
         print("\nMISMATCH: see the rows above" if failed
               else "\nThe tensor-parallel GPT equals the single-device GPT, and moves what Megatron's design says.")
+    comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
     return 1 if failed else 0
 
 

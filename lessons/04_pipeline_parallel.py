@@ -227,6 +227,7 @@ def main():
         print("\nMISMATCH: see the rows above" if failed else
               "\nEvery schedule, with and without recompute, equals the single-device run; the bubble, "
               "the activations held and the bytes sent are what the formulas say.")
+    comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
     return int(failed)
 
 

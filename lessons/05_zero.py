@@ -190,6 +190,7 @@ def main():
             print(f"  stage {s}  {sent:>13,} | {traffic:>13,}   {passes} (N-1)/N x {item}P{tied}")
         print("\nMISMATCH: see the rows above" if failed else
               "\nEvery stage equals the single-device run and holds and sends what the formulas say (plus padding).")
+    comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
     return int(failed)
 
 

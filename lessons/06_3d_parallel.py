@@ -157,6 +157,7 @@ def main():
             print(f"  {name:<28}{e:>10.1e}")
         print("\nMISMATCH: see the rows above" if failed else
               "\nThe 3D-parallel run equals the single-device run.")
+    comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
     return int(failed)
 
 

@@ -72,20 +72,20 @@ def build_parser():
     g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=positive_int, default=1, help="tensor-parallel size")
     g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=positive_int, default=1, help="pipeline stages")
     g.add_argument("--dp", type=positive_int, help="data-parallel size (checked against the number of ranks)")
-    g.add_argument("--num-virtual-stages", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
+    g.add_argument("--num-virtual-stages", "--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b", help="pipeline schedule")
     g.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch per DP rank (default: the global batch / DP / PP)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of the data-parallel optimizer")
     g.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm and dropout along the sequence (TP > 1)")
-    g.add_argument("--recompute", action="store_true", help="keep only each block's input; recompute it in backward")
+    g.add_argument("--recompute", "--recompute-activations", dest="recompute", action="store_true", help="keep only each block's input; recompute it in backward")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--max-iters", type=positive_int, default=DEFAULTS["max_iters"], help="training steps in total")
+    o.add_argument("--max-iters", "--train-iters", dest="max_iters", type=positive_int, default=DEFAULTS["max_iters"], help="training steps in total")
     o.add_argument("--global-batch-size", "--batch-size", dest="batch_size", type=positive_int, default=DEFAULTS["batch_size"], help="sequences per step")
     o.add_argument("--lr", type=non_negative_float, default=DEFAULTS["lr"], help="peak learning rate")
     o.add_argument("--min-lr", type=non_negative_float, default=DEFAULTS["min_lr"], help="final learning rate of the cosine decay")
-    o.add_argument("--warmup-iters", type=int, default=DEFAULTS["warmup_iters"], help="linear warm-up steps")
+    o.add_argument("--warmup-iters", "--lr-warmup-iters", dest="warmup_iters", type=int, default=DEFAULTS["warmup_iters"], help="linear warm-up steps")
     o.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
-    o.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max global gradient norm (0: off)")
+    o.add_argument("--grad-clip", "--clip-grad", dest="grad_clip", type=non_negative_float, default=1.0, help="max global gradient norm (0: off)")
     o.add_argument("--seed", type=int, default=1337, help="seed of the weights, the batches and dropout")
     o.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="floating dtype of the whole run")
     d = p.add_argument_group("data, output and checkpoints")
@@ -99,7 +99,7 @@ def build_parser():
     d.add_argument("--save", metavar="DIR", help="write sharded checkpoints here (every --save-interval steps and at the end)")
     d.add_argument("--save-interval", type=positive_int, default=100, help="steps between checkpoints")
     d.add_argument("--load", metavar="DIR", help="continue from the latest checkpoint in DIR (or a checkpoint directory)")
-    d.add_argument("--exit-interval", type=positive_int, help="stop after this iteration (a planned interruption; resume with --load)")
+    d.add_argument("--exit-interval", type=positive_int, help="stop when the iterations done are a multiple of this (as Megatron-LM: a planned interruption; needs --save, resume with --load)")
     d.add_argument("--report", action="store_true", help="print every rank's memory and bytes sent per step at the end")
     d.add_argument("--plot", metavar="FILE", default="out/loss.png", help="loss-curve picture ('' for none)")
     d.add_argument("--sample", type=int, default=200, help="bytes to generate after training (0: none)")
@@ -141,10 +141,13 @@ def check_args(p, args, world_size):
             _writable(p, "--" + flag.replace("_", "-"), getattr(args, flag))
     if args.save:
         _writable(p, "--save", os.path.join(args.save, "latest"))
+    if args.exit_interval and not args.save:
+        p.error("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
     check_layout(p, args, world_size)
 
 
 def check_layout(p, args, world_size):
+    from minipar.parallel.pipeline.executor import MAX_TAG
     from minipar.parallel.pipeline.schedules import check as check_schedule
     from minipar.parallel.topology import Layout
     from minipar.parallel.zero import NOT_WITH_PIPELINES
@@ -176,6 +179,9 @@ def check_layout(p, args, world_size):
         check_schedule(pp, args.micro_batches, args.vpp, interleaved=args.schedule == "interleaved")
     except ValueError as exc:
         p.error(f"{exc} (micro-batches = global batch / (DP x micro-batch size))")
+    if pp > 1 and 2 * args.micro_batches * pp * args.vpp > MAX_TAG:
+        p.error(f"{args.micro_batches} micro-batches x {pp * args.vpp} pipeline chunks need more message "
+                f"tags than MPI promises ({MAX_TAG}): raise --micro-batch-size")
     if args.sequence_parallel and tp == 1:
         p.error("--sequence-parallel splits along the tensor-parallel group: it needs --tp > 1")
     if args.sequence_parallel and args.block_size % tp:
@@ -184,7 +190,7 @@ def check_layout(p, args, world_size):
         p.error("ZeRO stages 2 and 3 send gradients before sequence parallelism's partial sums are "
                 "added: use --zero-stage 0 or 1 with --sequence-parallel")
     if pp > 1 and args.zero_stage >= 2:
-        p.error(NOT_WITH_PIPELINES.replace("ZeRO stage 1 (or 0)", "--zero-stage 1 (or 0)"))
+        p.error(NOT_WITH_PIPELINES.format(stage_1="--zero-stage 1 (or 0)"))
 
 
 def check_files(p, args, config):
@@ -203,6 +209,9 @@ def check_files(p, args, config):
             if saved[key] != getattr(args, key):
                 p.error(f"--load: the checkpoint was trained with {flag} {saved[key]}, not "
                         f"{getattr(args, key)}: the data would differ from the run it continues")
+        if index["iteration"] >= args.max_iters:
+            p.error(f"--load: the checkpoint is at iteration {index['iteration']}, so --max-iters "
+                    f"{args.max_iters} leaves nothing to train: raise --max-iters")
     if args.init_weights:
         from minipar import checkpoint
         from minipar.models import GPT

@@ -124,7 +124,8 @@ class Trainer:
             self.opt.zero_grad()
 
     def step(self, it):
-        """Train iteration ``it``; returns (loss, gradient norm, bubble) the same on every rank."""
+        """Train iteration ``it``; returns the loss, gradient norm and bubble (the same on every rank)
+        and the names of this rank's non-finite gradients."""
         self.adamw.lr = learning_rate(it, self.args)
         x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
         for _, group in self._groups():
@@ -172,7 +173,10 @@ class Trainer:
     def run(self):
         args = self.args
         self._describe()
-        end = min(args.max_iters, args.exit_interval or args.max_iters)
+        # --exit-interval N stops once the iterations done are a multiple of N (Megatron-LM's rule),
+        # so the same command run again with --load goes on to the next multiple.
+        stop = (self.start // args.exit_interval + 1) * args.exit_interval if args.exit_interval else args.max_iters
+        end = min(args.max_iters, stop)
         history, val_history, val_loss = [], [], None
         tokens_per_step = args.batch_size * args.block_size
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "a" if self.start else "w") as log:
@@ -203,7 +207,7 @@ class Trainer:
             self._report()
         if end < args.max_iters:
             if self.speaks:
-                print(f"stopped after iteration {end - 1} (--exit-interval); resume with --load {args.save}")
+                print(f"stopped after {end} iterations (--exit-interval {args.exit_interval}); resume with --load {args.save}")
             return 0
         self._finish(history, val_history)
         return 0
@@ -241,6 +245,7 @@ class Trainer:
             print(f"error: at iter {it} the loss is {loss} and the gradient norm {norm}: training diverged; "
                   f"non-finite gradients: {named}. Lower --lr or raise --warmup-iters.{saved}",
                   file=sys.stderr, flush=True)
+        self.world.barrier()  # a rank's non-zero exit aborts the job: not before rank 0 has spoken
         return 1
 
     def _report(self):

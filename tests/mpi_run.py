@@ -17,7 +17,7 @@ def run_mpi(n, script, *args, timeout=120, command=None):
     """Launch ``script`` (a path, or a file name under tests/mpi/) on ``n`` ranks through
     run_mpi.sh, or through ``command`` (a list, e.g. a hand-typed mpiexec line). Returns
     (exit code, combined output, seconds)."""
-    if not os.path.isabs(script) and not os.path.exists(script):
+    if command is None and not os.path.isabs(script) and not os.path.exists(script):
         script = os.path.join(MPI_SCRIPTS, script)
     cmd = command or [LAUNCHER, "-n", str(n), script, *[str(a) for a in args]]
     env = dict(os.environ, PATH=sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", ""))

@@ -134,3 +134,31 @@ def test_weights_of_another_model_are_refused_in_one_line(tmp_path, corpus):
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "missing: transformer.h.2" in lines[0] and "must match" in lines[0]
+
+
+def test_exit_interval_stops_at_each_multiple_and_resuming_repeats_the_run(tmp_path, corpus):
+    common = [*TINY, "--data", corpus, "--max-iters", "6", "--dropout", "0.1", "--dtype", "float64"]
+    whole, parts, save = str(tmp_path / "whole.jsonl"), str(tmp_path / "parts.jsonl"), str(tmp_path / "ckpt")
+    assert train(*common, "--log-json", whole).returncode == 0
+    interrupted = common + ["--save", save, "--exit-interval", "2", "--log-json", parts]
+    first = train(*interrupted)
+    assert first.returncode == 0 and "stopped after 2 iterations" in first.stdout, first.stderr
+    for done in (4, 6):  # the same command with --load goes on to the next multiple, then to the end
+        run = train(*interrupted, "--load", save)
+        assert run.returncode == 0, run.stderr
+        assert ("stopped after 4 iterations" in run.stdout) == (done == 4)
+    assert losses(parts) == losses(whole)  # bit for bit in float64, dropout included
+    again = train(*interrupted, "--load", save)
+    assert again.returncode == 2 and "is at iteration 6, so --max-iters 6 leaves nothing to train" in again.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--exit-interval", "2"], "--exit-interval stops the run to resume it later: give --save DIR"),
+    (["--seed", "5"], "trained with --seed 1, not 5"),
+    (["--batch-size", "8"], "trained with --global-batch-size 4, not 8"),
+])
+def test_a_resume_that_would_not_continue_the_run_is_refused(args, message, tmp_path, corpus):
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--seed", "1", "--save", save).returncode == 0
+    run = train(*TINY, "--data", corpus, "--max-iters", "4", "--seed", "1", "--load", save, *args)
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -33,7 +33,7 @@ def flat_boxes(shape, a, b):
         return [((a,), (b,))]
     inner = math.prod(shape[1:])
     first, last = a // inner, (b - 1) // inner
-    if a % inner == 0 and b % inner == 0 or first == last and a % inner == 0 and b - a == inner:
+    if a % inner == 0 and b % inner == 0:  # whole rows of the first axis
         return [((first,) + (0,) * (len(shape) - 1), (b // inner,) + tuple(shape[1:]))]
     if first == last:  # inside one row of the first axis: recurse into that row
         return [((first,) + s, (first + 1,) + e) for s, e in flat_boxes(shape[1:], a - first * inner, b - first * inner)]
@@ -58,10 +58,6 @@ class Placement:
         if part is None:
             return cls()
         return cls(part.axis, part.size, part.padded, part.chunks, part.comm.size, part.comm.rank)
-
-    def describe(self):
-        return {"axis": self.axis, "size": self.size, "padded": self.padded, "chunks": self.chunks,
-                "ranks": self.ranks, "rank": self.rank}
 
     def global_shape(self, local_shape):
         shape = list(local_shape)

@@ -11,6 +11,7 @@ import json
 import numpy
 
 from minipar.backend import to_numpy
+from minipar.checkpoint.boxes import region
 from minipar.checkpoint.pieces import pieces
 from minipar.checkpoint.sharded import fill
 
@@ -52,7 +53,7 @@ def gather_full_state(model, optimizer, grid=None):
             parts.append((name, start, stop, data[offset : offset + n].reshape([b - a for a, b in zip(start, stop)])))
             offset += n
     for name, start, stop, data in parts:
-        full[name][tuple(slice(a, b) for a, b in zip(start, stop))] = data
+        full[name][region(start, stop)] = data
     return full
 
 

@@ -18,7 +18,7 @@ Every rank loads all of its pieces.
 
 from dataclasses import dataclass
 
-from minipar.checkpoint.boxes import Placement, flat_boxes, to_global, volume
+from minipar.checkpoint.boxes import Placement, flat_boxes, region, to_global, volume
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -55,7 +55,7 @@ class Piece:
         out = []
         for ls, le, view in self.views():
             for gs, ge, sub_s, sub_e in to_global(self.placement, ls, le):
-                out.append((gs, ge, view[tuple(slice(a - o, b - o) for a, b, o in zip(sub_s, sub_e, ls))]))
+                out.append((gs, ge, view[region(sub_s, sub_e, ls)]))
         return out
 
 

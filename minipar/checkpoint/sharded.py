@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from minipar.backend import to_numpy, xp
-from minipar.checkpoint.boxes import intersect, volume
+from minipar.checkpoint.boxes import intersect, region, volume
 from minipar.checkpoint.pieces import pieces, set_step_count, step_count
 
 FORMAT = "minipar-sharded-checkpoint-1"
@@ -74,8 +74,9 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
         shutil.rmtree(partial, ignore_errors=True)  # what a crashed save left
         os.makedirs(partial)
     world.barrier()
-    tensors, boxes = {}, []
+    tensors, boxes, held = {}, [], set()
     for piece in pieces(model, optimizer, grid):
+        held.add(f"{piece.kind}/{piece.name}")
         if not piece.write:
             continue
         for n, (start, stop, view) in enumerate(piece.global_boxes()):
@@ -84,7 +85,7 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
             boxes.append({"tensor": f"{piece.kind}/{piece.name}", "key": key, "start": start, "stop": stop,
                           "shape": piece.global_shape, "sha256": _sha256(tensors[key])})
     stem = os.path.join(partial, f"rank_{world.rank:05d}")
-    listing = {"file": None, "bytes": 0, "boxes": boxes}
+    listing = {"file": None, "bytes": 0, "boxes": boxes, "held": sorted(held)}
     if tensors:  # a replica that saves nothing writes no shard file
         save_file(tensors, stem + ".safetensors")
         with open(stem + ".safetensors", "rb+") as f:
@@ -100,6 +101,7 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
             shutil.rmtree(final + ".old", ignore_errors=True)
             os.replace(final, final + ".old")
         os.replace(partial, final)
+        _fsync_dir(directory)  # the rename is on disk before `latest` names it
         shutil.rmtree(final + ".old", ignore_errors=True)
         _write_atomically(os.path.join(directory, "latest"), os.path.basename(final) + "\n")
         _fsync_dir(directory)
@@ -108,19 +110,27 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
 
 
 def _merge(partial, n_ranks, iteration, model, grid, trainer_state):
-    files, tensors = {}, {}
+    files, tensors, held = {}, {}, set()
     for r in range(n_ranks):
         with open(os.path.join(partial, f"rank_{r:05d}.json")) as f:
             part = json.load(f)
+        held.update(part["held"])
         if part["file"] is not None:
             files[part["file"]] = part["bytes"]
         for box in part["boxes"]:
             entry = tensors.setdefault(box["tensor"], {"shape": box["shape"], "boxes": []})
             entry["boxes"].append({"file": part["file"], **{k: box[k] for k in ("key", "start", "stop", "sha256")}})
-    for name, entry in tensors.items():  # each element saved exactly once, or the writers are wrong
-        covered = sum(volume(b["start"], b["stop"]) for b in entry["boxes"])
-        if covered != numpy.prod(entry["shape"]):
-            raise RuntimeError(f"checkpoint boxes of {name} cover {covered} of {numpy.prod(entry['shape'])} elements")
+    # Each element saved exactly once, or the writer rules are wrong: the boxes must not overlap
+    # and must add up to the whole tensor; and every tensor some rank holds must be saved.
+    if held != set(tensors):
+        raise RuntimeError(f"checkpoint: no rank writes {sorted(held - set(tensors))[:3]}")
+    for name, entry in tensors.items():
+        boxes = [(tuple(b["start"]), tuple(b["stop"])) for b in entry["boxes"]]
+        overlap = any(intersect(*boxes[i], *boxes[j]) for i in range(len(boxes)) for j in range(i))
+        covered = sum(volume(*box) for box in boxes)
+        if overlap or covered != numpy.prod(entry["shape"]):
+            raise RuntimeError(f"checkpoint boxes of {name} overlap or cover {covered} of "
+                               f"{numpy.prod(entry['shape'])} elements")
     layout = grid.layout
     return {"format": FORMAT, "iteration": iteration, "model": dataclasses.asdict(model.config),
             "dtype": str(model.parameters()[0].dtype),
@@ -140,6 +150,8 @@ def find(path):
                               "that did not finish leaves only an *.partial directory")
     with open(latest) as f:
         target = os.path.join(path, f.read().strip())
+    if not os.path.isdir(target) and os.path.isfile(os.path.join(target + ".old", "index.json")):
+        target += ".old"  # a save of the same iteration again stopped between its two renames
     if not os.path.isfile(os.path.join(target, "index.json")):
         raise CheckpointError(f"{latest} names {target}, which has no index.json: the checkpoint is "
                               f"incomplete; pass an earlier iter_* directory of {path} to --load")
@@ -216,8 +228,8 @@ def fill(piece_list, reader):
                 common = intersect(start, stop, box["start"], box["stop"])
                 if common is None:
                     continue
-                src = reader.read(box)[tuple(slice(a - o, b - o) for a, b, o in zip(*common, box["start"]))]
-                dst = tuple(slice(a - o, b - o) for a, b, o in zip(*common, start))
+                src = reader.read(box)[region(*common, box["start"])]
+                dst = region(*common, start)
                 view[dst] = xp.asarray(src, dtype=view.dtype)
                 covered[dst] = True
             if not covered.all():

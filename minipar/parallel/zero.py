@@ -35,7 +35,7 @@ from minipar.parallel.shards import Ledger, group_parameters
 
 NOT_WITH_PIPELINES = ("ZeRO stages 2 and 3 send gradients during backward, before the tied embedding's "
                       "two parts on the first and last pipeline stage are added: with pipeline "
-                      "parallelism use ZeRO stage 1 (or 0)")
+                      "parallelism use {stage_1}")
 
 
 class ZeroAdamW:
@@ -55,7 +55,7 @@ class ZeroAdamW:
         if len({p.dtype for p in params}) != 1:
             raise ValueError("ZeRO lays all parameters out in flat buffers of one dtype; the model mixes dtypes")
         if stage >= 2 and getattr(model, "pp", None) is not None:
-            raise ValueError(NOT_WITH_PIPELINES)
+            raise ValueError(NOT_WITH_PIPELINES.format(stage_1="ZeRO stage 1 (or 0)"))
         if stage >= 2 and getattr(model, "sequence_parallel", False):
             raise ValueError("ZeRO stages 2 and 3 send gradients during backward, before sequence "
                              "parallelism's partial gradients are summed: use stage 1 with it")

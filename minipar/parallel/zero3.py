@@ -34,7 +34,7 @@ def gpt_units(model):
 class Zero3(ZeroAdamW):
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         if getattr(model, "pp", None) is not None:
-            raise ValueError(NOT_WITH_PIPELINES)
+            raise ValueError(NOT_WITH_PIPELINES.format(stage_1="ZeRO stage 1 (or 0)"))
         units = gpt_units(model)
         params = model.parameters()
         sync_replicas(model, comm)  # every rank starts from rank 0's weights ...
