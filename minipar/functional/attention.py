@@ -22,7 +22,7 @@ batched ``matmul``; the tests check the two agree). Doing it as one op buys two 
 import math
 
 from minipar.autograd import Function
-from minipar.backend import xp
+from minipar.backend import dot_along, matmul, sum_along, xp
 from minipar.functional.checks import floats, probability
 from minipar.functional.elementwise import fresh_key
 from minipar.rng import keep_mask
@@ -54,7 +54,6 @@ class CausalAttention(Function):
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
         blocks = ctx.blocks = _query_blocks(T, query_block)
-        ones = xp.ones(T, qkv.dtype)
         probs_t, keep_t = [], []  # per (sequence, query block): (H, keys q1, queries q1 - q0)
         out = xp.empty((B, T, C), qkv.dtype)
         for b in range(B):
@@ -64,17 +63,17 @@ class CausalAttention(Function):
                 keep = xp.stack([keep_mask(key, (T, T), dropout_p, qkv.dtype,
                                            (offsets[0] + b, offsets[1] + h)) for h in range(n_head)])
             for q0, q1, future in blocks:
-                pt = k[:, :q1] @ q[:, q0:q1].transpose(0, 2, 1)  # S^T = k q^T
+                pt = matmul(k[:, :q1], q[:, q0:q1].transpose(0, 2, 1))  # S^T = k q^T
                 pt *= scale
                 xp.copyto(pt, -xp.inf, where=future)
                 pt -= pt.max(axis=1, keepdims=True)
                 xp.exp(pt, out=pt)
-                pt /= (ones[:q1] @ pt)[:, None, :]  # column sums as one vector-matrix product
+                pt /= sum_along(pt, -2)[:, None, :]
                 probs_t.append(pt)
                 if dropout_p > 0:
                     keep_t.append(keep[:, q0:q1, :q1].transpose(0, 2, 1))
                     pt = pt * keep_t[-1]
-                xp.matmul(pt.transpose(0, 2, 1), v[:, :q1], out=y[:, q0:q1])  # y = P v
+                matmul(pt.transpose(0, 2, 1), v[:, :q1], out=y[:, q0:q1])  # y = P v
         ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
         return out
 
@@ -94,16 +93,16 @@ class CausalAttention(Function):
                 keep = ctx.keep_t[step] if ctx.keep_t else None
                 step += 1
                 dy_block = dy[:, q0:q1]
-                dv[:, :q1] += (pt if keep is None else pt * keep) @ dy_block  # dv = P^T dy
-                dpt = v[:, :q1] @ dy_block.transpose(0, 2, 1)  # dP^T = v dy^T
+                dv[:, :q1] += matmul(pt if keep is None else pt * keep, dy_block)  # dv = P^T dy
+                dpt = matmul(v[:, :q1], dy_block.transpose(0, 2, 1))  # dP^T = v dy^T
                 if keep is not None:
                     dpt *= keep
                 # softmax backward, in place: dS = P * (dP - rowsum(dP * P)), rows of P = columns here
-                dpt -= xp.einsum("hkq,hkq->hq", dpt, pt)[:, None, :]
+                dpt -= dot_along(dpt, pt, 1)[:, None, :]
                 dpt *= pt
                 dpt *= scale
-                xp.matmul(dpt.transpose(0, 2, 1), k[:, :q1], out=dq[:, q0:q1])  # dq = dS k
-                dk[:, :q1] += dpt @ q[:, q0:q1]  # dk = dS^T q
+                matmul(dpt.transpose(0, 2, 1), k[:, :q1], out=dq[:, q0:q1])  # dq = dS k
+                dk[:, :q1] += matmul(dpt, q[:, q0:q1])  # dk = dS^T q
         return dqkv, None, None, None, None, None
 
 

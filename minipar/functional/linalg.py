@@ -1,11 +1,12 @@
 """Matrix products: matmul (batched), linear (x W^T + b, fused) and embedding lookup.
 
 For y = a @ b the two backward products are da = g @ b^T and db = a^T @ g. The transposes are views:
-BLAS reads them with its transpose flag, no copy is made.
+BLAS (or our GPU kernel) reads them with its transpose flag, no copy is made. Every product goes
+through ``backend.matmul``.
 """
 
 from minipar.autograd import Function, Tensor
-from minipar.backend import xp
+from minipar.backend import matmul as mm, xp
 from minipar.functional.checks import floats
 
 
@@ -17,20 +18,20 @@ class MatMul(Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.a, ctx.b = a, b
-        return a @ b
+        return mm(a, b)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.a, ctx.b
         need_a, need_b = ctx.needs_input_grad
-        grad_a = grad @ _mT(b) if need_a else None
+        grad_a = mm(grad, _mT(b)) if need_a else None
         grad_b = None
         if need_b and b.ndim == 2 and a.ndim > 2:
             # A shared weight: fold the batch into rows and do one GEMM instead of a batch of
             # GEMMs followed by a sum over the batch.
-            grad_b = a.reshape(-1, a.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])
+            grad_b = mm(a.reshape(-1, a.shape[-1]).T, grad.reshape(-1, grad.shape[-1]))
         elif need_b:
-            grad_b = _mT(a) @ grad  # the engine sums any broadcast batch axes
+            grad_b = mm(_mT(a), grad)  # the engine sums any broadcast batch axes
         return grad_a, grad_b
 
 
@@ -54,7 +55,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         x2 = x.reshape(-1, x.shape[-1])
-        out = x2 @ weight.T
+        out = mm(x2, weight.T)
         if bias is not None:
             out += bias
         ctx.x2, ctx.weight, ctx.x_shape = x2, weight, x.shape
@@ -64,8 +65,8 @@ class Linear(Function):
     def backward(ctx, grad):
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = (g2 @ ctx.weight).reshape(ctx.x_shape) if need_x else None
-        grad_w = g2.T @ ctx.x2 if need_w else None
+        grad_x = mm(g2, ctx.weight).reshape(ctx.x_shape) if need_x else None
+        grad_w = mm(g2.T, ctx.x2) if need_w else None
         grad_b = g2.sum(axis=0) if need_b else None
         return grad_x, grad_w, grad_b
 

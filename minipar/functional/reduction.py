@@ -1,7 +1,7 @@
 """Ops that reduce over axes: sum, mean, softmax, log_softmax and the fused LayerNorm."""
 
 from minipar.autograd import Function
-from minipar.backend import xp
+from minipar.backend import dot_along, sum_along, xp
 from minipar.functional.checks import axes, floats
 
 
@@ -82,14 +82,12 @@ def log_softmax(x, axis=-1):
 
 
 def _row_means(a):
-    """Mean of each row of a 2-D array, as a matrix-vector product with a ones vector: one BLAS
-    pass, ~4x faster than ``a.mean(axis=-1)`` on (1024, 256) float32, whose rows are short."""
-    return (a @ xp.ones(a.shape[1], a.dtype)) * (1.0 / a.shape[1])
+    return sum_along(a, -1) * (1.0 / a.shape[1])
 
 
 def _row_dots(a, b):
-    """sum_j a[i, j] b[i, j] for each row i, without the temporary a * b."""
-    return xp.einsum("ij,ij->i", a, b)
+    """sum_j a[i, j] b[i, j] for each row i."""
+    return dot_along(a, b, 1)
 
 
 class LayerNorm(Function):
@@ -122,7 +120,7 @@ class LayerNorm(Function):
     def backward(ctx, grad):
         xhat, rstd = ctx.xhat, ctx.rstd
         g = grad.reshape(xhat.shape)
-        grad_w = xp.einsum("ij,ij->j", g, xhat)
+        grad_w = dot_along(g, xhat, 0)
         grad_b = g.sum(axis=0) if ctx.has_bias else None
         dx = g * ctx.weight  # dxhat, turned into dx in place
         proj = (_row_dots(dx, xhat) * (1.0 / xhat.shape[1]))[:, None]

@@ -19,7 +19,7 @@ Every rank then has the same norm, and takes the same step as one device would.
 import math
 
 from minipar import optim
-from minipar.backend import xp
+from minipar.backend import squared_norm, xp
 
 
 def grad_norm(params, grid=None):
@@ -30,7 +30,7 @@ def grad_norm(params, grid=None):
         if p.grad is None or getattr(p, "pipeline_copy", False):
             continue
         if tp_rank == 0 or hasattr(p, "partition"):
-            local += float(xp.vdot(p.grad.ravel(), p.grad.ravel()))
+            local += squared_norm(p.grad)
     total = xp.asarray([local])
     for group in (grid.tp_group, grid.pp_group) if grid is not None else ():
         if group is not None and group.size > 1:

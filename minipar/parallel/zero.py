@@ -27,7 +27,7 @@ the parameters: ``zero3.py`` gathers each layer's just in time.
 """
 
 from minipar.autograd import Tensor
-from minipar.backend import xp
+from minipar.backend import squared_norm, xp
 from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.shards import Ledger, group_parameters
@@ -213,7 +213,7 @@ class ZeroAdamW:
                     continue
                 if tp_rank == 0 or not g.replicated[i]:
                     seg = piece[at : at + b - a]
-                    local += float(xp.vdot(seg, seg))
+                    local += squared_norm(seg)
         total = self.comm.all_reduce(xp.asarray([local]))
         for group in (self.tp, getattr(self.model, "pp", None)):
             if group is not None:
