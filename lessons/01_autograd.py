@@ -20,6 +20,7 @@ import sys
 import numpy
 
 import minipar
+from minipar.backend import add_device_flag, use_device
 from minipar.functional.elementwise import GELU
 from minipar.gradcheck import gradcheck, op_cases
 from minipar.models import GPT, GPTConfig
@@ -44,7 +45,9 @@ def row(name, reports):
 def main():
     p = argparse.ArgumentParser(description="Gradient checks of every op and of the whole GPT.")
     p.add_argument("--plant-bug", action="store_true", help="break GELU's backward to see a failure")
+    add_device_flag(p)  # on cuda every check runs on the GPU, matrix products in minipar's kernel
     args = p.parse_args()
+    use_device(args.device)
     if args.plant_bug:
         GELU.backward = staticmethod(forgetful_gelu_backward)
         print("planted: GELU.backward now forgets the factor 1 - tanh^2\n")

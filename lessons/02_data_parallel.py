@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 import minipar
+from minipar.backend import add_device_flag, use_device
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
@@ -39,6 +40,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 def parse_args(n):
     p = argparse.ArgumentParser(description="Data parallelism against the single-device run.")
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+    add_device_flag(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8, help="the global batch of a step")
     p.add_argument("--micro-batches", type=int, default=1, help="accumulated per step inside no_sync()")
@@ -59,6 +61,8 @@ def main():
     comm = world()
     args = parse_args(comm.size)
     minipar.set_default_dtype(args.dtype)
+    use_device(args.device)
+    comm = world()  # on GPUs, NCCL's
     grid = ProcessGrid(tp=1, pp=1)
     dp, N = grid.dp_group, grid.dp
     config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.1)

@@ -33,6 +33,7 @@ import sys
 import numpy as np
 
 import minipar
+from minipar.backend import add_device_flag, use_device
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
@@ -49,6 +50,7 @@ def parse_args(world_size):
     p = argparse.ArgumentParser(description="Tensor parallelism checked against one device.")
     p.add_argument("--tp", type=int, default=world_size, help="tensor-parallel size (DP = ranks / TP)")
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+    add_device_flag(p)
     p.add_argument("--steps", type=int, default=3, help="AdamW steps compared")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=8)
@@ -177,6 +179,8 @@ def main():
     comm = world()
     args = parse_args(comm.size)
     minipar.set_default_dtype(args.dtype)
+    use_device(args.device)
+    comm = world()  # on GPUs, NCCL's
     grid = ProcessGrid(tp=args.tp, pp=1)
     data = Dataset(load_corpus())
     variants = [False] + ([True] if args.tp > 1 else [])

@@ -34,7 +34,7 @@ import tracemalloc
 import numpy as np
 
 import minipar
-from minipar.backend import xp
+from minipar.backend import add_device_flag, use_device, xp
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
@@ -60,6 +60,7 @@ def parse_args(n):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+    add_device_flag(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/pipeline", help="where the timeline pictures and traces go")
     p.add_argument("--show-schedules", action="store_true", help="print each schedule as a table first")
@@ -163,6 +164,8 @@ def main():
     comm = world()
     args = parse_args(comm.size)
     minipar.set_default_dtype(args.dtype)
+    use_device(args.device)
+    comm = world()  # on GPUs, NCCL's
     grid = ProcessGrid(tp=1, pp=args.pp)
     p, m, v = grid.pp, args.micro_batches, args.virtual_stages
     config = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=128, block_size=args.block_size, dropout=0.1)

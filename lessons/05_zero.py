@@ -24,6 +24,7 @@ import tracemalloc
 import numpy as np
 
 import minipar
+from minipar.backend import add_device_flag, use_device
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
@@ -42,6 +43,7 @@ FORMULA = {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}  # bytes per parameter
 def parse_args(n):
     p = argparse.ArgumentParser(description="ZeRO stages 0-3 against the single-device run.")
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+    add_device_flag(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -141,6 +143,8 @@ def main():
     comm = world()
     args = parse_args(comm.size)
     minipar.set_default_dtype(args.dtype)
+    use_device(args.device)
+    comm = world()  # on GPUs, NCCL's
     grid = ProcessGrid(tp=1, pp=1)
     N = grid.dp
     config = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size, dropout=0.1)

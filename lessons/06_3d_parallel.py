@@ -35,6 +35,7 @@ import sys
 import numpy as np
 
 import minipar
+from minipar.backend import add_device_flag, use_device
 from minipar.checkpoint.full import gather_full_state
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
@@ -59,6 +60,7 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+    add_device_flag(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
                    help="skip finalize_grads: the tied embedding's parts on the first and last stage are never added")
@@ -89,6 +91,8 @@ def main():
     comm = world()
     args = parse_args()
     minipar.set_default_dtype(args.dtype)
+    use_device(args.device)
+    comm = world()  # on GPUs, NCCL's
     config = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, dropout=0.1)
     grid = ProcessGrid(tp=args.tp, pp=args.pp)
     data = Dataset(load_corpus())

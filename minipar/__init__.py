@@ -1,5 +1,10 @@
 """minipar: parallel training of language models, built plainly and checked against one device."""
 
+from minipar.comm.start import start_mpi_first
+
+start_mpi_first()  # under an MPI launcher, before anything that can fail on one rank (see comm/start.py)
+
+
 from minipar.autograd import Tensor, backward, no_grad
 from minipar.backend import get_default_dtype, manual_seed, set_default_dtype
 

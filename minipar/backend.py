@@ -80,6 +80,12 @@ def on_gpu():
     return DEVICE == "cuda"
 
 
+def add_device_flag(parser):
+    """``--device`` for a script's argparse parser; pass the parsed value to ``use_device``."""
+    parser.add_argument("--device", choices=DEVICES, default=DEVICE,
+                        help="cpu (NumPy) or cuda (CuPy, minipar's GEMM kernel, NCCL collectives)")
+
+
 use_device(os.environ.get("MINIPAR_DEVICE", "cpu"))
 
 

@@ -88,6 +88,9 @@ def build_parser():
     o.add_argument("--grad-clip", "--clip-grad", dest="grad_clip", type=non_negative_float, default=1.0, help="max global gradient norm (0: off)")
     o.add_argument("--seed", type=int, default=1337, help="seed of the weights, the batches and dropout")
     o.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="floating dtype of the whole run")
+    o.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("MINIPAR_DEVICE", "cpu").strip().lower(),
+                   help="where the arrays live: cuda runs every op on CuPy arrays, matrix products with "
+                        "minipar's own kernel, collectives on NCCL; rank r uses GPU r %% GPUs of its node")
     d = p.add_argument_group("data, output and checkpoints")
     d.add_argument("--data", metavar="PATH", help="text file or directory (default: the Python standard library)")
     d.add_argument("--eval-interval", type=positive_int, default=100, help="steps between validation estimates")
@@ -120,6 +123,12 @@ def _writable(p, flag, path):
 def check_args(p, args, world_size):
     """Errors a flag's own type cannot see, one line each, before anything is built or sent.
     Fills in ``args.dp`` and ``args.micro_batches``."""
+    from minipar import backend
+
+    try:
+        backend.use_device(args.device)
+    except (ImportError, RuntimeError) as exc:
+        p.error(f"--device {args.device}: {exc}")
     if args.warmup_iters < 0:
         p.error(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     if args.min_lr > args.lr:
@@ -289,6 +298,7 @@ def main(argv=None):
     except FlagError as exc:
         problem = exc
     _agree(comm, problem)
+    comm = world()  # on GPUs now NCCL's (a collective: every rank chose the device above)
     from minipar.checkpoint.sharded import CheckpointError
     from minipar.trainer import Trainer
 

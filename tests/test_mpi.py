@@ -30,6 +30,12 @@ def test_a_failing_rank_ends_the_whole_job():
     assert seconds < 20, f"the job took {seconds:.1f} s to end"
 
 
+def test_a_rank_failing_before_mpi_starts_ends_the_whole_job():
+    code, out, seconds = run_mpi(4, "fails_before_mpi.py", timeout=60)
+    assert code != 0 and "'no-such-device' is not one of cpu, cuda" in out
+    assert seconds < 20, f"the job took {seconds:.1f} s to end"
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_ring_all_reduce_lesson(n):
     out = check_mpi(n, os.path.join(ROOT, "lessons", "00_collectives.py"), "--size", "30000")

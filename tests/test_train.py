@@ -162,3 +162,14 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(args, message, tmp_
     assert train(*TINY, "--data", corpus, "--max-iters", "2", "--seed", "1", "--save", save).returncode == 0
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--seed", "1", "--load", save, *args)
     assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_cuda_without_cupy_is_a_one_line_error(corpus):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed: tests/test_gpu.py covers the GPU")
+    except ImportError:
+        pass
+    run = train(*TINY, "--data", corpus, "--max-iters", "1", "--device", "cuda")
+    assert run.returncode == 2 and "--device cuda: the cuda device needs CuPy: pip install" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr

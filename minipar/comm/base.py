@@ -62,14 +62,17 @@ class Request:
     """A pending non-blocking operation. ``wait()`` returns its result (the received or reduced
     array) without spinning; ``test()`` says whether it has finished. ``keep`` holds whatever
     references the operation's buffers (MPI reads and writes them until it is done: a send buffer
-    the caller drops must not be freed under it)."""
+    the caller drops must not be freed under it). ``then`` runs once when it is done (a GPU array
+    staged through host memory is copied back then)."""
 
-    def __init__(self, test, result=None, keep=None):
-        self._test, self._result, self._keep, self._done = test, result, keep, False
+    def __init__(self, test, result=None, keep=None, then=None):
+        self._test, self._result, self._keep, self._then, self._done = test, result, keep, then, False
 
     def test(self):
         if not self._done and self._test():
             self._done, self._keep = True, None
+            if self._then is not None:
+                self._then()
         return self._done
 
     def wait(self):

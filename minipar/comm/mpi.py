@@ -9,29 +9,71 @@ for, so there every collective is started non-blocking and waited on politely
 stage, are always polite. ``MINIPAR_WAIT=polite`` or ``=blocking`` overrides the choice.
 
 ``world()`` works without any launcher: a script started as plain ``python`` is a world of 1.
+
+GPU arrays: MPI gets a CuPy array's device memory directly only when the MPI library says it is
+CUDA-aware (``MPIX_Query_cuda_support``, which MPICH and Open MPI both have); otherwise each array is
+staged through host memory (copied down, moved, copied back when the operation completes). On GPUs
+the collectives normally go through NCCL (``nccl.py``), which uses this class for what NCCL cannot
+do: host arrays, point-to-point messages, and the case of two ranks on one GPU.
 """
 
+import functools
 import math
 import os
-import sys
 
 import numpy
 from mpi4py import MPI
 
 from minipar.backend import xp
 from minipar.comm.base import CommStats, Communicator, Request, ring_bytes
+from minipar.comm.start import abort_on_uncaught_exception
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
 
 
 def _buffer(x, what):
-    if not isinstance(x, numpy.ndarray):
-        raise TypeError(f"{what}: the MPI communicator moves NumPy arrays, got {type(x).__name__}")
+    if not isinstance(x, numpy.ndarray) and not hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{what}: the MPI communicator moves NumPy or CuPy arrays, got {type(x).__name__}")
     if x.dtype == bool:
         raise ValueError(f"{what}: MPI has no portable boolean type; send x.astype('int8')")
     if not x.flags.c_contiguous:
         raise ValueError(f"{what}: MPI needs a C-contiguous array; pass xp.ascontiguousarray(x)")
     return x
+
+
+@functools.cache
+def cuda_aware():
+    """Whether the loaded MPI library moves GPU memory itself (MINIPAR_MPI_CUDA_AWARE=0/1 overrides)."""
+    choice = os.environ.get("MINIPAR_MPI_CUDA_AWARE")
+    if choice in ("0", "1"):
+        return choice == "1"
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:  # the libmpi mpi4py loaded (Linux)
+            libraries = {line.split()[-1] for line in maps if "libmpi" in line.split("/")[-1]}
+    except OSError:
+        return False
+    for path in sorted(libraries):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype = ctypes.c_int
+            return query() == 1
+    return False
+
+
+def _stage(x, what, copy_back):
+    """(the buffer MPI reads or writes, what to run once the operation is done) for ``x``."""
+    _buffer(x, what)
+    if isinstance(x, numpy.ndarray):
+        return x, None
+    import cupy  # pragma: no cover - GPU only
+
+    cupy.cuda.get_current_stream().synchronize()  # kernels still writing x must finish first
+    if cuda_aware():
+        return x, None
+    host = x.get()
+    return host, ((lambda: x.set(host)) if copy_back else None)
 
 
 def _mpi_op(op):
@@ -54,60 +96,64 @@ class MPICommunicator(Communicator):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stats = CommStats()
 
-    def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None):
+    def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None, then=None):
         """Charge ``op`` to the byte account and run it: to completion if ``wait`` (blocking in MPI
-        unless this rank must be polite), else return a Request."""
+        unless this rank must be polite), else return a Request. ``then``: run once it is done."""
         is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
         self.stats.record(op, *ring_bytes(op, nbytes, self.size, is_root, is_last))
         if self.size == 1:
             return result if wait else Request(_done, result)
         if wait and not self.polite:
             blocking_call()
+            if then is not None:
+                then()
             return result
-        request = Request(start_call().Test, result, keep=start_call)  # its closure holds the buffers
+        request = Request(start_call().Test, result, keep=start_call, then=then)  # keep: the buffers
         return request.wait() if wait else request
 
     # Each operation below is written once; the blocking form is the non-blocking one with wait=True.
     def _all_reduce(self, x, op, wait):
         mpi_op = _mpi_op(op)
-        _buffer(x, "all_reduce")
+        buf, then = _stage(x, "all_reduce", copy_back=True)
         return self._run("all_reduce", x.nbytes, x,
-                         lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=mpi_op),
-                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, x, op=mpi_op), wait)
+                         lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op),
+                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op), wait, then=then)
 
-    def _out(self, out, shape, dtype, what):
-        if out is None:
-            return xp.empty(shape, dtype)
+    def _out(self, out, shape, dtype, what, like):
+        if out is None:  # on the device of the input
+            return (numpy if isinstance(like, numpy.ndarray) else xp).empty(shape, dtype)
         if out.shape != shape or out.dtype != dtype:
             raise ValueError(f"{what}: out must be {shape} {dtype}, got {out.shape} {out.dtype}")
         return _buffer(out, what)
 
     def _reduce_scatter(self, x, op, out, wait):
         mpi_op = _mpi_op(op)
-        _buffer(x, "reduce_scatter")
+        x_buf, _ = _stage(x, "reduce_scatter", copy_back=False)
         if x.shape[0] % self.size:
             raise ValueError(
                 f"reduce_scatter: axis 0 of length {x.shape[0]} does not split into {self.size} chunks"
             )
-        out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x.dtype, "reduce_scatter")
+        out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x.dtype, "reduce_scatter", x)
         if self.size == 1:
             out[...] = x
+        buf, then = _stage(out, "reduce_scatter", copy_back=True)
         return self._run("reduce_scatter", x.nbytes, out,
-                         lambda: self.comm.Reduce_scatter_block(x, out, op=mpi_op),
-                         lambda: self.comm.Ireduce_scatter_block(x, out, op=mpi_op), wait)
+                         lambda: self.comm.Reduce_scatter_block(x_buf, buf, op=mpi_op),
+                         lambda: self.comm.Ireduce_scatter_block(x_buf, buf, op=mpi_op), wait, then=then)
 
     def _all_gather(self, x, out, wait):
-        _buffer(x, "all_gather")
-        out = self._out(out, (self.size,) + x.shape, x.dtype, "all_gather")
+        x_buf, _ = _stage(x, "all_gather", copy_back=False)
+        out = self._out(out, (self.size,) + x.shape, x.dtype, "all_gather", x)
         if self.size == 1:
             out[0] = x
-        return self._run("all_gather", out.nbytes, out, lambda: self.comm.Allgather(x, out),
-                         lambda: self.comm.Iallgather(x, out), wait)
+        buf, then = _stage(out, "all_gather", copy_back=True)
+        return self._run("all_gather", out.nbytes, out, lambda: self.comm.Allgather(x_buf, buf),
+                         lambda: self.comm.Iallgather(x_buf, buf), wait, then=then)
 
     def _broadcast(self, x, root, wait):
-        _buffer(x, "broadcast")
-        return self._run("broadcast", x.nbytes, x, lambda: self.comm.Bcast(x, root=root),
-                         lambda: self.comm.Ibcast(x, root=root), wait, root=root)
+        buf, then = _stage(x, "broadcast", copy_back=True)
+        return self._run("broadcast", x.nbytes, x, lambda: self.comm.Bcast(buf, root=root),
+                         lambda: self.comm.Ibcast(buf, root=root), wait, root=root, then=then)
 
     def all_reduce(self, x, op="sum"):
         """Sum (or max) ``x`` over the group, in place; returns x."""
@@ -146,16 +192,16 @@ class MPICommunicator(Communicator):
         return self._run("barrier", 0, None, _nothing, self.comm.Ibarrier, wait=False)
 
     def isend(self, x, dest, tag=0):
-        _buffer(x, "send")
+        buf, _ = _stage(x, "send", copy_back=False)
         self.stats.record("send", x.nbytes, 0)
-        return Request(self.comm.Isend(x, dest, tag).Test, keep=x)  # holds x until the send completes
+        return Request(self.comm.Isend(buf, dest, tag).Test, keep=buf)  # holds it until the send completes
 
     def irecv(self, out, source, tag=0):
         """Receive into ``out``, which must be exactly as large as the message (a larger buffer
         would keep stale values in its tail, so that is an error too). Peers agree on shapes and
         dtypes beforehand: MPI moves bytes and cannot tell float32 from float64 of the same size."""
-        _buffer(out, "recv")
-        request, status = self.comm.Irecv(out, source, tag), MPI.Status()
+        buf, then = _stage(out, "recv", copy_back=True)
+        request, status = self.comm.Irecv(buf, source, tag), MPI.Status()
 
         def test():
             if not request.Test(status):
@@ -170,7 +216,7 @@ class MPICommunicator(Communicator):
                 )
             return True
 
-        return Request(test, out)
+        return Request(test, out, keep=buf, then=then)
 
     def split(self, color, key, name):
         """Sub-groups of the ranks that pass the same ``color`` (None: in no group, gets None),
@@ -209,20 +255,6 @@ def _must_be_polite(comm):
     return ranks_here > usable_cores()
 
 
-def _abort_on_uncaught_exception():
-    """An exception that ends one rank ends the job, even when the script was started with a
-    plain ``mpirun python script.py`` rather than ``python -m mpi4py``: otherwise the other
-    ranks would wait forever for the rank that is gone."""
-    previous = sys.excepthook
-
-    def hook(kind, value, traceback):
-        previous(kind, value, traceback)
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = hook
-
-
 _world = None
 
 
@@ -232,5 +264,5 @@ def world():
     if _world is None:
         _world = MPICommunicator(MPI.COMM_WORLD, "world", _must_be_polite(MPI.COMM_WORLD))
         if _world.size > 1:
-            _abort_on_uncaught_exception()
+            abort_on_uncaught_exception()
     return _world

@@ -1,0 +1,212 @@
+"""The Communicator over NCCL (``cupy.cuda.nccl``): collectives on GPU memory, GPU to GPU.
+
+Every NCCL group stands on an MPI group of the same ranks (``mpi``), which does three things:
+* it carries NCCL's unique id: rank 0 of the group creates it and broadcasts it, then every rank
+  joins (``ncclCommInitRank``); ``split`` makes the MPI sub-group first, then its NCCL group;
+* it moves what NCCL should not: host (NumPy) arrays, such as a loss to print or a count to agree
+  on, and point-to-point messages. The pipeline's messages are matched by tag and may be posted in
+  a different order on the two sides; NCCL matches sends to receives only by order, and a send
+  waits on its stream until the receive is posted, so they stay on MPI (CUDA-aware, or staged);
+* the byte account: NCCL's traffic and MPI's are charged to the same ``stats``.
+
+NCCL's operations run on a stream of their own. Each one first waits for the work queued so far on
+the compute stream (the kernels that produced its input), and the compute stream waits for it when
+the Request completes, so communication overlaps computation just as the MPI requests do.
+
+NCCL refuses two ranks on one GPU. ``world`` checks for that first (every rank names its host and
+its GPU's PCI bus id) and then uses MPI for everything, saying so once.
+"""
+
+import socket
+import sys
+
+import numpy
+
+from minipar.comm.base import Communicator, Request, ring_bytes
+
+_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+
+
+def _nccl():
+    from cupy.cuda import nccl
+
+    return nccl
+
+
+def _dtype(x):
+    nccl = _nccl()
+    table = {"float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64, "int64": nccl.NCCL_INT64,
+             "int32": nccl.NCCL_INT32, "int8": nccl.NCCL_INT8, "uint8": nccl.NCCL_UINT8}
+    if x.dtype.name not in table:
+        raise TypeError(f"NCCL moves {', '.join(table)} arrays, got {x.dtype}")
+    return table[x.dtype.name]
+
+
+def _op(op):
+    nccl = _nccl()
+    table = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
+    if op not in table:
+        raise ValueError(f"reduction op must be one of {sorted(table)}, got {op!r}")
+    return table[op]
+
+
+def _contiguous(x, what):
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{what}: NCCL needs a C-contiguous array; pass xp.ascontiguousarray(x)")
+    return x
+
+
+class NCCLCommunicator(Communicator):
+    def __init__(self, mpi, name):
+        import cupy
+
+        self.mpi, self.name, self.rank, self.size = mpi, name, mpi.rank, mpi.size
+        self.stats = mpi.stats
+        uid = numpy.zeros(_ID_BYTES, numpy.int64)
+        if self.rank == 0:
+            uid[:] = _nccl().get_unique_id()
+        mpi.broadcast(uid, root=0)
+        self.comm = _nccl().NcclCommunicator(self.size, tuple(int(b) for b in uid), self.rank)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def _on_host(self, x):
+        return isinstance(x, numpy.ndarray)
+
+    def _launch(self, op, nbytes, result, call, keep, wait, root=None):
+        """Charge ``op``, run ``call(stream)`` on the communication stream after the compute
+        stream's queued work, and return a Request (or, if ``wait``, its result)."""
+        import cupy
+
+        is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
+        self.stats.record(op, *ring_bytes(op, nbytes, self.size, is_root, is_last))
+        compute = cupy.cuda.get_current_stream()
+        self.stream.wait_event(compute.record())
+        call(self.stream.ptr)
+        done = self.stream.record()
+        request = Request(lambda: done.done, result, keep=keep, then=lambda: compute.wait_event(done))
+        return request.wait() if wait else request
+
+    def _out(self, out, shape, x, what):
+        import cupy
+
+        if out is None:
+            return cupy.empty(shape, x.dtype)
+        if out.shape != shape or out.dtype != x.dtype:
+            raise ValueError(f"{what}: out must be {shape} {x.dtype}, got {out.shape} {out.dtype}")
+        return _contiguous(out, what)
+
+    # ---- collectives: GPU arrays through NCCL, host arrays through MPI ---------------------------
+    def _all_reduce(self, x, op, wait):
+        if self._on_host(x):
+            return self.mpi.all_reduce(x, op) if wait else self.mpi.iall_reduce(x, op)
+        _contiguous(x, "all_reduce")
+        dtype, nccl_op = _dtype(x), _op(op)
+        return self._launch("all_reduce", x.nbytes, x,
+                            lambda s: self.comm.allReduce(x.data.ptr, x.data.ptr, x.size, dtype, nccl_op, s),
+                            x, wait)
+
+    def _reduce_scatter(self, x, op, out, wait):
+        if self._on_host(x):
+            return self.mpi.reduce_scatter(x, op, out) if wait else self.mpi.ireduce_scatter(x, op, out)
+        _contiguous(x, "reduce_scatter")
+        if x.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter: axis 0 of length {x.shape[0]} does not split into "
+                             f"{self.size} chunks")
+        out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x, "reduce_scatter")
+        dtype, nccl_op = _dtype(x), _op(op)
+        return self._launch("reduce_scatter", x.nbytes, out,
+                            lambda s: self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, dtype, nccl_op, s),
+                            (x, out), wait)
+
+    def _all_gather(self, x, out, wait):
+        if self._on_host(x):
+            return self.mpi.all_gather(x, out) if wait else self.mpi.iall_gather(x, out)
+        _contiguous(x, "all_gather")
+        out = self._out(out, (self.size,) + x.shape, x, "all_gather")
+        dtype = _dtype(x)
+        return self._launch("all_gather", out.nbytes, out,
+                            lambda s: self.comm.allGather(x.data.ptr, out.data.ptr, x.size, dtype, s),
+                            (x, out), wait)
+
+    def _broadcast(self, x, root, wait):
+        if self._on_host(x):
+            return self.mpi.broadcast(x, root) if wait else self.mpi.ibroadcast(x, root)
+        _contiguous(x, "broadcast")
+        dtype = _dtype(x)
+        return self._launch("broadcast", x.nbytes, x,
+                            lambda s: self.comm.bcast(x.data.ptr, x.size, dtype, root, s), x, wait, root=root)
+
+    def all_reduce(self, x, op="sum"):
+        return self._all_reduce(x, op, wait=True)
+
+    def iall_reduce(self, x, op="sum"):
+        return self._all_reduce(x, op, wait=False)
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        return self._reduce_scatter(x, op, out, wait=True)
+
+    def ireduce_scatter(self, x, op="sum", out=None):
+        return self._reduce_scatter(x, op, out, wait=False)
+
+    def all_gather(self, x, out=None):
+        return self._all_gather(x, out, wait=True)
+
+    def iall_gather(self, x, out=None):
+        return self._all_gather(x, out, wait=False)
+
+    def broadcast(self, x, root=0):
+        return self._broadcast(x, root, wait=True)
+
+    def ibroadcast(self, x, root=0):
+        return self._broadcast(x, root, wait=False)
+
+    # ---- the rest through MPI --------------------------------------------------------------------
+    def barrier(self):
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+        self.stream.synchronize()
+        self.mpi.barrier()
+
+    def ibarrier(self):
+        return self.mpi.ibarrier()
+
+    def isend(self, x, dest, tag=0):
+        return self.mpi.isend(x, dest, tag)
+
+    def irecv(self, out, source, tag=0):
+        return self.mpi.irecv(out, source, tag)
+
+    def split(self, color, key, name):
+        sub = self.mpi.split(color, key, name)
+        return None if sub is None else NCCLCommunicator(sub, name)
+
+    def abort(self, code=1):
+        self.mpi.abort(code)
+
+
+def _gpu_names(mpi):
+    """Every rank's "host/PCI bus id" of its current GPU, in rank order."""
+    import cupy
+
+    mine = f"{socket.gethostname()}/{cupy.cuda.Device().pci_bus_id}".encode()[:255]
+    padded = numpy.zeros(256, numpy.uint8)
+    padded[: len(mine)] = numpy.frombuffer(mine, numpy.uint8)
+    every = mpi.all_gather(padded)
+    return [bytes(row).rstrip(b"\0").decode() for row in every]
+
+
+def world(mpi):
+    """The world on GPUs: NCCL when every rank has a GPU of its own, else MPI (said once)."""
+    if mpi.size == 1:
+        return mpi
+    names = _gpu_names(mpi)
+    shared = {n for n in names if names.count(n) > 1}
+    if shared:
+        if mpi.rank == 0:
+            ranks = [r for r, n in enumerate(names) if n in shared]
+            print(f"minipar: ranks {ranks} share a GPU ({sorted(shared)[0]} ...), which NCCL refuses: "
+                  "collectives go through MPI instead, staged through host memory unless MPI is "
+                  "CUDA-aware", file=sys.stderr, flush=True)
+        return mpi
+    return NCCLCommunicator(mpi, mpi.name)
