@@ -271,9 +271,9 @@ def _agree(comm, problem):
     """
     first = 0 if problem else None
     if comm.size > 1:
-        from minipar.backend import xp
+        import numpy  # a host array: MPI moves it on any device
 
-        votes = comm.all_reduce(xp.array([comm.size - comm.rank if problem else 0], dtype=xp.int64), op="max")
+        votes = comm.all_reduce(numpy.array([comm.size - comm.rank if problem else 0], numpy.int64), op="max")
         first = comm.size - int(votes[0]) if votes[0] else None
     if first is None:
         return

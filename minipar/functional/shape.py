@@ -90,11 +90,17 @@ def transpose(x, axes=None):
     return Transpose.apply(x, tuple(int(a) % x.ndim for a in axes))
 
 
+def _index_part(i):
+    """An index array on the arrays' device (a NumPy index cannot pick from a CuPy array)."""
+    if isinstance(i, Tensor):
+        return i.data
+    if isinstance(i, (list, numpy.ndarray)):
+        return xp.asarray(i)
+    return i
+
+
 def getitem(x, index):
-    if isinstance(index, Tensor):
-        index = index.data
-    elif isinstance(index, tuple):
-        index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
+    index = tuple(map(_index_part, index)) if isinstance(index, tuple) else _index_part(index)
     return GetItem.apply(x, index)
 
 

@@ -26,7 +26,7 @@ import numpy
 
 import minipar.functional as F
 from minipar.autograd import no_grad
-from minipar.backend import default_generator, xp
+from minipar.backend import default_generator, to_numpy, xp
 from minipar.functional.checks import probability
 from minipar.models.layers import Block, _Layers
 from minipar.nn import Embedding, Module, ModuleDict, ModuleList
@@ -195,7 +195,7 @@ class GPT(Module):
     # The forward in its pieces (ZeRO-3 wraps each one to gather its parameters just in time).
     def embed(self, idx):
         """Token and position embeddings of the ids (B, T), then dropout."""
-        idx = xp.asarray(idx)
+        idx = xp.asarray(getattr(idx, "data", idx))  # a Tensor's array as it is (no trip to the host)
         if idx.ndim != 2:
             raise ValueError(f"GPT input must be (batch, time) token ids, got shape {idx.shape}")
         T = idx.shape[1]
@@ -268,7 +268,7 @@ class GPT(Module):
             raise ValueError("generate() adds one token at a time, which sequence parallelism cannot "
                              "split; sample from a model built without sequence_parallel")
         generator = generator or default_generator()
-        idx = numpy.asarray(idx)
+        idx = to_numpy(getattr(idx, "data", idx))
         was_training = self.training
         self.eval()
         with no_grad():

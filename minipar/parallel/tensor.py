@@ -19,7 +19,6 @@ Weights are initialised whole, from the same generator calls as the single-devic
 rank keeps its part, so a model built on any grid starts from the very same numbers.
 """
 
-import numpy
 
 import minipar.functional as F
 from minipar.backend import get_default_dtype, xp
@@ -216,7 +215,7 @@ def load_full_parameters(model, state):
         part = getattr(p, "partition", None)
         if part is None or name not in state:
             continue
-        value = xp.asarray(numpy.asarray(state[name]))
+        value = xp.asarray(getattr(state[name], "data", state[name]))  # an array or a Tensor, either device
         if value.shape != part.full_shape(p.shape):
             raise ValueError(f"{name}: shape {value.shape}, the whole model has {part.full_shape(p.shape)}")
         sharded[name] = part.shard(value)

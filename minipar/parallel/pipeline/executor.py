@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from minipar.autograd import Tensor, is_grad_enabled, no_grad
-from minipar.backend import xp
+from minipar.backend import on_gpu, xp
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.simulate import message_key, peer
@@ -126,7 +126,7 @@ class PipelineExecutor:
         received, saved, input_grads, grads, sends = {}, {}, {}, {}, []
         record, loss = StepRecord(), 0.0
         for ins in instructions:
-            start = time.perf_counter()
+            start = self._clock()
             unit = (ins.mb, ins.chunk)
             if ins.op in (S.RECV_ACT, S.RECV_GRAD):
                 buf = self.comm.irecv(xp.empty(shape, self.dtype), self._peer(ins), self._tag(ins)).wait()
@@ -170,12 +170,20 @@ class PipelineExecutor:
                     optimizer_step()
             # MPI moves data only inside MPI calls: let the sends progress; forget finished ones
             sends = [request for request in sends if not request.test()]
-            record.timeline.append((ins.op, ins.mb, ins.chunk, start, time.perf_counter()))
+            record.timeline.append((ins.op, ins.mb, ins.chunk, start, self._clock()))
         for request in sends:  # forwards only: no step instruction waited for them
             request.wait()
         if model.chunks[-1] == self.pipe.n_chunks - 1:
             record.loss = loss
         return record
+
+    @staticmethod
+    def _clock():
+        """Now, for the timeline. On a GPU, kernels run after Python queues them: wait for them
+        first, or the timeline would show when work was queued, not when it ran."""
+        if on_gpu():
+            xp.cuda.get_current_stream().synchronize()
+        return time.perf_counter()
 
     def _peer(self, ins):
         """The pipeline-group rank at the other end of a send or receive."""
