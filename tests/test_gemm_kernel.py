@@ -173,3 +173,11 @@ def test_nvcc_compiles_every_kernel_without_spills(arch, tmp_path):
     assert all(s == "0" for s in stacks), report  # no local memory
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert len(registers) == 16 and max(registers) <= 255, report
+
+
+def test_a_misaligned_vector_load_stops_the_kernel_as_on_a_gpu():
+    source = planted("const int i = r / RUN_STEPS, k = (r % RUN_STEPS) * VEC;",
+                     "const int i = r / RUN_STEPS, k = (r % RUN_STEPS);")
+    a, b = operands(40, 40, 300, False, False, "float32")  # rows 1200 bytes apart: the vector path
+    with pytest.raises(emulator.EmulatorError, match="not 16-byte aligned"):
+        emulator.matmul(a, b, source=source)

@@ -25,3 +25,16 @@ def test_autograd_lesson_fails_on_a_planted_bug():
     run = run_lesson("01_autograd.py", "--plant-bug")
     assert run.returncode == 1
     assert "FAIL" in run.stdout and "MISMATCH" in run.stdout
+
+
+def test_gemm_kernel_lesson_passes():
+    run = run_lesson("07_gemm_kernel.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "naive    33,554,432 elements" in run.stdout and "tiled       262,144 elements" in run.stdout
+    assert "without the first __syncthreads(): relative error" in run.stdout
+    assert "128x fewer loads" in run.stdout
+
+
+def test_gemm_kernel_lesson_fails_on_a_planted_bug():
+    run = run_lesson("07_gemm_kernel.py", "--plant-bug")
+    assert run.returncode == 1 and "MISMATCH" in run.stdout, run.stdout + run.stderr

@@ -1,5 +1,6 @@
 """The training CLI, run as a user runs it: python -m minipar.train ..."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -164,12 +165,8 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(args, message, tmp_
     assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is here: test_gpu.py covers the GPU")
 def test_cuda_without_cupy_is_a_one_line_error(corpus):
-    try:
-        import cupy  # noqa: F401
-        pytest.skip("CuPy is installed: tests/test_gpu.py covers the GPU")
-    except ImportError:
-        pass
     run = train(*TINY, "--data", corpus, "--max-iters", "1", "--device", "cuda")
     assert run.returncode == 2 and "--device cuda: the cuda device needs CuPy: pip install" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr

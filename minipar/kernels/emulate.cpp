@@ -31,8 +31,29 @@ struct dim3 {
 };
 static thread_local dim3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
-struct alignas(16) float4 { float x, y, z, w; };
-struct alignas(16) double2 { double x, y; };
+// The 16-byte vector types. A GPU faults on a vector load or store at an address that is not
+// 16-byte aligned; here the copy that does the load or store checks the address instead (and the
+// types keep their elements' alignment, so the CPU itself never faults first).
+static std::atomic<bool> g_misaligned{false};
+static void check_aligned(const void* address) {
+    if (reinterpret_cast<std::uintptr_t>(address) % 16 != 0) g_misaligned = true;
+}
+template <typename E, int N>
+struct Vector16 {
+    E e[N];
+    Vector16() = default;
+    Vector16(const Vector16& other) {  // a load: *reinterpret_cast<const float4*>(p)
+        check_aligned(&other);
+        for (int j = 0; j < N; ++j) e[j] = other.e[j];
+    }
+    Vector16& operator=(const Vector16& other) {  // a store: *reinterpret_cast<float4*>(p) = v
+        check_aligned(this);
+        for (int j = 0; j < N; ++j) e[j] = other.e[j];
+        return *this;
+    }
+};
+using float4 = Vector16<float, 4>;
+using double2 = Vector16<double, 2>;
 
 #define __global__
 #define __device__
@@ -153,6 +174,7 @@ static int launch(Kernel kernel, dim3 grid, dim3 block, Mode mode, unsigned seed
                     });
                 for (auto& th : pool) th.join();
                 if (scheduler.divergent) return 2;
+                if (g_misaligned) return 3;
             }
     return 0;
 }
@@ -164,6 +186,7 @@ static int run(bool naive, const void* A, const void* B, void* C, int M, int N, 
     const T* b = static_cast<const T*>(B);
     T* c = static_cast<T*>(C);
     g_operand_a = A;
+    g_misaligned = false;
     if (naive) {
         dim3 grid{unsigned((N + 15) / 16), unsigned((M + 15) / 16), unsigned(batch)}, block{16, 16, 1};
         return launch([=] { gemm_naive<T, TA, TB>(a, b, c, M, N, K, lda, ldb, ldc, sa, sb, sc); },

@@ -92,6 +92,9 @@ def _launch(lib, naive, mode, seed, p, c, ldc, stride_c, first, count):
         MODES[mode], seed)
     if code == 2:
         raise EmulatorError("the threads of a block did not all reach the same __syncthreads()")
+    if code == 3:
+        raise EmulatorError("a 16-byte vector load or store at an address that is not 16-byte aligned "
+                            "(a GPU stops the kernel: misaligned address)")
 
 
 def matmul(a, b, out=None, *, naive=False, mode="parallel", seed=0, source=None):
@@ -102,15 +105,16 @@ def matmul(a, b, out=None, *, naive=False, mode="parallel", seed=0, source=None)
     return gemm.run(a, b, out, partial(_launch, lib, naive, mode, seed), numpy)
 
 
-def watch(dtype, linear_thread):
-    """Record the global loads of one thread (block-major numbering) from now on, and count all."""
-    library(dtype).emulate_watch(linear_thread)
+def watch(dtype, linear_thread, source=None):
+    """Record the global loads of one thread (block-major numbering) from now on, and count all
+    (in the emulator built from ``source``: pass the same one to ``matmul`` and ``trace``)."""
+    library(dtype, source).emulate_watch(linear_thread)
 
 
-def trace(dtype):
+def trace(dtype, source=None):
     """The watched thread's loads: rows of (operand 0=A 1=B, i, k, along_k, count); and the
     totals (load instructions, elements loaded) of every thread since ``watch``."""
-    lib = library(dtype)
+    lib = library(dtype, source)
     n = lib.emulate_trace(None, 0)
     rows = numpy.zeros((n, 5), numpy.int32)
     lib.emulate_trace(rows.ctypes.data, n)

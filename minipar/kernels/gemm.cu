@@ -13,7 +13,7 @@
 // threads computes a BM x BN tile of C. It walks K in slabs of depth BK: the block copies the
 // BM x BK slab of A and the BK x BN slab of B into shared memory once, then every thread reads
 // them from there. Each element of A is now loaded from global memory N / BN times, each element
-// of B M / BM times: M N K (1/BN + 1/BM) loads, 64x fewer with 128 x 128 tiles.
+// of B M / BM times: M N K (1/BN + 1/BM) loads, 128x fewer with 128 x 128 tiles.
 //
 // Why registers. Shared memory is fast but not free. Each thread computes a TM x TN sub-tile of C
 // (2D register blocking): per step k of a slab it reads TM values of A and TN values of B into
