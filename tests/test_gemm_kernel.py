@@ -181,3 +181,48 @@ def test_a_misaligned_vector_load_stops_the_kernel_as_on_a_gpu():
     a, b = operands(40, 40, 300, False, False, "float32")  # rows 1200 bytes apart: the vector path
     with pytest.raises(emulator.EmulatorError, match="not 16-byte aligned"):
         emulator.matmul(a, b, source=source)
+
+
+# ---- NVRTC: the compiler cupy.RawModule runs on the GPU machine ---------------------------------
+def nvrtc():
+    """libnvrtc from the CUDA toolkit or the nvidia-cuda-nvrtc wheel, or None."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import importlib.util
+
+    paths = [ctypes.util.find_library("nvrtc")]
+    wheel = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    if wheel is not None:
+        paths += sorted(glob.glob(f"{list(wheel.submodule_search_locations)[0]}/lib/libnvrtc.so*"))
+    for path in filter(None, paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.skipif(nvrtc() is None, reason="no NVRTC (CUDA toolkit, or pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_nvrtc_compiles_the_source_and_finds_every_kernel_the_launcher_asks_for(arch):
+    import ctypes
+
+    lib = nvrtc()
+    program = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), gemm.SOURCE.read_bytes(), b"gemm.cu", 0, None, None) == 0
+    names = [gemm.kernel_name(dtype, ta, tb, naive).encode() for dtype in gemm.TILES for naive in (False, True)
+             for ta in (False, True) for tb in (False, True)]
+    for name in names:
+        assert lib.nvrtcAddNameExpression(program, name) == 0
+    options = (ctypes.c_char_p * 2)(b"-std=c++17", f"-arch={arch}".encode())  # as gemm._module passes
+    result = lib.nvrtcCompileProgram(program, 2, options)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    assert result == 0, log.value.decode()
+    for name in names:
+        lowered = ctypes.c_char_p()
+        assert lib.nvrtcGetLoweredName(program, name, ctypes.byref(lowered)) == 0 and lowered.value, name
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
