@@ -86,7 +86,10 @@ def add_device_flag(parser):
                         help="cpu (NumPy) or cuda (CuPy, minipar's GEMM kernel, NCCL collectives)")
 
 
-use_device(os.environ.get("MINIPAR_DEVICE", "cpu"))
+try:
+    use_device(os.environ.get("MINIPAR_DEVICE", "cpu"))
+except (ValueError, ImportError, RuntimeError) as exc:  # say where the choice came from
+    raise type(exc)(f"MINIPAR_DEVICE={os.environ['MINIPAR_DEVICE']!r}: {exc}") from exc
 
 
 def matmul(a, b, out=None):

@@ -146,7 +146,8 @@ def test_gradcheck_compares_entry_by_entry():
     assert not report.ok
 
 
-@pytest.mark.parametrize("device,message", [("tpu", "not a device"), ("cuda", "needs CuPy")])
+@pytest.mark.parametrize("device,message", [("tpu", "MINIPAR_DEVICE='tpu': device 'tpu' is not one of cpu, cuda"),
+                                            ("cuda", "MINIPAR_DEVICE='cuda': the cuda device needs CuPy")])
 def test_backend_device_errors(device, message):
     try:
         import cupy  # noqa: F401

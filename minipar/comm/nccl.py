@@ -189,7 +189,8 @@ def _gpu_names(mpi):
     """Every rank's "host/PCI bus id" of its current GPU, in rank order."""
     import cupy
 
-    mine = f"{socket.gethostname()}/{cupy.cuda.Device().pci_bus_id}".encode()[:255]
+    bus_id = cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id)
+    mine = f"{socket.gethostname()}/{bus_id}".encode()[:255]
     padded = numpy.zeros(256, numpy.uint8)
     padded[: len(mine)] = numpy.frombuffer(mine, numpy.uint8)
     every = mpi.all_gather(padded)
