@@ -31,6 +31,12 @@ PLANTED = ("const int i = r / RUN_STEPS, k = (r % RUN_STEPS) * VEC;",  # a run's
            "const int i = r / RUN_STEPS, k = (r % RUN_STEPS);")
 
 
+def relative_error(c, ref):
+    """The worst element's error relative to the largest; infinite if an element was never written
+    (the output starts as NaN) or is not finite."""
+    return float(np.abs(c - ref).max() / np.abs(ref).max()) if np.isfinite(c).all() else np.inf
+
+
 def run_text(operand, i, k, along_k, count):
     """The elements one load instruction read, in op(A) / op(B) coordinates."""
     if operand == 0:  # A: element (m, k)
@@ -90,8 +96,7 @@ def correctness(source):
                 b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
                 a, b = (a.T if ta else a), (b.T if tb else b)
                 ref = a.astype(np.float64) @ b.astype(np.float64)
-                c = emulator.matmul(a, b, source=source)
-                error = float(np.abs(c - ref).max() / np.abs(ref).max())
+                error = relative_error(emulator.matmul(a, b, out=np.full((M, N), np.nan, np.float32), source=source), ref)
                 worst = max(worst, error)
                 cells.append(f"{'A^T' if ta else 'A'} {'B^T' if tb else 'B'} {error:.1e}")
         print(f"   {M:>3} x {N:>3} x {K:>3}:  " + "   ".join(cells))
@@ -108,10 +113,10 @@ def barriers(source):
                        ("second", "overwrites a slab its neighbours are still reading")):
         at = source.index("__syncthreads();") if which == "first" else source.rindex("__syncthreads();")
         broken = source[:at] + source[at + len("__syncthreads();"):]
-        error = float(np.abs(emulator.matmul(a, b, source=broken, mode="reversed") - ref).max() / np.abs(ref).max())
+        error = relative_error(emulator.matmul(a, b, source=broken, mode="reversed"), ref)
         print(f"   without the {which} __syncthreads(): relative error {error:.2f} (a thread {why})")
         ok &= error > 0.1
-    error = float(np.abs(emulator.matmul(a, b, source=source, mode="reversed") - ref).max() / np.abs(ref).max())
+    error = relative_error(emulator.matmul(a, b, source=source, mode="reversed"), ref)
     print(f"   with both:                           relative error {error:.1e}")
     return ok and error < 1e-5
 

@@ -22,6 +22,10 @@ def operands(M, N, K, trans_a, trans_b, dtype):
 
 
 def relative_error(c, a, b):
+    """Worst element's error relative to the largest; infinite if any element is not finite (never
+    written, or garbage: a comparison with NaN would pass every threshold test as False)."""
+    if not numpy.isfinite(c).all():
+        return numpy.inf
     ref = a.astype(numpy.float64) @ b.astype(numpy.float64)
     return numpy.abs(c - ref).max() / max(numpy.abs(ref).max(), 1e-300)
 
