@@ -196,7 +196,10 @@ def nvrtc():
     import importlib.util
 
     paths = [ctypes.util.find_library("nvrtc")]
-    wheel = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    try:
+        wheel = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    except ModuleNotFoundError:  # no nvidia.* package at all
+        wheel = None
     if wheel is not None:
         paths += sorted(glob.glob(f"{list(wheel.submodule_search_locations)[0]}/lib/libnvrtc.so*"))
     for path in filter(None, paths):
