@@ -233,3 +233,76 @@ def test_nvrtc_compiles_the_source_and_finds_every_kernel_the_launcher_asks_for(
         lowered = ctypes.c_char_p()
         assert lib.nvrtcGetLoweredName(program, name, ctypes.byref(lowered)) == 0 and lowered.value, name
     lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+# ---- the edges the review found -----------------------------------------------------------------
+def test_each_batch_entry_checks_its_own_alignment():
+    # A batch stride of 65 floats: entry 0 is 16-byte aligned, entry 1 is not. A kernel that tested
+    # the alignment before moving to its entry would issue misaligned vector loads there.
+    storage = rng.standard_normal(3 * 65).astype("float32")
+    a = numpy.lib.stride_tricks.as_strided(storage, (3, 8, 8), (65 * 4, 8 * 4, 4))
+    b = rng.standard_normal((8, 8)).astype("float32")
+    assert gemm.plan(a, b, numpy).a.batch_stride == 65  # read in place, not copied
+    assert relative_error(emulator.matmul(a, b), a, b) < 1e-6
+
+
+def test_empty_products_follow_numpy():
+    for shape_a, shape_b in [((3, 0), (0, 4)), ((0, 3), (3, 4)), ((2, 0, 3, 5), (5, 2)), ((3, 4), (4, 0))]:
+        a, b = numpy.ones(shape_a), numpy.ones(shape_b)
+        c = emulator.matmul(a, b)
+        assert c.shape == (a @ b).shape and not c.any()
+
+
+def test_out_that_the_kernel_cannot_write_in_place_is_filled_after():
+    a, b = rng.standard_normal((70, 40)), rng.standard_normal((40, 130))
+    for out in (numpy.empty((130, 70)).T,        # column-major
+                numpy.broadcast_to(numpy.empty((1, 130)), (70, 130)).copy()[:, ::-1]):  # negative stride
+        c = emulator.matmul(a, b, out=out)
+        assert c is out and numpy.allclose(out, a @ b, rtol=1e-12)
+    x, y = rng.standard_normal((200, 200)), rng.standard_normal((200, 200))
+    expected = x @ y
+    assert numpy.allclose(emulator.matmul(x, y, out=y), expected, rtol=1e-12)  # out is an operand
+
+
+def test_elements_off_their_natural_alignment_are_copied_first():
+    records = numpy.zeros((6, 5), dtype=[("pad", "f4"), ("x", "f8")])  # 12-byte records
+    records["x"] = rng.standard_normal((6, 5))
+    a = records["x"]
+    assert numpy.allclose(emulator.matmul(a, a.T), a @ a.T, rtol=1e-12)
+
+
+def test_a_block_that_reads_shared_memory_it_never_wrote_fails():
+    # Only block (0, 0) copies the A slab; later blocks would find its values left behind by the
+    # block before (right, when all blocks share A's rows). Shared memory is NaN at each block's start.
+    source = planted("load_slab<T, BM, BK, THREADS, !TRANS_A>(As, A, M, K, m0, k0, lda, a_aligned);",
+                     "if (blockIdx.x == 0) load_slab<T, BM, BK, THREADS, !TRANS_A>(As, A, M, K, m0, k0, lda, a_aligned);")
+    a, b = operands(40, 300, 8, False, False, "float32")
+    for mode in ("parallel", "reversed"):
+        assert relative_error(emulator.matmul(a, b, mode=mode, source=source), a, b) == numpy.inf
+
+
+def random_view(generator, shape):
+    """An array of ``shape`` that is a view of a larger one: maybe stepped, reversed or transposed."""
+    steps = [int(generator.integers(1, 3)) for _ in shape]
+    base = generator.standard_normal([n * s + 1 for n, s in zip(shape, steps)])
+    view = base[tuple(slice(1, 1 + n * s, s) for n, s in zip(shape, steps))]
+    if generator.random() < 0.3:
+        view = view[..., ::-1, :]
+    if generator.random() < 0.4:  # stored transposed, read as the shape asked for
+        stored = numpy.ascontiguousarray(numpy.swapaxes(view, -1, -2))
+        view = numpy.swapaxes(stored, -1, -2)
+    return view
+
+
+def test_random_views_batches_and_outs_follow_numpy():
+    generator = numpy.random.default_rng(7)
+    for case in range(60):
+        M, N, K = (int(n) for n in generator.integers(1, 20, 3))
+        batch_a = tuple(int(n) for n in generator.choice([1, 2, 3], int(generator.integers(0, 3))))
+        batch_b = tuple(1 if generator.random() < 0.3 else n for n in batch_a)
+        a, b = random_view(generator, batch_a + (M, K)), random_view(generator, batch_b + (K, N))
+        expected = a @ b
+        out = random_view(generator, expected.shape) if generator.random() < 0.4 else None
+        got = emulator.matmul(a, b, out=out, mode="shuffled" if case % 3 == 0 else "parallel", seed=case)
+        assert numpy.allclose(got, expected, rtol=1e-12, atol=1e-12), (case, a.strides, b.strides)
+        assert out is None or got is out

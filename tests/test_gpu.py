@@ -72,3 +72,5 @@ def test_communicators_on_gpu_arrays(monkeypatch):
     assert "gpu comm OK on 2 ranks via" in out
     if GPUS == 1:  # two ranks on one GPU: NCCL refuses that, so MPI carries it, said once
         assert "via MPI" in out and out.count("share a GPU") == 1
+    else:  # a GPU each: NCCL, and no fallback
+        assert "via NCCL" in out and "share a GPU" not in out

@@ -83,8 +83,10 @@ class NCCLCommunicator(Communicator):
         self.stream.wait_event(compute.record())
         call(self.stream.ptr)
         done = self.stream.record()
-        request = Request(lambda: done.done, result, keep=keep, then=lambda: compute.wait_event(done))
-        return request.wait() if wait else request
+        if wait:  # the compute stream waits for the result on the GPU; the host need not
+            compute.wait_event(done)
+            return result
+        return Request(lambda: done.done, result, keep=keep, then=lambda: compute.wait_event(done))
 
     def _out(self, out, shape, x, what):
         import cupy

@@ -62,6 +62,22 @@ using double2 = Vector16<double, 2>;
 #define __restrict__ __restrict
 #define __shared__ static
 
+// Shared memory starts undefined on a GPU. Here each shared array registers itself the first time
+// a kernel runs (GEMM_SHARED), and every block starts with all of them full of NaN: a block that
+// reads what it never wrote fails, even when an earlier block left the right values behind.
+static std::mutex g_shared_mutex;
+static std::vector<std::pair<void*, std::size_t>> g_shared;
+static void register_shared(void* array, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(g_shared_mutex);
+    for (const auto& known : g_shared)
+        if (known.first == array) return;
+    g_shared.emplace_back(array, bytes);
+}
+static void poison_shared() {
+    for (const auto& [array, bytes] : g_shared) std::memset(array, 0xFF, bytes);  // 0xFF..: NaN
+}
+#define GEMM_SHARED(array) register_shared(&(array), sizeof(array))
+
 // The loads of one chosen thread (the lesson prints its walk), and every load counted.
 struct Load {
     int operand, i, k, along_k, count;
@@ -153,29 +169,37 @@ static int launch(Kernel kernel, dim3 grid, dim3 block, Mode mode, unsigned seed
     gridDim = grid;
     blockDim = block;
     const int threads = block.x * block.y * block.z;
+    // Blocks run one at a time; in the serial modes in an adversarial order too (a GPU promises no
+    // order between blocks: a block that reads what another writes is a race).
+    std::vector<dim3> blocks;
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                Scheduler scheduler(mode, threads, seed + bx + 7919 * by + 104729 * bz);
-                g_scheduler = &scheduler;
-                std::vector<std::thread> pool;
-                pool.reserve(threads);
-                const long long block_id = bx + grid.x * (by + (long long)grid.y * bz);
-                for (int t = 0; t < threads; ++t)
-                    pool.emplace_back([&, t] {
-                        t_tid = t;
-                        t_linear_id = int(block_id * threads + t);
-                        threadIdx = {unsigned(t % block.x), unsigned(t / block.x % block.y),
-                                     unsigned(t / (block.x * block.y))};
-                        blockIdx = {bx, by, bz};
-                        scheduler.start(t);
-                        kernel();
-                        scheduler.arrive(t, true);
-                    });
-                for (auto& th : pool) th.join();
-                if (scheduler.divergent) return 2;
-                if (g_misaligned) return 3;
-            }
+            for (unsigned bx = 0; bx < grid.x; ++bx) blocks.push_back({bx, by, bz});
+    if (mode == SERIAL_REVERSED) std::reverse(blocks.begin(), blocks.end());
+    if (mode == SERIAL_SHUFFLED) std::shuffle(blocks.begin(), blocks.end(), std::mt19937(seed));
+    for (const dim3 b : blocks) {
+        const unsigned bx = b.x, by = b.y, bz = b.z;
+        poison_shared();
+        Scheduler scheduler(mode, threads, seed + bx + 7919 * by + 104729 * bz);
+        g_scheduler = &scheduler;
+        std::vector<std::thread> pool;
+        pool.reserve(threads);
+        const long long block_id = bx + grid.x * (by + (long long)grid.y * bz);
+        for (int t = 0; t < threads; ++t)
+            pool.emplace_back([&, t] {
+                t_tid = t;
+                t_linear_id = int(block_id * threads + t);
+                threadIdx = {unsigned(t % block.x), unsigned(t / block.x % block.y),
+                             unsigned(t / (block.x * block.y))};
+                blockIdx = {bx, by, bz};
+                scheduler.start(t);
+                kernel();
+                scheduler.arrive(t, true);
+            });
+        for (auto& th : pool) th.join();
+        if (scheduler.divergent) return 2;
+        if (g_misaligned) return 3;
+    }
     return 0;
 }
 
@@ -193,6 +217,12 @@ static int run(bool naive, const void* A, const void* B, void* C, int M, int N, 
                       grid, block, mode, seed);
     }
     const int threads = (EMU_BM / EMU_TM) * (EMU_BN / EMU_TN);
+    static bool registered = false;  // this kernel's shared arrays, before its first real block
+    if (!registered) {
+        launch([=] { gemm_tiled<T, EMU_BM, EMU_BN, EMU_BK, EMU_TM, EMU_TN, TA, TB>(a, b, c, 0, 0, 0, lda, ldb, ldc, 0, 0, 0); },
+               dim3{1, 1, 1}, dim3{unsigned(threads), 1, 1}, PARALLEL, 0);
+        registered = true;
+    }
     dim3 grid{unsigned((N + EMU_BN - 1) / EMU_BN), unsigned((M + EMU_BM - 1) / EMU_BM), unsigned(batch)};
     return launch([=] {
         gemm_tiled<T, EMU_BM, EMU_BN, EMU_BK, EMU_TM, EMU_TN, TA, TB>(a, b, c, M, N, K, lda, ldb, ldc, sa, sb, sc);

@@ -29,12 +29,16 @@
 // Bounds: any M, N, K. Loads outside the matrices read as 0 (they add nothing to a dot product);
 // stores outside C are skipped. Vector loads are used only where the run is whole and aligned.
 //
-// GEMM_TRACE is empty on the GPU; the CPU emulator (emulate.cpp) defines it to record loads.
+// GEMM_TRACE and GEMM_SHARED are empty on the GPU; the CPU emulator (emulate.cpp) defines them.
 
 #ifndef GEMM_TRACE
 // A load of `count` elements of one operand starting at its element (i, k), i the row of op(A) or
 // the column of op(B), the run going along k or along i.
 #define GEMM_TRACE(operand, i, k, along_k, count)
+#endif
+#ifndef GEMM_SHARED
+// Where the emulator fills a block's shared memory with NaN (a GPU's starts undefined).
+#define GEMM_SHARED(array)
 #endif
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
@@ -107,6 +111,8 @@ gemm_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, 
 
     __shared__ T As[BK][BM];  // op(A)[m0 + i][k0 + k] at As[k][i]
     __shared__ T Bs[BK][BN];  // op(B)[k0 + k][n0 + j] at Bs[k][j]
+    GEMM_SHARED(As);
+    GEMM_SHARED(Bs);
 
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int ty = threadIdx.x / (BN / TN), tx = threadIdx.x % (BN / TN);  // this thread's sub-tile

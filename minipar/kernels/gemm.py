@@ -87,21 +87,38 @@ def _batch_stride(shape, strides):
     return kept[-1][1] if kept else 0
 
 
+def _address(x):
+    return x.data.ptr if hasattr(x, "__cuda_array_interface__") else x.ctypes.data
+
+
+def _addressable(x, writes=False):
+    """(trans, ld, batch stride) with which the kernel can read (or write) x in place, or None.
+    Elements must lie on whole multiples of their size (a field of a NumPy record may not); an
+    output must also have no two of its elements at one address (a zero stride)."""
+    if any(s % x.itemsize for s in x.strides) or _address(x) % x.itemsize:
+        return None
+    strides = [s // x.itemsize for s in x.strides]
+    layout = _matrix_layout(x.shape[-2:], strides[-2:])
+    stride = _batch_stride(x.shape[:-2], strides[:-2])
+    if layout is None or stride is None or min(strides, default=0) < 0:
+        return None
+    if writes and (layout[0] or any(s == 0 for n, s in zip(x.shape, strides) if n > 1)):
+        return None
+    return layout[0], layout[1], stride
+
+
 def _operand(x, batch_shape, xp):
     """Broadcast x's leading axes to the batch and read off how the kernel addresses it."""
     x = xp.broadcast_to(x, batch_shape + x.shape[-2:])
-    for attempt in range(2):
-        strides = [s // x.itemsize for s in x.strides]
-        layout = _matrix_layout(x.shape[-2:], strides[-2:])
-        stride = _batch_stride(x.shape[:-2], strides[:-2])
-        if layout is not None and stride is not None and min(strides, default=0) >= 0:
-            return Operand(x, layout[0], layout[1], stride)
-        x = xp.ascontiguousarray(x)  # the one case that copies; the second attempt always fits
-    raise AssertionError("a C-contiguous array always has a layout")  # pragma: no cover
+    found = _addressable(x)
+    if found is None:
+        x = xp.ascontiguousarray(x)  # the one case that copies: a C-contiguous array always fits
+        found = _addressable(x)
+    return Operand(x, *found)
 
 
-def plan(a, b, xp):
-    """How to compute ``a @ b`` (NumPy's rules) with the kernel."""
+def check(a, b):
+    """The product's batch shape and M, N, K, after checking the operands (NumPy's rules)."""
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul needs operands with >= 2 axes, got shapes {a.shape} and {b.shape}")
     if a.shape[-1] != b.shape[-2]:
@@ -110,8 +127,12 @@ def plan(a, b, xp):
         raise TypeError(f"the GEMM kernel multiplies float32 or float64 matrices of one dtype, got "
                         f"{a.dtype} @ {b.dtype}: cast them first")
     batch_shape = tuple(numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    M, K = a.shape[-2:]
-    N = b.shape[-1]
+    return batch_shape, a.shape[-2], b.shape[-1], a.shape[-1]
+
+
+def plan(a, b, xp):
+    """How to compute ``a @ b`` with the kernel (operands with no elements are the caller's)."""
+    batch_shape, M, N, K = check(a, b)
     batch = int(numpy.prod(batch_shape, dtype=numpy.int64))
     pa, pb = _operand(a, batch_shape, xp), _operand(b, batch_shape, xp)
     if max(M, N, K, pa.ld, pb.ld) > _INT32_MAX:
@@ -119,31 +140,32 @@ def plan(a, b, xp):
     return Plan(pa, pb, M, N, K, batch, batch_shape + (M, N))
 
 
-def output(p, out, xp):
-    """The array the kernel writes: ``out`` itself when the kernel can address it, else a new one."""
+def output(p, out, a, b, xp):
+    """The array the kernel writes, with its ldc and batch stride: ``out`` itself when the kernel
+    can write it in place (row-major rows, no element twice, no overlap with an operand: blocks
+    would overwrite what later blocks still read), else a new array copied into ``out`` after."""
     if out is not None:
-        if out.shape != p.out_shape or out.dtype != p.a.array.dtype:
-            raise ValueError(f"matmul: out is {out.shape} {out.dtype}, the product is {p.out_shape} "
-                             f"{p.a.array.dtype}")
-        strides = [s // out.itemsize for s in out.strides]
-        layout = _matrix_layout(out.shape[-2:], strides[-2:])
-        stride = _batch_stride(out.shape[:-2], strides[:-2])
-        if layout is not None and not layout[0] and stride is not None and min(strides, default=0) >= 0:
-            return out, layout[1], stride
-    c = xp.empty(p.out_shape, p.a.array.dtype)
-    return c, max(p.N, 1), p.M * p.N
+        found = _addressable(out, writes=True)
+        if found is not None and found[1] <= _INT32_MAX and not any(xp.may_share_memory(out, x) for x in (a, b)):
+            return out, found[1], found[2]
+    return xp.empty(p.out_shape, p.a.array.dtype), max(p.N, 1), p.M * p.N
 
 
 def run(a, b, out, launch, xp):
     """``a @ b`` through ``launch``: ``launch(p, c, ldc, stride_c, first, count)`` runs the kernel
     on batch entries first .. first + count - 1 (the grid's z is at most 65535)."""
+    batch_shape, M, N, K = check(a, b)
+    shape = batch_shape + (M, N)
+    if out is not None and (out.shape != shape or out.dtype != a.dtype):
+        raise ValueError(f"matmul: out is {out.shape} {out.dtype}, the product is {shape} {a.dtype}")
+    if 0 in shape or K == 0:  # nothing to launch: the product is empty, or all zeros (K = 0)
+        c = xp.zeros(shape, a.dtype) if out is None else out
+        c[...] = 0
+        return c
     p = plan(a, b, xp)
-    c, ldc, stride_c = output(p, out, xp)
-    if p.M and p.N:
-        if -(-p.M // 16) > _MAX_GRID_YZ:  # the naive kernel's 16-row blocks need the most
-            raise ValueError(f"matmul: {p.M} rows is more than the grid can cover")
-        for first in range(0, p.batch, _MAX_GRID_YZ):
-            launch(p, c, ldc, stride_c, first, min(_MAX_GRID_YZ, p.batch - first))
+    c, ldc, stride_c = output(p, out, a, b, xp)
+    for first in range(0, p.batch, _MAX_GRID_YZ):
+        launch(p, c, ldc, stride_c, first, min(_MAX_GRID_YZ, p.batch - first))
     if out is not None and c is not out:
         out[...] = c
         return out
@@ -182,6 +204,9 @@ def _gpu_launcher(naive):
         else:
             t = TILES[dtype.name]
             grid, block = (-(-p.N // t["BN"]), -(-p.M // t["BM"]), count), (threads(t), 1, 1)
+        if grid[1] > _MAX_GRID_YZ:
+            raise ValueError(f"matmul: {p.M} rows need {grid[1]} blocks along the grid's y, more than "
+                             f"CUDA allows ({_MAX_GRID_YZ})")
         i32, i64 = numpy.int32, numpy.int64  # CuPy would pass Python ints as 64-bit
         kernel(grid, block, (i64(a_ptr), i64(b_ptr), i64(c_ptr), i32(p.M), i32(p.N), i32(p.K),
                              i32(p.a.ld), i32(p.b.ld), i32(ldc), i64(p.a.batch_stride),

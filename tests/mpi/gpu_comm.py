@@ -35,6 +35,16 @@ check(all(np.array_equal(out[k].get(), data(20 + k, (4,))) for k in range(N)), "
 x = cupy.asarray(data(30 + r, (6,)))
 comm.broadcast(x, root=N - 1)
 check(np.array_equal(x.get(), data(30 + N - 1, (6,))), "broadcast")
+x = cupy.asarray(data(40 + r, (3,)))
+comm.iall_reduce(x, op="max").wait()
+check(np.array_equal(x.get(), np.max([data(40 + k, (3,)) for k in range(N)], axis=0)), "iall_reduce max")
+out = comm.ireduce_scatter(cupy.asarray(data(50 + r, (N, 2)))).wait()
+check(np.allclose(out.get(), sum(data(50 + k, (N, 2)) for k in range(N))[r : r + 1], rtol=1e-5), "ireduce_scatter")
+pair = comm.split(r // 2, r, "pairs")  # sub-groups: {0, 1}, {2, 3}, ...
+x = cupy.asarray(data(60 + r, (4,)))
+pair.all_reduce(x)
+check(np.allclose(x.get(), sum(data(60 + k, (4,)) for k in range(r - r % 2, min(r - r % 2 + 2, N))), rtol=1e-5),
+      "all_reduce on a split group")
 host = comm.all_reduce(np.array([r], np.int64))  # host arrays still work, through MPI
 check(isinstance(host, np.ndarray) and int(host[0]) == N * (N - 1) // 2, "host all_reduce")
 if N > 1:
