@@ -146,9 +146,10 @@ def output(p, out, a, b, xp):
     would overwrite what later blocks still read), else a new array copied into ``out`` after."""
     if out is not None:
         found = _addressable(out, writes=True)
-        if found is not None and found[1] <= _INT32_MAX and not any(xp.may_share_memory(out, x) for x in (a, b)):
+        overlaps = any(xp.may_share_memory(out, x) for x in (a, b))
+        if found is not None and found[1] <= _INT32_MAX and not overlaps:
             return out, found[1], found[2]
-    return xp.empty(p.out_shape, p.a.array.dtype), max(p.N, 1), p.M * p.N
+    return xp.empty(p.out_shape, p.a.array.dtype), p.N, p.M * p.N
 
 
 def run(a, b, out, launch, xp):
