@@ -53,16 +53,8 @@ def learning_rate(it, args):
 
 def gather_text(world, text):
     """Every rank's ``text`` on rank 0, in rank order (None elsewhere): bytes, no pickle."""
-    data = numpy.frombuffer(text.encode(), numpy.uint8).copy()
-    if world.rank != 0:
-        world.send(numpy.array([data.size], numpy.int64), 0, tag=7101)
-        world.send(data, 0, tag=7102)
-        return None
-    out = [text]
-    for r in range(1, world.size):
-        n = int(world.recv(numpy.zeros(1, numpy.int64), r, tag=7101)[0])
-        out.append(world.recv(numpy.zeros(n, numpy.uint8), r, tag=7102).tobytes().decode())
-    return out
+    parts = world.gather_to_root(numpy.frombuffer(text.encode(), numpy.uint8), tag=7101)
+    return None if parts is None else [part.tobytes().decode() for part in parts]
 
 
 def local_bubble(timeline):

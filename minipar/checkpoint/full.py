@@ -31,29 +31,24 @@ def _my_boxes(model, optimizer, grid):
 def gather_full_state(model, optimizer, grid=None):
     """{name: whole array} on world rank 0 (None on the others); a collective over the world."""
     shapes, boxes = _my_boxes(model, optimizer, grid)
-    world = grid.world if grid is not None else None
     dtype = model.parameters()[0].dtype
-    if world is not None and world.rank != 0:
-        header = json.dumps([(name, start, stop, list(shapes[name])) for name, start, stop, _ in boxes]).encode()
-        data = numpy.concatenate([b.ravel() for *_, b in boxes]) if boxes else numpy.zeros(0, dtype)
-        world.send(numpy.array([len(header), data.size], numpy.int64), 0, _TAG)
-        world.send(numpy.frombuffer(header, numpy.uint8).copy(), 0, _TAG + 1)
-        world.send(numpy.ascontiguousarray(data, dtype), 0, _TAG + 2)
-        return None
-    full = {name: numpy.zeros(shape, dtype) for name, shape in shapes.items()}
-    parts = [(name, start, stop, data) for name, start, stop, data in boxes]
-    for r in range(1, world.size if world is not None else 1):
-        sizes = world.recv(numpy.zeros(2, numpy.int64), r, _TAG)
-        header = json.loads(world.recv(numpy.zeros(int(sizes[0]), numpy.uint8), r, _TAG + 1).tobytes())
-        data = world.recv(numpy.zeros(int(sizes[1]), dtype), r, _TAG + 2)
+    header = json.dumps([(name, start, stop, list(shapes[name])) for name, start, stop, _ in boxes]).encode()
+    data = numpy.concatenate([b.ravel() for *_, b in boxes]) if boxes else numpy.zeros(0, dtype)
+    if grid is None:
+        headers, datas = [header], [data]
+    else:  # each rank's list of boxes (JSON), then their values in that order
+        headers = grid.world.gather_to_root(numpy.frombuffer(header, numpy.uint8), _TAG)
+        datas = grid.world.gather_to_root(numpy.asarray(data, dtype), _TAG + 2)
+        if headers is None:
+            return None
+    full = {}
+    for header, data in zip(headers, datas):
         offset = 0
-        for name, start, stop, shape in header:
-            n = int(numpy.prod([b - a for a, b in zip(start, stop)]))
-            full.setdefault(name, numpy.zeros(shape, dtype))
-            parts.append((name, start, stop, data[offset : offset + n].reshape([b - a for a, b in zip(start, stop)])))
+        for name, start, stop, shape in json.loads(bytes(header)):
+            box = [b - a for a, b in zip(start, stop)]
+            n = int(numpy.prod(box))
+            full.setdefault(name, numpy.zeros(shape, dtype))[region(start, stop)] = data[offset : offset + n].reshape(box)
             offset += n
-    for name, start, stop, data in parts:
-        full[name][region(start, stop)] = data
     return full
 
 

@@ -32,6 +32,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy
+
 # How a rank waits. MPICH's blocking calls spin at 100% CPU; with 8 ranks on 2 cores a spinning
 # rank takes the core from the rank it is waiting for. But MPI only makes progress inside MPI
 # calls, so a rank that sleeps long between polls stalls every multi-step protocol (a 1 MiB
@@ -149,6 +151,22 @@ class Communicator:
 
     def recv(self, out, source, tag=0):
         return self.irecv(out, source, tag).wait()
+
+    def gather_to_root(self, x, tag, root=0):
+        """Every rank's 1-D ``x`` (any length, one dtype for all) on ``root``, in rank order; None
+        on the others. Point to point: each rank sends its length, then its data."""
+        if self.rank != root:
+            self.send(numpy.array([x.size], numpy.int64), root, tag)
+            self.send(numpy.ascontiguousarray(x), root, tag + 1)
+            return None
+        out = []
+        for r in range(self.size):
+            if r == root:
+                out.append(x)
+                continue
+            n = int(self.recv(numpy.zeros(1, numpy.int64), r, tag)[0])
+            out.append(self.recv(numpy.zeros(n, x.dtype), r, tag + 1))
+        return out
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r} rank {self.rank} of {self.size}>"

@@ -106,6 +106,12 @@ if N > 1 and r < 2:
             check(False, "a message of 4 float64 was received into 8 without an error")
         except ValueError as exc:
             check("got 32 bytes into a buffer of 64" in str(exc), f"recv message: {exc}")
+# gather_to_root: arrays of different lengths, in rank order on the root only
+parts = comm.gather_to_root(np.arange(r + 1, dtype=np.float32) * (r + 1), tag=300, root=N - 1)
+if r == N - 1:
+    check([p.tolist() for p in parts] == [(np.arange(k + 1) * (k + 1)).tolist() for k in range(N)], "gather_to_root")
+else:
+    check(parts is None, "gather_to_root gives None off the root")
 comm.barrier()
 if r == 0:
     print(f"comm checks OK on {N} ranks")
