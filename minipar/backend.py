@@ -9,7 +9,7 @@ and GPU is an error, never a quiet fall back to the CPU.
 
 Three operations are here rather than in ``functional`` because the device decides how they run:
 ``matmul`` (BLAS on the CPU, our own kernel in ``kernels/gemm.cu`` on the GPU: cuBLAS is never
-used for the model's math), ``dot_along`` and ``squared_norm`` (CuPy would hand them to cuBLAS).
+used for the model's math), ``dot_along``, ``sum_along`` and ``sum_of_squares`` (CuPy would hand them to cuBLAS).
 
 On import it also tunes glibc's allocator for NumPy's allocate-per-op pattern (see
 ``_keep_freed_memory``); ``MINIPAR_MALLOC_TUNING=0`` leaves the allocator alone.
@@ -124,12 +124,12 @@ def sum_along(a, axis):
     raise ValueError(f"sum_along sums over axis -1 or -2, not {axis}")
 
 
-def squared_norm(x):
-    """sum(x**2) as a Python float (one BLAS dot on the CPU)."""
+def sum_of_squares(arrays):
+    """The sum of the squares of every element of ``arrays``, as a Python float: one BLAS dot per
+    array on the CPU; on the GPU one reduction per array and a single read back to the host."""
     if DEVICE == "cpu":
-        flat = x.ravel()
-        return float(numpy.vdot(flat, flat))
-    return float((x * x).sum())
+        return sum(float(numpy.vdot(x.ravel(), x.ravel())) for x in arrays)
+    return float(sum(((x * x).sum() for x in arrays), xp.zeros((), "float64")))
 
 
 def _keep_freed_memory():

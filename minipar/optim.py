@@ -12,7 +12,7 @@ chain stays in cache; the only temporary is one block-sized scratch array.
 
 import math
 
-from minipar.backend import blocks, squared_norm, xp
+from minipar.backend import blocks, sum_of_squares, xp
 
 
 class Optimizer:
@@ -125,7 +125,7 @@ def clip_grad_norm(params, max_norm, norm=None):
     parameter (or ``norm``, computed by the caller across ranks: minipar.parallel.grad_norm);
     returns ||g|| before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = norm if norm is not None else math.sqrt(sum(squared_norm(g) for g in grads))
+    total = norm if norm is not None else math.sqrt(sum_of_squares(grads))
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for g in grads:

@@ -61,9 +61,9 @@ def test_a_training_step_through_the_emulated_kernel_equals_blas(dropout, monkey
 def test_the_gpu_branches_of_the_reductions_agree_with_the_cpu_ones(monkeypatch):
     rng = numpy.random.default_rng(1)
     a, b = rng.standard_normal((5, 7, 3)), rng.standard_normal((5, 7, 3))
-    cpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2), backend.squared_norm(a)]
+    cpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2), backend.sum_of_squares([a, b])]
     monkeypatch.setattr(backend, "DEVICE", "cuda")
-    gpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2), backend.squared_norm(a)]
+    gpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2), backend.sum_of_squares([a, b])]
     assert all(numpy.allclose(x, y, rtol=1e-13) for x, y in zip(cpu, gpu))
 
 

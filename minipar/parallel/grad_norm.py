@@ -19,18 +19,14 @@ Every rank then has the same norm, and takes the same step as one device would.
 import math
 
 from minipar import optim
-from minipar.backend import squared_norm, xp
+from minipar.backend import sum_of_squares, xp
 
 
 def grad_norm(params, grid=None):
     """||g|| of the whole model from this rank's ``params`` (a collective over TP and PP)."""
     tp_rank = grid.tp_rank if grid is not None else 0
-    local = 0.0
-    for p in params:
-        if p.grad is None or getattr(p, "pipeline_copy", False):
-            continue
-        if tp_rank == 0 or hasattr(p, "partition"):
-            local += squared_norm(p.grad)
+    local = sum_of_squares([p.grad for p in params if p.grad is not None and not getattr(p, "pipeline_copy", False)
+                            and (tp_rank == 0 or hasattr(p, "partition"))])
     total = xp.asarray([local])
     for group in (grid.tp_group, grid.pp_group) if grid is not None else ():
         if group is not None and group.size > 1:

@@ -27,7 +27,7 @@ the parameters: ``zero3.py`` gathers each layer's just in time.
 """
 
 from minipar.autograd import Tensor
-from minipar.backend import squared_norm, xp
+from minipar.backend import sum_of_squares, xp
 from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.shards import Ledger, group_parameters
@@ -206,15 +206,10 @@ class ZeroAdamW:
         see ``minipar.parallel.grad_norm``)."""
         self.finish_gradients()
         tp_rank = self.tp.rank if self.tp is not None else 0
-        local = 0.0
-        for g, piece in zip(self.groups, self.grad_pieces):
-            for i, a, b, at in g.segments():
-                if getattr(g.params[i], "pipeline_copy", False):
-                    continue
-                if tp_rank == 0 or not g.replicated[i]:
-                    seg = piece[at : at + b - a]
-                    local += squared_norm(seg)
-        total = self.comm.all_reduce(xp.asarray([local]))
+        counted = [piece[at : at + b - a] for g, piece in zip(self.groups, self.grad_pieces)
+                   for i, a, b, at in g.segments()
+                   if not getattr(g.params[i], "pipeline_copy", False) and (tp_rank == 0 or not g.replicated[i])]
+        total = self.comm.all_reduce(xp.asarray([sum_of_squares(counted)]))
         for group in (self.tp, getattr(self.model, "pp", None)):
             if group is not None:
                 group.all_reduce(total)
