@@ -22,16 +22,27 @@ batched ``matmul``; the tests check the two agree). Doing it as one op buys two 
 import math
 
 from minipar.autograd import Function
-from minipar.backend import dot_along, matmul, sum_along, xp
+from minipar.backend import dot_along, matmul, on_gpu, sum_along, xp
 from minipar.functional.checks import floats, probability
 from minipar.functional.elementwise import fresh_key
 from minipar.rng import keep_mask
 
 
 def _heads(x, n_head):
-    """(T, H*D) -> (H, T, D) as a view."""
-    T, C = x.shape
-    return x.reshape(T, n_head, C // n_head).transpose(1, 0, 2)
+    """(S, T, H*D) -> (S, H, T, D) as a view."""
+    S, T, C = x.shape
+    return x.reshape(S, T, n_head, C // n_head).transpose(0, 2, 1, 3)
+
+
+def _mT(x):
+    return x.swapaxes(-1, -2)
+
+
+def _sequence_groups(B):
+    """The sequences taken together: one at a time on the CPU, so that a sequence's scores stay in
+    cache; all of them on the GPU, where every launch costs and one batched product is best."""
+    size = B if on_gpu() else 1
+    return [(b, min(b + size, B)) for b in range(0, B, size)]
 
 
 def _query_blocks(T, size):
@@ -46,63 +57,64 @@ def _query_blocks(T, size):
 class CausalAttention(Function):
     """The scores are kept transposed, S^T (keys x queries) per head, so that the softmax over the
     keys reduces along the outer axis of each block: NumPy vectorises that across the contiguous
-    queries, ~3x faster than reducing along rows of 128. BLAS reads the transposes for free."""
+    queries, ~3x faster than reducing along rows of 128. BLAS (or our kernel) reads the transposes
+    for free. Arrays below are (sequences, heads, ...)."""
 
     @staticmethod
     def forward(ctx, qkv, n_head, dropout_p, key, offsets, query_block):
         B, T, C3 = qkv.shape
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
-        blocks = ctx.blocks = _query_blocks(T, query_block)
-        probs_t, keep_t = [], []  # per (sequence, query block): (H, keys q1, queries q1 - q0)
+        blocks = ctx.blocks = _query_blocks(T, T if on_gpu() else query_block)
+        ctx.groups = _sequence_groups(B)
+        probs_t, keep_t = [], []  # per (sequence group, query block): (S, H, keys q1, queries q1 - q0)
         out = xp.empty((B, T, C), qkv.dtype)
-        for b in range(B):
-            q, k, v = (_heads(qkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
-            y = _heads(out[b], n_head)
+        for b0, b1 in ctx.groups:
+            q, k, v = (_heads(qkv[b0:b1, :, i * C : (i + 1) * C], n_head) for i in range(3))
+            y = _heads(out[b0:b1], n_head)
             if dropout_p > 0:  # one (query, key) mask per sequence and head, numbered globally
-                keep = xp.stack([keep_mask(key, (T, T), dropout_p, qkv.dtype,
-                                           (offsets[0] + b, offsets[1] + h)) for h in range(n_head)])
+                keep = xp.stack([xp.stack([keep_mask(key, (T, T), dropout_p, qkv.dtype, (offsets[0] + b, offsets[1] + h))
+                                           for h in range(n_head)]) for b in range(b0, b1)])
             for q0, q1, future in blocks:
-                pt = matmul(k[:, :q1], q[:, q0:q1].transpose(0, 2, 1))  # S^T = k q^T
+                pt = matmul(k[..., :q1, :], _mT(q[..., q0:q1, :]))  # S^T = k q^T
                 pt *= scale
                 xp.copyto(pt, -xp.inf, where=future)
-                pt -= pt.max(axis=1, keepdims=True)
+                pt -= pt.max(axis=-2, keepdims=True)
                 xp.exp(pt, out=pt)
-                pt /= sum_along(pt, -2)[:, None, :]
+                pt /= sum_along(pt, -2)[..., None, :]
                 probs_t.append(pt)
                 if dropout_p > 0:
-                    keep_t.append(keep[:, q0:q1, :q1].transpose(0, 2, 1))
+                    keep_t.append(_mT(keep[..., q0:q1, :q1]))
                     pt = pt * keep_t[-1]
-                matmul(pt.transpose(0, 2, 1), v[:, :q1], out=y[:, q0:q1])  # y = P v
+                matmul(_mT(pt), v[..., :q1, :], out=y[..., q0:q1, :])  # y = P v
         ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
         qkv, n_head, scale = ctx.qkv, ctx.n_head, ctx.scale
-        B, T, C3 = qkv.shape
-        C = C3 // 3
+        C = qkv.shape[2] // 3
         dqkv = xp.zeros_like(qkv)  # dk and dv sum over the query blocks that see each key
         step = 0
-        for b in range(B):
-            q, k, v = (_heads(qkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
-            dq, dk, dv = (_heads(dqkv[b, :, i * C : (i + 1) * C], n_head) for i in range(3))
-            dy = _heads(grad[b], n_head)
+        for b0, b1 in ctx.groups:
+            q, k, v = (_heads(qkv[b0:b1, :, i * C : (i + 1) * C], n_head) for i in range(3))
+            dq, dk, dv = (_heads(dqkv[b0:b1, :, i * C : (i + 1) * C], n_head) for i in range(3))
+            dy = _heads(grad[b0:b1], n_head)
             for q0, q1, _ in ctx.blocks:
                 pt = ctx.probs_t[step]
                 keep = ctx.keep_t[step] if ctx.keep_t else None
                 step += 1
-                dy_block = dy[:, q0:q1]
-                dv[:, :q1] += matmul(pt if keep is None else pt * keep, dy_block)  # dv = P^T dy
-                dpt = matmul(v[:, :q1], dy_block.transpose(0, 2, 1))  # dP^T = v dy^T
+                dy_block = dy[..., q0:q1, :]
+                dv[..., :q1, :] += matmul(pt if keep is None else pt * keep, dy_block)  # dv = P^T dy
+                dpt = matmul(v[..., :q1, :], _mT(dy_block))  # dP^T = v dy^T
                 if keep is not None:
                     dpt *= keep
                 # softmax backward, in place: dS = P * (dP - rowsum(dP * P)), rows of P = columns here
-                dpt -= dot_along(dpt, pt, 1)[:, None, :]
+                dpt -= dot_along(dpt, pt, -2)[..., None, :]
                 dpt *= pt
                 dpt *= scale
-                matmul(dpt.transpose(0, 2, 1), k[:, :q1], out=dq[:, q0:q1])  # dq = dS k
-                dk[:, :q1] += matmul(dpt, q[:, q0:q1])  # dk = dS^T q
+                matmul(_mT(dpt), k[..., :q1, :], out=dq[..., q0:q1, :])  # dq = dS k
+                dk[..., :q1, :] += matmul(dpt, q[..., q0:q1, :])  # dk = dS^T q
         return dqkv, None, None, None, None, None
 
 
