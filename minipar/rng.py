@@ -63,14 +63,27 @@ class RNGTracker:
         self.micro = tuple(state.get("micro", (0, 1)))
 
 
-def keep_mask(key, shape, p, dtype, index=()):
-    """Inverted dropout's mask for ``key`` (and sub-position ``index``): 0 with probability p and
-    1/(1-p) otherwise, so that E[x * mask] = x and evaluation needs no rescaling."""
-    generator = numpy.random.default_rng([*key, *index])
-    keep = generator.random(shape, dtype=numpy.float32) >= p
+def _keep(key, shape, p, index):
+    """Which elements survive, drawn on the host from (key, index)."""
+    return numpy.random.default_rng([*key, *index]).random(shape, dtype=numpy.float32) >= p
+
+
+def _scaled(keep, p, dtype):
+    """The host's booleans as a mask on the device, in one copy: 0 or 1/(1-p)."""
     mask = xp.asarray(keep, dtype=dtype)
     mask *= 1.0 / (1.0 - p)
     return mask
+
+
+def keep_mask(key, shape, p, dtype, index=()):
+    """Inverted dropout's mask for ``key`` (and sub-position ``index``): 0 with probability p and
+    1/(1-p) otherwise, so that E[x * mask] = x and evaluation needs no rescaling."""
+    return _scaled(_keep(key, shape, p, index), p, dtype)
+
+
+def keep_masks(key, shape, p, dtype, indices):
+    """``keep_mask`` for each index, stacked (drawn on the host, moved to the device at once)."""
+    return _scaled(numpy.stack([_keep(key, shape, p, index) for index in indices]), p, dtype)
 
 
 def row_masks(key, shape, p, dtype, parts):
@@ -89,14 +102,16 @@ def row_masks(key, shape, p, dtype, parts):
     row_shape = list(shape[1:])
     for axis, count, _ in row_cuts:
         row_shape[axis] *= count
-    rows = [local_part(keep_mask(key, tuple(row_shape), p, dtype, (first + i,)), row_cuts)
-            for i in range(shape[0])]
-    return xp.stack(rows)  # a fresh array: no view keeps the whole rows alive
+    rows = [local_part(_keep(key, tuple(row_shape), p, (first + i,)), row_cuts) for i in range(shape[0])]
+    return _scaled(numpy.stack(rows), p, dtype)  # a fresh array: no view keeps the whole rows alive
 
 
 def local_part(full, parts):
     """This rank's part of ``full``: for each (axis, count, index) in ``parts``, in order, cut
     ``count`` equal parts along ``axis`` and keep part ``index``."""
     for axis, count, index in parts:
-        full = xp.split(full, count, axis=axis)[index]
+        if full.shape[axis] % count:
+            raise ValueError(f"axis {axis} of length {full.shape[axis]} does not split into {count} equal parts")
+        size = full.shape[axis] // count
+        full = full[(slice(None),) * axis + (slice(index * size, (index + 1) * size),)]
     return full

@@ -25,7 +25,7 @@ from minipar.autograd import Function
 from minipar.backend import dot_along, matmul, on_gpu, sum_along, xp
 from minipar.functional.checks import floats, probability
 from minipar.functional.elementwise import fresh_key
-from minipar.rng import keep_mask
+from minipar.rng import keep_masks
 
 
 def _heads(x, n_head):
@@ -73,8 +73,8 @@ class CausalAttention(Function):
             q, k, v = (_heads(qkv[b0:b1, :, i * C : (i + 1) * C], n_head) for i in range(3))
             y = _heads(out[b0:b1], n_head)
             if dropout_p > 0:  # one (query, key) mask per sequence and head, numbered globally
-                keep = xp.stack([xp.stack([keep_mask(key, (T, T), dropout_p, qkv.dtype, (offsets[0] + b, offsets[1] + h))
-                                           for h in range(n_head)]) for b in range(b0, b1)])
+                indices = [(offsets[0] + b, offsets[1] + h) for b in range(b0, b1) for h in range(n_head)]
+                keep = keep_masks(key, (T, T), dropout_p, qkv.dtype, indices).reshape(b1 - b0, n_head, T, T)
             for q0, q1, future in blocks:
                 pt = matmul(k[..., :q1, :], _mT(q[..., q0:q1, :]))  # S^T = k q^T
                 pt *= scale
