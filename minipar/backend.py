@@ -7,9 +7,10 @@ so ``--device cuda`` can be read from the command line after the imports. At imp
 ``MINIPAR_DEVICE`` (``cpu``, the default, or ``cuda``). Asking for ``cuda`` without a working CuPy
 and GPU is an error, never a quiet fall back to the CPU.
 
-Three operations are here rather than in ``functional`` because the device decides how they run:
+Four operations are here rather than in ``functional`` because the device decides how they run:
 ``matmul`` (BLAS on the CPU, our own kernel in ``kernels/gemm.cu`` on the GPU: cuBLAS is never
-used for the model's math), ``dot_along``, ``sum_along`` and ``sum_of_squares`` (CuPy would hand them to cuBLAS).
+used for the model's math), and ``dot_along``, ``sum_along`` and ``sum_of_squares`` (BLAS tricks on
+the CPU, plain reductions on the GPU, where CuPy would hand them to cuBLAS).
 
 On import it also tunes glibc's allocator for NumPy's allocate-per-op pattern (see
 ``_keep_freed_memory``); ``MINIPAR_MALLOC_TUNING=0`` leaves the allocator alone.
