@@ -129,7 +129,7 @@ def sum_of_squares(arrays):
     """The sum of the squares of every element of ``arrays``, as a Python float: one BLAS dot per
     array on the CPU; on the GPU one reduction per array and a single read back to the host."""
     if DEVICE == "cpu":
-        return sum(float(numpy.vdot(x.ravel(), x.ravel())) for x in arrays)
+        return sum((float(numpy.vdot(x.ravel(), x.ravel())) for x in arrays), 0.0)  # 0.0: a float even for []
     return float(sum(((x * x).sum() for x in arrays), xp.zeros((), "float64")))
 
 

@@ -110,8 +110,8 @@ def local_part(full, parts):
     """This rank's part of ``full``: for each (axis, count, index) in ``parts``, in order, cut
     ``count`` equal parts along ``axis`` and keep part ``index``."""
     for axis, count, index in parts:
-        if full.shape[axis] % count:
-            raise ValueError(f"axis {axis} of length {full.shape[axis]} does not split into {count} equal parts")
+        if not 0 <= axis < full.ndim or not 0 <= index < count or full.shape[axis] % count:
+            raise ValueError(f"part {index} of {count} along axis {axis} of a {full.shape} array: no such part")
         size = full.shape[axis] // count
         full = full[(slice(None),) * axis + (slice(index * size, (index + 1) * size),)]
     return full

@@ -28,10 +28,18 @@ from minipar.functional.elementwise import fresh_key
 from minipar.rng import keep_masks
 
 
-def _heads(x, n_head):
-    """(S, T, H*D) -> (S, H, T, D) as a view."""
-    S, T, C = x.shape
-    return x.reshape(S, T, n_head, C // n_head).transpose(0, 2, 1, 3)
+def _heads(x, n_head, parts, copy):
+    """(S, T, parts*H*D) -> (parts, S, H, T, D): a view, or with ``copy`` a contiguous copy (the
+    GPU kernel steps through a batch of S x H matrices with one stride: they must be evenly spaced)."""
+    S, T, width = x.shape
+    view = x.reshape(S, T, parts, n_head, width // parts // n_head).transpose(2, 0, 3, 1, 4)
+    return xp.ascontiguousarray(view) if copy else view
+
+
+def _merge(heads):
+    """(parts, S, H, T, D) -> (S, T, parts*H*D), the inverse of ``_heads``."""
+    parts, S, H, T, D = heads.shape
+    return heads.transpose(1, 3, 0, 2, 4).reshape(S, T, parts * H * D)
 
 
 def _mT(x):
@@ -41,7 +49,7 @@ def _mT(x):
 def _sequence_groups(B):
     """The sequences taken together: one at a time on the CPU, so that a sequence's scores stay in
     cache; all of them on the GPU, where every launch costs and one batched product is best."""
-    size = B if on_gpu() else 1
+    size = max(B, 1) if on_gpu() else 1
     return [(b, min(b + size, B)) for b in range(0, B, size)]
 
 
@@ -65,13 +73,13 @@ class CausalAttention(Function):
         B, T, C3 = qkv.shape
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
-        blocks = ctx.blocks = _query_blocks(T, T if on_gpu() else query_block)
-        ctx.groups = _sequence_groups(B)
+        blocks = ctx.blocks = _query_blocks(T, max(T, 1) if on_gpu() else query_block)
+        ctx.groups, ctx.copy = _sequence_groups(B), on_gpu()
         probs_t, keep_t = [], []  # per (sequence group, query block): (S, H, keys q1, queries q1 - q0)
         out = xp.empty((B, T, C), qkv.dtype)
         for b0, b1 in ctx.groups:
-            q, k, v = (_heads(qkv[b0:b1, :, i * C : (i + 1) * C], n_head) for i in range(3))
-            y = _heads(out[b0:b1], n_head)
+            q, k, v = _heads(qkv[b0:b1], n_head, 3, ctx.copy)
+            y = _heads(out[b0:b1], n_head, 1, ctx.copy)[0]
             if dropout_p > 0:  # one (query, key) mask per sequence and head, numbered globally
                 indices = [(offsets[0] + b, offsets[1] + h) for b in range(b0, b1) for h in range(n_head)]
                 keep = keep_masks(key, (T, T), dropout_p, qkv.dtype, indices).reshape(b1 - b0, n_head, T, T)
@@ -87,19 +95,20 @@ class CausalAttention(Function):
                     keep_t.append(_mT(keep[..., q0:q1, :q1]))
                     pt = pt * keep_t[-1]
                 matmul(_mT(pt), v[..., :q1, :], out=y[..., q0:q1, :])  # y = P v
+            if ctx.copy:
+                out[b0:b1] = _merge(y[None])
         ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
         qkv, n_head, scale = ctx.qkv, ctx.n_head, ctx.scale
-        C = qkv.shape[2] // 3
         dqkv = xp.zeros_like(qkv)  # dk and dv sum over the query blocks that see each key
         step = 0
         for b0, b1 in ctx.groups:
-            q, k, v = (_heads(qkv[b0:b1, :, i * C : (i + 1) * C], n_head) for i in range(3))
-            dq, dk, dv = (_heads(dqkv[b0:b1, :, i * C : (i + 1) * C], n_head) for i in range(3))
-            dy = _heads(grad[b0:b1], n_head)
+            q, k, v = _heads(qkv[b0:b1], n_head, 3, ctx.copy)
+            dq, dk, dv = dheads = _heads(dqkv[b0:b1], n_head, 3, ctx.copy)
+            dy = _heads(grad[b0:b1], n_head, 1, ctx.copy)[0]
             for q0, q1, _ in ctx.blocks:
                 pt = ctx.probs_t[step]
                 keep = ctx.keep_t[step] if ctx.keep_t else None
@@ -115,6 +124,8 @@ class CausalAttention(Function):
                 dpt *= scale
                 matmul(_mT(dpt), k[..., :q1, :], out=dq[..., q0:q1, :])  # dq = dS k
                 dk[..., :q1, :] += matmul(dpt, q[..., q0:q1, :])  # dk = dS^T q
+            if ctx.copy:
+                dqkv[b0:b1] = _merge(dheads)
         return dqkv, None, None, None, None, None
 
 
