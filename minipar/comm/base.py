@@ -138,13 +138,46 @@ def ring_bytes(op, nbytes, size, is_root=False, is_last=False):
 
 
 class Communicator:
-    """The interface; ``minipar.comm.mpi.MPICommunicator`` implements it over mpi4py. The i- forms
-    start the operation and return a ``Request``; the plain forms return when it is done."""
+    """The interface; ``mpi.MPICommunicator`` implements it over mpi4py, ``nccl.NCCLCommunicator``
+    over NCCL. The i- forms start the operation and return a ``Request``; the plain forms return
+    when it is done."""
 
     name: str
     rank: int
     size: int
     stats: CommStats
+
+    # Each implementation writes a collective once, as _op(..., wait): it runs to completion when
+    # ``wait``, and else returns a Request. The two public forms of each are named here.
+    def all_reduce(self, x, op="sum"):
+        """Sum (or max) ``x`` over the group, in place; returns x."""
+        return self._all_reduce(x, op, wait=True)
+
+    def iall_reduce(self, x, op="sum"):
+        return self._all_reduce(x, op, wait=False)
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        """Rank r receives the sum of every rank's chunk r, chunks taken along axis 0 (into
+        ``out`` if given)."""
+        return self._reduce_scatter(x, op, out, wait=True)
+
+    def ireduce_scatter(self, x, op="sum", out=None):
+        return self._reduce_scatter(x, op, out, wait=False)
+
+    def all_gather(self, x, out=None):
+        """Every rank receives all ranks' ``x``, stacked along a new axis 0 in rank order (into
+        ``out`` if given)."""
+        return self._all_gather(x, out, wait=True)
+
+    def iall_gather(self, x, out=None):
+        return self._all_gather(x, out, wait=False)
+
+    def broadcast(self, x, root=0):
+        """Every rank's ``x`` becomes root's, in place."""
+        return self._broadcast(x, root, wait=True)
+
+    def ibroadcast(self, x, root=0):
+        return self._broadcast(x, root, wait=False)
 
     def send(self, x, dest, tag=0):
         self.isend(x, dest, tag).wait()

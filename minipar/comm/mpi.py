@@ -111,7 +111,7 @@ class MPICommunicator(Communicator):
         request = Request(start_call().Test, result, keep=start_call, then=then)  # keep: the buffers
         return request.wait() if wait else request
 
-    # Each operation below is written once; the blocking form is the non-blocking one with wait=True.
+    # Each collective is written once, as _op(..., wait); the base class names its two forms.
     def _all_reduce(self, x, op, wait):
         mpi_op = _mpi_op(op)
         buf, then = _stage(x, "all_reduce", copy_back=True)
@@ -154,36 +154,6 @@ class MPICommunicator(Communicator):
         buf, then = _stage(x, "broadcast", copy_back=True)
         return self._run("broadcast", x.nbytes, x, lambda: self.comm.Bcast(buf, root=root),
                          lambda: self.comm.Ibcast(buf, root=root), wait, root=root, then=then)
-
-    def all_reduce(self, x, op="sum"):
-        """Sum (or max) ``x`` over the group, in place; returns x."""
-        return self._all_reduce(x, op, wait=True)
-
-    def iall_reduce(self, x, op="sum"):
-        return self._all_reduce(x, op, wait=False)
-
-    def reduce_scatter(self, x, op="sum", out=None):
-        """Rank r receives the sum of every rank's chunk r, chunks taken along axis 0 (into
-        ``out`` if given)."""
-        return self._reduce_scatter(x, op, out, wait=True)
-
-    def ireduce_scatter(self, x, op="sum", out=None):
-        return self._reduce_scatter(x, op, out, wait=False)
-
-    def all_gather(self, x, out=None):
-        """Every rank receives all ranks' ``x``, stacked along a new axis 0 in rank order (into
-        ``out`` if given)."""
-        return self._all_gather(x, out, wait=True)
-
-    def iall_gather(self, x, out=None):
-        return self._all_gather(x, out, wait=False)
-
-    def broadcast(self, x, root=0):
-        """Every rank's ``x`` becomes root's, in place."""
-        return self._broadcast(x, root, wait=True)
-
-    def ibroadcast(self, x, root=0):
-        return self._broadcast(x, root, wait=False)
 
     def barrier(self):
         self._run("barrier", 0, None, self.comm.Barrier, self.comm.Ibarrier, wait=True)

@@ -100,7 +100,7 @@ class NCCLCommunicator(Communicator):
     # ---- collectives: GPU arrays through NCCL, host arrays through MPI ---------------------------
     def _all_reduce(self, x, op, wait):
         if self._on_host(x):
-            return self.mpi.all_reduce(x, op) if wait else self.mpi.iall_reduce(x, op)
+            return self.mpi._all_reduce(x, op, wait)
         _contiguous(x, "all_reduce")
         dtype, nccl_op = _dtype(x), _op(op)
         return self._launch("all_reduce", x.nbytes, x,
@@ -109,7 +109,7 @@ class NCCLCommunicator(Communicator):
 
     def _reduce_scatter(self, x, op, out, wait):
         if self._on_host(x):
-            return self.mpi.reduce_scatter(x, op, out) if wait else self.mpi.ireduce_scatter(x, op, out)
+            return self.mpi._reduce_scatter(x, op, out, wait)
         _contiguous(x, "reduce_scatter")
         if x.shape[0] % self.size:
             raise ValueError(f"reduce_scatter: axis 0 of length {x.shape[0]} does not split into "
@@ -122,7 +122,7 @@ class NCCLCommunicator(Communicator):
 
     def _all_gather(self, x, out, wait):
         if self._on_host(x):
-            return self.mpi.all_gather(x, out) if wait else self.mpi.iall_gather(x, out)
+            return self.mpi._all_gather(x, out, wait)
         _contiguous(x, "all_gather")
         out = self._out(out, (self.size,) + x.shape, x, "all_gather")
         dtype = _dtype(x)
@@ -132,35 +132,11 @@ class NCCLCommunicator(Communicator):
 
     def _broadcast(self, x, root, wait):
         if self._on_host(x):
-            return self.mpi.broadcast(x, root) if wait else self.mpi.ibroadcast(x, root)
+            return self.mpi._broadcast(x, root, wait)
         _contiguous(x, "broadcast")
         dtype = _dtype(x)
         return self._launch("broadcast", x.nbytes, x,
                             lambda s: self.comm.bcast(x.data.ptr, x.size, dtype, root, s), x, wait, root=root)
-
-    def all_reduce(self, x, op="sum"):
-        return self._all_reduce(x, op, wait=True)
-
-    def iall_reduce(self, x, op="sum"):
-        return self._all_reduce(x, op, wait=False)
-
-    def reduce_scatter(self, x, op="sum", out=None):
-        return self._reduce_scatter(x, op, out, wait=True)
-
-    def ireduce_scatter(self, x, op="sum", out=None):
-        return self._reduce_scatter(x, op, out, wait=False)
-
-    def all_gather(self, x, out=None):
-        return self._all_gather(x, out, wait=True)
-
-    def iall_gather(self, x, out=None):
-        return self._all_gather(x, out, wait=False)
-
-    def broadcast(self, x, root=0):
-        return self._broadcast(x, root, wait=True)
-
-    def ibroadcast(self, x, root=0):
-        return self._broadcast(x, root, wait=False)
 
     # ---- the rest through MPI --------------------------------------------------------------------
     def barrier(self):
