@@ -7,10 +7,11 @@ so ``--device cuda`` can be read from the command line after the imports. At imp
 ``MINIPAR_DEVICE`` (``cpu``, the default, or ``cuda``). Asking for ``cuda`` without a working CuPy
 and GPU is an error, never a quiet fall back to the CPU.
 
-Four operations are here rather than in ``functional`` because the device decides how they run:
+Five operations are here rather than in ``functional`` because the device decides how they run:
 ``matmul`` (BLAS on the CPU, our own kernel in ``kernels/gemm.cu`` on the GPU: cuBLAS is never
-used for the model's math), and ``dot_along``, ``sum_along`` and ``sum_of_squares`` (BLAS tricks on
-the CPU, plain reductions on the GPU, where CuPy would hand them to cuBLAS).
+used for the model's math), ``dot_along``, ``sum_along`` and ``sum_of_squares`` (BLAS tricks on
+the CPU, plain reductions on the GPU, where CuPy would hand them to cuBLAS), and ``sum_segments``
+(NumPy's ``reduceat`` on the CPU; CuPy's is not accurate enough, see there).
 
 On import it also tunes glibc's allocator for NumPy's allocate-per-op pattern (see
 ``_keep_freed_memory``); ``MINIPAR_MALLOC_TUNING=0`` leaves the allocator alone.
@@ -131,6 +132,36 @@ def sum_of_squares(arrays):
     if DEVICE == "cpu":
         return sum((float(numpy.vdot(x.ravel(), x.ravel())) for x in arrays), 0.0)  # 0.0: a float even for []
     return float(sum(((x * x).sum() for x in arrays), xp.zeros((), "float64")))
+
+
+def sum_segments(rows, starts):
+    """Sums of runs of consecutive rows: ``out[i] = rows[starts[i]:starts[i + 1]].sum(axis=0)`` (the
+    last run goes to the end), for ascending ``starts`` beginning at 0.
+
+    The CPU runs NumPy's ``add.reduceat``, which adds each run's rows one after another. CuPy's
+    ``reduceat`` instead subtracts two running sums over all rows, so a run's error grows with the
+    whole array (~1e-6 relative in float32 for 8192 rows). The GPU therefore sums each run pairwise:
+    at stride s every row at an even multiple of s in its run adds the row s further on, if that
+    row is still in the run; after log2(longest run) such rounds each run's sum is in its first row.
+    Both are deterministic, and both are as accurate as a plain sum of the run's rows."""
+    if DEVICE == "cpu":
+        return numpy.add.reduceat(rows, starts, axis=0)
+    n = rows.shape[0]
+    if n == 0:
+        return rows[:0]
+    first = xp.zeros(n, xp.int64)
+    first[starts[1:]] = 1
+    run = xp.cumsum(first)                        # the run each row belongs to
+    lengths = xp.diff(xp.append(starts, n))
+    position = xp.arange(n) - starts[run]         # the row's place in its run
+    left = lengths[run] - position                # rows from this one to the end of its run
+    acc = rows.copy()
+    stride, longest = 1, int(lengths.max())
+    while stride < longest:
+        i = xp.flatnonzero((position % (2 * stride) == 0) & (left > stride))
+        acc[i] += acc[i + stride]                 # rows i + stride sit at odd multiples: not written now
+        stride *= 2
+    return acc[starts]
 
 
 def _keep_freed_memory():

@@ -188,21 +188,29 @@ def test_a_misaligned_vector_load_stops_the_kernel_as_on_a_gpu():
 
 
 # ---- NVRTC: the compiler cupy.RawModule runs on the GPU machine ---------------------------------
-def nvrtc():
-    """libnvrtc from the CUDA toolkit or the nvidia-cuda-nvrtc wheel, or None."""
-    import ctypes
+def nvrtc_candidates():
+    """Where libnvrtc may be: the system's library path, the CUDA 12 wheel
+    (``nvidia/cuda_nvrtc/lib``) and the CUDA 13 wheels (``nvidia/cu13/lib``), in that order."""
     import ctypes.util
     import glob
     import importlib.util
 
     paths = [ctypes.util.find_library("nvrtc")]
     try:
-        wheel = importlib.util.find_spec("nvidia.cuda_nvrtc")
-    except ModuleNotFoundError:  # no nvidia.* package at all
-        wheel = None
-    if wheel is not None:
-        paths += sorted(glob.glob(f"{list(wheel.submodule_search_locations)[0]}/lib/libnvrtc.so*"))
-    for path in filter(None, paths):
+        nvidia = importlib.util.find_spec("nvidia")  # a namespace package: one folder per wheel's site
+    except (ModuleNotFoundError, ValueError):
+        nvidia = None
+    for folder in (nvidia.submodule_search_locations if nvidia else []):
+        for layout in ("cuda_nvrtc/lib", "cu*/lib"):
+            paths += sorted(glob.glob(f"{folder}/{layout}/libnvrtc.so*"))
+    return [p for p in paths if p and "builtins" not in p]
+
+
+def nvrtc():
+    """libnvrtc loaded, or None."""
+    import ctypes
+
+    for path in nvrtc_candidates():
         try:
             return ctypes.CDLL(path)
         except OSError:
@@ -210,7 +218,23 @@ def nvrtc():
     return None
 
 
-@pytest.mark.skipif(nvrtc() is None, reason="no NVRTC (CUDA toolkit, or pip install nvidia-cuda-nvrtc-cu12)")
+def test_nvrtc_is_found_in_the_cuda_12_and_the_cuda_13_wheel_layouts(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    for layout in ("cuda_nvrtc/lib/libnvrtc.so.12", "cu13/lib/libnvrtc.so.13", "cu13/lib/libnvrtc-builtins.so.13"):
+        (tmp_path / "nvidia" / layout).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "nvidia" / layout).touch()
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + [p for p in sys.path if p])
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
+    importlib.invalidate_caches()
+    found = nvrtc_candidates()
+    assert str(tmp_path / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12") in found
+    assert str(tmp_path / "nvidia/cu13/lib/libnvrtc.so.13") in found
+    assert not any("builtins" in p for p in found)
+
+
+@pytest.mark.skipif(nvrtc() is None, reason="no NVRTC (CUDA toolkit, or pip install nvidia-cuda-nvrtc-cu12 / nvidia-cuda-nvrtc for CUDA 13)")
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 def test_nvrtc_compiles_the_source_and_finds_every_kernel_the_launcher_asks_for(arch):
     import ctypes

@@ -14,7 +14,7 @@ from minipar.kernels import emulator, gemm
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 
-pytestmark = pytest.mark.skipif(emulator.compiler() is None, reason="no C++ compiler for the emulator")
+needs_emulator = pytest.mark.skipif(emulator.compiler() is None, reason="no C++ compiler for the emulator")
 
 
 def one_step(dropout):
@@ -32,6 +32,7 @@ def one_step(dropout):
     return float(loss.data), grads, {n: p.data.copy() for n, p in model.named_parameters()}
 
 
+@needs_emulator
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_a_training_step_through_the_emulated_kernel_equals_blas(dropout, monkeypatch):
     minipar.set_default_dtype("float64")
@@ -76,3 +77,102 @@ def test_an_unknown_device_or_a_missing_cupy_is_an_error():
         with pytest.raises(ImportError, match="needs CuPy: pip install"):
             backend.use_device("cuda")
         assert backend.DEVICE == "cpu" and backend.xp.ndarray is numpy.ndarray  # nothing half-switched
+
+
+def running_sum_segments(rows, starts):
+    """What CuPy's ``add.reduceat`` computes: differences of one running sum over all rows."""
+    running = numpy.cumsum(rows, axis=0, dtype=rows.dtype)
+    ends = numpy.append(starts[1:], len(rows)) - 1
+    before = numpy.concatenate([numpy.zeros((1, rows.shape[1]), rows.dtype), running[ends[:-1]]])
+    return running[ends] - before
+
+
+def test_segment_sums_on_the_gpu_are_as_accurate_as_the_cpu_ones(monkeypatch):
+    """An embedding gradient over 8192 tokens: each id's rows summed. The GPU branch (pairwise per
+    run) is as accurate as NumPy's run-by-run sum; a running-sum difference is ~10x worse."""
+    rng = numpy.random.default_rng(0)
+    ids = numpy.sort(rng.zipf(1.3, 8192) % 300)  # a few ids occur thousands of times, most a few
+    rows = rng.standard_normal((8192, 64)).astype("float32")
+    starts = numpy.flatnonzero(numpy.r_[True, ids[1:] != ids[:-1]])
+    exact = numpy.add.reduceat(rows.astype("float64"), starts, axis=0)
+
+    def error(x):
+        return float(numpy.abs(x - exact).max() / numpy.abs(exact).max())
+
+    cpu = backend.sum_segments(rows, starts)
+    monkeypatch.setattr(backend, "DEVICE", "cuda")
+    gpu = backend.sum_segments(rows, starts)
+    assert gpu.dtype == rows.dtype and gpu.shape == exact.shape
+    assert error(cpu) < 3e-7 and error(gpu) < 3e-7, (error(cpu), error(gpu))
+    assert error(running_sum_segments(rows, starts)) > 5e-7  # the error this replaces is real here
+    single = numpy.arange(5.0).reshape(5, 1)  # runs of one row, and of the whole array
+    assert numpy.array_equal(backend.sum_segments(single, numpy.arange(5)), single)
+    assert backend.sum_segments(single, numpy.array([0]))[0, 0] == 10.0
+    assert backend.sum_segments(single[:0], numpy.array([], numpy.int64)).shape == (0, 1)
+
+
+def test_the_embedding_gradient_through_the_gpu_branch_equals_the_cpu_one(monkeypatch, float64):
+    import minipar.functional as F
+
+    rng = numpy.random.default_rng(2)
+    w = minipar.Tensor(rng.standard_normal((50, 8)), requires_grad=True)
+    ids, upstream = rng.integers(0, 50, (4, 33)), rng.standard_normal((4, 33, 8))
+    F.embedding(ids, w).backward(upstream)
+    cpu, w.grad = w.grad, None
+    monkeypatch.setattr(backend, "DEVICE", "cuda")
+    F.embedding(ids, w).backward(upstream)
+    expected = numpy.zeros((50, 8))
+    numpy.add.at(expected, ids.reshape(-1), upstream.reshape(-1, 8))
+    assert numpy.allclose(w.grad, cpu, rtol=1e-13, atol=1e-13) and numpy.allclose(cpu, expected, rtol=1e-13)
+
+
+def test_each_gpu_kernel_is_looked_up_once(monkeypatch):
+    """``get_function`` makes a new function object per call: the launcher keeps the first one."""
+    lookups = []
+
+    class Module:
+        def get_function(self, name):
+            lookups.append(name)
+            return object()
+
+    monkeypatch.setattr(gemm, "_kernels", {})
+    monkeypatch.setattr(gemm, "_module", lambda dtype: Module())
+    first = gemm._kernel("float32", False, True, False)
+    assert gemm._kernel(numpy.dtype("float32"), 0, 1, False) is first
+    assert gemm._kernel("float32", True, True, False) is not first
+    assert lookups == [gemm.kernel_name("float32", False, True), gemm.kernel_name("float32", True, True)]
+
+
+class FakeNCCL:
+    """cupy.cuda.nccl as CuPy 14 (``bytes`` ids) or CuPy 13 (tuples of signed chars) has it."""
+
+    def __init__(self, takes):
+        self.takes, self.made = takes, []
+        outer = self
+
+        class NcclCommunicator:
+            def __init__(self, size, uid, rank):
+                if not isinstance(uid, outer.takes):
+                    raise TypeError(f"Argument 'commId' has incorrect type (expected {outer.takes.__name__})")
+                outer.made.append((size, uid, rank))
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def get_unique_id(self):
+        raw = bytes(range(100, 228))  # crosses 127: signed and unsigned chars differ
+        return raw if self.takes is bytes else tuple(int(b) for b in numpy.frombuffer(raw, numpy.int8))
+
+
+@pytest.mark.parametrize("takes", [bytes, tuple])
+def test_the_nccl_unique_id_round_trips_through_both_cupy_forms(takes):
+    from minipar.comm import nccl
+
+    fake = FakeNCCL(takes)
+    raw = nccl.unique_id_bytes(fake.get_unique_id())
+    assert raw == bytes(range(100, 228))
+    shipped = numpy.frombuffer(raw, numpy.uint8).copy()  # what the broadcast carries
+    nccl.communicator(fake, 2, shipped.tobytes(), 1)
+    (size, uid, rank), = fake.made
+    assert (size, rank) == (2, 1) and uid == fake.get_unique_id()
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl.unique_id_bytes(b"short")

@@ -33,6 +33,27 @@ def _nccl():
     return nccl
 
 
+def unique_id_bytes(uid):
+    """NCCL's unique id as 128 bytes, from what ``get_unique_id`` returns: ``bytes`` in CuPy 14, a
+    tuple of 128 signed chars (-128..127) in CuPy 13 and before."""
+    if isinstance(uid, (bytes, bytearray)):
+        raw = bytes(uid)
+    else:
+        raw = numpy.array(uid, numpy.int64).astype(numpy.int8).tobytes()
+    if len(raw) != _ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {_ID_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+def communicator(nccl, size, raw, rank):
+    """``nccl.NcclCommunicator`` from the id's bytes, in the form this CuPy takes: ``bytes`` (CuPy
+    14) or the tuple of signed chars (CuPy 13); each refuses the other's with a TypeError."""
+    try:
+        return nccl.NcclCommunicator(size, raw, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(size, tuple(int(b) for b in numpy.frombuffer(raw, numpy.int8)), rank)
+
+
 def _dtype(x):
     nccl = _nccl()
     table = {"float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64, "int64": nccl.NCCL_INT64,
@@ -62,11 +83,11 @@ class NCCLCommunicator(Communicator):
 
         self.mpi, self.name, self.rank, self.size = mpi, name, mpi.rank, mpi.size
         self.stats = mpi.stats
-        uid = numpy.zeros(_ID_BYTES, numpy.int64)
+        uid = numpy.zeros(_ID_BYTES, numpy.uint8)
         if self.rank == 0:
-            uid[:] = _nccl().get_unique_id()
+            uid[:] = numpy.frombuffer(unique_id_bytes(_nccl().get_unique_id()), numpy.uint8)
         mpi.broadcast(uid, root=0)
-        self.comm = _nccl().NcclCommunicator(self.size, tuple(int(b) for b in uid), self.rank)
+        self.comm = communicator(_nccl(), self.size, uid.tobytes(), self.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def _on_host(self, x):

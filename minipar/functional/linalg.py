@@ -5,6 +5,7 @@ BLAS (or our GPU kernel) reads them with its transpose flag, no copy is made. Ev
 through ``backend.matmul``.
 """
 
+from minipar import backend
 from minipar.autograd import Function, Tensor
 from minipar.backend import matmul as mm, xp
 from minipar.functional.checks import floats
@@ -84,8 +85,9 @@ def linear(x, weight, bias=None):
 class Embedding(Function):
     """out[i] = W[ids[i]]. In backward an id that occurs several times must receive the sum of all
     its rows of the gradient, which ``dW[ids] += g`` would not do (fancy-index assignment keeps
-    only the last write). We sort the rows by id and sum each run of equal ids with ``reduceat``:
-    ~3x faster than ``add.at`` for a batch of 1024 tokens."""
+    only the last write). We sort the rows by id and sum each run of equal ids
+    (``backend.sum_segments``): ~3x faster than ``add.at`` for a batch of 1024 tokens on the CPU,
+    and, unlike ``add.at`` on a GPU, the same sums in the same order every run."""
 
     @staticmethod
     def forward(ctx, ids, weight):
@@ -102,7 +104,7 @@ class Embedding(Function):
         grad_w = xp.zeros(ctx.weight_shape, ctx.dtype)
         if ids.size == 0:
             return None, grad_w
-        grad_w[sorted_ids[run_starts]] = xp.add.reduceat(rows[order], run_starts, axis=0)
+        grad_w[sorted_ids[run_starts]] = backend.sum_segments(rows[order], run_starts)
         return None, grad_w
 
 

@@ -174,7 +174,7 @@ def run(a, b, out, launch, xp):
 
 
 # ---- the GPU --------------------------------------------------------------------------------------
-_modules = {}
+_modules, _kernels = {}, {}
 
 
 def _module(dtype):
@@ -191,10 +191,19 @@ def _module(dtype):
     return _modules[name]
 
 
+def _kernel(dtype, trans_a, trans_b, naive):
+    """One compiled kernel, looked up once: ``get_function`` makes a new function object on every
+    call, which would add its cost to every small product (and to what the benchmark measures)."""
+    key = (numpy.dtype(dtype).name, bool(trans_a), bool(trans_b), naive)
+    if key not in _kernels:
+        _kernels[key] = _module(key[0]).get_function(kernel_name(*key))
+    return _kernels[key]
+
+
 def _gpu_launcher(naive):
     def launch(p, c, ldc, stride_c, first, count):
         dtype = c.dtype
-        kernel = _module(dtype).get_function(kernel_name(dtype, p.a.trans, p.b.trans, naive))
+        kernel = _kernel(dtype, p.a.trans, p.b.trans, naive)
         step = dtype.itemsize
         a_ptr = p.a.array.data.ptr + first * p.a.batch_stride * step
         b_ptr = p.b.array.data.ptr + first * p.b.batch_stride * step
