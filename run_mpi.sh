@@ -12,6 +12,8 @@
 # - one BLAS/OpenMP thread per rank (unless you set those variables yourself): 8 ranks on 2 cores
 #   with 2 BLAS threads each would fight over the cores;
 # - Open MPI's refusals to run as root or with more ranks than cores (MPICH has neither).
+# The ranks run $PYTHON if it is set (a machine whose Python is only `python3`, or a particular
+# interpreter), else the `python` on PATH, else `python3`.
 set -euo pipefail
 
 usage() {
@@ -23,7 +25,7 @@ ranks=""
 while [ $# -gt 0 ]; do
     case "$1" in
         -n|-np) [ $# -ge 2 ] || usage; ranks="$2"; shift 2 ;;
-        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
@@ -41,9 +43,9 @@ elif [ ! -f "$1" ]; then
     exit 2
 fi
 
-python=$(command -v python || command -v python3 || true)
-if [ -z "$python" ]; then
-    echo "$0: no python on PATH; activate the project's environment (. .venv/bin/activate)" >&2
+python=${PYTHON:-$(command -v python || command -v python3 || true)}
+if [ -z "$python" ] || ! command -v "$python" >/dev/null; then
+    echo "$0: no python${PYTHON:+ at PYTHON=$PYTHON}; activate the project's environment (. .venv/bin/activate)" >&2
     exit 2
 fi
 

@@ -10,6 +10,7 @@ issues them: the backward products read a transposed operand in place.
 """
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -73,9 +74,10 @@ def main():
     if gpus == 0:
         print("bench/gemm.py needs a GPU: CuPy sees none; nothing timed")
         return 2
+    from minipar.backend import gpu_name
     from minipar.kernels import gemm
 
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    name = gpu_name(0)
     cases = [(f"square {n}", cupy.random.standard_normal((n, n), dtype=args.dtype),
               cupy.random.standard_normal((n, n), dtype=args.dtype)) for n in args.sizes]
     cases += gpt_products(cupy, args.dtype)
@@ -94,7 +96,9 @@ def main():
         print(f"  {label:<22} ours {gf(t_ours):>9,.0f}  cuBLAS {gf(t_blas):>9,.0f} GFLOP/s  "
               f"ratio {t_blas / t_ours:5.2f}", flush=True)
 
-    lines = [f"GEMM on {name}, {args.dtype}, median of {args.trials} x {args.repeats} launches (CUDA events)",
+    tf32 = os.environ.get("CUPY_TF32", "0")  # CuPy's default is 0: cuBLAS computes in full FP32, as ours does
+    lines = [f"GEMM on {name}, {args.dtype}, median of {args.trials} x {args.repeats} launches (CUDA events), "
+             f"CUPY_TF32={tf32}{' (cuBLAS rounds inputs to TF32: not a like-for-like baseline)' if tf32 != '0' else ''}",
              "", "| product | ours GFLOP/s | cuBLAS GFLOP/s | ours / cuBLAS | naive GFLOP/s | ours ms | max rel. diff |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for label, ours, blas, naive, ms, error in rows:

@@ -9,6 +9,7 @@ timed with CUDA events, and the first loss of each is printed to show they compu
 """
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -80,10 +81,11 @@ def main():
             runs[name][2].append(cupy.cuda.get_elapsed_time(start, stop) / args.steps)
     gemm.matmul = ours
 
-    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    device = backend.gpu_name()
     ms = {name: statistics.median(run[2]) for name, run in runs.items()}
     lines = [f"GPT step on {device}: {args.n_layer} layers, hidden {args.n_embd}, T {args.block_size}, "
-             f"batch {args.batch_size}, float32 (median of {args.rounds} rounds x {args.steps} steps)", ""]
+             f"batch {args.batch_size}, float32 (median of {args.rounds} rounds x {args.steps} steps), "
+             f"CUPY_TF32={os.environ.get('CUPY_TF32', '0')}", ""]
     for name, run in runs.items():
         lines.append(f"  {name:<15} {ms[name]:9.1f} ms/step   first loss {run[3][0]:.6f}")
     lines.append(f"  minipar kernel / cuBLAS step time: {ms['minipar kernel'] / ms['cuBLAS']:.2f}")

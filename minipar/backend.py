@@ -43,9 +43,8 @@ def _cupy_on_this_rank():
     try:
         import cupy
     except ImportError as exc:
-        raise ImportError("the cuda device needs CuPy: pip install -e '.[gpu]' (cupy-cuda12x; use "
-                          "cupy-cuda13x on CUDA 13), or run on the CPU (--device cpu, "
-                          "MINIPAR_DEVICE=cpu)") from exc
+        raise ImportError("the cuda device needs CuPy: pip install -e '.[gpu-cuda12]' (or '.[gpu-cuda13]' "
+                          "on CUDA 13), or run on the CPU (--device cpu, MINIPAR_DEVICE=cpu)") from exc
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as exc:
@@ -80,6 +79,16 @@ def use_device(name):
 
 def on_gpu():
     return DEVICE == "cuda"
+
+
+def gpu_name(index=None):
+    """The name of GPU ``index`` (default: this rank's), e.g. "NVIDIA H200". CuPy gives the
+    driver's char array as bytes; a str is taken as it is."""
+    import cupy
+
+    index = cupy.cuda.Device().id if index is None else index
+    name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def add_device_flag(parser):

@@ -20,7 +20,9 @@ def run_mpi(n, script, *args, timeout=120, command=None):
     if command is None and not os.path.isabs(script) and not os.path.exists(script):
         script = os.path.join(MPI_SCRIPTS, script)
     cmd = command or [LAUNCHER, "-n", str(n), script, *[str(a) for a in args]]
-    env = dict(os.environ, PATH=sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", ""))
+    # The ranks run this test's interpreter (run_mpi.sh reads PYTHON), wherever it is installed.
+    env = dict(os.environ, PYTHON=sys.executable,
+               PATH=sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", ""))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True)

@@ -26,3 +26,32 @@ def test_gpu_benchmarks_say_clearly_when_there_is_no_gpu():
     for script in ("gemm.py", "gpu_step.py"):
         run = subprocess.run([sys.executable, os.path.join(bench, script)], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and "needs CuPy and a GPU" in run.stdout and "nothing timed" in run.stdout
+
+
+def _base_python():
+    """The interpreter this environment was made from: a Python without minipar installed."""
+    base = getattr(sys, "_base_executable", None)
+    if not base or sys.prefix == sys.base_prefix:  # not in a virtual environment: no such Python
+        return None
+    probe = subprocess.run([base, "-c", "import numpy, minipar"], capture_output=True, text=True, timeout=60, cwd="/")
+    return base if "No module named 'minipar'" in probe.stderr else None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is here: the preflight would pass")
+@pytest.mark.skipif(_base_python() is None, reason="needs a base Python with NumPy and without minipar")
+def test_gpu_check_runs_from_the_checkout_and_stops_at_the_first_missing_piece(tmp_path):
+    """As on the lent machine: an interpreter with nothing of minipar installed, no wheels carried.
+    minipar imports from the checkout; the first thing missing (mpi4py's MPI, or CuPy) stops the
+    run at once with one line, before any step."""
+    script = os.path.join(os.path.dirname(BENCH), "gpu_check.sh")
+    env = dict(os.environ, PYTHON=_base_python(), GPU_WHEELS=str(tmp_path / "no-wheels"))
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(["bash", script, str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 3, run.stdout + run.stderr
+    root = os.path.dirname(os.path.dirname(BENCH))
+    assert f"ok   minipar: from {root}" in run.stdout
+    failed = [line for line in run.stdout.splitlines() if line.startswith("preflight: FAILED")]
+    assert len(failed) == 1 and ("FAILED: MPI" in failed[0] or "FAILED: CuPy" in failed[0]), run.stdout
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert "stopped at the preflight" in results and "| check |" not in results  # no step ran

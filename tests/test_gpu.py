@@ -74,3 +74,25 @@ def test_communicators_on_gpu_arrays(monkeypatch):
         assert "via MPI" in out and out.count("share a GPU") == 1
     else:  # a GPU each: NCCL, and no fallback
         assert "via NCCL" in out and "share a GPU" not in out
+
+
+def test_nccl_itself_runs_on_a_world_of_one():
+    """With one GPU the two-rank test above goes through MPI (NCCL refuses two ranks on one GPU),
+    so NCCL runs here, on one rank: the unique id's round trip (bytes in CuPy 14, a tuple before),
+    the communicator, and each collective on a GPU array, with its result and its byte account."""
+    from minipar.comm.mpi import world as mpi_world
+    from minipar.comm.nccl import NCCLCommunicator
+
+    comm = NCCLCommunicator(mpi_world(), "nccl-one")
+    assert (comm.rank, comm.size) == (0, 1)
+    x = cupy.arange(12, dtype=cupy.float32)
+    assert comm.all_reduce(x) is x and numpy.array_equal(x.get(), numpy.arange(12))
+    assert numpy.array_equal(comm.reduce_scatter(x).get(), numpy.arange(12))
+    assert comm.iall_gather(x).wait().shape == (1, 12)
+    comm.broadcast(x, root=0)
+    comm.iall_reduce(x, op="max").wait()
+    cupy.cuda.get_current_stream().synchronize()
+    assert numpy.array_equal(x.get(), numpy.arange(12))
+    assert comm.stats.by_op["all_reduce"].calls >= 2 and comm.stats.total().bytes_sent == 0  # one rank sends nothing
+    host = comm.all_reduce(numpy.ones(3))  # host arrays go through MPI
+    assert isinstance(host, numpy.ndarray) and host.tolist() == [1.0, 1.0, 1.0]

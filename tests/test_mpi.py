@@ -109,10 +109,17 @@ def test_launcher_explains_a_python_without_mpi(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named mpi4py' >&2\nexit 1\n")
     fake.chmod(0o755)
+    script = os.path.join(ROOT, "tests", "mpi", "comm_ops.py")
     code, out, _ = run_mpi(2, "", timeout=30, command=[
-        "env", f"PATH={tmp_path}:/usr/bin:/bin", os.path.join(ROOT, "run_mpi.sh"), "-n", "2",
-        os.path.join(ROOT, "tests", "mpi", "comm_ops.py")])
+        "env", "-u", "PYTHON", f"PATH={tmp_path}:/usr/bin:/bin", os.path.join(ROOT, "run_mpi.sh"), "-n", "2", script])
     assert code == 2 and "No module named mpi4py" in out and 'pip install -e ".[dev]"' in out
+    # PYTHON names the interpreter outright, whatever PATH holds (a machine with only python3)
+    code, out, _ = run_mpi(2, "", timeout=30, command=[
+        "env", f"PYTHON={fake}", os.path.join(ROOT, "run_mpi.sh"), "-n", "2", script])
+    assert code == 2 and "No module named mpi4py" in out
+    code, out, _ = run_mpi(2, "", timeout=30, command=[
+        "env", f"PYTHON={tmp_path}/nothing", os.path.join(ROOT, "run_mpi.sh"), "-n", "2", script])
+    assert code == 2 and f"no python at PYTHON={tmp_path}/nothing" in out
 
 
 @pytest.mark.parametrize("n", [2, 4])
