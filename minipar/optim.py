@@ -120,6 +120,19 @@ class AdamW(Optimizer):
         p -= tmp
 
 
+def adamw_reference(p, g, m, v, t, lr, betas, eps, weight_decay, decays):
+    """Step ``t`` of AdamW for one parameter as Loshchilov & Hutter write it (decoupled decay, then
+    the bias-corrected Adam step), a temporary per operation: what ``AdamW._update``'s in-place,
+    cache-blocked chain must equal. Returns the new (p, m, v)."""
+    b1, b2 = betas
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    if decays:
+        p = p - lr * weight_decay * p
+    m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+    return p - lr * m_hat / (xp.sqrt(v_hat) + eps), m, v
+
+
 def clip_grad_norm(params, max_norm, norm=None):
     """Scale all gradients by min(1, max_norm / ||g||), ||g|| the global L2 norm over every
     parameter (or ``norm``, computed by the caller across ranks: minipar.parallel.grad_norm);

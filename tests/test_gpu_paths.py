@@ -59,13 +59,21 @@ def test_a_training_step_through_the_emulated_kernel_equals_blas(dropout, monkey
     assert any(batched for (_, _, batched) in seen), seen
 
 
-def test_the_gpu_branches_of_the_reductions_agree_with_the_cpu_ones(monkeypatch):
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-13), ("float32", 1e-5)])
+def test_the_gpu_branches_of_the_reductions_agree_with_the_cpu_ones(monkeypatch, dtype, rtol):
+    """The GPU branches are the plain reductions, the reference for the CPU's BLAS tricks."""
     rng = numpy.random.default_rng(1)
-    a, b = rng.standard_normal((5, 7, 3)), rng.standard_normal((5, 7, 3))
-    cpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2), backend.sum_of_squares([a, b])]
-    monkeypatch.setattr(backend, "DEVICE", "cuda")
-    gpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2), backend.sum_of_squares([a, b])]
-    assert all(numpy.allclose(x, y, rtol=1e-13) for x, y in zip(cpu, gpu))
+    for shape in [(5, 7, 3), (64, 300, 257)]:
+        a, b = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
+        monkeypatch.setattr(backend, "DEVICE", "cpu")
+        cpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2),
+               backend.sum_of_squares([a, b])]
+        monkeypatch.setattr(backend, "DEVICE", "cuda")
+        gpu = [backend.dot_along(a, b, 1), backend.sum_along(a, -1), backend.sum_along(a, -2),
+               backend.sum_of_squares([a, b])]
+        for x, y in zip(cpu, gpu):
+            scale = numpy.abs(numpy.asarray(y, "float64")).max()
+            assert numpy.abs(numpy.asarray(x, "float64") - y).max() <= rtol * scale, shape
 
 
 def test_an_unknown_device_or_a_missing_cupy_is_an_error():

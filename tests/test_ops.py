@@ -149,8 +149,39 @@ def test_layer_norm_normalises():
     numpy.testing.assert_allclose(y.var(-1), 1, rtol=1e-4)
 
 
-def test_gelu_matches_the_tanh_formula():
+@pytest.mark.parametrize("dtype,rtol,atol", [(numpy.float64, 1e-12, 1e-14), (numpy.float32, 2e-5, 1e-6)])
+def test_gelu_in_place_chains_equal_the_plain_formula(dtype, rtol, atol):
+    """GELU runs in place, block by block in cache; ``gelu_reference`` is the formula as it reads.
+    (In float32, 1 + tanh(z) for negative x cancels: ~1e-7 absolute, whichever way it is computed.)"""
+    from minipar.functional.elementwise import gelu_backward_reference, gelu_reference
+
     x = numpy.linspace(-6, 6, 200_001)  # long enough to cross several blocks
-    y = F.gelu(Tensor(x, dtype=numpy.float64)).data
-    expected = 0.5 * x * (1 + numpy.tanh(numpy.sqrt(2 / numpy.pi) * (x + 0.044715 * x**3)))
-    numpy.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-15)
+    numpy.testing.assert_allclose(gelu_reference(x),
+                                  0.5 * x * (1 + numpy.tanh(numpy.sqrt(2 / numpy.pi) * (x + 0.044715 * x**3))),
+                                  rtol=1e-12, atol=1e-15)
+    x = x.astype(dtype)
+    rng = numpy.random.default_rng(1)
+    for data in (x, (rng.standard_normal((300, 500)) * 3).astype(dtype)[:, ::2]):  # and a strided view
+        t = Tensor(data, requires_grad=True, dtype=dtype)
+        y = F.gelu(t)
+        upstream = rng.standard_normal(data.shape).astype(dtype)
+        y.backward(upstream)
+        assert y.data.dtype == t.grad.dtype == dtype
+        numpy.testing.assert_allclose(y.data, gelu_reference(data), rtol=rtol, atol=atol)
+        numpy.testing.assert_allclose(t.grad, gelu_backward_reference(data, upstream), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_blas_row_sums_equal_the_plain_formula(bias):
+    from minipar.functional.reduction import layer_norm_reference
+
+    rng = numpy.random.default_rng(2)
+    x = rng.standard_normal((3, 5, 96)) * 3 + 2
+    w, b, g = rng.standard_normal(96), rng.standard_normal(96), rng.standard_normal((3, 5, 96))
+    tx, tw = Tensor(x, requires_grad=True, dtype=numpy.float64), Tensor(w, requires_grad=True, dtype=numpy.float64)
+    tb = Tensor(b, requires_grad=True, dtype=numpy.float64) if bias else None
+    y = F.layer_norm(tx, tw, tb)
+    y.backward(g)
+    out, dx, dw, db = layer_norm_reference(x, w, b if bias else None, 1e-5, g)
+    for ours, plain in [(y.data, out), (tx.grad, dx), (tw.grad, dw)] + ([(tb.grad, db)] if bias else []):
+        numpy.testing.assert_allclose(ours, plain, rtol=1e-12, atol=1e-13)

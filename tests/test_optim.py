@@ -7,7 +7,7 @@ import pytest
 
 from minipar import Tensor
 from minipar.nn import Parameter
-from minipar.optim import SGD, AdamW, clip_grad_norm
+from minipar.optim import SGD, AdamW, adamw_reference, clip_grad_norm
 
 
 def params_and_grads(seed=0, dtype=numpy.float64):
@@ -19,20 +19,25 @@ def params_and_grads(seed=0, dtype=numpy.float64):
 
 
 def reference_adamw(values, grads, lr, betas, eps, wd):
-    """Loshchilov & Hutter's AdamW, literally: decay matrices, then the bias-corrected Adam step."""
-    b1, b2 = betas
+    """``adamw_reference``, the formula written plainly beside the in-place chain, step by step."""
     values = [v.copy() for v in values]
     m = [numpy.zeros_like(v) for v in values]
     s = [numpy.zeros_like(v) for v in values]
     for t, step_grads in enumerate(grads, start=1):
         for i, g in enumerate(step_grads):
-            m[i] = b1 * m[i] + (1 - b1) * g
-            s[i] = b2 * s[i] + (1 - b2) * g * g
-            if values[i].ndim >= 2:
-                values[i] = values[i] - lr * wd * values[i]
-            m_hat, s_hat = m[i] / (1 - b1**t), s[i] / (1 - b2**t)
-            values[i] = values[i] - lr * m_hat / (numpy.sqrt(s_hat) + eps)
+            values[i], m[i], s[i] = adamw_reference(values[i], g, m[i], s[i], t, lr, betas, eps, wd,
+                                                    decays=values[i].ndim >= 2)
     return values
+
+
+def test_the_reference_adamw_is_the_papers_formula():
+    p, g, m, v = numpy.array([2.0]), numpy.array([0.5]), numpy.array([0.1]), numpy.array([0.04])
+    new_p, new_m, new_v = adamw_reference(p, g, m, v, t=2, lr=0.1, betas=(0.9, 0.99), eps=1e-8,
+                                          weight_decay=0.5, decays=True)
+    m_t, v_t = 0.9 * 0.1 + 0.1 * 0.5, 0.99 * 0.04 + 0.01 * 0.25
+    step = (m_t / (1 - 0.9**2)) / (math.sqrt(v_t / (1 - 0.99**2)) + 1e-8)
+    assert new_m[0] == pytest.approx(m_t) and new_v[0] == pytest.approx(v_t)
+    assert new_p[0] == pytest.approx(2.0 - 0.1 * 0.5 * 2.0 - 0.1 * step, rel=1e-14)
 
 
 @pytest.mark.parametrize("dtype,rtol", [(numpy.float64, 1e-12), (numpy.float32, 2e-6)])

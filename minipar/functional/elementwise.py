@@ -173,6 +173,17 @@ class GELU(Function):
         return dx.reshape(grad.shape)
 
 
+def gelu_reference(x):
+    """GELU as its formula reads, a temporary per operation: what ``GELU.forward`` must equal."""
+    return 0.5 * x * (1.0 + xp.tanh(_GELU_C * (x + _GELU_A * x**3)))
+
+
+def gelu_backward_reference(x, grad):
+    """grad * dGELU/dx as the formula reads: what ``GELU.backward`` must equal."""
+    t = xp.tanh(_GELU_C * (x + _GELU_A * x**3))
+    return grad * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x))
+
+
 class MaskedFill(Function):
     @staticmethod
     def forward(ctx, x, mask, value):

@@ -130,6 +130,19 @@ class LayerNorm(Function):
         return dx.reshape(grad.shape), grad_w, grad_b, None
 
 
+def layer_norm_reference(x, weight, bias, eps, grad):
+    """LayerNorm's output and its gradients (x, weight, bias) for upstream ``grad``, with plain
+    means and sums along the rows: what ``LayerNorm``'s BLAS row sums must equal."""
+    mean = x.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+    xhat = (x - mean) * rstd
+    out = xhat * weight + (0.0 if bias is None else bias)
+    dxhat = grad * weight
+    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    rows = tuple(range(x.ndim - 1))
+    return out, dx, (grad * xhat).sum(axis=rows), None if bias is None else grad.sum(axis=rows)
+
+
 def layer_norm(x, weight, bias=None, eps=1e-5):
     """LayerNorm over the last axis with a learned scale ``weight`` and optional shift ``bias``."""
     x, weight, bias = floats("layer_norm", x, weight, bias)
