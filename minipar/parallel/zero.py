@@ -30,8 +30,8 @@ from minipar.autograd import Tensor
 from minipar.backend import sum_of_squares, xp
 from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel.data import sync_replicas
-from minipar.placement import is_primary
 from minipar.parallel.shards import Ledger, group_parameters
+from minipar.placement import is_primary
 
 
 NOT_WITH_PIPELINES = ("ZeRO stages 2 and 3 send gradients during backward, before the tied embedding's "
