@@ -126,10 +126,10 @@ def is_primary(placement, ranks):
     """Whether this rank's copy of a parameter is the one counted in a norm and written in a
     checkpoint: the copy on index 0 of every group that holds copies of it.
 
-    ``ranks``: this rank's index in each group, by name (``ProcessGrid.ranks()``). A group it does
-    not name counts as index 0: a caller whose arrays differ across a group (ZeRO's pieces across
-    "dp") or that combines nothing over it (a norm every DP replica computes whole) leaves it out,
-    and a single device passes ``{}``."""
+    ``ranks``: this rank's index in each group, by name (``ProcessGrid.ranks()``); a group it does
+    not name counts as index 0, so a single device passes ``{}``. A caller whose arrays differ
+    across a group (ZeRO's pieces across "dp"), or that combines nothing over it (a norm every DP
+    replica computes whole), passes index 0 for that group: there, every rank's copy is its own."""
     return all(ranks.get(group, 0) == 0 for group in placement.copies)
 
 
