@@ -43,6 +43,7 @@ from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.tensor import local_shard
 from minipar.parallel.zero import ZeroAdamW
 from minipar.trainer import gather_text
 from minipar.verify import as_one_vector, rel_err
@@ -132,8 +133,7 @@ def main():
             if step == 0:
                 whole = opt.full_gradients()
                 for name, p in model.named_parameters():
-                    part = getattr(p, "partition", None)
-                    ref = part.shard(grads_s[name]) if part is not None else grads_s[name]
+                    ref = local_shard(p, grads_s[name], grid)
                     errors["gradients (worst tensor)"] = max(errors["gradients (worst tensor)"],
                                                              rel_err(whole[id(p)], ref))
             opt.clip_grad_norm(MAX_NORM)

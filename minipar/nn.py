@@ -12,15 +12,23 @@ import minipar.functional as F
 from minipar import rng
 from minipar.autograd import Tensor
 from minipar.backend import default_generator, get_default_dtype, xp
+from minipar.placement import REPLICATED
 
 
 class Parameter(Tensor):
-    """A Tensor that is a model weight: it always requires grad."""
+    """A Tensor that is a model weight: it always requires grad.
 
-    def __init__(self, data):
+    ``placement`` says how it is cut, copied and summed across ranks (``minipar.placement``; by
+    default every rank that holds it holds it whole). ``held_by`` is None, or the ZeRO-3 optimizer
+    that keeps this parameter's values in shards: ``data`` is then empty except while that
+    optimizer has gathered it, and ``held_by.numel(p)`` is its size."""
+
+    def __init__(self, data, placement=REPLICATED):
         super().__init__(data, requires_grad=True)
         # C order, so that flat views (the optimizer's, a ZeRO shard's) alias the weight itself
         self.data = xp.ascontiguousarray(self.data)
+        self.placement = placement
+        self.held_by = None
 
 
 def normal_(shape, std, generator=None):
@@ -61,7 +69,7 @@ class Module:
         return [p for _, p in self.named_parameters()]
 
     def num_parameters(self):
-        return sum(getattr(p, "full_size", p.size) for p in self.parameters())  # ZeRO-3 empties p
+        return sum(p.size if p.held_by is None else p.held_by.numel(p) for p in self.parameters())
 
     def zero_grad(self):
         for p in self.parameters():
@@ -77,7 +85,7 @@ class Module:
 
     def state_dict(self):
         """``{name: array}``: copies, so later training does not change a saved state."""
-        if any(getattr(p, "zero3", False) for p in self.parameters()):
+        if any(p.held_by is not None for p in self.parameters()):
             raise RuntimeError("ZeRO-3 holds this model's parameters in shards: use Zero3.full_state_dict()")
         return {name: p.data.copy() for name, p in self.named_parameters()}
 

@@ -9,12 +9,13 @@ import pytest
 
 import minipar
 from minipar.checkpoint import full, sharded
-from minipar.checkpoint.boxes import Placement, flat_boxes, region, to_global
+from minipar.checkpoint.boxes import flat_boxes, region, to_global
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.zero import ZeroAdamW
 from minipar.parallel.zero3 import Zero3
+from minipar.placement import Split
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (4, 1, 3)])
@@ -29,7 +30,7 @@ def test_flat_boxes_cover_every_flat_range_in_order(shape):
 
 
 def _shard(whole, axis, size, padded, chunks, ranks, rank):
-    """The TP shard the way Partition.shard cuts it, padding marked -1."""
+    """The TP shard the way Split.shard cuts it, padding marked -1."""
     pad = [(0, 0)] * whole.ndim
     pad[axis] = (0, padded - size)
     blocks = np.split(np.pad(whole, pad, constant_values=-1), chunks, axis=axis)
@@ -46,12 +47,14 @@ def test_local_boxes_map_onto_the_whole_tensor(shape, axis, chunks, padded):
             continue
         for rank in range(ranks):
             local = _shard(whole, axis, shape[axis], padded, chunks, ranks, rank)
-            place = Placement(axis, shape[axis], padded, chunks, ranks, rank)
+            split = Split("tp", axis, shape[axis], chunks, padded)
+            mine = split.shard(whole, rank, ranks)  # the parameter's own cut: padded with zeros
+            np.testing.assert_array_equal(np.where(local >= 0, mine, -1), local)
             for _ in range(30):
                 s = [int(rng.integers(0, d)) for d in local.shape]
                 e = [int(rng.integers(a + 1, d + 1)) for a, d in zip(s, local.shape)]
                 covered = np.zeros(local.shape, bool)
-                for gs, ge, ls, le in to_global(place, s, e):
+                for gs, ge, ls, le in to_global(split, rank, ranks, s, e):
                     np.testing.assert_array_equal(local[region(ls, le)], whole[region(gs, ge)])
                     covered[region(ls, le)] = True
                 inside = np.zeros(local.shape, bool)

@@ -10,9 +10,9 @@ Two maps lead from a rank's memory to the whole tensor:
 
 * a flat range [a, b) of the rank's local array (ZeRO's pieces are flat) is a few row-major
   boxes of the local array, each contiguous in memory (``flat_boxes``);
-* a local box is a box of the whole tensor through the tensor-parallel ``Partition``
-  (``to_global``): the partitioned axis holds ``chunks`` blocks (q, k, v) each split over the TP
-  ranks, after padding (the vocabulary) that the whole tensor does not have.
+* a local box is a box of the whole tensor through the parameter's ``placement.split``
+  (``to_global``): the split axis holds ``chunks`` blocks (q, k, v) each cut over the ranks of
+  the split's group, after padding (the vocabulary) that the whole tensor does not have.
 """
 
 import math
@@ -43,43 +43,21 @@ def flat_boxes(shape, a, b):
     return head + middle + tail
 
 
-class Placement:
-    """How a local array sits in the whole tensor: split along ``axis`` into ``chunks`` blocks,
-    each cut into ``ranks`` equal parts of which this is part ``rank``, after padding the axis
-    from ``size`` to ``padded``. No partition: the local array is the whole tensor."""
-
-    def __init__(self, axis=0, size=None, padded=None, chunks=1, ranks=1, rank=0):
-        self.axis, self.size, self.chunks, self.ranks, self.rank = axis, size, chunks, ranks, rank
-        self.padded = padded if padded is not None else size
-
-    @classmethod
-    def of(cls, param):
-        part = getattr(param, "partition", None)
-        if part is None:
-            return cls()
-        return cls(part.axis, part.size, part.padded, part.chunks, part.comm.size, part.comm.rank)
-
-    def global_shape(self, local_shape):
-        shape = list(local_shape)
-        if self.ranks > 1 or self.padded != self.size:
-            shape[self.axis] = self.size
-        return tuple(shape)
-
-
-def to_global(placement, start, stop):
-    """[(global start, global stop, local start, local stop)] for a local box: one per chunk the
-    box crosses, with padding (beyond ``size``) cut off."""
-    if placement.size is None:
+def to_global(split, index, n, start, stop):
+    """[(global start, global stop, local start, local stop)] for a box of part ``index`` of ``n``
+    of a tensor cut by ``split`` (a ``minipar.placement.Split``; None: the local array is the
+    whole tensor): one per chunk the box crosses, with padding (beyond ``size``) cut off."""
+    if split is None:
         return [(tuple(start), tuple(stop), tuple(start), tuple(stop))]
-    ax = placement.axis
-    per_chunk_local = placement.padded // placement.chunks // placement.ranks
-    per_chunk_global = placement.padded // placement.chunks
+    ax = split.axis
+    per_chunk_local = split.part_length(n)
+    per_chunk_global = split.padded // split.chunks
     out, s = [], start[ax]
     while s < stop[ax]:
         chunk = s // per_chunk_local
         e = min(stop[ax], (chunk + 1) * per_chunk_local)
-        g = chunk * per_chunk_global + placement.rank * per_chunk_local + (s - chunk * per_chunk_local)
-        g_end = min(g + (e - s), placement.size)
+        g = chunk * per_chunk_global + index * per_chunk_local + (s - chunk * per_chunk_local)
+        g_end = min(g + (e - s), split.size)
         if g < g_end:
             gs, ge, ls, le = list(start), list(stop), list(start), list(stop)
             gs[ax], ge[ax], ls[ax], le[ax] = g, g_end, s, s + (g_end - g)

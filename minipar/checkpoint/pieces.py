@@ -9,16 +9,18 @@ depends on the optimizer:
     Zero3                    parameters, m and v all as flat pieces
 
 A ``Piece`` is one such array with what it takes to place it in the whole tensor (``boxes.py``):
-its local shape, its TP placement and, for a flat piece, its range of the flattened local array.
-``write`` says whether this rank is the one that saves it: every element of the whole state is
-saved exactly once, by DP rank 0 for replicated state, TP rank 0 for a weight every TP rank holds
-whole, and the first stage for the tied embedding (the last stage's copy is the same tensor).
-Every rank loads all of its pieces.
+its local shape, the parameter's split and which part of it this rank holds, and, for a flat
+piece, its range of the flattened local array. ``write`` says whether this rank is the one that
+saves it: every element of the whole state is saved exactly once, by the primary copy
+(``placement.is_primary``: DP rank 0 for state every replica holds, TP rank 0 for a weight every
+TP rank holds whole, the first stage for the tied embedding). ZeRO's flat pieces differ across
+the DP group, so there no DP rank holds a copy of another's. Every rank loads all of its pieces.
 """
 
 from dataclasses import dataclass
 
-from minipar.checkpoint.boxes import Placement, flat_boxes, region, to_global, volume
+from minipar.checkpoint.boxes import flat_boxes, region, to_global, volume
+from minipar.placement import Split, is_primary
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -29,13 +31,14 @@ class Piece:
     name: str
     array: object  # the rank's memory: the whole local array, or a flat view of the piece
     local_shape: tuple
-    placement: Placement
+    split: Split = None  # how the local array is cut from the whole tensor (None: it is the whole)
+    part: tuple = (0, 1)  # (index, n): this rank holds part index of n of the split
     flat: tuple = None  # (a, b): the piece is this range of the flattened local array
     write: bool = True
 
     @property
     def global_shape(self):
-        return self.placement.global_shape(self.local_shape)
+        return self.split.whole_shape(self.local_shape) if self.split is not None else tuple(self.local_shape)
 
     def views(self):
         """(local start, local stop, view) for boxes of the local array that cover the piece; each
@@ -54,47 +57,52 @@ class Piece:
         tensor (padding is not), the view being that part of the rank's memory."""
         out = []
         for ls, le, view in self.views():
-            for gs, ge, sub_s, sub_e in to_global(self.placement, ls, le):
+            for gs, ge, sub_s, sub_e in to_global(self.split, *self.part, ls, le):
                 out.append((gs, ge, view[region(sub_s, sub_e, ls)]))
         return out
 
 
-def _writer(param, grid, replicated_over_dp):
-    """Whether this rank saves its copy of ``param``'s state (see the module docstring)."""
-    if getattr(param, "pipeline_copy", False):
-        return False
-    if grid is not None and grid.tp_rank != 0 and not hasattr(param, "partition"):
-        return False
-    return not (replicated_over_dp and grid is not None and grid.dp_rank != 0)
+def _cut(param, grid):
+    """(split, (index, n)) of ``param`` on this rank: the group names resolved by the grid."""
+    split = param.placement.split
+    if split is None:
+        return None, (0, 1)
+    if grid is None:
+        raise ValueError(f"a parameter split over '{split.group}' needs the grid to place its part: "
+                         "pass grid=")
+    comm = grid.group(split.group)
+    return split, (comm.rank, comm.size)
 
 
 def pieces(model, optimizer, grid=None):
     """Every Piece of the training state this rank holds (``grid`` None: one device)."""
     names = {id(p): n for n, p in model.named_parameters()}
+    whole = grid.ranks() if grid is not None else {}  # copies over every group, DP included
+    flat = dict(whole, dp=0)  # ZeRO's pieces: a different one on every DP rank
     out = []
     groups = getattr(optimizer, "groups", None)
     if groups is None:  # plain AdamW: whole local arrays, replicated over DP
         for p, m, v in zip(optimizer.params, optimizer.m, optimizer.v):
-            write = _writer(p, grid, replicated_over_dp=True)
+            write = is_primary(p.placement, whole)
             for kind, array in zip(KINDS, (p.data, m, v)):
-                out.append(Piece(kind, names[id(p)], array, p.shape, Placement.of(p), write=write))
+                out.append(Piece(kind, names[id(p)], array, p.shape, *_cut(p, grid), write=write))
         return out
-    zero3 = optimizer.stage == 3
-    if not zero3:  # ZeRO 1-2 keep whole parameters on every DP rank
+    stage3 = optimizer.stage == 3
+    if not stage3:  # ZeRO 1-2 keep whole parameters on every DP rank
         for p in model.parameters():
-            out.append(Piece("param", names[id(p)], p.data, p.shape, Placement.of(p),
-                             write=_writer(p, grid, replicated_over_dp=True)))
-    stores = (("param", optimizer.master),) if zero3 else ()
+            out.append(Piece("param", names[id(p)], p.data, p.shape, *_cut(p, grid),
+                             write=is_primary(p.placement, whole)))
+    stores = (("param", optimizer.master),) if stage3 else ()
     stores += (("exp_avg", optimizer.moments[0]), ("exp_avg_sq", optimizer.moments[1]))
     for g in groups:
         for i, a, b, at in g.segments():
             p = g.params[i]
-            shape = optimizer.shapes[id(p)] if zero3 else p.shape
+            shape = optimizer.shapes[id(p)] if stage3 else p.shape
             start = g.shard.start + at
             for kind, store in stores:
-                out.append(Piece(kind, names[id(p)], store[start : start + b - a], shape, Placement.of(p),
+                out.append(Piece(kind, names[id(p)], store[start : start + b - a], shape, *_cut(p, grid),
                                  flat=(a - g.offsets[i], b - g.offsets[i]),
-                                 write=_writer(p, grid, replicated_over_dp=False)))
+                                 write=is_primary(p.placement, flat)))
     return out
 
 

@@ -65,6 +65,7 @@ class GPTConfig:
 class GPT(Module):
     def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1):
         self.config = config
+        self.grid = grid  # resolves the group names of the parameters' placements
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
         self.dp = grid.dp_group if grid is not None and grid.dp > 1 else None
         self.pp = grid.pp_group if grid is not None and grid.pp > 1 else None
@@ -102,16 +103,16 @@ class GPT(Module):
             ln_f=layers.layer_norm(config.n_embd, config.bias) if last else None,
         )
         self._block = dict(zip(mine, self.transformer.h))
-        # each rank of a sequence-parallel group uses the rows of its own positions
-        wpe.weight.sequence_parallel_grad = self.sequence_parallel
+        if self.sequence_parallel:  # each rank of the TP group uses the rows of its own positions
+            wpe.weight.placement = wpe.weight.placement.also(grad_sum="tp")
         # The tied embedding lives on two stages. Its copies start equal (the first stage's is
         # broadcast, as Megatron-LM does, so they agree even if the ranks were seeded differently)
-        # and take equal steps: finalize_grads adds the two gradient parts.
+        # and take equal steps: finalize_grads adds the two gradient parts. The first stage's copy
+        # is the one counted in a norm and written in a checkpoint (placement.is_primary).
         self.embedding_group = grid.embedding_group if self.pp is not None else None
         if self.embedding_group is not None and self.embedding_group.size > 1:
             self.embedding_group.broadcast(wte.weight.data, root=0)
-            if last:  # counted once in a global gradient norm: the first stage counts it
-                wte.weight.pipeline_copy = True
+            wte.weight.placement = wte.weight.placement.also(copies="embedding", grad_sum="embedding")
         # drawn after the weights, so the weights do not depend on it
         self.rng.seed = int(default_generator().integers(0, 2**62))
 
@@ -237,12 +238,11 @@ class GPT(Module):
         self._grads_final = True
         if self.sequence_parallel:
             tensor.finalize_grads(self, self.tp)
-        group = self.embedding_group
-        if group is not None and group.size > 1:
-            wte = self.transformer.wte.weight
-            if wte.grad is None:
-                wte.grad = xp.zeros_like(wte.data)
-            group.all_reduce(wte.grad)
+        for p in self.parameters():
+            if "embedding" in p.placement.grad_sum:  # the tied embedding, on a pipeline
+                if p.grad is None:
+                    p.grad = xp.zeros_like(p.data)
+                self.embedding_group.all_reduce(p.grad)
 
     def _whole_model_only(self, what):
         if self.pp is not None:

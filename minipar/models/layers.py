@@ -38,8 +38,9 @@ class _Layers:
         """With sequence parallelism each rank normalises its own positions only: the weight
         gradients are partial sums, added up over the TP group by ``GPT.finalize_grads``."""
         ln = LayerNorm(dim, bias)
-        for p in ln.parameters():
-            p.sequence_parallel_grad = self.sp
+        if self.sp:
+            for p in ln.parameters():
+                p.placement = p.placement.also(grad_sum="tp")
         return ln
 
     def dropout(self, p):

@@ -32,8 +32,6 @@ class Group:
         self.params, self.comm = params, comm
         self.offsets, self.sizes, total = [], [p.size for p in params], 0
         self.decays = [p.ndim >= 2 for p in params]  # AdamW's rule, kept while ZeRO-3 empties p
-        # under tensor parallelism, a parameter without a partition is the same on every TP rank
-        self.replicated = [not hasattr(p, "partition") for p in params]
         for size in self.sizes:
             self.offsets.append(total)
             total += size

@@ -31,45 +31,14 @@ from minipar.parallel.collectives import (
     reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
+from minipar.placement import split_over
 
 
-class Partition:
-    """How a parameter is split across ``comm``: along ``axis``, which holds ``chunks`` equal
-    blocks each split separately (3 for the fused q, k, v), after padding to ``padded`` entries
-    (the vocabulary); ``size`` is the unpadded length."""
-
-    def __init__(self, comm, axis, size, chunks=1, padded=None):
-        self.comm, self.axis, self.size, self.chunks = comm, axis, size, chunks
-        self.padded = padded or size
-
-    def full_shape(self, local_shape):
-        shape = list(local_shape)
-        shape[self.axis] = self.size
-        return tuple(shape)
-
-    def shard(self, full):
-        """This rank's part of the whole array."""
-        if self.padded != self.size:
-            pad = [(0, 0)] * full.ndim
-            pad[self.axis] = (0, self.padded - self.size)
-            full = xp.pad(full, pad)
-        blocks = xp.split(full, self.chunks, axis=self.axis)
-        mine = [xp.split(b, self.comm.size, axis=self.axis)[self.comm.rank] for b in blocks]
-        return xp.ascontiguousarray(xp.concatenate(mine, axis=self.axis))
-
-    def gather(self, local):
-        """The whole array from every rank's part (a collective)."""
-        parts = self.comm.all_gather(xp.ascontiguousarray(local))
-        per_rank = [xp.split(part, self.chunks, axis=self.axis) for part in parts]
-        blocks = [xp.concatenate([p[c] for p in per_rank], axis=self.axis) for c in range(self.chunks)]
-        full = xp.concatenate(blocks, axis=self.axis)
-        return xp.take(full, xp.arange(self.size), axis=self.axis) if self.padded != self.size else full
-
-
-def sharded_parameter(full, partition):
-    p = Parameter(partition.shard(full))
-    p.partition = partition
-    return p
+def sharded_parameter(full, comm, axis, chunks=1, padded=None):
+    """A parameter holding this rank's part of ``full``, cut over the TP group ``comm``; its
+    placement says how, for everything that later needs the whole tensor back."""
+    placement = split_over("tp", axis, full.shape[axis], chunks, padded)
+    return Parameter(placement.split.shard(full, comm.rank, comm.size), placement)
 
 
 def _check_split(what, n, comm):
@@ -92,9 +61,8 @@ class ColumnParallelLinear(Module):
             raise ValueError(f"{out_features} output features do not form {chunks} equal blocks")
         _check_split("output features per chunk", out_features // chunks, comm)
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
-        rows = Partition(comm, axis=0, size=out_features, chunks=chunks)
-        self.weight = sharded_parameter(normal_((out_features, in_features), std), rows)
-        self.bias = sharded_parameter(xp.zeros(out_features, get_default_dtype()), rows) if bias else None
+        self.weight = sharded_parameter(normal_((out_features, in_features), std), comm, 0, chunks)
+        self.bias = sharded_parameter(xp.zeros(out_features, get_default_dtype()), comm, 0, chunks) if bias else None
 
     def forward(self, x):
         x = gather_from_sequence_region(x, self.comm) if self.sequence_parallel else copy_to_region(x, self.comm)
@@ -117,11 +85,10 @@ class RowParallelLinear(Module):
             raise ValueError("a sequence-parallel RowParallelLinear takes its input already split by "
                              "features (input_is_parallel=True), as the column-parallel layer leaves it")
         self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
-        cols = Partition(comm, axis=1, size=in_features)
-        self.weight = sharded_parameter(normal_((out_features, in_features), std), cols)
+        self.weight = sharded_parameter(normal_((out_features, in_features), std), comm, axis=1)
         self.bias = Parameter(xp.zeros(out_features, get_default_dtype())) if bias else None
-        if bias and sequence_parallel:
-            self.bias.sequence_parallel_grad = True
+        if bias and sequence_parallel:  # each rank adds it to its own positions only
+            self.bias.placement = self.bias.placement.also(grad_sum="tp")
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -152,8 +119,7 @@ class VocabParallelEmbedding(Module):
         padded = padded_vocab(num_embeddings, comm.size)
         self.per_rank = padded // comm.size
         self.start = comm.rank * self.per_rank
-        rows = Partition(comm, axis=0, size=num_embeddings, padded=padded)
-        self.weight = sharded_parameter(normal_((num_embeddings, dim), std), rows)
+        self.weight = sharded_parameter(normal_((num_embeddings, dim), std), comm, 0, padded=padded)
 
     def forward(self, ids):
         ids = xp.asarray(ids)
@@ -177,8 +143,9 @@ class VocabParallelEmbedding(Module):
 def finalize_grads(model, comm):
     """Sum over ``comm`` the gradients that sequence parallelism leaves partial on each rank
     (LayerNorm weights and biases, row-parallel biases, position embeddings: each rank saw only its
-    sequence shard), packed in one buffer so that it takes one all-reduce."""
-    params = [p for p in model.parameters() if getattr(p, "sequence_parallel_grad", False) and p.grad is not None]
+    sequence shard: the parameters whose placement sums the gradient over "tp"), packed in one
+    buffer so that it takes one all-reduce."""
+    params = [p for p in model.parameters() if "tp" in p.placement.grad_sum and p.grad is not None]
     if not params or comm.size == 1:
         return
     if not hasattr(model, "_partial_grads_summed"):  # any backward makes the gradients partial again
@@ -195,28 +162,42 @@ def finalize_grads(model, comm):
         offset += g.size
 
 
+def local_shard(param, whole, grid):
+    """This rank's part of ``whole``, the whole array of ``param`` (``whole`` itself if the
+    parameter is not split)."""
+    split = param.placement.split
+    if split is None:
+        return whole
+    comm = grid.group(split.group)
+    return split.shard(whole, comm.rank, comm.size)
+
+
 def full_parameters(model, which="data"):
     """``{name: whole array}`` of every parameter (``which="grad"``: of every gradient), gathered
-    from the shards; padding removed. A collective: every rank of the model must call it."""
+    from the parts (``model.grid`` names the groups); padding removed. A collective: every rank of
+    the model must call it."""
     out = {}
     for name, p in model.named_parameters():
         value = p.data if which == "data" else p.grad
         if value is None:
             value = xp.zeros_like(p.data)
-        part = getattr(p, "partition", None)
-        out[name] = part.gather(value) if part is not None else value.copy()
+        split = p.placement.split
+        if split is None:
+            out[name] = value.copy()
+        else:
+            out[name] = split.unshard(model.grid.group(split.group).all_gather(xp.ascontiguousarray(value)))
     return out
 
 
 def load_full_parameters(model, state):
-    """Load a single-device state dict into a model on any grid: each rank keeps its shard."""
+    """Load a single-device state dict into a model on any grid: each rank keeps its part."""
     sharded = dict(state)
     for name, p in model.named_parameters():
-        part = getattr(p, "partition", None)
-        if part is None or name not in state:
+        split = p.placement.split
+        if split is None or name not in state:
             continue
         value = xp.asarray(getattr(state[name], "data", state[name]))  # an array or a Tensor, either device
-        if value.shape != part.full_shape(p.shape):
-            raise ValueError(f"{name}: shape {value.shape}, the whole model has {part.full_shape(p.shape)}")
-        sharded[name] = part.shard(value)
+        if value.shape != split.whole_shape(p.shape):
+            raise ValueError(f"{name}: shape {value.shape}, the whole model has {split.whole_shape(p.shape)}")
+        sharded[name] = local_shard(p, value, model.grid)
     model.load_state_dict(sharded)

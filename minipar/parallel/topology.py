@@ -64,6 +64,16 @@ class Layout:
         group = sorted({stages[0], stages[-1]})
         return group if rank in group else None
 
+    def ranks(self, rank):
+        """{group name: index of ``rank`` in that group}: how a parameter's ``Placement`` (which
+        names groups) resolves on this rank. "embedding" only on the first and last stage."""
+        t, d, p = self.coords(rank)
+        out = {"tp": t, "dp": d, "pp": p}
+        embedding = self.embedding_group(rank)
+        if embedding is not None:
+            out["embedding"] = embedding.index(rank)
+        return out
+
     def groups(self, kind):
         """Every group of one kind, each listed once, in order of its first rank."""
         of = getattr(self, f"{kind}_group")
@@ -158,6 +168,18 @@ class ProcessGrid:
     def next_stage(self):
         """Global rank of the next pipeline stage (None on the last)."""
         return None if self.is_last_stage else self.layout.rank(self.tp_rank, self.dp_rank, self.pp_rank + 1)
+
+    def ranks(self):
+        """This rank's index in each group, by name (``Layout.ranks``)."""
+        return self.layout.ranks(self.rank)
+
+    def group(self, name):
+        """The communicator a group name of a ``Placement`` stands for (None: this rank is in no
+        such group, as a middle stage is in no "embedding" group)."""
+        groups = {"tp": self.tp_group, "dp": self.dp_group, "pp": self.pp_group, "embedding": self.embedding_group}
+        if name not in groups:
+            raise ValueError(f"no group named {name!r} on this grid: a Placement names one of {sorted(groups)}")
+        return groups[name]
 
     def groups(self):
         return [g for g in (self.tp_group, self.dp_group, self.pp_group, self.embedding_group) if g]

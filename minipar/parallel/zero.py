@@ -31,6 +31,7 @@ from minipar.backend import sum_of_squares, xp
 from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.shards import Ledger, group_parameters
+from minipar.placement import is_primary
 
 
 NOT_WITH_PIPELINES = ("ZeRO stages 2 and 3 send gradients during backward, before the tied embedding's "
@@ -61,6 +62,10 @@ class ZeroAdamW:
                              "parallelism's partial gradients are summed: use stage 1 with it")
         self.model, self.comm, self.stage = model, comm, stage
         self.tp = getattr(model, "tp", None)  # a TP group shards parameters across it already
+        grid = getattr(model, "grid", None)
+        # which copies this rank counts in the norm (see placement.is_primary); its pieces differ
+        # across the DP group, so none is a copy there
+        self.ranks = dict(grid.ranks(), dp=0) if grid is not None else {}
         self.ledger = Ledger()
         self.dtype = params[0].dtype
         if stage < 3:
@@ -205,10 +210,8 @@ class ZeroAdamW:
         every TP rank holds whole, and the last stage's copy of the tied embedding, counted once;
         see ``minipar.parallel.grad_norm``)."""
         self.finish_gradients()
-        tp_rank = self.tp.rank if self.tp is not None else 0
         counted = [piece[at : at + b - a] for g, piece in zip(self.groups, self.grad_pieces)
-                   for i, a, b, at in g.segments()
-                   if not getattr(g.params[i], "pipeline_copy", False) and (tp_rank == 0 or not g.replicated[i])]
+                   for i, a, b, at in g.segments() if is_primary(g.params[i].placement, self.ranks)]
         total = self.comm.all_reduce(xp.asarray([sum_of_squares(counted)]))
         for group in (self.tp, getattr(self.model, "pp", None)):
             if group is not None:

@@ -15,6 +15,8 @@ The tied embedding is used by two units, the embeddings and the head: it is gath
 its gradient arrives in two parts, each reduce-scattered and added to the same shard.
 """
 
+import math
+
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.recompute import checkpoint
@@ -50,8 +52,9 @@ class Zero3(ZeroAdamW):
         for g in groups:  # one group's flat copy at a time, not the whole model's
             self.master[g.shard] = g.flatten([p.data for p in g.params], dtype)[slice(*g.own())]
         self._empty = xp.empty(0, dtype)
+        self._gathered = set()  # ids of the groups whose parameters are whole right now
         for p in params:  # ... and keeps only its pieces
-            p.full_size, p.zero3 = p.size, True
+            p.held_by = self
             p.data = self._empty
         super().__init__(model, comm, 3, lr, betas, eps, weight_decay, groups=groups)
         self.ledger.add("parameters", self.master.nbytes)
@@ -61,6 +64,10 @@ class Zero3(ZeroAdamW):
 
     def master_pieces(self):
         return [self.master[g.shard] for g in self.groups]
+
+    def numel(self, p):
+        """The whole size of a parameter this optimizer holds in shards (its data may be empty)."""
+        return math.prod(self.shapes[id(p)])
 
     def _wrap(self, owner, name, groups):
         groups = list({id(g): g for g in groups}.values())
@@ -79,17 +86,19 @@ class Zero3(ZeroAdamW):
     def gather(self, groups):
         """All-gather the groups' parameters into whole buffers the parameters point into."""
         for g in groups:
+            if id(g) in self._gathered:
+                raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
+            self._gathered.add(id(g))
             whole = xp.empty((self.comm.size, g.piece), self.master.dtype)
             self.comm.all_gather(self.master[g.shard].copy(), out=whole)
             flat = whole.reshape(-1)
             for p, part in zip(g.params, g.unflatten(flat)):
-                if p.data.size:
-                    raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
                 p.data = part.reshape(self.shapes[id(p)])
             self.ledger.add("parameters", flat.nbytes)
 
     def release(self, groups):
         for g in groups:
+            self._gathered.discard(id(g))
             for p in g.params:
                 p.data = self._empty
             self.ledger.remove("parameters", g.padded * self.master.itemsize)

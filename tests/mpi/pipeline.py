@@ -19,6 +19,7 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.data import DataParallel
 from minipar.parallel.grad_norm import clip_grad_norm as clip_across_ranks
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.tensor import local_shard
 from minipar.verify import rel_err
 
 p = argparse.ArgumentParser()
@@ -57,9 +58,7 @@ MAX_NORM = 0.05  # below the gradient norm: clipping is active
 
 def shard(name, value):
     """This TP rank's part of a serial parameter (the model may hold a shard of it)."""
-    p = mine[name]
-    part = getattr(p, "partition", None)
-    return part.shard(value) if part is not None else value
+    return local_shard(mine[name], value, grid)
 
 
 for step in range(2):
