@@ -19,7 +19,8 @@ gradient (on the critical path: the previous stage waits for it), and W, the wei
 order; ``_backward`` computes the input's gradient only and parks the weight half of the graph
 in the state (a new ``StepState`` field, keyed by (mb, chunk) like the others); a new
 ``_backward_weight(state, ins)`` pops it and runs it; ``self.last_backward`` then names each
-chunk's last W, after which its gradients are complete; ``simulate`` gives W its cost.
+chunk's last W, after which its gradients are complete; ``simulate`` gives W its cost, and
+``trace`` and ``schedules.table`` its letter.
 
 Shapes are agreed, not sent: every rank computes (micro-batch rows, positions, n_embd) from the
 batch it is given and the model, so a message is only its bytes. Each message has its own tag,
