@@ -84,7 +84,8 @@ class PipelineExecutor:
         self.m, self.v, self.name = micro_batches, v, schedule
         self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
         self.pipe = S.Pipeline(grid.pp, micro_batches, v)
-        self.instructions = S.build(schedule, grid.pp, micro_batches, v)[grid.pp_rank]
+        plans = S.build(schedule, grid.pp, micro_batches, v)  # every rank's, to check them all alike
+        self.instructions = plans[grid.pp_rank]
         self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank)
         self.comm = grid.pp_group  # None when PP = 1: then nothing is sent
         self._handlers = {
@@ -96,8 +97,8 @@ class PipelineExecutor:
             S.SEND_GRAD: self._send_grad,
             S.STEP: self._step,
         }
-        unknown = sorted({ins.op for ins in self.instructions} - set(self._handlers))
-        if unknown:  # a schedule ahead of its executor: say what is missing before any message
+        unknown = sorted({ins.op for plan in plans.values() for ins in plan} - set(self._handlers))
+        if unknown:  # a schedule ahead of its executor: every rank says so, before any message
             raise ValueError(f"the {schedule!r} schedule has instructions {unknown} that the executor "
                              "has no method for: add one to PipelineExecutor._handlers")
         # the backward after which a chunk's gradients are complete for the step
