@@ -1,13 +1,16 @@
 """Lesson 4: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), checked against one device.
 
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py              # PP = 4
-    ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py --pp 4       # PP = 4 x DP = 2
+    ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py              # PP = 4 x DP = 2
+    ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py --pp 2       # PP = 2 x DP = 4
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --dtype float64
     ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --show-schedules   # a core per rank
 
-The GPT's 8 blocks are cut into stages: rank r runs blocks 2r and 2r+1, the first rank also the
-embeddings, the last the final LayerNorm and the loss (with 2 virtual stages, rank r holds blocks r
-and 4 + r: a micro-batch passes every rank twice). The step's batch is cut into m micro-batches
+The GPT's 8 blocks are cut into stages: on 4 ranks, rank r runs blocks 2r and 2r+1, the first rank
+also the embeddings, the last the final LayerNorm and the loss (with 2 virtual stages, rank r holds
+blocks r and 4 + r: a micro-batch passes every rank twice). By default the pipeline is as long as
+the flags allow (every rank a stage on 2 or 4 ranks; on 8, 16 chunks of 8 blocks cannot be, so
+PP = 4 and the rest is data parallelism). The step's batch is cut into m micro-batches
 that follow each other through the stages, each rank forwarding one while its neighbours work on
 others. Activations go forward and their gradients back as point-to-point messages.
 
@@ -50,9 +53,47 @@ TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 
 
-def parse_args(n):
-    p = argparse.ArgumentParser(description="Pipeline parallelism against the single-device run.")
-    p.add_argument("--pp", type=int, default=n, help="pipeline stages (DP = ranks / PP)")
+class Parser(argparse.ArgumentParser):
+    """Every rank parses the same flags and finds the same problem before any message: rank 0
+    prints it as one line (argparse would print the usage first, on every rank) and ends the job
+    with status 2."""
+
+    def __init__(self, comm, **kwargs):
+        super().__init__(**kwargs)
+        self.comm = comm
+
+    def error(self, message):
+        if self.comm.rank == 0:
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+            if self.comm.size > 1:
+                self.comm.abort(2)  # ends every rank, each waiting below: no rank ends before this print
+            sys.exit(2)
+        self.comm.barrier()
+        sys.exit(2)
+
+    def print_help(self, file=None):
+        if self.comm.rank == 0:
+            super().print_help(file)
+
+
+def longest_pipeline(n, args):
+    """The default --pp: the most stages among the divisors of the ranks that the schedules allow
+    (interleaved: m divisible by p, n_layer by p x v); virtual stages need 2 stages or more."""
+    fewest = 2 if args.virtual_stages > 1 else 1
+    for pp in sorted((d for d in range(fewest, n + 1) if n % d == 0), reverse=True):
+        try:
+            schedules.check(pp, args.micro_batches, args.virtual_stages, args.n_layer, interleaved=True)
+        except ValueError:
+            continue
+        return pp
+    return None
+
+
+def parse_args(comm):
+    n = comm.size
+    p = Parser(comm, description="Pipeline parallelism against the single-device run.")
+    p.add_argument("--pp", type=int, help="pipeline stages (DP = ranks / PP); default: the most the "
+                   "other flags allow")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank, interleaved schedule")
     p.add_argument("--n-layer", type=int, default=8)
@@ -67,14 +108,33 @@ def parse_args(n):
     p.add_argument("--plant-bug", action="store_true",
                    help="skip adding the tied embedding's two gradient parts (first and last stage)")
     args = p.parse_args()
-    if args.pp < 1 or n % args.pp:
-        p.error(f"--pp {args.pp} must divide the number of ranks ({n})")
     if args.steps < 2:
         p.error("--steps must be >= 2 (memory is measured in the first step, time in the last)")
-    schedules.check(args.pp, args.micro_batches, args.virtual_stages, args.n_layer, interleaved=True)
+    if min(args.n_layer, args.batch_size, args.block_size) < 1:
+        p.error("--n-layer, --batch-size and --block-size must be >= 1")
+    try:
+        schedules.check(1, args.micro_batches, args.virtual_stages, interleaved=True)
+    except ValueError as exc:  # sizes that are no sizes (m < 1, ...), whatever the pipeline
+        p.error(f"{exc} (--micro-batches, --virtual-stages)")
+    if args.pp is None:
+        args.pp = longest_pipeline(n, args)
+        if args.pp is None:
+            p.error(f"no pipeline fits {n} rank(s) with --micro-batches {args.micro_batches}, "
+                    f"--virtual-stages {args.virtual_stages} and --n-layer {args.n_layer}: change those "
+                    "flags or the number of ranks (the defaults fit 2, 4 and 8)")
+    if args.pp < 1 or n % args.pp:
+        p.error(f"--pp {args.pp} must divide the number of ranks ({n})")
+    if args.pp == 1 and args.virtual_stages > 1:
+        p.error("virtual stages interleave the chunks of 2 stages or more: give --pp 2 or more, "
+                "or --virtual-stages 1")
+    try:
+        schedules.check(args.pp, args.micro_batches, args.virtual_stages, args.n_layer, interleaved=True)
+    except ValueError as exc:
+        p.error(f"{exc} (--pp, --micro-batches, --virtual-stages, --n-layer)")
     if args.batch_size % (args.micro_batches * (n // args.pp)):
         p.error(f"--batch-size {args.batch_size} must split into {args.micro_batches} micro-batches "
-                f"of equal slices for each of the {n // args.pp} data-parallel replicas")
+                f"of equal slices for each of the {n // args.pp} data-parallel replicas: use a "
+                f"multiple of {args.micro_batches * (n // args.pp)}")
     return args
 
 
@@ -162,7 +222,7 @@ def gather_timelines(comm, grid, name, m, v, timeline):
 
 def main():
     comm = world()
-    args = parse_args(comm.size)
+    args = parse_args(comm)
     minipar.set_default_dtype(args.dtype)
     use_device(args.device)
     comm = world()  # on GPUs, NCCL's

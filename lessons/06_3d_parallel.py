@@ -3,14 +3,19 @@
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py                    # TP=2, PP=2, DP=2, ZeRO-1
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --tp 1 --pp 4      # any layout of the ranks
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --dtype float64
+    ./run_mpi.sh -n 16 lessons/06_3d_parallel.py                   # TP=2, PP=4, DP=2
 
 Every technique of lessons 2-5 at once, the way Megatron-LM and DeepSpeed run them:
 
 * the ranks form a TP x DP x PP grid (tensor-parallel rank fastest);
-* each pipeline stage holds half the blocks (the first also the embeddings, the last the head);
-* within a stage, each TP rank holds half of every matrix (attention heads, MLP columns, vocabulary);
-* each (stage, TP shard) is replicated over 2 DP ranks that split the batch, and ZeRO-1 splits
+* each pipeline stage holds its share of the blocks (the first also the embeddings, the last the head);
+* within a stage, each TP rank holds its part of every matrix (attention heads, MLP columns, vocabulary);
+* each (stage, TP shard) is replicated over DP ranks that split the batch, and ZeRO-1 splits
   the replicas' Adam state between them.
+
+By default the ranks' factors of 2 go in turn to PP, TP and DP: 2 ranks are PP=2, 4 are PP=2 x
+TP=2, 8 are PP=2 x TP=2 x DP=2 and 16 are PP=4 x TP=2 x DP=2 (any odd factor goes to DP); --tp and
+--pp choose another layout.
 
 The lesson first prints who holds what: the grid, each rank's blocks, its shard of the matrices
 and its piece of the optimizer state. It then trains a few steps, with the same seed and batches
@@ -41,7 +46,7 @@ from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
-from minipar.parallel import ProcessGrid
+from minipar.parallel import Layout, ProcessGrid
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
 from minipar.parallel.zero import ZeroAdamW
@@ -53,10 +58,46 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 MAX_NORM = 1.0
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description="3D parallelism against the single-device run.")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
+CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, dropout=0.1)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every rank parses the same flags and finds the same problem before any message: rank 0
+    prints it as one line (argparse would print the usage first, on every rank) and ends the job
+    with status 2."""
+
+    def __init__(self, comm, **kwargs):
+        super().__init__(**kwargs)
+        self.comm = comm
+
+    def error(self, message):
+        if self.comm.rank == 0:
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+            if self.comm.size > 1:
+                self.comm.abort(2)  # ends every rank, each waiting below: no rank ends before this print
+            sys.exit(2)
+        self.comm.barrier()
+        sys.exit(2)
+
+    def print_help(self, file=None):
+        if self.comm.rank == 0:
+            super().print_help(file)
+
+
+def default_layout(n):
+    """(TP, PP) for n ranks: its factors of 2 dealt in turn to PP, TP and DP (the rest is DP)."""
+    sizes, turn = {"pp": 1, "tp": 1, "dp": 1}, 0
+    while n % 2 == 0:
+        sizes[("pp", "tp", "dp")[turn % 3]] *= 2
+        n, turn = n // 2, turn + 1
+    return sizes["tp"], sizes["pp"]
+
+
+def parse_args(comm):
+    n = comm.size
+    p = Parser(comm, description="3D parallelism against the single-device run.")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: from the number of ranks)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default: from the number of ranks)")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
     p.add_argument("--steps", type=int, default=4)
@@ -65,7 +106,24 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
                    help="skip finalize_grads: the tied embedding's parts on the first and last stage are never added")
-    return p.parse_args()
+    args = p.parse_args()
+    tp, pp = default_layout(n)
+    args.tp = tp if args.tp is None else args.tp
+    args.pp = pp if args.pp is None else args.pp
+    if min(args.steps, args.micro_batches, args.batch_size) < 1:
+        p.error("--steps, --micro-batches and --batch-size must be >= 1")
+    if min(args.tp, args.pp) < 1 or n % (args.tp * args.pp):
+        p.error(f"TP x PP = {args.tp} x {args.pp} does not divide the {n} ranks: change --tp or --pp")
+    dp = n // (args.tp * args.pp)
+    try:  # whole heads per TP rank, whole blocks per stage: pure arithmetic, no message
+        Layout(args.tp, args.pp, dp).check_model(CONFIG.n_head, CONFIG.n_embd, CONFIG.n_layer)
+    except ValueError as exc:
+        p.error(f"{exc} (--tp {args.tp}, --pp {args.pp})")
+    if args.batch_size % (args.micro_batches * dp):
+        p.error(f"--batch-size {args.batch_size} must split into {args.micro_batches} micro-batches of "
+                f"equal slices for each of the {dp} data-parallel replicas: use a multiple of "
+                f"{args.micro_batches * dp}")
+    return args
 
 
 def who_holds_what(grid, model, opt):
@@ -90,11 +148,11 @@ def who_holds_what(grid, model, opt):
 
 def main():
     comm = world()
-    args = parse_args()
+    args = parse_args(comm)
     minipar.set_default_dtype(args.dtype)
     use_device(args.device)
     comm = world()  # on GPUs, NCCL's
-    config = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, dropout=0.1)
+    config = CONFIG
     grid = ProcessGrid(tp=args.tp, pp=args.pp)
     data = Dataset(load_corpus())
     batches = [data.batch("train", s, args.batch_size, config.block_size, args.seed) for s in range(args.steps)]

@@ -37,10 +37,12 @@ def test_bad_pipeline_sizes_end_the_job_with_the_reason(args, message):
 LESSON_4 = os.path.join(ROOT, "lessons", "04_pipeline_parallel.py")
 
 
-@pytest.mark.parametrize("n,args", [(4, []), (8, ["--pp", "4"]), (2, ["--dtype", "float64", "--micro-batches", "4"])])
-def test_pipeline_lesson(n, args, tmp_path):
+@pytest.mark.parametrize("n,args,layout", [(4, [], "PP=4 x DP=1"), (8, [], "PP=4 x DP=2"),
+                                           (2, ["--dtype", "float64", "--micro-batches", "4"], "PP=2 x DP=1")])
+def test_pipeline_lesson(n, args, layout, tmp_path):
+    """With its defaults at 2, 4 and 8 ranks (at 8, 16 chunks of 8 blocks cannot be: PP = 4, DP = 2)."""
     out = check_mpi(n, LESSON_4, "--out", str(tmp_path), *args, timeout=300)
-    assert "equals the single-device run" in out
+    assert "equals the single-device run" in out and out.startswith(layout)
     assert {f.name for f in tmp_path.iterdir()} >= {"1f1b_measured.png", "interleaved_simulated.png", "gpipe_trace.json"}
 
 

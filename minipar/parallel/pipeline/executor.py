@@ -1,14 +1,26 @@
 """The executor: run one rank's schedule on its pipeline stage of a GPT, with real messages.
 
-Each instruction of ``schedules.py`` becomes
+A schedule (``schedules.py``) is a list of instructions; the executor keeps a table from each
+instruction kind to the one method that carries it out, and everything a step holds between
+instructions lives in one ``StepState`` (``state.py``). The methods:
 
-    recv_act   post a receive of the activation into a buffer of the agreed shape; wait politely
-    forward    ``model.chunk_forward`` on it (token ids for the first chunk), keeping the graph
-    send_act   start a non-blocking send of the output
-    recv_grad  receive the gradient of that output
-    backward   backpropagate it through the kept graph; the input's gradient is left in its .grad
-    send_grad  start a non-blocking send of the input's gradient
-    step       wait for the sends still in flight, then the caller's optimizer step
+    _recv_act   post a receive of the activation into a buffer of the agreed shape; wait politely
+    _forward    ``model.chunk_forward`` on it (token ids for the first chunk), keeping the graph
+    _send_act   start a non-blocking send of the output
+    _recv_grad  receive the gradient of that output
+    _backward   backpropagate it through the kept graph; the input's gradient is left in its .grad
+    _send_grad  start a non-blocking send of the input's gradient
+    _step       wait for the sends still in flight, then the caller's optimizer step
+
+A new instruction is one method and one entry in ``self._handlers``, plus its place in the
+schedules. Zero-bubble pipelines (Qi et al. 2023, ZB-H1) split the backward into B, the input's
+gradient (on the critical path: the previous stage waits for it), and W, the weights' gradient
+(filling the bubble later). For them: ``schedules.py`` gains ``BACKWARD_WEIGHT`` and the ZB-H1
+order; ``_backward`` computes the input's gradient only and parks the weight half of the graph
+in the state (a new ``StepState`` field, keyed by (mb, chunk) like the others); a new
+``_backward_weight(state, ins)`` pops it and runs it; ``self.last_backward`` then names each
+chunk's last W, after which its gradients are complete; ``simulate`` gives W its cost, and
+``trace`` and ``schedules.table`` its letter.
 
 Shapes are agreed, not sent: every rank computes (micro-batch rows, positions, n_embd) from the
 batch it is given and the model, so a message is only its bytes. Each message has its own tag,
@@ -19,8 +31,8 @@ What makes the pipelined run equal to one device:
 * Micro-batch i is rows i*B..(i+1)*B of the step's batch (then cut across data-parallel ranks), and
   its loss, a mean over its tokens, is scaled by (its tokens / the step's tokens) before backward:
   the shares add up to the mean over the whole batch, not to a sum of per-micro-batch means.
-* Dropout draws the single-device masks: a chunk's forward starts at the single-device model's
-  dropout call number for its first layer, inside ``rng.micro_batch(i, m)`` (see minipar.rng).
+* Dropout draws the single-device masks (``_dropout_context``, the only code here that touches
+  the model's dropout keys).
 * The tied embedding's two gradient parts (first and last stage) are added by
   ``model.finalize_grads()``, which the caller runs before the optimizer, after the data-parallel
   all-reduce (``ddp.finish_gradients()``). With data parallelism, only the last backward of each
@@ -33,27 +45,17 @@ forward order) without recording a graph: the validation loss of a pipelined mod
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 from minipar.autograd import Tensor, is_grad_enabled, no_grad
 from minipar.backend import on_gpu, xp
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.simulate import message_key, peer
+from minipar.parallel.pipeline.state import StepRecord, StepState
+
+__all__ = ["MAX_TAG", "PipelineExecutor", "StepRecord"]
 
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
-
-
-@dataclass
-class StepRecord:
-    """What one step did on this rank. ``timeline``: (op, mb, chunk, start, end) for every
-    instruction, in seconds of ``time.perf_counter``; ``loss``: the sum of this rank's scaled
-    micro-batch losses (the last stage; None elsewhere); ``peak_alive``: the most chunk
-    activations held at once."""
-
-    timeline: list = field(default_factory=list)
-    loss: float = None
-    peak_alive: int = 0
 
 
 class PipelineExecutor:
@@ -82,14 +84,25 @@ class PipelineExecutor:
         self.m, self.v, self.name = micro_batches, v, schedule
         self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
         self.pipe = S.Pipeline(grid.pp, micro_batches, v)
-        self.instructions = S.build(schedule, grid.pp, micro_batches, v)[grid.pp_rank]
+        plans = S.build(schedule, grid.pp, micro_batches, v)  # every rank's, to check them all alike
+        self.instructions = plans[grid.pp_rank]
         self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank)
         self.comm = grid.pp_group  # None when PP = 1: then nothing is sent
+        self._handlers = {
+            S.RECV_ACT: self._recv_act,
+            S.FORWARD: self._forward,
+            S.SEND_ACT: self._send_act,
+            S.RECV_GRAD: self._recv_grad,
+            S.BACKWARD: self._backward,
+            S.SEND_GRAD: self._send_grad,
+            S.STEP: self._step,
+        }
+        unknown = sorted({ins.op for plan in plans.values() for ins in plan} - set(self._handlers))
+        if unknown:  # a schedule ahead of its executor: every rank says so, before any message
+            raise ValueError(f"the {schedule!r} schedule has instructions {unknown} that the executor "
+                             "has no method for: add one to PipelineExecutor._handlers")
         # the backward after which a chunk's gradients are complete for the step
-        self.last_backward = {}
-        for ins in self.instructions:
-            if ins.op == S.BACKWARD:
-                self.last_backward[ins.chunk] = ins.mb
+        self.last_backward = {ins.chunk: ins.mb for ins in self.instructions if ins.op == S.BACKWARD}
 
     def step(self, x, y, optimizer_step=None):
         """One training step on the global batch (x, y) (every rank passes the same one): run the
@@ -119,63 +132,91 @@ class PipelineExecutor:
     def _run(self, instructions, x, y, optimizer_step):
         x, y = xp.asarray(x), xp.asarray(y)
         micro = self._micro_batches(x, y)
-        model, m = self.model, self.m
-        total = token_count(y)  # every rank sees the whole batch: the step's count, with no message
-        shape = model.activation_shape(len(micro[0][0]), x.shape[1])
-        base = model.rng.calls
-        received, saved, input_grads, grads, sends = {}, {}, {}, {}, []
-        record, loss = StepRecord(), 0.0
+        state = StepState(micro=micro, tokens=token_count(y),  # the whole batch's count: no message
+                          shape=self.model.activation_shape(len(micro[0][0]), x.shape[1]),
+                          optimizer_step=optimizer_step)
+        self._dropout_context(state)  # the step begins
         for ins in instructions:
             start = self._clock()
-            unit = (ins.mb, ins.chunk)
-            if ins.op in (S.RECV_ACT, S.RECV_GRAD):
-                buf = self.comm.irecv(xp.empty(shape, self.dtype), self._peer(ins), self._tag(ins)).wait()
-                if ins.op == S.RECV_ACT:
-                    received[unit] = Tensor(buf, requires_grad=is_grad_enabled())
-                else:
-                    grads[unit] = buf
-            elif ins.op == S.FORWARD:
-                inp = received.pop(unit, None)  # None: the first chunk, which reads token ids
-                ids, targets = micro[ins.mb]
-                last = model.chunks[ins.chunk] == self.pipe.n_chunks - 1
-                calls = base + model.dropout_calls_before(ins.chunk)
-                with model.rng.micro_batch(ins.mb, m, calls=calls):
-                    out = model.chunk_forward(ins.chunk, ids if inp is None else inp,
-                                              targets if last else None, recompute=self.recompute)
-                if last:  # this micro-batch's share of the step's mean loss
-                    out = scale_loss(out, targets, total=total)
-                    loss += out.item()
-                saved[unit] = (inp, out)
-                record.peak_alive = max(record.peak_alive, len(saved))
-            elif ins.op == S.SEND_ACT:
-                out = xp.ascontiguousarray(saved[unit][1].data)
-                if not is_grad_enabled():  # forwards only: nothing waits for a backward
-                    del saved[unit]
-                sends.append(self.comm.isend(out, self._peer(ins), self._tag(ins)))
-            elif ins.op == S.BACKWARD:
-                inp, out = saved.pop(unit)  # dropping the graph frees the activations
-                quiet = hasattr(self.ddp, "no_sync") and ins.mb != self.last_backward[ins.chunk]
-                with self.ddp.no_sync() if quiet else contextlib.nullcontext():
-                    out.backward(grads.pop(unit, None))
-                if inp is not None:
-                    input_grads[unit] = inp.grad
-            elif ins.op == S.SEND_GRAD:
-                sends.append(self.comm.isend(input_grads.pop(unit), self._peer(ins), self._tag(ins)))
-            elif ins.op == S.STEP:
-                for request in sends:
-                    request.wait()
-                # the next step's dropout keys follow this step's, as on one device
-                model.rng.calls = base + model.dropout_calls_per_forward()
-                if optimizer_step is not None:
-                    optimizer_step()
+            self._handlers[ins.op](state, ins)
             # MPI moves data only inside MPI calls: let the sends progress; forget finished ones
-            sends = [request for request in sends if not request.test()]
-            record.timeline.append((ins.op, ins.mb, ins.chunk, start, self._clock()))
-        for request in sends:  # forwards only: no step instruction waited for them
+            state.sends = [request for request in state.sends if not request.test()]
+            state.record.timeline.append((ins.op, ins.mb, ins.chunk, start, self._clock()))
+        for request in state.sends:  # forwards only: no step instruction waited for them
             request.wait()
-        if model.chunks[-1] == self.pipe.n_chunks - 1:
-            record.loss = loss
-        return record
+        if self.model.chunks[-1] == self.pipe.n_chunks - 1:
+            state.record.loss = state.loss
+        return state.record
+
+    # one method per instruction kind; each reads and leaves its data in the state under (mb, chunk)
+
+    def _recv_act(self, state, ins):
+        buf = self._receive(state, ins)
+        state.inputs[ins.mb, ins.chunk] = Tensor(buf, requires_grad=is_grad_enabled())
+
+    def _forward(self, state, ins):
+        unit = (ins.mb, ins.chunk)
+        inp = state.inputs.pop(unit, None)  # None: the first chunk, which reads token ids
+        ids, targets = state.micro[ins.mb]
+        last = self.model.chunks[ins.chunk] == self.pipe.n_chunks - 1
+        with self._dropout_context(state, ins):
+            out = self.model.chunk_forward(ins.chunk, ids if inp is None else inp,
+                                           targets if last else None, recompute=self.recompute)
+        if last:  # this micro-batch's share of the step's mean loss
+            out = scale_loss(out, targets, total=state.tokens)
+            state.loss += out.item()
+        state.kept[unit] = (inp, out)
+        state.record.peak_alive = max(state.record.peak_alive, len(state.kept))
+
+    def _send_act(self, state, ins):
+        unit = (ins.mb, ins.chunk)
+        out = xp.ascontiguousarray(state.kept[unit][1].data)
+        if not is_grad_enabled():  # forwards only: nothing waits for a backward
+            del state.kept[unit]
+        state.sends.append(self.comm.isend(out, self._peer(ins), self._tag(ins)))
+
+    def _recv_grad(self, state, ins):
+        state.output_grads[ins.mb, ins.chunk] = self._receive(state, ins)
+
+    def _backward(self, state, ins):
+        unit = (ins.mb, ins.chunk)
+        inp, out = state.kept.pop(unit)  # dropping the graph frees the activations
+        quiet = hasattr(self.ddp, "no_sync") and ins.mb != self.last_backward[ins.chunk]
+        with self.ddp.no_sync() if quiet else contextlib.nullcontext():
+            out.backward(state.output_grads.pop(unit, None))  # None: the loss, on the last chunk
+        if inp is not None:
+            state.input_grads[unit] = inp.grad
+
+    def _send_grad(self, state, ins):
+        grad = state.input_grads.pop((ins.mb, ins.chunk))
+        state.sends.append(self.comm.isend(grad, self._peer(ins), self._tag(ins)))
+
+    def _step(self, state, ins):
+        for request in state.sends:
+            request.wait()
+        self._dropout_context(state, ins)
+        if state.optimizer_step is not None:
+            state.optimizer_step()
+
+    def _dropout_context(self, state, ins=None):
+        """Every line that touches the model's dropout keys (``model.rng``), for one purpose: draw
+        the single-device masks. At the step's beginning (no instruction): remember the key
+        counter. For a forward: the context its chunk runs in, ``rng.micro_batch(i, m)`` started
+        at the single-device model's call number for the chunk's first layer. At the step
+        instruction: the next step's keys follow this step's, as on one device."""
+        model = self.model
+        if ins is None:
+            state.dropout_base = model.rng.calls
+        elif ins.op == S.FORWARD:
+            calls = state.dropout_base + model.dropout_calls_before(ins.chunk)
+            return model.rng.micro_batch(ins.mb, self.m, calls=calls)
+        else:
+            model.rng.calls = state.dropout_base + model.dropout_calls_per_forward()
+        return contextlib.nullcontext()
+
+    def _receive(self, state, ins):
+        """Receive an activation or a gradient (both of the agreed shape) into a new buffer."""
+        return self.comm.irecv(xp.empty(state.shape, self.dtype), self._peer(ins), self._tag(ins)).wait()
 
     @staticmethod
     def _clock():
