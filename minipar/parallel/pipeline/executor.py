@@ -19,8 +19,9 @@ What makes the pipelined run equal to one device:
 * Micro-batch i is rows i*B..(i+1)*B of the step's batch (then cut across data-parallel ranks), and
   its loss, a mean over its tokens, is scaled by (its tokens / the step's tokens) before backward:
   the shares add up to the mean over the whole batch, not to a sum of per-micro-batch means.
-* Dropout draws the single-device masks: a chunk's forward starts at the single-device model's
-  dropout call number for its first layer, inside ``rng.micro_batch(i, m)`` (see minipar.rng).
+* Dropout draws the single-device masks: masks are keyed by layer and by the tokens' global rows
+  (see minipar.rng), so each forward runs inside ``model.rng.at(rows=...)`` with its micro-batch's
+  rows on this data-parallel rank, and the iteration is the caller's (``model.rng.iteration``).
 * The tied embedding's two gradient parts (first and last stage) are added by
   ``model.finalize_grads()``, which the caller runs before the optimizer, after the data-parallel
   all-reduce (``ddp.finish_gradients()``). With data parallelism, only the last backward of each
@@ -40,6 +41,7 @@ from minipar.backend import on_gpu, xp
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.simulate import message_key, peer
+from minipar.rng import rows_of
 
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
 
@@ -122,7 +124,6 @@ class PipelineExecutor:
         model, m = self.model, self.m
         total = token_count(y)  # every rank sees the whole batch: the step's count, with no message
         shape = model.activation_shape(len(micro[0][0]), x.shape[1])
-        base = model.rng.calls
         received, saved, input_grads, grads, sends = {}, {}, {}, {}, []
         record, loss = StepRecord(), 0.0
         for ins in instructions:
@@ -138,8 +139,8 @@ class PipelineExecutor:
                 inp = received.pop(unit, None)  # None: the first chunk, which reads token ids
                 ids, targets = micro[ins.mb]
                 last = model.chunks[ins.chunk] == self.pipe.n_chunks - 1
-                calls = base + model.dropout_calls_before(ins.chunk)
-                with model.rng.micro_batch(ins.mb, m, calls=calls):
+                rows = rows_of(len(x), (ins.mb, m), (self.grid.dp_rank, self.grid.dp))
+                with model.rng.at(rows=rows):
                     out = model.chunk_forward(ins.chunk, ids if inp is None else inp,
                                               targets if last else None, recompute=self.recompute)
                 if last:  # this micro-batch's share of the step's mean loss
@@ -164,8 +165,6 @@ class PipelineExecutor:
             elif ins.op == S.STEP:
                 for request in sends:
                     request.wait()
-                # the next step's dropout keys follow this step's, as on one device
-                model.rng.calls = base + model.dropout_calls_per_forward()
                 if optimizer_step is not None:
                     optimizer_step()
             # MPI moves data only inside MPI calls: let the sends progress; forget finished ones
