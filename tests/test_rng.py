@@ -75,12 +75,19 @@ def test_the_dropout_module_and_attention_use_the_global_places_they_are_told():
 
 
 @pytest.mark.parametrize("field", range(4))
-def test_every_field_of_the_key_and_every_coordinate_changes_the_mask(field):
+def test_every_field_of_the_key_changes_the_mask(field):
     base = residual_mask(p=0.5)
     other = list(KEY)
     other[field] += 1  # seed, iteration, layer, site
     changed = residual_mask(key=tuple(other), p=0.5)
     assert 0.4 < (changed != base).mean() < 0.6  # independent fair coins disagree half the time
+
+
+def test_every_coordinate_changes_the_mask():
+    base = residual_mask(p=0.5)
+    for moved in (residual_mask(rows=range(1, B + 1), p=0.5), residual_mask(positions=range(1, T + 1), p=0.5),
+                  residual_mask(features=range(1, C + 1), p=0.5)):
+        assert 0.4 < (moved != base).mean() < 0.6
     attn = attention_mask(p=0.5)
     for moved in (attention_mask(rows=range(1, B + 1), p=0.5), attention_mask(heads=range(1, H + 1), p=0.5),
                   attention_mask(queries=range(1, T + 1), p=0.5), attention_mask(keys=range(1, T + 1), p=0.5)):
