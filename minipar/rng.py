@@ -28,8 +28,9 @@ The hash, a tree of well-studied finalisers:
 Why that is good enough: dropout needs decisions that are uniform and uncorrelated to about 1e-3,
 not cryptographic strength. Both finalisers are bijections with full avalanche (flipping any input
 bit flips each output bit with probability ~1/2), so distinct counters give distinct words that
-look unrelated; two sequences' masks coincide only if all 64 bits of their keys do. The tests
-measure the keep rate and the correlation of neighbours along every axis.
+look unrelated. Two lines of a mask along the innermost axis (two query rows of attention) are
+alike only if all 64 bits of their outer hashes are. The tests measure the keep rate, the
+correlation of neighbours along every axis and the frequencies of patterns of four neighbours.
 """
 
 import contextlib
