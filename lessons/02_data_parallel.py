@@ -77,13 +77,15 @@ def main():
     k = args.micro_batches
     for step in range(args.steps):
         x, y = data.batch("train", step, args.batch_size, config.block_size, args.seed)
+        serial.rng.iteration = model.rng.iteration = step  # dropout masks: keyed by step and position
         _, loss_s = serial(x, y)  # the whole batch at once on one device
         loss_s.backward()
         dp.stats.reset()
         losses, total = [], token_count(y)  # every rank has the global batch: it can count it
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):  # micro-batches
             xs, ys = ddp.split_batch(x[rows], y[rows])
-            with ddp.no_sync() if i < k - 1 else contextlib.nullcontext(), model.rng.micro_batch(i, k):
+            mine = np.array_split(rows, N)[dp.rank]  # their global rows, which key the dropout masks
+            with ddp.no_sync() if i < k - 1 else contextlib.nullcontext(), model.rng.at(rows=mine):
                 _, loss = model(xs, ys)
                 # each micro-batch mean times (its tokens / the step's): its share of the global mean
                 share = loss * (1.0 / k) if args.plant_bug else ddp.scale_loss(loss, ys, total=total)

@@ -103,6 +103,7 @@ def run(args, grid, data, sp):
     rows = slice(grid.dp_rank * args.batch_size // dp.size, (grid.dp_rank + 1) * args.batch_size // dp.size)
     errors, traffic = {}, {}
     for step in range(args.steps):
+        serial.rng.iteration = model.rng.iteration = step  # keys the dropout masks
         x, y = data.batch("train", step, args.batch_size, args.block_size, args.seed)
         logits_s, loss_s = serial(x, y)
         loss_s.backward()

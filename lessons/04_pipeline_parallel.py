@@ -145,6 +145,7 @@ def reference_run(config, batches, seed):
     opt = AdamW(model.parameters(), **HYPER)
     losses = []
     for step, (x, y) in enumerate(batches):
+        model.rng.iteration = step  # keys the dropout masks (with each token's place)
         _, loss = model(x, y)  # the whole batch at once
         loss.backward()
         losses.append(loss.item())
@@ -166,6 +167,7 @@ def pipeline_run(name, v, recompute, args, config, grid, batches, reference):
     errors = {"loss": 0.0, "gradients (worst tensor)": 0.0}
     costs = {}
     for step, (x, y) in enumerate(batches):
+        model.rng.iteration = step  # keys the dropout masks (with each token's place)
         for p in model.parameters():  # allocated before the step, so the step's peak is activations
             if p.grad is None:
                 p.grad = xp.zeros_like(p.data)

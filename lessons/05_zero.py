@@ -66,9 +66,9 @@ def reference_run(args, config, batches):
     minipar.manual_seed(args.seed)
     model = GPT(config)
     opt = AdamW(model.parameters(), **HYPER)
-    losses, rng_states = [], []
+    losses = []
     for step, (x, y) in enumerate(batches):
-        rng_states.append(model.rng.state())
+        model.rng.iteration = step  # dropout masks: keyed by the step and the tokens' places
         _, loss = model(x, y)  # the whole batch at once
         loss.backward()
         if step == 0:
@@ -77,12 +77,12 @@ def reference_run(args, config, batches):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, grads, model.state_dict(), rng_states
+    return losses, grads, model.state_dict()
 
 
 def parallel_run(stage, args, config, grid, batches, reference):
     """The same training under ZeRO ``stage``; errors, bytes held and sent, and the optimizer."""
-    losses_s, grads_s, params_s, rng_states = reference
+    losses_s, grads_s, params_s = reference
     dp, k = grid.dp_group, args.micro_batches
     tracemalloc.start()
     minipar.manual_seed(args.seed)
@@ -95,13 +95,14 @@ def parallel_run(stage, args, config, grid, batches, reference):
     moved = ("all_reduce",) if stage == 0 else ("reduce_scatter", "all_gather")  # the step's traffic
     traffic = lambda: sum(t.bytes_sent for op, t in dp.stats.by_op.items() if op in moved)  # noqa: E731
     for step, (x, y) in enumerate(batches):
-        model.rng.set_state(rng_states[step])
+        model.rng.iteration = step
         dp.stats.reset()
         tracemalloc.reset_peak()
         total, losses = token_count(y), []  # every rank holds the global batch and can count it
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):
             xs, ys = split_batch(x[rows], y[rows], dp)
-            with (ddp.no_sync() if stage == 0 and i < k - 1 else contextlib.nullcontext()), model.rng.micro_batch(i, k):
+            mine = np.array_split(rows, dp.size)[dp.rank]  # their global rows key the dropout masks
+            with (ddp.no_sync() if stage == 0 and i < k - 1 else contextlib.nullcontext()), model.rng.at(rows=mine):
                 _, loss = model(xs, ys)
                 share = loss * (1.0 / k) if args.plant_bug else scale_loss(loss, ys, total=total)
                 share.backward()

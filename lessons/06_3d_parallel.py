@@ -163,6 +163,7 @@ def main():
     opt_s = AdamW(serial.parameters(), **HYPER)
     losses_s = []
     for step, (x, y) in enumerate(batches):
+        serial.rng.iteration = step  # keys the dropout masks (with each token's place)
         _, loss = serial(x, y)
         loss.backward()
         if step == 0:
@@ -180,6 +181,7 @@ def main():
     lines = gather_text(comm, who_holds_what(grid, model, opt))
     errors = {"loss (worst step)": 0.0, "gradients (worst tensor)": 0.0}
     for step, (x, y) in enumerate(batches):
+        model.rng.iteration = step  # keys the dropout masks (with each token's place)
 
         def update():
             # The tied embedding's parts are added while every rank still holds its whole wte

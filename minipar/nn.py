@@ -177,29 +177,39 @@ class Embedding(Module):
 class Dropout(Module):
     """Dropout that is active in training mode only.
 
-    ``rng`` (a ``minipar.rng.RNGTracker``, shared by a model) gives every call its key; without
-    one the process-wide generator does. ``shards`` lists the (axis, communicator) pairs along
-    which this rank holds only a part of the activation (in that order, after the micro-batch
-    the tracker may be in): each row of the step's whole batch has its own mask, and a rank draws
-    the rows it holds and keeps its part of each, so that any layout drops exactly what one device
-    would (see ``minipar.rng``).
+    ``rng`` (a ``minipar.rng.DropoutRNG``, shared by a model) says which iteration this is and
+    where the tokens are; with ``layer`` and ``site`` (which dropout of the model this is) that
+    keys every element's decision by its position (see ``minipar.rng``). The input is (batch,
+    positions, features). ``shards`` lists the (axis, communicator) pairs along which this rank
+    holds only a part: axis 1 (a sequence-parallel rank's positions) or 2 (a slice of the
+    features); the rank decides exactly its elements, as one device would. Without ``rng`` the
+    process-wide generator picks the mask's key.
     """
 
-    def __init__(self, p, rng=None, shards=()):
+    def __init__(self, p, rng=None, layer=0, site=0, shards=()):
         if shards and rng is None:
-            raise ValueError("a sharded Dropout needs the model's RNGTracker: without it each rank "
+            raise ValueError("a sharded Dropout needs the model's DropoutRNG: without it each rank "
                              "would draw its own mask")
-        self.p, self.rng, self.shards = p, rng, tuple(shards)
+        if any(axis not in (1, 2) for axis, _ in shards):
+            raise ValueError("Dropout shards split the positions (axis 1) or the features (axis 2); the rows "
+                             "a rank holds are told with rng.at(rows=...)")
+        self.p, self.rng, self.layer, self.site, self.shards = p, rng, layer, site, tuple(shards)
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
         if self.rng is None:
             return F.dropout(x, self.p)
-        key = self.rng.next_key()
-        parts = [(0, self.rng.micro[1], self.rng.micro[0])]
-        parts += [(axis, comm.size, comm.rank) for axis, comm in self.shards]
-        return F.apply_mask(x, rng.row_masks(key, x.shape, self.p, x.dtype, parts))
+        if x.ndim != 3:
+            raise ValueError(f"a model's Dropout takes (batch, positions, features), got shape {x.shape}")
+        full = list(x.shape)  # the whole sequence and feature axes, of which this rank has parts
+        for axis, comm in self.shards:
+            full[axis] *= comm.size
+        coords = [*self.rng.where(full[0], full[1]), xp.arange(full[2])]
+        for axis, comm in self.shards:  # in order: nested cuts
+            coords[axis] = rng.part(coords[axis], comm.size, comm.rank)
+        keep = rng.keep(self.rng.key(self.layer, self.site), self.p, *coords)
+        return F.apply_mask(x, rng.scaled(keep, self.p, x.dtype))
 
 
 def describe(module):

@@ -89,7 +89,11 @@ class Trainer:
             full.load_full_state(model, self.opt, weights, grid)
         if args.load:
             state = sharded.load(args.load, model, self.opt, grid)
-            model.rng.set_state(state["rng"])
+            if "calls" in state["rng"]:
+                raise sharded.CheckpointError(
+                    f"{args.load} was saved when dropout masks followed a count of calls; masks are now "
+                    "keyed by position, so it cannot resume exactly: start the run again")
+            model.rng.seed = state["rng"]["seed"]  # the iteration, which keys the masks with it, is self.start
             self.start = state["iteration"]
         self.speaks = world.rank == 0
         self.reports_loss = grid.is_last_stage and grid.tp_rank == 0  # one copy of each loss share
@@ -119,6 +123,7 @@ class Trainer:
         """Train iteration ``it``; returns the loss, gradient norm and bubble (the same on every rank)
         and the names of this rank's non-finite gradients."""
         self.adamw.lr = learning_rate(it, self.args)
+        self.model.rng.iteration = it  # dropout masks are keyed by the iteration (and the position)
         x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
         for _, group in self._groups():
             group.stats.reset()
@@ -158,7 +163,7 @@ class Trainer:
 
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
-                 "rng": {"seed": self.model.rng.seed, "calls": self.model.rng.calls}}
+                 "rng": {"seed": self.model.rng.seed}}
         return sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
 
     # ---- the run ----------------------------------------------------------------------------

@@ -170,3 +170,20 @@ def test_cuda_without_cupy_is_a_one_line_error(corpus):
     run = train(*TINY, "--data", corpus, "--max-iters", "1", "--device", "cuda")
     assert run.returncode == 2 and "--device cuda: the cuda device needs CuPy: pip install" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_a_checkpoint_that_counted_dropout_calls_is_refused_in_one_line(tmp_path, corpus):
+    """Masks are keyed by the iteration and the position now: a checkpoint that stored the old
+    running count of dropout calls cannot continue exactly, and says so."""
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
+    index_file = os.path.join(save, "iter_0000002", "index.json")
+    with open(index_file) as fh:
+        index = json.load(fh)
+    assert set(index["trainer"]["rng"]) == {"seed"}  # the iteration, saved beside it, keys the masks
+    index["trainer"]["rng"]["calls"] = 20
+    with open(index_file, "w") as fh:
+        json.dump(index, fh)
+    run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode != 0 and len(lines) == 1 and "keyed by position" in lines[0], run.stderr

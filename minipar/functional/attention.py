@@ -25,7 +25,7 @@ from minipar.autograd import Function
 from minipar.backend import dot_along, matmul, on_gpu, sum_along, xp
 from minipar.functional.checks import floats, probability
 from minipar.functional.elementwise import fresh_key
-from minipar.rng import keep_masks
+from minipar.rng import keep, scaled
 
 
 def _heads(x, n_head, parts, copy):
@@ -69,7 +69,7 @@ class CausalAttention(Function):
     for free. Arrays below are (sequences, heads, ...)."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, dropout_p, key, offsets, query_block):
+    def forward(ctx, qkv, n_head, dropout_p, key, where, query_block):
         B, T, C3 = qkv.shape
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
@@ -80,9 +80,9 @@ class CausalAttention(Function):
         for b0, b1 in ctx.groups:
             q, k, v = _heads(qkv[b0:b1], n_head, 3, ctx.copy)
             y = _heads(out[b0:b1], n_head, 1, ctx.copy)[0]
-            if dropout_p > 0:  # one (query, key) mask per sequence and head, numbered globally
-                indices = [(offsets[0] + b, offsets[1] + h) for b in range(b0, b1) for h in range(n_head)]
-                keep = keep_masks(key, (T, T), dropout_p, qkv.dtype, indices).reshape(b1 - b0, n_head, T, T)
+            if dropout_p > 0:  # element (row, head, query, key) kept by the hash of its global place
+                rows, heads, positions = where
+                mask = scaled(keep(key, dropout_p, rows[b0:b1], heads, positions, positions), dropout_p, qkv.dtype)
             for q0, q1, future in blocks:
                 pt = matmul(k[..., :q1, :], _mT(q[..., q0:q1, :]))  # S^T = k q^T
                 pt *= scale
@@ -92,7 +92,7 @@ class CausalAttention(Function):
                 pt /= sum_along(pt, -2)[..., None, :]
                 probs_t.append(pt)
                 if dropout_p > 0:
-                    keep_t.append(_mT(keep[..., q0:q1, :q1]))
+                    keep_t.append(_mT(mask[..., q0:q1, :q1]))
                     pt = pt * keep_t[-1]
                 matmul(_mT(pt), v[..., :q1, :], out=y[..., q0:q1, :])  # y = P v
             if ctx.copy:
@@ -111,13 +111,13 @@ class CausalAttention(Function):
             dy = _heads(grad[b0:b1], n_head, 1, ctx.copy)[0]
             for q0, q1, _ in ctx.blocks:
                 pt = ctx.probs_t[step]
-                keep = ctx.keep_t[step] if ctx.keep_t else None
+                mask = ctx.keep_t[step] if ctx.keep_t else None
                 step += 1
                 dy_block = dy[..., q0:q1, :]
-                dv[..., :q1, :] += matmul(pt if keep is None else pt * keep, dy_block)  # dv = P^T dy
+                dv[..., :q1, :] += matmul(pt if mask is None else pt * mask, dy_block)  # dv = P^T dy
                 dpt = matmul(v[..., :q1, :], _mT(dy_block))  # dP^T = v dy^T
-                if keep is not None:
-                    dpt *= keep
+                if mask is not None:
+                    dpt *= mask
                 # softmax backward, in place: dS = P * (dP - rowsum(dP * P)), rows of P = columns here
                 dpt -= dot_along(dpt, pt, -2)[..., None, :]
                 dpt *= pt
@@ -129,15 +129,17 @@ class CausalAttention(Function):
         return dqkv, None, None, None, None, None
 
 
-def causal_attention(qkv, n_head, dropout_p=0.0, key=None, batch_offset=0, head_offset=0,
+def causal_attention(qkv, n_head, dropout_p=0.0, key=None, rows=None, positions=None, head_offset=0,
                      query_block=64):
     """Multi-head causal self-attention of a fused projection ``qkv`` (B, T, 3C) -> (B, T, C):
     q, k and v are the three thirds of the last axis, each split into ``n_head`` heads; the output
     holds the heads side by side (head h in columns h*C/H ... (h+1)*C/H). ``dropout_p`` drops
-    attention probabilities (pass 0 at evaluation) with masks drawn for ``key`` (see
-    ``minipar.rng``), one per sequence and head, numbered from ``batch_offset`` and ``head_offset``:
-    a rank holding some heads or sequences of a bigger batch draws exactly their masks. Queries are
-    processed ``query_block`` at a time; the result does not depend on it beyond rounding."""
+    attention probabilities (pass 0 at evaluation): the probability of query i attending to key j
+    in head h of sequence b is kept by the hash of ``key`` and (rows[b], head_offset + h,
+    positions[i], positions[j]) (see ``minipar.rng``), the sequences' global rows (default 0..B-1)
+    and the tokens' global positions (default 0..T-1): a rank holding some heads or sequences of a
+    bigger batch draws exactly their masks. Queries are processed ``query_block`` at a time; the
+    result does not depend on it beyond rounding."""
     qkv = floats("causal_attention", qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % 3:
         raise ValueError(f"causal_attention needs qkv of shape (B, T, 3C), got {qkv.shape}")
@@ -146,6 +148,14 @@ def causal_attention(qkv, n_head, dropout_p=0.0, key=None, batch_offset=0, head_
     p = probability(dropout_p)
     if int(query_block) < 1:
         raise ValueError(f"causal_attention: query_block must be >= 1, got {query_block}")
-    key = (key or fresh_key()) if p > 0 else None
-    offsets = (int(batch_offset), int(head_offset))
-    return CausalAttention.apply(qkv, int(n_head), p, key, offsets, int(query_block))
+    B, T = qkv.shape[:2]
+    where = None
+    if p > 0:
+        key = key or fresh_key()
+        rows = xp.arange(B) if rows is None else xp.asarray(rows)
+        positions = xp.arange(T) if positions is None else xp.asarray(positions)
+        if rows.shape != (B,) or positions.shape != (T,):
+            raise ValueError(f"causal_attention: rows {rows.shape} and positions {positions.shape} must "
+                             f"number the batch's {B} sequences and {T} tokens")
+        where = (rows, xp.arange(head_offset, head_offset + n_head), positions)
+    return CausalAttention.apply(qkv, int(n_head), p, key, where, int(query_block))

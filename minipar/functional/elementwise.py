@@ -10,7 +10,7 @@ import math
 from minipar.autograd import Function, Tensor
 from minipar.backend import blocks, default_generator, xp
 from minipar.functional.checks import floats, probability, scalar
-from minipar.rng import keep_mask
+from minipar.rng import keep, scaled
 
 
 def _binary(fn, a, b):
@@ -196,7 +196,7 @@ class MaskedFill(Function):
 
 
 class Dropout(Function):
-    """x times a given mask (0 or 1/(1-p), see ``minipar.rng.keep_mask``)."""
+    """x times a given mask (0 or 1/(1-p), see ``minipar.rng.scaled``)."""
 
     @staticmethod
     def forward(ctx, x, mask):
@@ -261,13 +261,15 @@ def masked_fill(x, mask, value):
 
 def dropout(x, p, training=True, key=None):
     """Zero each element with probability p and scale the rest by 1/(1-p). Identity when p == 0 or
-    not training. The mask is drawn for ``key`` (see ``minipar.rng``); without one, a key is taken
-    from the process-wide generator of ``minipar.backend.manual_seed``."""
+    not training. Element i (in row-major order) is kept by the hash of ``key`` (a tuple of
+    integers) and i (see ``minipar.rng``); without a key, one is taken from the process-wide
+    generator of ``minipar.backend.manual_seed``."""
     p = probability(p)
     if not training or p == 0.0:
         return x
     x = floats("dropout", x)
-    return apply_mask(x, keep_mask(key or fresh_key(), x.shape, p, x.dtype))
+    survive = keep(key or fresh_key(), p, xp.arange(x.size)).reshape(x.shape)
+    return apply_mask(x, scaled(survive, p, x.dtype))
 
 
 def apply_mask(x, mask):

@@ -17,6 +17,11 @@ the LayerNorm and dropout regions along the sequence. With PP > 1 each rank keep
 pipeline stage's blocks (``virtual_stages`` chunks of them, placed round-robin), still named by
 their place in the whole model (``transformer.h.8``); the first stage holds the embeddings, the
 last the final LayerNorm, and both the tied ``wte``. ``chunk_forward`` runs one chunk.
+
+Dropout decides every element by its place (see ``minipar.rng``): the seed, ``model.rng.iteration``
+(the training loop sets it each step), the layer and site (``layers.Site``), and the global row and
+position of its token. A forward that holds other rows than its data-parallel slice of the batch (a
+micro-batch) says which inside ``with model.rng.at(rows=...)``.
 """
 
 import numbers
@@ -28,14 +33,14 @@ import minipar.functional as F
 from minipar.autograd import no_grad
 from minipar.backend import default_generator, to_numpy, xp
 from minipar.functional.checks import probability
-from minipar.models.layers import Block, _Layers
+from minipar.models.layers import Block, Site, _Layers
 from minipar.nn import Embedding, Module, ModuleDict, ModuleList
 from minipar.parallel import tensor
 from minipar.parallel.collectives import gather_from_region
 from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from minipar.parallel.pipeline.schedules import Pipeline
 from minipar.parallel.recompute import checkpoint
-from minipar.rng import RNGTracker
+from minipar.rng import DropoutRNG
 
 
 @dataclass
@@ -78,8 +83,9 @@ class GPT(Module):
         if sequence_parallel and self.tp is None:
             raise ValueError("sequence parallelism shards along a TP group: it needs TP > 1")
         self.sequence_parallel = bool(sequence_parallel)
-        self.rng = RNGTracker()
-        layers = _Layers(self.tp, self.dp, self.sequence_parallel, self.rng)
+        # dropout: by default this model holds its data-parallel rank's slice of the batch's rows
+        self.rng = DropoutRNG(replica=(self.dp.rank, self.dp.size) if self.dp is not None else (0, 1))
+        layers = _Layers(self.tp, self.sequence_parallel, self.rng)
         pipe = Pipeline(grid.pp if grid is not None else 1, 1, virtual_stages)
         r = grid.pp_rank if grid is not None else 0
         self.n_chunks = pipe.n_chunks
@@ -93,12 +99,12 @@ class GPT(Module):
         # single-device weights, and keeps its own layers (construction holds the whole model once).
         wte = layers.vocab_embedding(config.vocab_size, config.n_embd)
         wpe = Embedding(config.block_size, config.n_embd)
-        blocks = [Block(config, layers) for _ in range(config.n_layer)]
+        blocks = [Block(config, layers, i) for i in range(config.n_layer)]
         mine = [i for layer_ids in self.chunk_layers for i in layer_ids]
         self.transformer = ModuleDict(
             wte=wte if first or last else None,  # the tied head: the first and the last stage
             wpe=wpe if first else None,
-            drop=layers.dropout(config.dropout) if first else None,
+            drop=layers.dropout(config.dropout, 0, Site.EMBEDDING) if first else None,
             h=ModuleList([blocks[i] for i in mine], names=mine),
             ln_f=layers.layer_norm(config.n_embd, config.bias) if last else None,
         )
@@ -151,20 +157,6 @@ class GPT(Module):
             return x
         logits = self.logits(x)
         return self.loss(logits, targets) if targets is not None else logits
-
-    def dropout_calls_before(self, c):
-        """The single-device model's number of dropout keys drawn before local chunk ``c``
-        (the embedding's dropout, then Block.DROPOUT_CALLS per block)."""
-        if self.config.dropout == 0 or not self.training:
-            return 0
-        first_layer = self.chunk_layers[c][0]
-        return (0 if self.chunks[c] == 0 else 1) + Block.DROPOUT_CALLS * first_layer
-
-    def dropout_calls_per_forward(self):
-        """Dropout keys one forward of the whole model draws."""
-        if self.config.dropout == 0 or not self.training:
-            return 0
-        return 1 + Block.DROPOUT_CALLS * self.config.n_layer
 
     def activation_shape(self, batch, T):
         """The shape of what one chunk sends the next: (batch, positions on this rank, n_embd)."""

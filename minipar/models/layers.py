@@ -5,6 +5,7 @@ and dropout is the single-device one or its tensor-/sequence-parallel counterpar
 below is then the same for every layout.
 """
 
+import enum
 import math
 
 import minipar.functional as F
@@ -12,12 +13,23 @@ from minipar.nn import Dropout, Embedding, LayerNorm, Linear, Module
 from minipar.parallel import tensor
 
 
-class _Layers:
-    """Makes each layer plain (no tensor parallelism) or split across the TP group ``tp``; ``dp``
-    is the data-parallel group (or None), whose ranks each hold a slice of the batch."""
+class Site(enum.IntEnum):
+    """Where a dropout sits in its layer. With the layer's index it names the dropout in every
+    mask's key (see ``minipar.rng``), so a pipeline stage or a recomputed block draws the same
+    masks as the whole model on one device, however many dropouts ran before it."""
 
-    def __init__(self, tp, dp, sequence_parallel, rng):
-        self.tp, self.dp, self.sp, self.rng = tp, dp, sequence_parallel, rng
+    EMBEDDING = 0  # token + position embeddings (layer 0: the pair (layer, site) stays unique)
+    ATTENTION_PROBS = 1  # the attention probabilities, per head
+    ATTENTION_OUTPUT = 2  # the attention block's output projection
+    MLP_OUTPUT = 3  # the MLP's output projection
+
+
+class _Layers:
+    """Makes each layer plain (no tensor parallelism) or split across the TP group ``tp``; ``rng``
+    is the model's DropoutRNG, which every dropout shares."""
+
+    def __init__(self, tp, sequence_parallel, rng):
+        self.tp, self.sp, self.rng = tp, sequence_parallel, rng
 
     def column(self, n_in, n_out, bias, chunks=1):
         if self.tp is None:
@@ -43,11 +55,11 @@ class _Layers:
                 p.placement = p.placement.also(grad_sum="tp")
         return ln
 
-    def dropout(self, p):
-        """Each rank drops its part of the whole batch's mask: its slice of the batch (data
-        parallel) and, in a sequence-parallel region, its slice of the sequence."""
-        shards = ([(0, self.dp)] if self.dp is not None else []) + ([(1, self.tp)] if self.sp else [])
-        return Dropout(p, self.rng, shards=shards)
+    def dropout(self, p, layer, site):
+        """The dropout at ``site`` of layer ``layer``. Each rank drops its part of the whole
+        batch's mask: its rows (the model's DropoutRNG knows them) and, in a sequence-parallel
+        region, its slice of the sequence."""
+        return Dropout(p, self.rng, layer, site, shards=[(1, self.tp)] if self.sp else [])
 
 
 class CausalSelfAttention(Module):
@@ -66,52 +78,49 @@ class CausalSelfAttention(Module):
     row-parallel: one all-reduce forward, one backward.
     """
 
-    def __init__(self, config, layers):
+    def __init__(self, config, layers, layer):
         tp = layers.tp.size if layers.tp is not None else 1
         self.n_head = config.n_head // tp  # heads on this rank
         self.head_offset = layers.tp.rank * self.n_head if layers.tp is not None else 0
-        self.dp = layers.dp
-        self.dropout, self.rng = config.dropout, layers.rng
+        self.dropout, self.rng, self.layer = config.dropout, layers.rng, layer
         self.c_attn = layers.column(config.n_embd, 3 * config.n_embd, config.bias, chunks=3)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 n_layer):
         # 2 n_layer of them add up along the residual path.
         self.c_proj = layers.row(config.n_embd, config.n_embd, config.bias,
                                  std=0.02 / math.sqrt(2 * config.n_layer))
-        self.resid_dropout = layers.dropout(config.dropout)
+        self.resid_dropout = layers.dropout(config.dropout, layer, Site.ATTENTION_OUTPUT)
 
     def forward(self, x):
         p = self.dropout if self.training else 0.0
-        key = self.rng.next_key() if p > 0 else None
-        # which sequences of the step's whole batch these are: micro-batch-major, then DP rank
-        micro = self.rng.micro[0]
-        dp_rank, dp_size = (self.dp.rank, self.dp.size) if self.dp is not None else (0, 1)
-        batch_offset = x.shape[0] * (micro * dp_size + dp_rank)
-        y = F.causal_attention(self.c_attn(x), self.n_head, p, key=key, batch_offset=batch_offset,
+        qkv = self.c_attn(x)  # (B, T, 3C/TP): every position, also under sequence parallelism
+        key = rows = positions = None
+        if p > 0:  # the global rows and positions of these tokens key the masks
+            key = self.rng.key(self.layer, Site.ATTENTION_PROBS)
+            rows, positions = self.rng.where(qkv.shape[0], qkv.shape[1])
+        y = F.causal_attention(qkv, self.n_head, p, key=key, rows=rows, positions=positions,
                                head_offset=self.head_offset)
         return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(Module):
-    def __init__(self, config, layers):
+    def __init__(self, config, layers, layer):
         self.c_fc = layers.column(config.n_embd, 4 * config.n_embd, config.bias)
         self.c_proj = layers.row(4 * config.n_embd, config.n_embd, config.bias,
                                  std=0.02 / math.sqrt(2 * config.n_layer))
-        self.dropout = layers.dropout(config.dropout)
+        self.dropout = layers.dropout(config.dropout, layer, Site.MLP_OUTPUT)
 
     def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
 class Block(Module):
-    # dropout keys a block draws per forward in training (attention probabilities, attention
-    # output, MLP output): a pipeline stage starts its first block at the single-device call number
-    DROPOUT_CALLS = 3
+    """Block ``layer`` of the model (its index in the whole model, which keys its dropout masks)."""
 
-    def __init__(self, config, layers):
+    def __init__(self, config, layers, layer):
         self.ln_1 = layers.layer_norm(config.n_embd, config.bias)
-        self.attn = CausalSelfAttention(config, layers)
+        self.attn = CausalSelfAttention(config, layers, layer)
         self.ln_2 = layers.layer_norm(config.n_embd, config.bias)
-        self.mlp = MLP(config, layers)
+        self.mlp = MLP(config, layers, layer)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

@@ -45,18 +45,18 @@ def scale_loss(loss, targets, comm=None, ignore_index=-1, total=None):
 
 
 def sync_replicas(model, comm):
-    """Make every replica start from rank 0's weights and draw rank 0's dropout keys."""
+    """Make every replica start from rank 0's weights and use rank 0's dropout seed."""
     for p in model.parameters():
         comm.broadcast(p.data, root=0)
     rng = getattr(model, "rng", None)
     if rng is not None:
-        state = comm.broadcast(numpy.array([rng.seed, rng.calls], numpy.int64), root=0)
-        rng.set_state({"seed": state[0], "calls": state[1]})
+        state = comm.broadcast(numpy.array([rng.seed, rng.iteration], numpy.int64), root=0)
+        rng.seed, rng.iteration = int(state[0]), int(state[1])
 
 
 def split_batch(x, y, comm):
-    """This rank's rows of a global batch. All ranks must get the same number: a dropout mask is
-    drawn for the global batch and cut in equal slices (see minipar.rng)."""
+    """This rank's rows of a global batch. All ranks must get the same number: a data-parallel
+    model's dropout takes its rows to be this equal slice unless told otherwise (see minipar.rng)."""
     if len(x) % comm.size:
         raise ValueError(f"a global batch of {len(x)} does not split evenly over {comm.size} "
                          "data-parallel ranks: choose a batch size that is a multiple of DP")

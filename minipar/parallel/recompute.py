@@ -7,9 +7,11 @@ and backpropagates the incoming gradient through that fresh graph. The parameter
 receive their gradients from that inner backward, exactly as without checkpointing. The price is
 one more forward of ``fn``; the saving is every activation inside it.
 
-Two things must repeat exactly in the second run: the dropout masks (the model's RNG tracker is
-set back to its state at the first run, micro-batch included, then restored), and, for ZeRO-3, the
-parameters, which ``before`` gathers and ``after`` frees around each of the two runs.
+Two things must repeat exactly in the second run: the dropout masks, and, for ZeRO-3, the
+parameters, which ``before`` gathers and ``after`` frees around each of the two runs. A mask is a
+function of the layer and of where the tokens are (``minipar.rng``): the model's DropoutRNG is set
+back to what it said at the first run (iteration, rows, positions), then restored, because the
+backward may run while another micro-batch's forward is the current one.
 
 The parameters of ``fn`` are also passed as inputs of the recorded node (their gradients come from
 the inner backward, not from it). The outer graph then counts the node as a use of each parameter,
@@ -68,7 +70,7 @@ def checkpoint(fn, x, params=(), rng=None, before=_nothing, after=_nothing, befo
                after_backward=_nothing):
     """``fn(x)`` that keeps only ``x`` for backward and recomputes the rest there.
 
-    ``rng``: the model's RNG tracker, so that dropout inside ``fn`` draws the same masks twice.
+    ``rng``: the model's DropoutRNG, so that dropout inside ``fn`` draws the same masks twice.
     ``before``/``after`` run around each execution of ``fn`` (ZeRO-3 gathers and frees the
     parameters there); ``before_backward`` and ``after_backward`` run around the backward of
     ``fn``'s parameters (ZeRO-3 gives them gradient buffers, then sends those).

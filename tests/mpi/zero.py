@@ -17,6 +17,7 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.zero import ZeroAdamW
 from minipar.parallel.zero3 import Zero3
+from minipar.rng import rows_of
 
 minipar.set_default_dtype("float64")
 world()
@@ -55,6 +56,7 @@ for stage in (1, 2, 3):
             rng = np.random.default_rng(step)
             x, y = rng.integers(0, 13, (4 * N, 6)), rng.integers(0, 13, (4 * N, 6))
             y[0, :3] = y[-1, :5] = -1  # ignored targets: uneven over ranks and over micro-batches
+            serial.rng.iteration = model.rng.iteration = step  # keys the dropout masks
             _, loss_s = serial(x, y)
             loss_s.backward()
             grads_s = {n: p.grad.copy() for n, p in serial.named_parameters()}
@@ -62,7 +64,7 @@ for stage in (1, 2, 3):
             total = token_count(y)
             for i, half in enumerate((slice(0, 2 * N), slice(2 * N, 4 * N))):  # two micro-batches
                 xs, ys = split_batch(x[half], y[half], dp)
-                with model.rng.micro_batch(i, 2):
+                with model.rng.at(rows=rows_of(4 * N, (i, 2), (r, N))):  # their rows in the batch
                     _, loss = model(xs, ys)
                     scale_loss(loss, ys, total=total).backward()
             if step == 0:

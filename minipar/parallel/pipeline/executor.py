@@ -32,7 +32,9 @@ What makes the pipelined run equal to one device:
   its loss, a mean over its tokens, is scaled by (its tokens / the step's tokens) before backward:
   the shares add up to the mean over the whole batch, not to a sum of per-micro-batch means.
 * Dropout draws the single-device masks (``_dropout_context``, the only code here that touches
-  the model's dropout keys).
+  the model's dropout keys): masks are keyed by layer and by the tokens' global rows
+  (see minipar.rng), so each forward runs inside ``model.rng.at(rows=...)`` with its micro-batch's
+  rows on this data-parallel rank, and the iteration is the caller's (``model.rng.iteration``).
 * The tied embedding's two gradient parts (first and last stage) are added by
   ``model.finalize_grads()``, which the caller runs before the optimizer, after the data-parallel
   all-reduce (``ddp.finish_gradients()``). With data parallelism, only the last backward of each
@@ -52,6 +54,7 @@ from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.simulate import message_key, peer
 from minipar.parallel.pipeline.state import StepRecord, StepState
+from minipar.rng import rows_of
 
 __all__ = ["MAX_TAG", "PipelineExecutor", "StepRecord"]
 
@@ -132,10 +135,9 @@ class PipelineExecutor:
     def _run(self, instructions, x, y, optimizer_step):
         x, y = xp.asarray(x), xp.asarray(y)
         micro = self._micro_batches(x, y)
-        state = StepState(micro=micro, tokens=token_count(y),  # the whole batch's count: no message
+        state = StepState(micro=micro, rows=len(x), tokens=token_count(y),  # the whole batch's: no message
                           shape=self.model.activation_shape(len(micro[0][0]), x.shape[1]),
                           optimizer_step=optimizer_step)
-        self._dropout_context(state)  # the step begins
         for ins in instructions:
             start = self._clock()
             self._handlers[ins.op](state, ins)
@@ -194,25 +196,15 @@ class PipelineExecutor:
     def _step(self, state, ins):
         for request in state.sends:
             request.wait()
-        self._dropout_context(state, ins)
         if state.optimizer_step is not None:
             state.optimizer_step()
 
-    def _dropout_context(self, state, ins=None):
-        """Every line that touches the model's dropout keys (``model.rng``), for one purpose: draw
-        the single-device masks. At the step's beginning (no instruction): remember the key
-        counter. For a forward: the context its chunk runs in, ``rng.micro_batch(i, m)`` started
-        at the single-device model's call number for the chunk's first layer. At the step
-        instruction: the next step's keys follow this step's, as on one device."""
-        model = self.model
-        if ins is None:
-            state.dropout_base = model.rng.calls
-        elif ins.op == S.FORWARD:
-            calls = state.dropout_base + model.dropout_calls_before(ins.chunk)
-            return model.rng.micro_batch(ins.mb, self.m, calls=calls)
-        else:
-            model.rng.calls = state.dropout_base + model.dropout_calls_per_forward()
-        return contextlib.nullcontext()
+    def _dropout_context(self, state, ins):
+        """The only code here that touches the model's dropout keys (``model.rng``): a forward runs
+        with the global rows of its micro-batch on this data-parallel rank, so it draws exactly
+        those rows of the single-device masks (the iteration is the caller's)."""
+        rows = rows_of(state.rows, (ins.mb, self.m), (self.grid.dp_rank, self.grid.dp))
+        return self.model.rng.at(rows=rows)
 
     def _receive(self, state, ins):
         """Receive an activation or a gradient (both of the agreed shape) into a new buffer."""

@@ -27,6 +27,7 @@ class StepState:
     """One step (or one evaluation) in flight on this rank.
 
     micro           this rank's (ids, targets) of each micro-batch
+    rows            the step's whole batch (every rank holds it): micro-batches' rows are cut from it
     tokens          the step's target tokens over the whole batch (every rank counts them alike)
     shape           of every activation and gradient message: agreed, never sent
     optimizer_step  what the step instruction calls, or None
@@ -36,12 +37,11 @@ class StepState:
     input_grads     gradients of chunk inputs, each waiting to be sent back
     sends           requests of the sends still in flight
     loss            the sum of the scaled micro-batch losses computed here so far
-    dropout_base    the dropout key counter when the step began (see the executor's
-                    ``_dropout_context``)
     record          the StepRecord returned: timeline and peak activations
     """
 
     micro: list
+    rows: int
     tokens: int
     shape: tuple
     optimizer_step: object = None
@@ -51,5 +51,4 @@ class StepState:
     input_grads: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     loss: float = 0.0
-    dropout_base: int = 0
     record: StepRecord = field(default_factory=StepRecord)
