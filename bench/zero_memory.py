@@ -21,11 +21,9 @@ import numpy as np
 import minipar
 from minipar.comm import world
 from minipar.models import GPT, GPTConfig
-from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel, scale_loss, split_batch
-from minipar.parallel.zero import ZeroAdamW
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.data import scale_loss, split_batch
+from minipar.parallel.optimizers import make_optimizer
 
 
 def state_peak(stage, n_layer, args, grid):
@@ -34,27 +32,20 @@ def state_peak(stage, n_layer, args, grid):
     minipar.manual_seed(0)
     model = GPT(config, grid)
     dp = grid.dp_group
-    if stage == 0:
-        ddp, opt = DataParallel(model, dp), AdamW(model.parameters())
-    else:
-        opt = Zero3(model, dp) if stage == 3 else ZeroAdamW(model, dp, stage, bucket_bytes=args.bucket_kb << 10)
+    opt = make_optimizer(model, grid, stage, bucket_bytes=args.bucket_kb << 10)
     rng = np.random.default_rng(0)
     x, y = split_batch(rng.integers(0, 256, (dp.size, 16)), rng.integers(0, 256, (dp.size, 16)), dp)
     _, loss = model(x, y)
     scale_loss(loss, y, dp).backward()
-    if stage == 0:
-        ddp.finish_gradients()
-        opt.step()
-        return sum(ddp.state_bytes(opt).values()), model.num_parameters()
     opt.step()
-    return opt.ledger.peak_total, sum(g.size for g in opt.groups)
+    return opt.peak_state_bytes(), model.num_parameters()
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget-mb", type=float, default=256, help="per-rank budget for training state, MiB")
     p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--bucket-kb", type=int, default=256, help="ZeRO gradient group size (stages 1-2)")
+    p.add_argument("--bucket-kb", type=int, default=256, help="gradient bucket (stage 0) / ZeRO group size (stages 1-2)")
     args = p.parse_args()
     comm = world()
     grid = ProcessGrid(tp=1, pp=1)

@@ -7,8 +7,8 @@ Every rank holds the whole GPT and takes 1/N of each global batch. Backward leav
 the gradient of its own slice; summing them over the ranks gives the gradient of the whole batch,
 so every rank takes the same optimizer step and the replicas stay identical.
 
-What makes it fast is how the sum is sent (minipar/parallel/data.py): gradients sit in a few flat
-buckets, and a bucket's all-reduce starts, non-blocking, as soon as backward has finished its last
+What makes it fast is how the sum is sent (minipar/parallel/data.py, ``DataParallelAdamW``, which
+is also AdamW; ``all_reduce_bucket`` is its communication): gradients sit in a few flat buckets, and a bucket's all-reduce starts, non-blocking, as soon as backward has finished its last
 gradient, while backward goes on with earlier layers. With --micro-batches k, each rank accumulates
 k micro-batches inside ``no_sync()`` and sends only once.
 
@@ -30,7 +30,7 @@ from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel, token_count
+from minipar.parallel.data import DataParallelAdamW, token_count
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
@@ -71,8 +71,8 @@ def main():
     serial = GPT(config)
     minipar.manual_seed(args.seed)
     model = GPT(config, grid)
-    ddp = DataParallel(model, dp, bucket_bytes=args.bucket_kb << 10)
-    opt_s, opt = AdamW(serial.parameters(), **HYPER), AdamW(model.parameters(), **HYPER)
+    opt = DataParallelAdamW(model, dp, bucket_bytes=args.bucket_kb << 10, **HYPER)
+    opt_s = AdamW(serial.parameters(), **HYPER)
     errors, overlap, sent = {"loss": 0.0}, [], []
     k = args.micro_batches
     for step in range(args.steps):
@@ -83,36 +83,37 @@ def main():
         dp.stats.reset()
         losses, total = [], token_count(y)  # every rank has the global batch: it can count it
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):  # micro-batches
-            xs, ys = ddp.split_batch(x[rows], y[rows])
+            xs, ys = opt.split_batch(x[rows], y[rows])
             mine = np.array_split(rows, N)[dp.rank]  # their global rows, which key the dropout masks
-            with ddp.no_sync() if i < k - 1 else contextlib.nullcontext(), model.rng.at(rows=mine):
+            with opt.no_sync() if i < k - 1 else contextlib.nullcontext(), model.rng.at(rows=mine):
                 _, loss = model(xs, ys)
                 # each micro-batch mean times (its tokens / the step's): its share of the global mean
-                share = loss * (1.0 / k) if args.plant_bug else ddp.scale_loss(loss, ys, total=total)
+                share = loss * (1.0 / k) if args.plant_bug else opt.scale_loss(loss, ys, total=total)
                 share.backward()
             losses.append(loss.item())
-        overlap.append((ddp.started_in_backward, len(ddp.buckets)))
-        ddp.finish_gradients()
+        overlap.append((opt.started_in_backward, len(opt.buckets)))
+        opt.finish_gradients()  # the buckets' all-reduces waited for, then model.finalize_grads()
         sent.append(dp.stats.by_op["all_reduce"].bytes_sent)
         if step == 0:
             errors["gradients (worst tensor)"] = worst_tensor({n: p.grad for n, p in model.named_parameters()},
                                                               {n: p.grad for n, p in serial.named_parameters()})
         loss_all = dp.all_reduce(np.array([np.mean(losses)]))[0] / N
         errors["loss"] = max(errors["loss"], rel_err(loss_all, loss_s.item()))
-        for m, o in ((serial, opt_s), (model, opt)):
-            clip_grad_norm(m.parameters(), 1.0)
-            o.step()
+        clip_grad_norm(serial.parameters(), 1.0)
+        opt_s.step()
         opt_s.zero_grad()
-        ddp.zero_grad()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
     errors[f"parameters after {args.steps} steps"] = as_one_vector(model.state_dict(), serial.state_dict())
-    ddp.check_replicas()  # every rank holds bit-identical weights
+    opt.check_replicas()  # every rank holds bit-identical weights
 
     tol = TOLERANCE[args.dtype]
     P = serial.num_parameters()
     item = np.dtype(args.dtype).itemsize
-    held = ddp.state_bytes(opt)
+    held = opt.state_bytes()
     formula_sent = 2 * (N - 1) * item * P // N
-    agrees = all(abs(s - formula_sent) < len(ddp.buckets) for s in sent)  # (ring bytes round per call)
+    agrees = all(abs(s - formula_sent) < len(opt.buckets) for s in sent)  # (ring bytes round per call)
     agrees &= sum(held.values()) == 4 * item * P
     failed = int(any(e > tol for e in errors.values()) or not agrees)
     failed = comm.all_reduce(np.array([failed]), op="max")[0]
@@ -122,7 +123,7 @@ def main():
         print(f"\nrelative error against the single-device run (tolerance {tol:g})")
         for name, e in errors.items():
             print(f"  {name:<28}{e:>10.1e}")
-        print(f"\ngradient buckets of {args.bucket_kb} KiB: {len(ddp.buckets)}; all-reduces started by the "
+        print(f"\ngradient buckets of {args.bucket_kb} KiB: {len(opt.buckets)}; all-reduces started by the "
               f"gradient hooks during backward, per step: {', '.join(f'{s}/{b}' for s, b in overlap)}")
         print(f"bytes sent per rank per step (ring model): {sent[0]:,}; 2 (N-1)/N x {item}P = {formula_sent:,}")
         print(f"bytes held per rank: parameters {held['parameters']:,} + gradients {held['gradients']:,} + "

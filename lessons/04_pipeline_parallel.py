@@ -37,13 +37,13 @@ import tracemalloc
 import numpy as np
 
 import minipar
-from minipar.backend import add_device_flag, use_device, xp
+from minipar.backend import add_device_flag, use_device
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel
+from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline import schedules, trace
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
@@ -161,16 +161,14 @@ def pipeline_run(name, v, recompute, args, config, grid, batches, reference):
     losses_s, grads_s, params_s = reference
     minipar.manual_seed(args.seed)
     model = GPT(config, grid, virtual_stages=v)
-    ddp = DataParallel(model, grid.dp_group) if grid.dp > 1 else None
-    opt = AdamW(model.parameters(), **HYPER)
-    run = PipelineExecutor(model, grid, name, args.micro_batches, ddp=ddp, recompute=recompute)
+    opt = make_optimizer(model, grid, 0, **HYPER)  # data parallelism + AdamW (DP = 1: nothing sent)
+    if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
+        model.finalize_grads = lambda: None
+    run = PipelineExecutor(model, grid, name, args.micro_batches, optimizer=opt, recompute=recompute)
     errors = {"loss": 0.0, "gradients (worst tensor)": 0.0}
     costs = {}
     for step, (x, y) in enumerate(batches):
         model.rng.iteration = step  # keys the dropout masks (with each token's place)
-        for p in model.parameters():  # allocated before the step, so the step's peak is activations
-            if p.grad is None:
-                p.grad = xp.zeros_like(p.data)
         if step == 0:
             tracemalloc.start()
             before = tracemalloc.get_traced_memory()[0]
@@ -178,10 +176,7 @@ def pipeline_run(name, v, recompute, args, config, grid, batches, reference):
             grid.pp_group.stats.reset()
 
         def optimizer_step():
-            if ddp is not None:
-                ddp.finish_gradients()
-            if not args.plant_bug:
-                model.finalize_grads()
+            opt.finish_gradients()  # the DP all-reduce, then model.finalize_grads()
             if step == 0:
                 costs["activation bytes"] = tracemalloc.get_traced_memory()[1] - before
                 tracemalloc.stop()
@@ -191,12 +186,9 @@ def pipeline_run(name, v, recompute, args, config, grid, batches, reference):
 
         record = run.step(x, y, optimizer_step)
         if grid.is_last_stage:
-            loss = record.loss if ddp is None else grid.dp_group.all_reduce(np.array([record.loss]))[0]
+            loss = record.loss if grid.dp == 1 else grid.dp_group.all_reduce(np.array([record.loss]))[0]
             errors["loss"] = max(errors["loss"], rel_err(loss, losses_s[step]))
-        if ddp is not None:
-            ddp.zero_grad()
-        else:
-            model.zero_grad()
+        opt.zero_grad()
     # parameters as one vector over all ranks: sums of squares, added up over the world
     sq = np.zeros(2)
     for n, p in model.named_parameters():

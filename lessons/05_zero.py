@@ -13,7 +13,9 @@ Each stage trains the same GPT for a few AdamW steps on the same batches (dropou
 clipped to norm 1) and is compared with the single-device run: loss, every gradient, all
 parameters. Then the tables: the bytes each rank holds, measured, next to the paper's formula, and
 the bytes each rank sends per step next to theirs (stage 3 sends 1.5x: weights gathered for forward
-and again for backward). Read next: minipar/parallel/zero.py, zero3.py, docs/zero.md.
+and again for backward). Every stage is one object with the same calls (``make_optimizer``, the step
+protocol of minipar/parallel/protocol.py): only what it holds and sends differs. Read next:
+minipar/parallel/zero.py, zero3.py, docs/zero.md.
 """
 
 import argparse
@@ -30,9 +32,8 @@ from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel, scale_loss, split_batch, token_count
-from minipar.parallel.zero import ZeroAdamW
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.data import scale_loss, split_batch, token_count
+from minipar.parallel.optimizers import make_optimizer
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
@@ -87,10 +88,7 @@ def parallel_run(stage, args, config, grid, batches, reference):
     tracemalloc.start()
     minipar.manual_seed(args.seed)
     model = GPT(config, grid)
-    if stage == 0:
-        ddp, opt = DataParallel(model, dp, args.bucket_kb << 10), AdamW(model.parameters(), **HYPER)
-    else:
-        opt = Zero3(model, dp, **HYPER) if stage == 3 else ZeroAdamW(model, dp, stage, bucket_bytes=args.bucket_kb << 10, **HYPER)
+    opt = make_optimizer(model, grid, stage, bucket_bytes=args.bucket_kb << 10, **HYPER)
     errors, peak_numpy, sent = {"loss": 0.0}, 0, []
     moved = ("all_reduce",) if stage == 0 else ("reduce_scatter", "all_gather")  # the step's traffic
     traffic = lambda: sum(t.bytes_sent for op, t in dp.stats.by_op.items() if op in moved)  # noqa: E731
@@ -102,41 +100,32 @@ def parallel_run(stage, args, config, grid, batches, reference):
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):
             xs, ys = split_batch(x[rows], y[rows], dp)
             mine = np.array_split(rows, dp.size)[dp.rank]  # their global rows key the dropout masks
-            with (ddp.no_sync() if stage == 0 and i < k - 1 else contextlib.nullcontext()), model.rng.at(rows=mine):
+            with (opt.no_sync() if i < k - 1 else contextlib.nullcontext()), model.rng.at(rows=mine):
                 _, loss = model(xs, ys)
                 share = loss * (1.0 / k) if args.plant_bug else scale_loss(loss, ys, total=total)
                 share.backward()
             losses.append(loss.item() * len(xs))
-        if stage == 0:
-            ddp.finish_gradients()
-        else:
-            opt.finish_gradients()
+        opt.finish_gradients()
         if step == 0:  # the verification's own traffic and memory are not the step's
             step_bytes, peak_numpy = traffic(), tracemalloc.get_traced_memory()[1]
-            full = (opt.full_gradients() if stage else {id(p): p.grad.copy() for p in model.parameters()})
+            full = opt.full_gradients()
             errors["gradients (worst tensor)"] = worst_tensor({n: full[id(p)] for n, p in model.named_parameters()}, grads_s)
             dp.stats.reset()
             tracemalloc.reset_peak()
         else:
             step_bytes = 0
-        if stage == 0:
-            clip_grad_norm(model.parameters(), 1.0)
-            opt.step()
-            ddp.zero_grad()
-        else:
-            opt.clip_grad_norm(1.0)
-            opt.step()
-            opt.zero_grad()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
         sent.append(step_bytes + traffic())
         peak_numpy = max(peak_numpy, tracemalloc.get_traced_memory()[1])
         loss_all = dp.all_reduce(np.array([sum(losses)]))[0] / len(x)
         errors["loss"] = max(errors["loss"], rel_err(loss_all, losses_s[step]))
-    params = opt.full_state_dict(model.named_parameters()) if stage == 3 else model.state_dict()
+    params = opt.full_state_dict()
     errors[f"parameters after {args.steps} steps"] = as_one_vector(params, params_s)
     tracemalloc.stop()
-    held = ddp.state_bytes(opt) if stage == 0 else dict(opt.ledger.now)
-    peak_state = sum(held.values()) if stage == 0 else opt.ledger.peak_total
-    padding = 0 if stage == 0 else sum(g.padded - g.size for g in opt.groups)
+    held, peak_state = opt.state_bytes(), opt.peak_state_bytes()
+    padding = opt.padding()
     return errors, held, peak_state, peak_numpy, sent, padding
 
 

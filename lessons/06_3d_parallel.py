@@ -49,7 +49,7 @@ from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import Layout, ProcessGrid
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
-from minipar.parallel.zero import ZeroAdamW
+from minipar.parallel.zero import ZeRO1
 from minipar.trainer import gather_text
 from minipar.verify import as_one_vector, rel_err
 
@@ -176,19 +176,19 @@ def main():
     # the same on the grid
     minipar.manual_seed(args.seed)
     model = GPT(config, grid)
-    opt = ZeroAdamW(model, grid.dp_group, stage=1, **HYPER)
-    run = PipelineExecutor(model, grid, "1f1b", args.micro_batches, ddp=opt if grid.dp > 1 else None)
+    opt = ZeRO1(model, grid.dp_group, grid, **HYPER)
+    if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
+        model.finalize_grads = lambda: None
+    run = PipelineExecutor(model, grid, "1f1b", args.micro_batches, optimizer=opt)
     lines = gather_text(comm, who_holds_what(grid, model, opt))
     errors = {"loss (worst step)": 0.0, "gradients (worst tensor)": 0.0}
     for step, (x, y) in enumerate(batches):
         model.rng.iteration = step  # keys the dropout masks (with each token's place)
 
         def update():
-            # The tied embedding's parts are added while every rank still holds its whole wte
-            # gradient; ZeRO-1's reduce-scatter then sums the buffers over DP (both are sums, in
-            # either order, but after the reduce-scatter only this rank's piece is summed).
-            if not args.plant_bug:
-                model.finalize_grads()
+            # ZeRO-1 adds the tied embedding's parts (model.finalize_grads) while every rank still
+            # holds its whole wte gradient, then reduce-scatters the buffers over DP (both are sums,
+            # in either order, but after the reduce-scatter only this rank's piece is summed).
             opt.finish_gradients()
             if step == 0:
                 whole = opt.full_gradients()

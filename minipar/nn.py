@@ -75,6 +75,11 @@ class Module:
         for p in self.parameters():
             p.grad = None
 
+    def finalize_grads(self):
+        """Finish the gradients after the last backward of a step, before the optimizer (the step
+        protocol calls it). A model whose gradients are complete after backward has nothing to do;
+        a model split over ranks overrides it (the GPT: sequence-parallel sums, tied embedding)."""
+
     def train(self, mode=True):
         for _, module in self.named_modules():
             module.training = mode
@@ -86,7 +91,7 @@ class Module:
     def state_dict(self):
         """``{name: array}``: copies, so later training does not change a saved state."""
         if any(p.held_by is not None for p in self.parameters()):
-            raise RuntimeError("ZeRO-3 holds this model's parameters in shards: use Zero3.full_state_dict()")
+            raise RuntimeError("ZeRO-3 holds this model's parameters in shards: use ZeRO3.full_state_dict()")
         return {name: p.data.copy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state):

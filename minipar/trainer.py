@@ -6,14 +6,14 @@ One step, on every layout (a 1 x 1 x 1 grid is the single-device run):
     batch      the step's global batch from (seed, iteration); every rank draws the same one
     schedule   the pipeline executor runs this rank's forwards and backwards over its micro-batches
                (PP = 1: one stage; gradient accumulation over micro-batches)
-    gradients  summed over DP (DataParallel's buckets, or ZeRO's reduce-scatter) and finished by
-               ``model.finalize_grads()`` (sequence-parallel sums, the tied embedding's two parts)
-    clip       by the whole model's gradient norm, across TP and PP groups
+    gradients  summed over DP and finished by ``model.finalize_grads()`` (sequence-parallel sums,
+               the tied embedding's two parts): the optimizer's ``finish_gradients()``
+    clip       by the whole model's gradient norm, across TP, PP and DP groups
     step       AdamW, or its ZeRO-sharded form
 
-Order matters in one place: DataParallel's all-reduces are in flight during backward and must be
-finished before ``finalize_grads`` touches the gradients; ZeRO-1's reduce-scatter sums whole
-gradient buffers and so must come after the tied embedding's parts have been added to them.
+The optimizer is a step-protocol object (``parallel/protocol.py``) made from ``--zero-stage`` by
+``make_optimizer``; after that the step is the same calls for every stage, and which order its
+sum and ``finalize_grads`` need is the optimizer's business, not the loop's.
 
 A gradient norm that is not finite stops the run before the optimizer step: every rank sees the
 same global norm, so every rank stops, and the ranks name the tensors that went bad.
@@ -28,19 +28,14 @@ import time
 import numpy
 
 import minipar
-from minipar.backend import xp
 from minipar.checkpoint import full, sharded
 from minipar.checkpoint.boxes import volume
 from minipar.checkpoint.pieces import pieces
 from minipar.models import GPT
-from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel
-from minipar.parallel.grad_norm import clip_grad_norm
+from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.schedules import BACKWARD, FORWARD
-from minipar.parallel.zero import ZeroAdamW
-from minipar.parallel.zero3 import Zero3
 
 
 def learning_rate(it, args):
@@ -72,19 +67,10 @@ class Trainer:
         self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world)
         self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-        self.ddp = None
-        if args.zero_stage == 0:
-            self.ddp = DataParallel(model, grid.dp_group) if grid.dp > 1 else None
-            self.opt = AdamW(model.parameters(), **hyper)
-        elif args.zero_stage < 3:
-            self.opt = ZeroAdamW(model, grid.dp_group, args.zero_stage, **hyper)
-        else:
-            self.opt = Zero3(model, grid.dp_group, **hyper)
-        self.adamw = getattr(self.opt, "optimizer", self.opt)  # the one whose lr the schedule sets
-        sync = self.ddp if args.zero_stage == 0 else self.opt
+        self.opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the only place the stage is read
         self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
-                                         ddp=sync if grid.dp > 1 else None, recompute=args.recompute)
-        self.start = 0
+                                         optimizer=self.opt, recompute=args.recompute)
+        self.start, self._n_params = 0, None
         if weights is not None:
             full.load_full_state(model, self.opt, weights, grid)
         if args.load:
@@ -101,28 +87,15 @@ class Trainer:
     # ---- one step ---------------------------------------------------------------------------
     def _update(self):
         """The executor's step instruction: finish the gradients, clip, and step (unless bad)."""
-        if self.ddp is not None:
-            self.ddp.finish_gradients()
-        self.model.finalize_grads()
-        if self.args.zero_stage == 0:
-            self.norm = clip_grad_norm(self.model.parameters(), self.args.grad_clip, self.grid)
-        else:
-            self.norm = self.opt.clip_grad_norm(self.args.grad_clip)
+        self.opt.finish_gradients()
+        self.norm = self.opt.clip_grad_norm(self.args.grad_clip)
         if math.isfinite(self.norm):
             self.opt.step()
-
-    def _zero_grad(self):
-        if self.ddp is not None:
-            self.ddp.zero_grad()
-        elif self.args.zero_stage == 0:
-            self.model.zero_grad()
-        else:
-            self.opt.zero_grad()
 
     def step(self, it):
         """Train iteration ``it``; returns the loss, gradient norm and bubble (the same on every rank)
         and the names of this rank's non-finite gradients."""
-        self.adamw.lr = learning_rate(it, self.args)
+        self.opt.lr = learning_rate(it, self.args)
         self.model.rng.iteration = it  # dropout masks are keyed by the iteration (and the position)
         x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
         for _, group in self._groups():
@@ -130,7 +103,7 @@ class Trainer:
         record = self.executor.step(x, y, optimizer_step=self._update)
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
         bad = [] if math.isfinite(self.norm) else self._nonfinite()
-        self._zero_grad()
+        self.opt.zero_grad()
         loss = record.loss if self.reports_loss else 0.0
         totals = self.world.all_reduce(numpy.array([loss, local_bubble(record.timeline)]))
         return float(totals[0]), self.norm, float(totals[1]) / self.world.size, bad
@@ -143,12 +116,7 @@ class Trainer:
     def _nonfinite(self):
         """Names of this rank's parameters whose gradient has a NaN or an infinity."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not bool(xp.isfinite(p.grad).all())]
-        for g, piece in zip(getattr(self.opt, "groups", ()), getattr(self.opt, "grad_pieces", ())):
-            for i, a, b, at in g.segments():
-                if not bool(xp.isfinite(piece[at : at + b - a]).all()):
-                    bad.append(names[id(g.params[i])])
-        return sorted(set(bad))
+        return sorted({names[id(p)] for p in self.opt.nonfinite_gradients()})
 
     def evaluate(self):
         """The mean validation loss over --eval-iters batches (forwards only)."""
@@ -184,7 +152,7 @@ class Trainer:
                     return self._diverged(it, loss, norm, bad)
                 now = time.perf_counter()
                 ms, clock = 1e3 * (now - clock), now
-                record = {"iter": it, "loss": loss, "lr": self.adamw.lr, "grad_norm": norm, "ms": ms, "bubble": bubble}
+                record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble}
                 last = it == end - 1
                 if (it + 1) % args.eval_interval == 0 or it == args.max_iters - 1:
                     val_loss = record["val_loss"] = self.evaluate()
@@ -218,7 +186,7 @@ class Trainer:
               f"{a.n_embd} hidden, context {a.block_size}, {a.dtype}")
         print(f"layout: {self.world.size} ranks = TP {g.tp} x PP {g.pp} x DP {g.dp}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
-              + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {a.zero_stage}"
+              + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
               + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else ""))
         print(f"data: {sum(len(s) for s in self.data.splits.values()):,} bytes "
               f"({a.data or 'Python standard library'}), {a.batch_size * a.block_size:,} tokens per step"
@@ -227,7 +195,7 @@ class Trainer:
     def model_parameters(self):
         """Parameters of the whole model: every rank counts what it would save (each element
         exactly once over the world) and the counts are added (a collective, on first call)."""
-        if not hasattr(self, "_n_params"):
+        if self._n_params is None:
             mine = sum(volume(start, stop) for piece in pieces(self.model, self.opt, self.grid)
                        if piece.kind == "param" and piece.write for start, stop, _ in piece.global_boxes())
             self._n_params = int(self.world.all_reduce(numpy.array([mine], numpy.int64))[0])
@@ -246,13 +214,7 @@ class Trainer:
         return 1
 
     def _report(self):
-        if self.args.zero_stage:
-            held = dict(self.opt.ledger.now)
-        else:
-            params = sum(p.data.nbytes for p in self.model.parameters())
-            held = {"parameters": params,
-                    "gradients": sum(b.flat.nbytes for b in self.ddp.buckets) if self.ddp else params,
-                    "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(self.opt.m, self.opt.v))}
+        held = self.opt.state_bytes()
         g, sent = self.grid, self.sent
         line = (f"{self.world.rank:>4} {g.tp_rank:>3} {g.dp_rank:>3} {g.pp_rank:>3} "
                 + "".join(f"{held.get(k, 0):>13,}" for k in ("parameters", "gradients", "optimizer"))

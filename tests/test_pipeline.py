@@ -18,8 +18,8 @@ from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline import trace
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
-from minipar.parallel.zero import ZeroAdamW
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.zero import ZeRO2
+from minipar.parallel.zero3 import ZeRO3
 
 CASES = [(name, p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
@@ -213,7 +213,7 @@ def test_a_pipelined_model_refuses_whole_model_calls():
     assert "transformer.wte.weight" in names and "transformer.wpe.weight" not in names  # the tied head
     with pytest.raises(RuntimeError, match="pipeline stages"):
         model(np.zeros((1, 8), np.int64))
-    for make in (lambda: ZeroAdamW(model, None, 2), lambda: Zero3(model, None)):
+    for make in (lambda: ZeRO2(model, None), lambda: ZeRO3(model, None)):
         with pytest.raises(ValueError, match="with pipeline parallelism use ZeRO stage 1"):
             make()  # refused before it touches a communicator
     with pytest.raises(ValueError, match="not divisible by PP x virtual stages"):

@@ -11,7 +11,7 @@ import minipar
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Linear, Parameter
 from minipar.parallel import Layout, ProcessGrid
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.zero3 import ZeRO3
 from minipar.placement import REPLICATED, Placement, Split, is_primary, split_over
 
 
@@ -120,14 +120,14 @@ def test_zero3_holds_the_parameters_and_the_model_still_counts_them():
     minipar.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=11), ProcessGrid(1, 1))
     before = model.num_parameters()
-    opt = Zero3(model, ProcessGrid(1, 1).dp_group)
+    opt = ZeRO3(model, ProcessGrid(1, 1).dp_group)
     assert all(p.held_by is opt and p.data.size == 0 for p in model.parameters())
     assert model.num_parameters() == before
-    with pytest.raises(RuntimeError, match="use Zero3.full_state_dict"):
+    with pytest.raises(RuntimeError, match="use ZeRO3.full_state_dict"):
         model.state_dict()
     group = opt.groups[0]
-    opt.gather([group])
+    opt.gather_parameters([group])
     with pytest.raises(RuntimeError, match="gathered twice"):
-        opt.gather([group])
-    opt.release([group])
-    opt.gather([group])  # released: it may be gathered again
+        opt.gather_parameters([group])
+    opt.release_parameters([group])
+    opt.gather_parameters([group])  # released: it may be gathered again

@@ -11,10 +11,8 @@ import minipar
 from minipar.checkpoint import full, sharded
 from minipar.checkpoint.boxes import flat_boxes, region, to_global
 from minipar.models import GPT, GPTConfig
-from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
-from minipar.parallel.zero import ZeroAdamW
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.optimizers import make_optimizer
 from minipar.placement import Split
 
 
@@ -69,12 +67,7 @@ def _make(kind):
     minipar.manual_seed(0)
     grid = ProcessGrid(1, 1)
     model = GPT(CONFIG, grid)
-    if kind == "adamw":
-        opt = AdamW(model.parameters(), lr=1e-2)
-    elif kind == "zero1":
-        opt = ZeroAdamW(model, grid.dp_group, 1, lr=1e-2, bucket_bytes=3000)
-    else:
-        opt = Zero3(model, grid.dp_group, lr=1e-2)
+    opt = make_optimizer(model, grid, {"adamw": 0, "zero1": 1, "zero3": 3}[kind], lr=1e-2, bucket_bytes=3000)
     return model, opt, grid
 
 
@@ -159,7 +152,7 @@ def test_another_model_and_an_unfinished_save_are_refused(tmp_path):
     minipar.manual_seed(0)
     bigger = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32))
     with pytest.raises(sharded.CheckpointError, match="different model: n_layer 2 .flags: 3."):
-        sharded.load(str(tmp_path), bigger, AdamW(bigger.parameters()), grid)
+        sharded.load(str(tmp_path), bigger, make_optimizer(bigger, grid), grid)
     # a save that died half-way leaves its .partial directory; the last good one still loads
     shutil.copytree(os.path.join(tmp_path, "iter_0000001"), os.path.join(tmp_path, "iter_0000002.partial"))
     os.remove(os.path.join(tmp_path, "iter_0000002.partial", "index.json"))

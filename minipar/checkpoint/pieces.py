@@ -2,11 +2,11 @@
 
 The state is the parameters and AdamW's two moments ("exp_avg" m and "exp_avg_sq" v, PyTorch's
 names) of every parameter of the single-device model, plus a step count. Where a rank keeps them
-depends on the optimizer:
+depends on the optimizer, which lists them (``state_arrays()``, part of the step protocol):
 
-    AdamW (+ DataParallel)   each parameter's local (TP) array, and m, v of the same shape
-    ZeroAdamW, stages 1-2    the parameters as above; m and v as flat pieces of this DP rank's shard
-    Zero3                    parameters, m and v all as flat pieces
+    DataParallelAdamW        each parameter's local (TP) array, and m, v of the same shape
+    ZeRO1, ZeRO2             the parameters as above; m and v as flat pieces of this DP rank's shard
+    ZeRO3                    parameters, m and v all as flat pieces
 
 A ``Piece`` is one such array with what it takes to place it in the whole tensor (``boxes.py``):
 its local shape, the parameter's split and which part of it this rank holds, and, for a flat
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from minipar.checkpoint.boxes import flat_boxes, region, to_global, volume
 from minipar.placement import Split, is_primary
 
-KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -75,41 +74,11 @@ def _cut(param, grid):
 
 
 def pieces(model, optimizer, grid=None):
-    """Every Piece of the training state this rank holds (``grid`` None: one device)."""
+    """Every Piece of the training state this rank holds (``grid`` None: one device), from the
+    optimizer's ``state_arrays()`` (the step protocol, ``parallel/protocol.py``)."""
     names = {id(p): n for n, p in model.named_parameters()}
     whole = grid.ranks() if grid is not None else {}  # copies over every group, DP included
     flat = dict(whole, dp=0)  # ZeRO's pieces: a different one on every DP rank
-    out = []
-    groups = getattr(optimizer, "groups", None)
-    if groups is None:  # plain AdamW: whole local arrays, replicated over DP
-        for p, m, v in zip(optimizer.params, optimizer.m, optimizer.v):
-            write = is_primary(p.placement, whole)
-            for kind, array in zip(KINDS, (p.data, m, v)):
-                out.append(Piece(kind, names[id(p)], array, p.shape, *_cut(p, grid), write=write))
-        return out
-    stage3 = optimizer.stage == 3
-    if not stage3:  # ZeRO 1-2 keep whole parameters on every DP rank
-        for p in model.parameters():
-            out.append(Piece("param", names[id(p)], p.data, p.shape, *_cut(p, grid),
-                             write=is_primary(p.placement, whole)))
-    stores = (("param", optimizer.master),) if stage3 else ()
-    stores += (("exp_avg", optimizer.moments[0]), ("exp_avg_sq", optimizer.moments[1]))
-    for g in groups:
-        for i, a, b, at in g.segments():
-            p = g.params[i]
-            shape = optimizer.shapes[id(p)] if stage3 else p.shape
-            start = g.shard.start + at
-            for kind, store in stores:
-                out.append(Piece(kind, names[id(p)], store[start : start + b - a], shape, *_cut(p, grid),
-                                 flat=(a - g.offsets[i], b - g.offsets[i]),
-                                 write=is_primary(p.placement, flat)))
-    return out
-
-
-def step_count(optimizer):
-    """AdamW's step count t (bias correction), wherever the optimizer keeps it."""
-    return getattr(optimizer, "optimizer", optimizer).step_count
-
-
-def set_step_count(optimizer, t):
-    getattr(optimizer, "optimizer", optimizer).step_count = int(t)
+    return [Piece(kind, names[id(p)], array, shape, *_cut(p, grid), flat=part,
+                  write=is_primary(p.placement, whole if part is None else flat))
+            for kind, p, array, shape, part in optimizer.state_arrays()]

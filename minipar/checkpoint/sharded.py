@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from minipar.backend import to_numpy, xp
 from minipar.checkpoint.boxes import intersect, region, volume
-from minipar.checkpoint.pieces import pieces, set_step_count, step_count
+from minipar.checkpoint.pieces import pieces
 
 FORMAT = "minipar-sharded-checkpoint-1"
 
@@ -66,7 +66,7 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
     """Write a checkpoint of iteration ``iteration`` into ``directory`` (a collective over the
     world). ``trainer_state``: JSON-able facts to resume with (seed, RNG, data position...)."""
     world = grid.world
-    trainer_state = dict(trainer_state, optimizer_steps=step_count(optimizer))
+    trainer_state = dict(trainer_state, optimizer_steps=optimizer.step_count)
     final = os.path.join(directory, f"iter_{iteration:07d}")
     partial = final + ".partial"
     if world.rank == 0:
@@ -242,5 +242,5 @@ def load(path, model, optimizer, grid=None):
     index = read_index(path)
     check_model(index, model.config, model.parameters()[0].dtype)
     fill(pieces(model, optimizer, grid), _Reader(index))
-    set_step_count(optimizer, index["trainer"]["optimizer_steps"])
+    optimizer.step_count = index["trainer"]["optimizer_steps"]
     return index["trainer"]

@@ -109,6 +109,7 @@ class GPT(Module):
             ln_f=layers.layer_norm(config.n_embd, config.bias) if last else None,
         )
         self._block = dict(zip(mine, self.transformer.h))
+        self._runner = None  # how each unit of the forward runs (wrap_units)
         if self.sequence_parallel:  # each rank of the TP group uses the rows of its own positions
             wpe.weight.placement = wpe.weight.placement.also(grad_sum="tp")
         # The tied embedding lives on two stages. Its copies start equal (the first stage's is
@@ -136,10 +137,10 @@ class GPT(Module):
         Under tensor parallelism the logits are this rank's vocabulary columns (see
         ``gather_logits``); the loss is the whole model's, the same on every rank."""
         self._whole_model_only("forward() (run the stages with minipar.parallel.pipeline.PipelineExecutor)")
-        x = self.embed(idx)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.logits(x)
+        x = self._run_unit("embed", self.embed, idx)
+        for i, block in self._block.items():
+            x = self._run_unit(f"h.{i}", block, x)
+        logits = self._run_unit("head", self.logits, x)
         return logits, (self.loss(logits, targets) if targets is not None else None)
 
     # ---- pipeline stages ------------------------------------------------------------------------
@@ -149,13 +150,14 @@ class GPT(Module):
         ``recompute``: keep only each block's input, and run the block again in backward."""
         g = self.chunks[c]
         if g == 0:
-            x = self.embed(x)
+            x = self._run_unit("embed", self.embed, x)
         for i in self.chunk_layers[c]:
             block = self._block[i]
-            x = checkpoint(block, x, block.parameters(), rng=self.rng) if recompute else block(x)
+            run = (lambda x, b=block: checkpoint(b, x, b.parameters(), rng=self.rng)) if recompute else block
+            x = self._run_unit(f"h.{i}", run, x)
         if g < self.n_chunks - 1:
             return x
-        logits = self.logits(x)
+        logits = self._run_unit("head", self.logits, x)
         return self.loss(logits, targets) if targets is not None else logits
 
     def activation_shape(self, batch, T):
@@ -185,7 +187,26 @@ class GPT(Module):
             if bool(bad.any()):
                 raise ValueError(f"targets must lie in [0, {V}) or be -1 (ignored), got {int(targets[bad][0])}")
 
-    # The forward in its pieces (ZeRO-3 wraps each one to gather its parameters just in time).
+    # ---- the forward in its units (ZeRO-3 runs each with its parameters gathered just in time) ----
+    def units(self):
+        """(name, parameters it uses) for each unit of this rank's forward, in order: the
+        embeddings, each block, the final LayerNorm with the tied head."""
+        tr, out = self.transformer, []
+        if tr.wpe is not None:
+            out.append(("embed", [tr.wte.weight, tr.wpe.weight]))
+        out += [(f"h.{i}", block.parameters()) for i, block in self._block.items()]
+        if tr.ln_f is not None:
+            out.append(("head", tr.ln_f.parameters() + [tr.wte.weight]))
+        return out
+
+    def wrap_units(self, runner):
+        """From now on run each unit ``name`` of the forward as ``runner(name, run, x)`` instead of
+        ``run(x)``: the hook point a ZeRO-3 optimizer gathers and releases parameters at."""
+        self._runner = runner
+
+    def _run_unit(self, name, run, x):
+        return run(x) if self._runner is None else self._runner(name, run, x)
+
     def embed(self, idx):
         """Token and position embeddings of the ids (B, T), then dropout."""
         idx = xp.asarray(getattr(idx, "data", idx))  # a Tensor's array as it is (no trip to the host)

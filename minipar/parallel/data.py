@@ -26,6 +26,9 @@ import hashlib
 import numpy
 
 from minipar.backend import to_numpy, xp
+from minipar.optim import AdamW
+from minipar.parallel.grad_norm import grad_norm
+from minipar.parallel.protocol import STATE_KINDS, DistributedOptimizer
 
 
 def token_count(targets, ignore_index=-1):
@@ -72,22 +75,27 @@ class Bucket:
         self.ready, self.request = 0, None
 
 
-class DataParallel:
-    """Wraps a model whose replicas live on the ranks of ``comm`` (the DP group).
+class DataParallelAdamW(DistributedOptimizer):
+    """AdamW on a model whose replicas live on the ranks of ``comm`` (the DP group; size 1 is the
+    single-device run: the same buckets, nothing sent).
 
     On construction the parameters are broadcast from DP rank 0, and each parameter's ``.grad``
-    becomes a view into its bucket, so the engine accumulates straight into the buckets. Use
+    becomes a view into its bucket, so the engine accumulates straight into the buckets. Use this
     ``zero_grad()`` (which keeps the views) instead of ``model.zero_grad()``.
     """
 
-    def __init__(self, model, comm, bucket_bytes=4 << 20):
-        self.model, self.comm = model, comm
+    stage = 0  # ZeRO's numbering: nothing sharded
+
+    def __init__(self, model, comm, grid=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 bucket_bytes=4 << 20):
+        super().__init__(model, comm, grid)
         params = model.parameters()
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"data parallelism buckets need one dtype, the model has {sorted(map(str, dtypes))}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self._adamw = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         sync_replicas(model, comm)
         self.buckets, current, size = [], [], 0
         for p in reversed(params):  # backward meets the last parameters first
@@ -107,6 +115,10 @@ class DataParallel:
         self._sync, self._finished = True, False
         self.started_in_backward = 0  # buckets whose all-reduce began while backward still ran
 
+    @property
+    def adamw(self):
+        return self._adamw
+
     def _views(self):
         """Each parameter's .grad becomes (again) a view into its bucket."""
         for bucket in self.buckets:
@@ -117,8 +129,8 @@ class DataParallel:
 
     def _gradient_ready(self, p):
         if p.grad is None or p.grad.base is not self._bucket_of[p].flat:
-            raise RuntimeError("a gradient left its bucket (an optimizer's zero_grad sets it to None): "
-                               "call DataParallel.zero_grad(), which restores the buckets")
+            raise RuntimeError("a gradient left its bucket (model.zero_grad() sets it to None): "
+                               "call DataParallelAdamW.zero_grad(), which restores the buckets")
         if self._finished:
             raise RuntimeError("backward after finish_gradients(): call zero_grad() before the next step's backward")
         if not self._sync:
@@ -126,24 +138,33 @@ class DataParallel:
         bucket = self._bucket_of[p]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
-            bucket.request = self.comm.iall_reduce(bucket.flat)
-            self.started_in_backward += 1
+            self.all_reduce_bucket(bucket)
+            self.started_in_backward += bucket.request is not None
         for b in self.buckets:  # MPI moves data only inside MPI calls: let started buckets progress
             if b.request is not None:
                 b.request.test()
 
+    def all_reduce_bucket(self, bucket):
+        """Data parallelism's communication: start summing one bucket over the DP group
+        (non-blocking; one rank alone has nothing to sum)."""
+        if self.comm.size > 1:
+            bucket.request = self.comm.iall_reduce(bucket.flat)
+
     def finish_gradients(self):
-        """Wait for every bucket's all-reduce (starting those no hook started) before the step.
-        Once per step: the buckets then hold sums, which must not be summed again."""
+        """Wait for every bucket's all-reduce (starting those no hook started), then let the model
+        finish its gradients: the sums must be in before ``finalize_grads`` adds to them. Once per
+        step: the buckets then hold sums, which must not be summed again."""
         if self._finished:
             return
         self._finished = True
         for bucket in self.buckets:  # the same order on every rank, as collectives require
             if bucket.request is None:
-                bucket.request = self.comm.iall_reduce(bucket.flat)
+                self.all_reduce_bucket(bucket)
         for bucket in self.buckets:
-            bucket.request.wait()
+            if bucket.request is not None:
+                bucket.request.wait()
             bucket.ready, bucket.request = 0, None
+        self.model.finalize_grads()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -154,6 +175,19 @@ class DataParallel:
         finally:
             self._sync = previous
 
+    def grad_norm(self):
+        """Every replica holds the summed gradients and computes the whole norm itself (adding the
+        TP and PP parts: ``grad_norm.py``)."""
+        self.finish_gradients()
+        return grad_norm(self.model.parameters(), self.grid)
+
+    def _gradients(self):
+        return [b.flat for b in self.buckets]
+
+    def step(self):
+        self.finish_gradients()
+        self._adamw.step()
+
     def zero_grad(self):
         for bucket in self.buckets:
             bucket.flat[...] = 0
@@ -161,11 +195,22 @@ class DataParallel:
         self._views()
         self.started_in_backward, self._finished = 0, False
 
-    def state_bytes(self, optimizer):
+    def state_bytes(self):
         """Bytes this rank holds for training state: parameters, gradient buckets, optimizer."""
         return {"parameters": sum(p.data.nbytes for p in self.model.parameters()),
                 "gradients": sum(b.flat.nbytes for b in self.buckets),
-                "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(optimizer.m, optimizer.v))}
+                "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(self._adamw.m, self._adamw.v))}
+
+    def full_gradients(self):
+        self.finish_gradients()
+        return {id(p): p.grad.copy() for p in self.model.parameters()}
+
+    def state_arrays(self):
+        """Whole local arrays, the same on every DP replica: each parameter, then its m and v."""
+        out = []
+        for p, m, v in zip(self._adamw.params, self._adamw.m, self._adamw.v):
+            out += [(kind, p, array, p.shape, None) for kind, array in zip(STATE_KINDS, (p.data, m, v))]
+        return out
 
     def scale_loss(self, loss, targets, ignore_index=-1, total=None):
         return scale_loss(loss, targets, self.comm, ignore_index, total)

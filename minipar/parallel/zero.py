@@ -24,12 +24,19 @@ Stage 1 reduce-scatters a full gradient buffer after backward (all-reducing it w
 as much for nothing: each rank only updates its pieces). Stage 2 reduce-scatters each group as soon
 as backward has finished it and frees the group's gradients at once. Stage 3 keeps only its pieces of
 the parameters: ``zero3.py`` gathers each layer's just in time.
+
+The classes follow the step protocol (``protocol.py``). ``ShardedAdamW`` holds what the stages
+share: the layout, the sharded AdamW, the pending reduce-scatters, the norm, the step's all-gather.
+Each stage's own communication is one method: ``ZeRO1.reduce_scatter_gradients`` (after backward),
+``ZeRO2.reduce_scatter_group`` (from the gradient hook, during backward), and for stage 3
+``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_scatter_unit`` (``zero3.py``).
 """
 
 from minipar.autograd import Tensor
 from minipar.backend import sum_of_squares, xp
 from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel.data import sync_replicas
+from minipar.parallel.protocol import DistributedOptimizer
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
 
@@ -39,18 +46,16 @@ NOT_WITH_PIPELINES = ("ZeRO stages 2 and 3 send gradients during backward, befor
                       "parallelism use {stage_1}")
 
 
-class ZeroAdamW:
-    """AdamW over a data-parallel group with ZeRO stage 1 or 2 (stage 3: ``zero3.Zero3``).
+class ShardedAdamW(DistributedOptimizer):
+    """AdamW over a data-parallel group with its state sharded (ZeRO); ``stage`` is the subclass's.
 
-    Replaces both the optimizer and DataParallel: after the backward(s) of a step call
-    ``step()`` (or ``clip_grad_norm`` then ``step()``), then ``zero_grad()`` before the next
-    backward. Parameters are broadcast from DP rank 0 first, so replicas start equal.
+    Replaces both the optimizer and data parallelism: it owns the parameter and gradient layout.
+    Parameters are broadcast from DP rank 0 first, so replicas start equal.
     """
 
-    def __init__(self, model, comm, stage, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+    def __init__(self, model, comm, grid=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  bucket_bytes=4 << 20, groups=None):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        stage = self.stage
         check_hyperparameters(lr, betas)
         params = model.parameters()
         if len({p.dtype for p in params}) != 1:
@@ -60,12 +65,10 @@ class ZeroAdamW:
         if stage >= 2 and getattr(model, "sequence_parallel", False):
             raise ValueError("ZeRO stages 2 and 3 send gradients during backward, before sequence "
                              "parallelism's partial gradients are summed: use stage 1 with it")
-        self.model, self.comm, self.stage = model, comm, stage
-        self.tp = getattr(model, "tp", None)  # a TP group shards parameters across it already
-        grid = getattr(model, "grid", None)
+        super().__init__(model, comm, grid)
         # which copies this rank counts in the norm (see placement.is_primary); its pieces differ
         # across the DP group, so none is a copy there
-        self.ranks = dict(grid.ranks(), dp=0) if grid is not None else {}
+        self.ranks = dict(self.ranks, dp=0)
         self.ledger = Ledger()
         self.dtype = params[0].dtype
         if stage < 3:
@@ -73,43 +76,40 @@ class ZeroAdamW:
         self.groups = groups or group_parameters(params, comm, bucket_bytes)
         self.pending, self._summed = [], False
         if stage < 3:
-            self._flat_parameters(params)
-        if stage == 1:  # own piece of each whole gradient buffer: summed there by the reduce-scatter
-            self.grad_pieces = [flat[slice(*g.own())] for g, flat in zip(self.groups, self.flat_grads)]
-        else:  # stages 2 and 3 keep only the pieces: one shard, accumulated over micro-batches
-            shard = xp.zeros(sum(g.piece for g in self.groups), self.dtype)
-            self.ledger.add("gradients", shard.nbytes)
-            self.grad_pieces = [shard[g.shard] for g in self.groups]
-        if stage == 2:
-            self._ready = {id(g): 0 for g in self.groups}
-            self._sent = set()
-            self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
-            self._group_of = {id(p): g for g in self.groups for p in g.params}
+            self._flat_parameters()
+        self.grad_pieces = self._gradient_storage()
         for p in params:
             p.register_grad_hook(self._gradient_ready)
-        self.optimizer = self._sharded_adamw(lr, betas, eps, weight_decay)
+        self._adamw = self._sharded_adamw(lr, betas, eps, weight_decay)
+
+    @property
+    def adamw(self):
+        return self._adamw
 
     # ---- layout -----------------------------------------------------------------------------
-    def _flat_parameters(self, params):
-        """Stages 1 and 2 keep whole parameters (views into one flat buffer per group), and
-        stage 1 whole gradients the engine accumulates into."""
-        self.flat_params, self.flat_grads = [], []
+    def _flat_parameters(self):
+        """Stages 1 and 2 keep whole parameters: views into one flat buffer per group."""
+        self.flat_params = []
         for g in self.groups:
             flat = g.flatten([p.data for p in g.params], self.dtype)
             for p, part in zip(g.params, g.unflatten(flat)):
                 p.data = part.reshape(p.shape)
             self.flat_params.append(flat)
             self.ledger.add("parameters", flat.nbytes)
-            if self.stage == 1:
-                grads = xp.zeros(g.padded, self.dtype)
-                for p, part in zip(g.params, g.unflatten(grads)):
-                    p.grad = part.reshape(p.shape)
-                self.flat_grads.append(grads)
-                self.ledger.add("gradients", grads.nbytes)
+
+    def _gradient_storage(self):
+        """Stages 2 and 3 keep only the pieces of the gradients: one shard, accumulated over
+        micro-batches. Returns this rank's piece of each group."""
+        shard = xp.zeros(sum(g.piece for g in self.groups), self.dtype)
+        self.ledger.add("gradients", shard.nbytes)
+        return [shard[g.shard] for g in self.groups]
 
     def master_pieces(self):
         """This rank's pieces of the parameters, which its optimizer updates."""
         return [flat[slice(*g.own())] for g, flat in zip(self.groups, self.flat_params)]
+
+    def shape_of(self, p):
+        return p.shape
 
     def _sharded_adamw(self, lr, betas, eps, weight_decay):
         """AdamW over segments: the parts of each parameter in this rank's pieces. Its moments are
@@ -134,24 +134,6 @@ class ZeroAdamW:
     def _gradient_ready(self, p):
         if self._summed:
             raise RuntimeError("a backward after step() or clip_grad_norm(): call zero_grad() first")
-        if self.stage != 2:
-            return
-        g = self._group_of[id(p)]
-        self._alive += p.grad.nbytes if p.grad is not None else 0
-        self._ready[id(g)] += 1
-        if self._ready[id(g)] == len(g.params):
-            self._send_group(g)
-
-    def _send_group(self, g):
-        """Stage 2: send a finished group's whole gradients (None counts as zeros) and drop them."""
-        self.ledger.add("gradients", self._alive)  # what backward holds at this moment
-        self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.dtype))
-        self.ledger.remove("gradients", self._alive)
-        for q in g.params:
-            self._alive -= q.grad.nbytes if q.grad is not None else 0
-            q.grad = None
-        self._ready[id(g)] = 0
-        self._sent.add(id(g))
 
     IN_FLIGHT = 1  # groups sent but not yet summed in: bounds the gradient memory of stages 2 and 3
 
@@ -176,23 +158,18 @@ class ZeroAdamW:
         self.pending = still
 
     def finish_gradients(self):
-        """Sum every group's gradients over the group into this rank's pieces (once per step)."""
+        """Sum every group's gradients over the group into this rank's pieces (once per step).
+        The model finishes its gradients first (stages 2 and 3 refuse the models for which that
+        adds anything: their gradients are sent before it could)."""
         if self._summed:
             return
-        if self.stage == 1:  # each whole buffer goes out once; the sum of its own piece comes back
-            for g, flat in zip(self.groups, self.flat_grads):
-                piece = xp.empty(g.piece, self.dtype)
-                self.ledger.add("gradients", piece.nbytes)
-                self.comm.reduce_scatter(flat, out=piece)
-                flat[slice(*g.own())] = piece
-                self.ledger.remove("gradients", piece.nbytes)
-        if self.stage == 2:  # groups some parameter of which got no gradient: send them now, in order
-            for g in self.groups:
-                if id(g) not in self._sent:
-                    self._send_group(g)
-            self._sent.clear()
+        self.model.finalize_grads()
+        self._send_rest()
         self._collect()
         self._summed = True
+
+    def _send_rest(self):
+        """What the stage still has to send once backward is over."""
 
     def full_gradients(self):
         """{id(parameter): whole flat gradient}, gathered from the pieces (a collective)."""
@@ -202,6 +179,17 @@ class ZeroAdamW:
             whole = self.comm.all_gather(piece.copy()).reshape(-1)
             out.update({id(p): a for p, a in zip(g.params, g.unflatten(whole))})
         return out
+
+    def _gradients(self):
+        return self.grad_pieces
+
+    def nonfinite_gradients(self):
+        bad = super().nonfinite_gradients()
+        for g, piece in zip(self.groups, self.grad_pieces):
+            for i, a, b, at in g.segments():
+                if not bool(xp.isfinite(piece[at : at + b - a]).all()):
+                    bad.append(g.params[i])
+        return bad
 
     # ---- the step -----------------------------------------------------------------------------
     def grad_norm(self):
@@ -213,33 +201,140 @@ class ZeroAdamW:
         counted = [piece[at : at + b - a] for g, piece in zip(self.groups, self.grad_pieces)
                    for i, a, b, at in g.segments() if is_primary(g.params[i].placement, self.ranks)]
         total = self.comm.all_reduce(xp.asarray([sum_of_squares(counted)]))
-        for group in (self.tp, getattr(self.model, "pp", None)):
-            if group is not None:
+        for group in (self.grid.tp_group, self.grid.pp_group) if self.grid is not None else ():
+            if group is not None and group.size > 1:
                 group.all_reduce(total)
         return float(total[0]) ** 0.5
 
-    def clip_grad_norm(self, max_norm):
-        """Scale the gradients by min(1, max_norm / ||g||) over the whole model; returns ||g||."""
-        total = self.grad_norm()
-        if max_norm > 0 and total > max_norm:
-            for piece in self.grad_pieces:
-                piece *= max_norm / (total + 1e-6)
-        return total
-
     def step(self):
         self.finish_gradients()
-        self.optimizer.step()
-        if self.stage < 3:  # every rank gets everyone's updated pieces
-            for g, flat in zip(self.groups, self.flat_params):
-                mine = flat[slice(*g.own())].copy()
-                self.comm.all_gather(mine, out=flat.reshape(self.comm.size, g.piece))
+        self._adamw.step()
+        self.all_gather_parameters()
+
+    def all_gather_parameters(self):
+        """Stages 1 and 2: every rank gets everyone's updated pieces of the whole parameters."""
+        for g, flat in zip(self.groups, self.flat_params):
+            mine = flat[slice(*g.own())].copy()
+            self.comm.all_gather(mine, out=flat.reshape(self.comm.size, g.piece))
 
     def zero_grad(self):
         for piece in self.grad_pieces:
             piece[...] = 0
-        for flat in getattr(self, "flat_grads", ()):
-            flat[...] = 0
-        if self.stage == 2:
-            self._ready = {key: 0 for key in self._ready}
-            self._sent.clear()
         self._summed = False
+
+    # ---- accounting and checkpoints -----------------------------------------------------------
+    def state_bytes(self):
+        return dict(self.ledger.now)
+
+    def peak_state_bytes(self):
+        return self.ledger.peak_total
+
+    def padding(self):
+        return sum(g.padded - g.size for g in self.groups)
+
+    def _stores(self):
+        """The flat buffers of this rank's shard, by kind."""
+        return (("exp_avg", self.moments[0]), ("exp_avg_sq", self.moments[1]))
+
+    def state_arrays(self):
+        """Stages 1 and 2: the whole parameters (the same on every DP rank), then per segment of
+        this rank's pieces its m and v (different on every DP rank)."""
+        out = [("param", p, p.data, p.shape, None) for p in self.model.parameters()] if self.stage < 3 else []
+        for g in self.groups:
+            for i, a, b, at in g.segments():
+                p, start = g.params[i], g.shard.start + at
+                for kind, store in self._stores():
+                    out.append((kind, p, store[start : start + b - a], self.shape_of(p),
+                                (a - g.offsets[i], b - g.offsets[i])))
+        return out
+
+
+class ZeRO1(ShardedAdamW):
+    """ZeRO stage 1: optimizer state sharded. Backward accumulates into whole gradient buffers
+    (one per group, the engine writing into them); after it, ``reduce_scatter_gradients``."""
+
+    stage = 1
+
+    def _gradient_storage(self):
+        """Whole gradient buffers the engine accumulates into; this rank's piece of each is where
+        the reduce-scatter leaves the sum."""
+        self.flat_grads = []
+        for g in self.groups:
+            grads = xp.zeros(g.padded, self.dtype)
+            for p, part in zip(g.params, g.unflatten(grads)):
+                p.grad = part.reshape(p.shape)
+            self.flat_grads.append(grads)
+            self.ledger.add("gradients", grads.nbytes)
+        return [flat[slice(*g.own())] for g, flat in zip(self.groups, self.flat_grads)]
+
+    def finish_gradients(self):
+        """The model's own sums first (the tied embedding's parts on the first and last stage,
+        sequence parallelism's partial sums), into the whole buffers; then the reduce-scatter, after
+        which only this rank's piece is summed."""
+        if self._summed:
+            return
+        self.model.finalize_grads()
+        self.reduce_scatter_gradients()
+        self._summed = True
+
+    def reduce_scatter_gradients(self):
+        """ZeRO-1's communication: each whole buffer goes out once; the sum of this rank's piece
+        comes back (an all-reduce would move 2x for values this rank never uses)."""
+        for g, flat in zip(self.groups, self.flat_grads):
+            piece = xp.empty(g.piece, self.dtype)
+            self.ledger.add("gradients", piece.nbytes)
+            self.comm.reduce_scatter(flat, out=piece)
+            flat[slice(*g.own())] = piece
+            self.ledger.remove("gradients", piece.nbytes)
+
+    def zero_grad(self):
+        for flat in self.flat_grads:
+            flat[...] = 0
+        super().zero_grad()
+
+
+class ZeRO2(ShardedAdamW):
+    """ZeRO stage 2: gradients sharded too. Each group's gradients are reduce-scattered from the
+    gradient hook as soon as backward has finished the group (``reduce_scatter_group``), and
+    dropped: backward never holds more than a group or two of whole gradients."""
+
+    stage = 2
+
+    def __init__(self, model, comm, grid=None, **hyper):
+        self._ready, self._sent = {}, set()
+        self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
+        super().__init__(model, comm, grid, **hyper)
+        self._ready = {id(g): 0 for g in self.groups}
+        self._group_of = {id(p): g for g in self.groups for p in g.params}
+
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        g = self._group_of[id(p)]
+        self._alive += p.grad.nbytes if p.grad is not None else 0
+        self._ready[id(g)] += 1
+        if self._ready[id(g)] == len(g.params):
+            self.reduce_scatter_group(g)
+
+    def reduce_scatter_group(self, g):
+        """ZeRO-2's communication: send a finished group's whole gradients (None counts as
+        zeros) to be summed into the owners' pieces, and drop them."""
+        self.ledger.add("gradients", self._alive)  # what backward holds at this moment
+        self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.dtype))
+        self.ledger.remove("gradients", self._alive)
+        for q in g.params:
+            self._alive -= q.grad.nbytes if q.grad is not None else 0
+            q.grad = None
+        self._ready[id(g)] = 0
+        self._sent.add(id(g))
+
+    def _send_rest(self):
+        """Groups some parameter of which got no gradient: send them now, in order."""
+        for g in self.groups:
+            if id(g) not in self._sent:
+                self.reduce_scatter_group(g)
+        self._sent.clear()
+
+    def zero_grad(self):
+        super().zero_grad()
+        self._ready = {key: 0 for key in self._ready}
+        self._sent.clear()

@@ -11,8 +11,11 @@ Running the unit without a graph in forward is what makes freeing real: a record
 the gathered weights alive (a linear layer saves its weight for backward). So stage 3 here always
 recomputes, trading one extra forward per unit for holding only one unit's parameters at a time.
 
-The tied embedding is used by two units, the embeddings and the head: it is gathered for each, and
-its gradient arrives in two parts, each reduce-scattered and added to the same shard.
+The units are the model's (FSDP's "wrapping units"): ``model.units()`` names them in forward order
+with the parameters each uses, and ``model.wrap_units(runner)`` makes the model's forward run each
+through ``runner(name, run, x)``, here ``checkpoint`` with the gathers around it. A parameter two
+units use (the tied embedding: the embeddings and the head) is a group of its own, gathered for
+each; its gradient arrives in two parts, each reduce-scattered and added to the same shard.
 """
 
 import math
@@ -21,29 +24,38 @@ from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.recompute import checkpoint
 from minipar.parallel.shards import Group
-from minipar.parallel.zero import NOT_WITH_PIPELINES, ZeroAdamW
+from minipar.parallel.zero import NOT_WITH_PIPELINES, ShardedAdamW
 
 
-def gpt_units(model):
-    """(owner, method name, parameters it uses) for each unit of a GPT, in forward order."""
-    tr = model.transformer
-    units = [(model, "embed", [tr.wte.weight, tr.wpe.weight])]
-    units += [(block, "forward", block.parameters()) for block in tr.h]
-    units.append((model, "logits", tr.ln_f.parameters() + [tr.wte.weight]))
-    return units
+def unit_groups(units):
+    """The parameter groups of ``units`` [(name, parameters)], in forward order: a parameter used
+    by several units alone (so that each gathers it), then the rest of each unit's together."""
+    uses = {}
+    for _, params in units:
+        for p in dict.fromkeys(params):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    order, seen = [], set()
+    for _, params in units:
+        shared = [p for p in dict.fromkeys(params) if uses[id(p)] > 1 and id(p) not in seen]
+        rest = [p for p in dict.fromkeys(params) if uses[id(p)] == 1]
+        order += [[p] for p in shared] + ([rest] if rest else [])
+        seen.update(id(p) for p in shared)
+    return order
 
 
-class Zero3(ZeroAdamW):
-    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+class ZeRO3(ShardedAdamW):
+    """ZeRO stage 3: parameters, gradients and optimizer state sharded (see the module docstring)."""
+
+    stage = 3
+
+    def __init__(self, model, comm, grid=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         if getattr(model, "pp", None) is not None:
             raise ValueError(NOT_WITH_PIPELINES.format(stage_1="ZeRO stage 1 (or 0)"))
-        units = gpt_units(model)
+        units = model.units()
         params = model.parameters()
         sync_replicas(model, comm)  # every rank starts from rank 0's weights ...
-        tr = model.transformer
-        order = [[tr.wte.weight], [tr.wpe.weight]] + [b.parameters() for b in tr.h] + [tr.ln_f.parameters()]
         groups, offset = [], 0
-        for ps in order:
+        for ps in unit_groups(units):
             groups.append(Group(ps, comm, offset))
             offset += groups[-1].piece
         self.shapes = {id(p): p.shape for p in params}
@@ -56,35 +68,37 @@ class Zero3(ZeroAdamW):
         for p in params:  # ... and keeps only its pieces
             p.held_by = self
             p.data = self._empty
-        super().__init__(model, comm, 3, lr, betas, eps, weight_decay, groups=groups)
+        super().__init__(model, comm, grid, lr, betas, eps, weight_decay, groups=groups)
         self.ledger.add("parameters", self.master.nbytes)
-        self._group_of = {id(p): g for g in groups for p in g.params}
-        for owner, name, used in units:
-            self._wrap(owner, name, [self._group_of[id(p)] for p in dict.fromkeys(used)])
+        group_of = {id(p): g for g in groups for p in g.params}
+        self._unit_groups = {name: list({id(group_of[id(p)]): group_of[id(p)] for p in used}.values())
+                             for name, used in units}
+        model.wrap_units(self._run_unit)
 
     def master_pieces(self):
         return [self.master[g.shard] for g in self.groups]
+
+    def shape_of(self, p):
+        return self.shapes[id(p)]
 
     def numel(self, p):
         """The whole size of a parameter this optimizer holds in shards (its data may be empty)."""
         return math.prod(self.shapes[id(p)])
 
-    def _wrap(self, owner, name, groups):
-        groups = list({id(g): g for g in groups}.values())
-        run = getattr(owner, name)
-
+    def _run_unit(self, name, run, x):
+        """Run one of the model's units: gathered for its forward (no graph kept), gathered again for
+        its backward, which recomputes it, and its gradients reduce-scattered after."""
+        groups = self._unit_groups[name]
         params = [p for g in groups for p in g.params]
+        return checkpoint(run, x, params, rng=self.model.rng,
+                          before=lambda: self.gather_parameters(groups),
+                          after=lambda: self.release_parameters(groups),
+                          before_backward=lambda: self.gradient_buffers(groups),
+                          after_backward=lambda: self.reduce_scatter_unit(groups))
 
-        def unit(x):
-            return checkpoint(run, x, params, rng=getattr(self.model, "rng", None),
-                              before=lambda: self.gather(groups), after=lambda: self.release(groups),
-                              before_backward=lambda: self.gradient_buffers(groups),
-                              after_backward=lambda: self.send_gradients(groups))
-
-        setattr(owner, name, unit)
-
-    def gather(self, groups):
-        """All-gather the groups' parameters into whole buffers the parameters point into."""
+    def gather_parameters(self, groups):
+        """ZeRO-3's communication before a unit runs: all-gather the groups' parameters into whole
+        buffers the parameters point into."""
         for g in groups:
             if id(g) in self._gathered:
                 raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
@@ -96,7 +110,8 @@ class Zero3(ZeroAdamW):
                 p.data = part.reshape(self.shapes[id(p)])
             self.ledger.add("parameters", flat.nbytes)
 
-    def release(self, groups):
+    def release_parameters(self, groups):
+        """After a unit ran: drop the whole parameters again."""
         for g in groups:
             self._gathered.discard(id(g))
             for p in g.params:
@@ -114,21 +129,29 @@ class Zero3(ZeroAdamW):
             self.ledger.add("gradients", flat.nbytes)
             self._flats.append(flat)
 
-    def send_gradients(self, groups):
-        """After a unit's backward: reduce-scatter its gradient buffers and drop the views."""
+    def reduce_scatter_unit(self, groups):
+        """ZeRO-3's communication after a unit's backward: reduce-scatter its gradient buffers
+        into the owners' pieces and drop the views."""
         for g, flat in zip(groups, self._flats):
             self.reduce_scatter(g, flat, counted=True)
             for p in g.params:
                 p.grad = None
         self._flats = []
 
-    def full_state_dict(self, model_names):
+    def step(self):  # the updated pieces stay where they are: the next forward gathers them
+        self.finish_gradients()
+        self._adamw.step()
+
+    def _stores(self):
+        return (("param", self.master),) + super()._stores()
+
+    def full_state_dict(self):
         """{name: whole array} gathered from the shards (a collective)."""
-        names = {id(p): n for n, p in model_names}
+        names = {id(p): n for n, p in self.model.named_parameters()}
         out = {}
         for g in self.groups:
-            self.gather([g])
+            self.gather_parameters([g])
             for p in g.params:
                 out[names[id(p)]] = p.data.copy()
-            self.release([g])
+            self.release_parameters([g])
         return out

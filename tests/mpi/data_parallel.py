@@ -1,4 +1,4 @@
-"""DataParallel against the single-device run (float64): several bucket sizes, gradient
+"""DataParallelAdamW against the single-device run (float64): several bucket sizes, gradient
 accumulation, ignored targets spread unevenly over the ranks, an uneven batch, replica checks.
 
     run_mpi.sh -n 4 tests/mpi/data_parallel.py
@@ -13,7 +13,7 @@ from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel
+from minipar.parallel.data import DataParallelAdamW
 from minipar.parallel.recompute import checkpoint
 
 minipar.set_default_dtype("float64")
@@ -41,9 +41,9 @@ def batch(seed, rows=2 * N, ignore=False):
 def models(bucket_bytes):
     minipar.manual_seed(0)
     serial = GPT(config)
-    minipar.manual_seed(1 + r)  # different on every rank: DataParallel must broadcast rank 0's
+    minipar.manual_seed(1 + r)  # different on every rank: DataParallelAdamW must broadcast rank 0's
     replica = GPT(config, grid)
-    return serial, replica, DataParallel(replica, dp, bucket_bytes=bucket_bytes)
+    return serial, replica, DataParallelAdamW(replica, dp, bucket_bytes=bucket_bytes, lr=1e-2, eps=1e-5)
 
 
 # bucket sizes: smaller than any parameter (one bucket per parameter), medium, everything in one
@@ -56,7 +56,6 @@ for bucket_bytes in (1, 2048, 1 << 30):
     replica.load_state_dict(state)
     ddp.check_replicas()
     opt_s = AdamW(serial.parameters(), lr=1e-2, eps=1e-5)
-    opt = AdamW(replica.parameters(), lr=1e-2, eps=1e-5)
     for step in range(2):
         x, y = batch(10 + step, ignore=True)
         serial.rng.set_state(replica.rng.state())
@@ -69,7 +68,7 @@ for bucket_bytes in (1, 2048, 1 << 30):
         for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):
             close(p.grad, p_s.grad, f"bucket {bucket_bytes} step {step} grad {name}")
         opt_s.step()
-        opt.step()
+        ddp.step()
         opt_s.zero_grad()
         ddp.zero_grad()
     for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):
@@ -82,11 +81,10 @@ for bucket_bytes in (1, 2048, 1 << 30):
 # early or twice would start the all-reduce before the first layers' gradients exist.
 serial, replica, ddp = models(1 << 30)
 replica.load_state_dict(serial.state_dict())
-run_embed, tr = replica.embed, replica.transformer
-last = tr.h[len(tr.h) - 1]
-run_last = last.forward
-replica.embed = lambda idx: checkpoint(run_embed, idx, [tr.wte.weight, tr.wpe.weight], rng=replica.rng)
-last.forward = lambda x: checkpoint(run_last, x, last.parameters(), rng=replica.rng)
+units = dict(replica.units())
+last = f"h.{len(replica.transformer.h) - 1}"
+replica.wrap_units(lambda name, run, x: checkpoint(run, x, units[name], rng=replica.rng)
+                   if name in ("embed", last) else run(x))
 x, y = batch(40)
 serial.rng.set_state(replica.rng.state())
 serial(x, y)[1].backward()
@@ -107,13 +105,13 @@ try:
 except RuntimeError:
     refused += 1
 ddp.zero_grad()
-replica.zero_grad()  # what an optimizer's zero_grad does: the buckets lose their views
+replica.zero_grad()  # model.zero_grad(), not the optimizer's: the buckets lose their views
 try:
     replica(xs, ys)[1].backward()
 except RuntimeError:
     refused += 1
 if refused != 2:
-    raise AssertionError(f"rank {r}: misuse of DataParallel was accepted")
+    raise AssertionError(f"rank {r}: misuse of DataParallelAdamW was accepted")
 
 # gradient accumulation: two micro-batches, the all-reduce only after the second
 serial, replica, ddp = models(4096)

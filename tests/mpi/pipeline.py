@@ -16,8 +16,7 @@ from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallel
-from minipar.parallel.grad_norm import clip_grad_norm as clip_across_ranks
+from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
 from minipar.verify import rel_err
@@ -40,15 +39,15 @@ minipar.manual_seed(3)
 serial = GPT(config)
 minipar.manual_seed(3)
 model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.v)
-ddp = DataParallel(model, grid.dp_group) if grid.dp > 1 else None
+hyper = dict(lr=1e-2, weight_decay=0.1)
+opt = make_optimizer(model, grid, 0, **hyper)  # the step protocol: data parallelism + AdamW
 try:
-    run = PipelineExecutor(model, grid, args.schedule, args.m, ddp=ddp, recompute=args.recompute)
+    run = PipelineExecutor(model, grid, args.schedule, args.m, optimizer=opt, recompute=args.recompute)
 except ValueError as e:  # bad sizes: every rank must refuse, before any message (then all meet here)
     print(f"rank {world().rank} refused: {e}", flush=True)
     world().barrier()
     sys.exit(3)
-hyper = dict(lr=1e-2, weight_decay=0.1)
-opt_s, opt = AdamW(serial.parameters(), **hyper), AdamW(model.parameters(), **hyper)
+opt_s = AdamW(serial.parameters(), **hyper)
 rank = world().rank
 batch = 2 * args.m * grid.dp
 data = np.random.default_rng(0)
@@ -71,9 +70,7 @@ for step in range(2):
     norm_s = clip_grad_norm(serial.parameters(), MAX_NORM)
 
     def check_grads_then_step():
-        if ddp is not None:
-            ddp.finish_gradients()
-        model.finalize_grads()
+        opt.finish_gradients()  # the DP all-reduce, then model.finalize_grads()
         for n, g in grads.items():
             got = mine[n].grad
             err = rel_err(got, shard(n, g))
@@ -83,7 +80,7 @@ for step in range(2):
             raise AssertionError("a second finalize_grads() was not refused")
         except RuntimeError as e:
             assert "already called" in str(e), e
-        norm = clip_across_ranks(model.parameters(), MAX_NORM, grid)
+        norm = opt.clip_grad_norm(MAX_NORM)
         assert abs(norm / norm_s - 1) < 1e-12 and norm > MAX_NORM, f"rank {rank}: norm {norm} vs {norm_s}"
         opt.step()
 
@@ -93,10 +90,7 @@ for step in range(2):
         assert rel_err(loss, loss_s.item()) < 1e-12, f"rank {rank}: loss {loss} vs {loss_s.item()}"
     opt_s.step()
     opt_s.zero_grad()
-    if ddp is not None:
-        ddp.zero_grad()
-    else:
-        model.zero_grad()
+    opt.zero_grad()
 
 serial.eval()
 model.eval()

@@ -15,8 +15,8 @@ from minipar.nn import Linear, Module
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import scale_loss, split_batch, token_count
-from minipar.parallel.zero import ZeroAdamW
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.zero import ZeRO1, ZeRO2
+from minipar.parallel.zero3 import ZeRO3
 from minipar.rng import rows_of
 
 minipar.set_default_dtype("float64")
@@ -43,8 +43,8 @@ def make(stage, bucket_bytes):
         model.load_state_dict(serial.state_dict())
         model.rng.set_state(serial.rng.state())
     if stage == 3:
-        return serial, model, Zero3(model, dp, **hyper)
-    return serial, model, ZeroAdamW(model, dp, stage, bucket_bytes=bucket_bytes, **hyper)
+        return serial, model, ZeRO3(model, dp, **hyper)
+    return serial, model, {1: ZeRO1, 2: ZeRO2}[stage](model, dp, bucket_bytes=bucket_bytes, **hyper)
 
 
 for stage in (1, 2, 3):
@@ -76,7 +76,7 @@ for stage in (1, 2, 3):
             zero.zero_grad()
             opt.step()
             opt.zero_grad()
-        state = zero.full_state_dict(model.named_parameters()) if stage == 3 else model.state_dict()
+        state = zero.full_state_dict()
         for name in names:
             close(state[name], serial.state_dict()[name], f"stage {stage} buckets {bucket_bytes} parameter {name}")
 
@@ -95,7 +95,7 @@ for stage in (1, 2):
     minipar.manual_seed(3)
     plain, sharded = HalfUsed(), HalfUsed()
     sharded.load_state_dict(plain.state_dict())
-    zero = ZeroAdamW(sharded, dp, stage, bucket_bytes=1 << 20, **hyper)  # one group for everything
+    zero = {1: ZeRO1, 2: ZeRO2}[stage](sharded, dp, bucket_bytes=1 << 20, **hyper)  # one group for everything
     x = np.random.default_rng(4).standard_normal((2 * N, 5))
     F.sum(plain(x) ** 2).backward()
     F.sum(sharded(split_batch(x, x, dp)[0]) ** 2).backward()
@@ -114,7 +114,7 @@ try:
 except RuntimeError:
     refused += 1
 try:
-    ZeroAdamW(model, dp, 1, lr=-1.0)
+    ZeRO1(model, dp, lr=-1.0)
 except ValueError:
     refused += 1
 if refused != 2:

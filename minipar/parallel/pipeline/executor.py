@@ -36,10 +36,11 @@ What makes the pipelined run equal to one device:
   (see minipar.rng), so each forward runs inside ``model.rng.at(rows=...)`` with its micro-batch's
   rows on this data-parallel rank, and the iteration is the caller's (``model.rng.iteration``).
 * The tied embedding's two gradient parts (first and last stage) are added by
-  ``model.finalize_grads()``, which the caller runs before the optimizer, after the data-parallel
-  all-reduce (``ddp.finish_gradients()``). With data parallelism, only the last backward of each
-  chunk counts its gradients as ready (the others run under ``ddp.no_sync()``); a bucket is sent
-  when all of its parameters are ready, which for a bucket spanning two chunks is the later one's.
+  ``model.finalize_grads()``, which the optimizer's ``finish_gradients()`` runs in the caller's
+  step, in the order its data-parallel sum needs (see ``parallel/protocol.py``). Only the last
+  backward of each chunk counts its gradients as ready (the others run under
+  ``optimizer.no_sync()``); a bucket is sent when all of its parameters are ready, which for a
+  bucket spanning two chunks is the later one's.
 
 ``evaluate`` runs the forwards alone (every micro-batch through every chunk, in the schedule's
 forward order) without recording a graph: the validation loss of a pipelined model.
@@ -63,12 +64,12 @@ MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
 
 class PipelineExecutor:
     """Runs ``schedule`` ("gpipe", "1f1b" or "interleaved") with ``micro_batches`` per step on this
-    rank's stage of ``model`` (a GPT built on ``grid``). ``ddp``: what sums the gradients over the
-    data-parallel group when the grid has DP > 1: the DataParallel wrapper (whose ``no_sync`` keeps
-    all but each chunk's last backward from sending) or a ZeRO optimizer (which sums them in its
-    own time). ``recompute``: keep only each block's input during forward."""
+    rank's stage of ``model`` (a GPT built on ``grid``). ``optimizer``: the step-protocol object
+    (``parallel/protocol.py``) that sums the gradients over the data-parallel group; its
+    ``no_sync()`` covers all but each chunk's last backward. It may be left out when DP = 1 and the
+    caller sums nothing. ``recompute``: keep only each block's input during forward."""
 
-    def __init__(self, model, grid, schedule="1f1b", micro_batches=1, ddp=None, recompute=False):
+    def __init__(self, model, grid, schedule="1f1b", micro_batches=1, optimizer=None, recompute=False):
         v = len(model.chunks)
         if schedule not in S.SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(S.SCHEDULES)}")
@@ -80,10 +81,10 @@ class PipelineExecutor:
         if n_tags > MAX_TAG:
             raise ValueError(f"{micro_batches} micro-batches x {grid.pp * v} chunks need {n_tags} message "
                              f"tags, more than MPI promises ({MAX_TAG}): use fewer micro-batches")
-        if grid.dp > 1 and ddp is None:
-            raise ValueError("the grid has DP > 1: pass what sums the gradients over it (DataParallel "
-                             "or a ZeRO optimizer) as ddp=")
-        self.model, self.grid, self.ddp, self.recompute = model, grid, ddp, recompute
+        if grid.dp > 1 and optimizer is None:
+            raise ValueError("the grid has DP > 1: pass what sums the gradients over it (from "
+                             "minipar.parallel.optimizers.make_optimizer) as optimizer=")
+        self.model, self.grid, self.optimizer, self.recompute = model, grid, optimizer, recompute
         self.m, self.v, self.name = micro_batches, v, schedule
         self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
         self.pipe = S.Pipeline(grid.pp, micro_batches, v)
@@ -183,8 +184,8 @@ class PipelineExecutor:
     def _backward(self, state, ins):
         unit = (ins.mb, ins.chunk)
         inp, out = state.kept.pop(unit)  # dropping the graph frees the activations
-        quiet = hasattr(self.ddp, "no_sync") and ins.mb != self.last_backward[ins.chunk]
-        with self.ddp.no_sync() if quiet else contextlib.nullcontext():
+        quiet = self.optimizer is not None and ins.mb != self.last_backward[ins.chunk]
+        with self.optimizer.no_sync() if quiet else contextlib.nullcontext():
             out.backward(state.output_grads.pop(unit, None))  # None: the loss, on the last chunk
         if inp is not None:
             state.input_grads[unit] = inp.grad

@@ -1,0 +1,145 @@
+"""The step protocol: what every data-parallel optimizer offers the training loop.
+
+Plain data parallelism with AdamW and ZeRO stages 1, 2 and 3 differ in where the gradients and the
+Adam state live and in how they are summed over the data-parallel group, but a step is the same
+for all of them, so every caller (the trainer, the pipeline executor, the lessons) writes it once:
+
+    construction   the gradient-ready hooks are registered, replicas start from DP rank 0's weights
+    backward(s)    the hooks fire as each gradient completes; inside ``no_sync()`` (every micro-batch
+                   but the last) nothing is sent that could still wait
+    finish_gradients()   the gradients summed over DP and finished by ``model.finalize_grads()``
+                   (sequence-parallel sums, the tied embedding's two parts), in the order this
+                   class needs: an all-reduce in flight is waited for first, a reduce-scatter of
+                   whole buffers comes after
+    clip_grad_norm(max_norm)   the whole model's norm (over TP, PP and DP), returned; scaled down
+    step()         the AdamW update of what this rank owns, then whatever it must share
+    zero_grad()    gradients zeroed, ready for the next step's backward
+    state_bytes()  {"parameters", "gradients", "optimizer"}: bytes this rank holds after a step
+
+plus ``lr`` (the schedule sets it), ``step_count`` and ``state_arrays()`` for checkpoints,
+``full_gradients()`` and ``full_state_dict()`` for checks against one device, and
+``nonfinite_gradients()`` to name what diverged. Each class's distinguishing communication is one
+named method: ``DataParallelAdamW.all_reduce_bucket``, ``ZeRO1.reduce_scatter_gradients``,
+``ZeRO2.reduce_scatter_group``, ``ZeRO3.gather_parameters`` / ``release_parameters`` /
+``reduce_scatter_unit``. ``zero_stage`` is read in one place, ``make_optimizer`` (``optimizers.py``).
+
+What the protocol asks of the model: ``parameters()``, ``named_parameters()``,
+``finalize_grads()`` (``Module``'s does nothing) and, for ZeRO-3, ``units()`` and
+``wrap_units(runner)`` (see ``zero3.py``).
+"""
+
+import contextlib
+from abc import ABC, abstractmethod
+
+from minipar.backend import xp
+
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter and AdamW's m and v (PyTorch's names)
+
+
+class DistributedOptimizer(ABC):
+    """AdamW over the ranks of ``comm`` (the data-parallel group) for ``model``, whose parameters
+    are placed on ``grid`` (needed for the norm when TP or PP > 1; None: one device, or DP only).
+    ``stage``: what ZeRO stage the class is (0: nothing sharded), for reports."""
+
+    stage = None
+
+    def __init__(self, model, comm, grid=None):
+        if grid is None and any(p.placement.split is not None or "embedding" in p.placement.copies
+                                for p in model.parameters()):
+            raise ValueError("the model's parameters are split over a TP or PP grid: pass grid= so that "
+                             "the gradient norm adds the parts and counts each copy once")
+        self.model, self.comm, self.grid = model, comm, grid
+        # this rank's index in each group, for placement.is_primary (a single device: all index 0)
+        self.ranks = grid.ranks() if grid is not None else {}
+
+    # ---- the learning rate and the step count (the optimizer that does the arithmetic keeps them)
+    @property
+    @abstractmethod
+    def adamw(self):
+        """The AdamW this class steps (over whole arrays or over this rank's pieces)."""
+
+    @property
+    def lr(self):
+        return self.adamw.lr
+
+    @lr.setter
+    def lr(self, value):
+        self.adamw.lr = value
+
+    @property
+    def step_count(self):
+        return self.adamw.step_count
+
+    @step_count.setter
+    def step_count(self, t):
+        self.adamw.step_count = int(t)
+
+    # ---- the step ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """More micro-batches follow: defer what can wait. The default defers nothing (ZeRO-1 sends
+        nothing during backward anyway; ZeRO-2 and 3 keep only their pieces, so they must send each
+        micro-batch's gradients, as DeepSpeed does)."""
+        yield
+
+    @abstractmethod
+    def finish_gradients(self):
+        """Sum the step's gradients over DP and finish them (``model.finalize_grads()``), once per
+        step; later calls before ``zero_grad()`` change nothing."""
+
+    @abstractmethod
+    def grad_norm(self):
+        """The whole model's gradient norm (a collective; finishes the gradients first)."""
+
+    @abstractmethod
+    def _gradients(self):
+        """The arrays holding this rank's gradients that the step will use (clipping scales them)."""
+
+    def clip_grad_norm(self, max_norm):
+        """Scale the gradients by min(1, max_norm / ||g||) over the whole model; returns ||g||."""
+        total = self.grad_norm()
+        if max_norm > 0 and total > max_norm:
+            for g in self._gradients():
+                g *= max_norm / (total + 1e-6)
+        return total
+
+    @abstractmethod
+    def step(self):
+        """The AdamW update (finishes the gradients first if the caller did not)."""
+
+    @abstractmethod
+    def zero_grad(self):
+        """Zero the gradients for the next step (keeping whatever buffers the hooks fill)."""
+
+    # ---- accounting, checks, checkpoints ------------------------------------------------------
+    @abstractmethod
+    def state_bytes(self):
+        """Bytes this rank holds now: {"parameters", "gradients", "optimizer"}."""
+
+    def peak_state_bytes(self):
+        """The most bytes of training state this rank held at once (a class that allocates during
+        the step keeps count of it)."""
+        return sum(self.state_bytes().values())
+
+    def padding(self):
+        """Values added to cut flat buffers into equal pieces (held, and sent, like the others)."""
+        return 0
+
+    @abstractmethod
+    def full_gradients(self):
+        """{id(parameter): this rank's whole local gradient} after the DP sum (maybe a collective)."""
+
+    def full_state_dict(self):
+        """{name: whole local parameter} (ZeRO-3 gathers them: a collective)."""
+        return self.model.state_dict()
+
+    @abstractmethod
+    def state_arrays(self):
+        """(kind, parameter, array, shape, flat) for each array of training state this rank holds:
+        kind "param", "exp_avg" or "exp_avg_sq"; shape the parameter's local shape; flat None for a
+        whole local array, or (a, b), the range of the flattened local array this flat array is
+        (a piece that differs across the DP group)."""
+
+    def nonfinite_gradients(self):
+        """Parameters a gradient of which, as this rank holds it, has a NaN or an infinity."""
+        return [p for p in self.model.parameters() if p.grad is not None and not bool(xp.isfinite(p.grad).all())]
