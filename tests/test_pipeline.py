@@ -18,7 +18,7 @@ from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline import trace
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
-from minipar.parallel.zero import ZeRO2
+from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
 
 CASES = [(name, p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12)

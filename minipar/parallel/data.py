@@ -18,6 +18,9 @@ want is the mean over the step's whole batch. So ``scale_loss`` multiplies each 
 token count / the step's global count) before backward, making it its share of the global mean;
 the all-reduce then *sums* the gradients. That is exact even when ranks or micro-batches hold
 different numbers of counted tokens (ignored targets), where averaging means would not be.
+
+``DataParallelAdamW`` is the buckets and AdamW in one object, following the step protocol the ZeRO
+stages follow too (``protocol.py``); its communication is ``all_reduce_bucket``.
 """
 
 import contextlib

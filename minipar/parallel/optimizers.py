@@ -11,7 +11,8 @@ reads the stage number (DeepSpeed's ``zero_optimization.stage``, Megatron's
 """
 
 from minipar.parallel.data import DataParallelAdamW
-from minipar.parallel.zero import ZeRO1, ZeRO2
+from minipar.parallel.zero import ZeRO1
+from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
 
 BY_STAGE = {0: DataParallelAdamW, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}

@@ -25,11 +25,12 @@ as much for nothing: each rank only updates its pieces). Stage 2 reduce-scatters
 as backward has finished it and frees the group's gradients at once. Stage 3 keeps only its pieces of
 the parameters: ``zero3.py`` gathers each layer's just in time.
 
-The classes follow the step protocol (``protocol.py``). ``ShardedAdamW`` holds what the stages
-share: the layout, the sharded AdamW, the pending reduce-scatters, the norm, the step's all-gather.
-Each stage's own communication is one method: ``ZeRO1.reduce_scatter_gradients`` (after backward),
-``ZeRO2.reduce_scatter_group`` (from the gradient hook, during backward), and for stage 3
-``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_scatter_unit`` (``zero3.py``).
+The classes follow the step protocol (``protocol.py``). ``ShardedAdamW`` (here) holds what the
+stages share: the layout, the sharded AdamW, the pending reduce-scatters, the norm, the step's
+all-gather. Each stage's own communication is one method: ``ZeRO1.reduce_scatter_gradients``
+(here, after backward), ``ZeRO2.reduce_scatter_group`` (``zero2.py``, from the gradient hook during
+backward), and ``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_scatter_unit``
+(``zero3.py``, around each unit of the model).
 """
 
 from minipar.autograd import Tensor
@@ -291,50 +292,3 @@ class ZeRO1(ShardedAdamW):
         for flat in self.flat_grads:
             flat[...] = 0
         super().zero_grad()
-
-
-class ZeRO2(ShardedAdamW):
-    """ZeRO stage 2: gradients sharded too. Each group's gradients are reduce-scattered from the
-    gradient hook as soon as backward has finished the group (``reduce_scatter_group``), and
-    dropped: backward never holds more than a group or two of whole gradients."""
-
-    stage = 2
-
-    def __init__(self, model, comm, grid=None, **hyper):
-        self._ready, self._sent = {}, set()
-        self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
-        super().__init__(model, comm, grid, **hyper)
-        self._ready = {id(g): 0 for g in self.groups}
-        self._group_of = {id(p): g for g in self.groups for p in g.params}
-
-    def _gradient_ready(self, p):
-        super()._gradient_ready(p)
-        g = self._group_of[id(p)]
-        self._alive += p.grad.nbytes if p.grad is not None else 0
-        self._ready[id(g)] += 1
-        if self._ready[id(g)] == len(g.params):
-            self.reduce_scatter_group(g)
-
-    def reduce_scatter_group(self, g):
-        """ZeRO-2's communication: send a finished group's whole gradients (None counts as
-        zeros) to be summed into the owners' pieces, and drop them."""
-        self.ledger.add("gradients", self._alive)  # what backward holds at this moment
-        self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.dtype))
-        self.ledger.remove("gradients", self._alive)
-        for q in g.params:
-            self._alive -= q.grad.nbytes if q.grad is not None else 0
-            q.grad = None
-        self._ready[id(g)] = 0
-        self._sent.add(id(g))
-
-    def _send_rest(self):
-        """Groups some parameter of which got no gradient: send them now, in order."""
-        for g in self.groups:
-            if id(g) not in self._sent:
-                self.reduce_scatter_group(g)
-        self._sent.clear()
-
-    def zero_grad(self):
-        super().zero_grad()
-        self._ready = {key: 0 for key in self._ready}
-        self._sent.clear()

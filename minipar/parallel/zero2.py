@@ -1,0 +1,61 @@
+"""ZeRO stage 2: the gradients sharded too, reduce-scattered while backward runs.
+
+Stage 1 (``zero.py``) lets backward accumulate whole gradients, 4P bytes, and reduce-scatters them
+afterwards. Stage 2 sends each group of parameters as soon as backward has finished all of its
+gradients (the same gradient hooks as data parallelism's buckets), sums what comes back into this
+rank's piece, and drops the whole gradients at once: a rank holds its 4P/N shard plus a group or
+two in flight. The price: with k micro-batches a step sends every micro-batch's gradients, (k+1)
+passes over the model instead of 2, since there is no whole buffer to accumulate into.
+
+The layout, the sharded AdamW, the pending reduce-scatters and the step's all-gather are
+``zero.ShardedAdamW``'s; what is stage 2's own is ``reduce_scatter_group``.
+"""
+
+from minipar.parallel.zero import ShardedAdamW
+
+
+class ZeRO2(ShardedAdamW):
+    """ZeRO stage 2: gradients sharded too. Each group's gradients are reduce-scattered from the
+    gradient hook as soon as backward has finished the group (``reduce_scatter_group``), and
+    dropped: backward never holds more than a group or two of whole gradients."""
+
+    stage = 2
+
+    def __init__(self, model, comm, grid=None, **hyper):
+        self._ready, self._sent = {}, set()
+        self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
+        super().__init__(model, comm, grid, **hyper)
+        self._ready = {id(g): 0 for g in self.groups}
+        self._group_of = {id(p): g for g in self.groups for p in g.params}
+
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        g = self._group_of[id(p)]
+        self._alive += p.grad.nbytes if p.grad is not None else 0
+        self._ready[id(g)] += 1
+        if self._ready[id(g)] == len(g.params):
+            self.reduce_scatter_group(g)
+
+    def reduce_scatter_group(self, g):
+        """ZeRO-2's communication: send a finished group's whole gradients (None counts as
+        zeros) to be summed into the owners' pieces, and drop them."""
+        self.ledger.add("gradients", self._alive)  # what backward holds at this moment
+        self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.dtype))
+        self.ledger.remove("gradients", self._alive)
+        for q in g.params:
+            self._alive -= q.grad.nbytes if q.grad is not None else 0
+            q.grad = None
+        self._ready[id(g)] = 0
+        self._sent.add(id(g))
+
+    def _send_rest(self):
+        """Groups some parameter of which got no gradient: send them now, in order."""
+        for g in self.groups:
+            if id(g) not in self._sent:
+                self.reduce_scatter_group(g)
+        self._sent.clear()
+
+    def zero_grad(self):
+        super().zero_grad()
+        self._ready = {key: 0 for key in self._ready}
+        self._sent.clear()
