@@ -1,4 +1,4 @@
-"""The gradient norm of a model split across ranks, and clipping by it.
+"""The gradient norm of a model split across ranks (``DataParallelAdamW.clip_grad_norm`` clips by it).
 
 Clipping scales every gradient by min(1, max_norm / ||g||), where ||g||^2 is the sum of the squared
 gradients of every parameter of the single-device model. A rank holds only some of them, so each
@@ -20,7 +20,6 @@ Every rank then has the same norm, and takes the same step as one device would.
 
 import math
 
-from minipar import optim
 from minipar.backend import sum_of_squares, xp
 from minipar.placement import is_primary
 
@@ -35,7 +34,3 @@ def grad_norm(params, grid=None):
             group.all_reduce(total)
     return math.sqrt(float(total[0]))
 
-
-def clip_grad_norm(params, max_norm, grid=None):
-    """Clip by the whole model's gradient norm; returns the norm before clipping."""
-    return optim.clip_grad_norm(params, max_norm, norm=grad_norm(params, grid))
