@@ -176,7 +176,7 @@ def main():
     # the same on the grid
     minipar.manual_seed(args.seed)
     model = GPT(config, grid)
-    opt = ZeRO1(model, grid.dp_group, grid, **HYPER)
+    opt = ZeRO1(model, grid.dp_group, **HYPER)
     if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
         model.finalize_grads = lambda: None
     run = PipelineExecutor(model, grid, "1f1b", args.micro_batches, optimizer=opt)

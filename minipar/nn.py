@@ -40,6 +40,7 @@ def normal_(shape, std, generator=None):
 
 class Module:
     training = True
+    grid = None  # the ProcessGrid whose groups its parameters' placements name (None: one device)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)

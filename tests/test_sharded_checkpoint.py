@@ -150,7 +150,7 @@ def test_another_model_and_an_unfinished_save_are_refused(tmp_path):
     model, opt, grid = _make("adamw")
     sharded.save(str(tmp_path), 1, model, opt, grid, {})
     minipar.manual_seed(0)
-    bigger = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    bigger = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32), grid)
     with pytest.raises(sharded.CheckpointError, match="different model: n_layer 2 .flags: 3."):
         sharded.load(str(tmp_path), bigger, make_optimizer(bigger, grid), grid)
     # a save that died half-way leaves its .partial directory; the last good one still loads

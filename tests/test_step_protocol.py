@@ -9,7 +9,6 @@ import pytest
 
 import minipar
 from minipar.models import GPT, GPTConfig
-from minipar.nn import Module, Parameter
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import DataParallelAdamW
@@ -19,7 +18,6 @@ from minipar.parallel.protocol import DistributedOptimizer
 from minipar.parallel.zero import ZeRO1
 from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
-from minipar.placement import split_over
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=13, dropout=0.1)
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
@@ -144,13 +142,8 @@ def test_finish_gradients_finalizes_the_model_once():
     assert calls == sorted(BY_STAGE)
 
 
-def test_a_split_model_needs_the_grid_and_a_bad_stage_is_refused():
-    class Part(Module):  # holds half of a weight split over TP
-        def __init__(self):
-            self.w = Parameter(np.zeros((2, 3)))
-            self.w.placement = split_over("tp", 0, 4)
-
-    with pytest.raises(ValueError, match="pass grid="):
-        ZeRO1(Part(), ProcessGrid(1, 1).dp_group)
+def test_make_optimizer_refuses_a_bad_stage_and_another_grid():
     with pytest.raises(ValueError, match="ZeRO stage must be 0, 1, 2 or 3"):
         make_optimizer(GPT(CONFIG), ProcessGrid(1, 1), 4)
+    with pytest.raises(ValueError, match="built on another grid"):
+        make_optimizer(GPT(CONFIG), ProcessGrid(1, 1), 0)  # GPT(CONFIG) is the single-device model

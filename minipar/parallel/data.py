@@ -89,9 +89,9 @@ class DataParallelAdamW(DistributedOptimizer):
 
     stage = 0  # ZeRO's numbering: nothing sharded
 
-    def __init__(self, model, comm, grid=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  bucket_bytes=4 << 20):
-        super().__init__(model, comm, grid)
+        super().__init__(model, comm)
         params = model.parameters()
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:

@@ -23,9 +23,10 @@ named method: ``DataParallelAdamW.all_reduce_bucket``, ``ZeRO1.reduce_scatter_gr
 ``ZeRO2.reduce_scatter_group``, ``ZeRO3.gather_parameters`` / ``release_parameters`` /
 ``reduce_scatter_unit``. ``zero_stage`` is read in one place, ``make_optimizer`` (``optimizers.py``).
 
-What the protocol asks of the model: ``parameters()``, ``named_parameters()``,
-``finalize_grads()`` (``Module``'s does nothing) and, for ZeRO-3, ``units()`` and
-``wrap_units(runner)`` (see ``zero3.py``).
+What the protocol asks of the model: ``parameters()``, ``named_parameters()``, ``grid`` (the
+ProcessGrid its parameters' placements name groups of, for the norm over TP and PP; ``Module``'s is
+None, one device), ``finalize_grads()`` (``Module``'s does nothing) and, for ZeRO-3, ``units()``
+and ``wrap_units(runner)`` (see ``zero3.py``).
 """
 
 import contextlib
@@ -38,19 +39,15 @@ STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter and AdamW's m an
 
 class DistributedOptimizer(ABC):
     """AdamW over the ranks of ``comm`` (the data-parallel group) for ``model``, whose parameters
-    are placed on ``grid`` (needed for the norm when TP or PP > 1; None: one device, or DP only).
-    ``stage``: what ZeRO stage the class is (0: nothing sharded), for reports."""
+    are placed on ``model.grid`` (the norm adds the TP and PP parts over it). ``stage``: what ZeRO
+    stage the class is (0: nothing sharded), for reports."""
 
     stage = None
 
-    def __init__(self, model, comm, grid=None):
-        if grid is None and any(p.placement.split is not None or "embedding" in p.placement.copies
-                                for p in model.parameters()):
-            raise ValueError("the model's parameters are split over a TP or PP grid: pass grid= so that "
-                             "the gradient norm adds the parts and counts each copy once")
-        self.model, self.comm, self.grid = model, comm, grid
+    def __init__(self, model, comm):
+        self.model, self.comm, self.grid = model, comm, model.grid
         # this rank's index in each group, for placement.is_primary (a single device: all index 0)
-        self.ranks = grid.ranks() if grid is not None else {}
+        self.ranks = self.grid.ranks() if self.grid is not None else {}
 
     # ---- the learning rate and the step count (the optimizer that does the arithmetic keeps them)
     @property

@@ -54,7 +54,7 @@ class ShardedAdamW(DistributedOptimizer):
     Parameters are broadcast from DP rank 0 first, so replicas start equal.
     """
 
-    def __init__(self, model, comm, grid=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  bucket_bytes=4 << 20, groups=None):
         stage = self.stage
         check_hyperparameters(lr, betas)
@@ -66,7 +66,7 @@ class ShardedAdamW(DistributedOptimizer):
         if stage >= 2 and getattr(model, "sequence_parallel", False):
             raise ValueError("ZeRO stages 2 and 3 send gradients during backward, before sequence "
                              "parallelism's partial gradients are summed: use stage 1 with it")
-        super().__init__(model, comm, grid)
+        super().__init__(model, comm)
         # which copies this rank counts in the norm (see placement.is_primary); its pieces differ
         # across the DP group, so none is a copy there
         self.ranks = dict(self.ranks, dp=0)

@@ -48,7 +48,7 @@ class ZeRO3(ShardedAdamW):
 
     stage = 3
 
-    def __init__(self, model, comm, grid=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         if getattr(model, "pp", None) is not None:
             raise ValueError(NOT_WITH_PIPELINES.format(stage_1="ZeRO stage 1 (or 0)"))
         units = model.units()
@@ -68,7 +68,7 @@ class ZeRO3(ShardedAdamW):
         for p in params:  # ... and keeps only its pieces
             p.held_by = self
             p.data = self._empty
-        super().__init__(model, comm, grid, lr, betas, eps, weight_decay, groups=groups)
+        super().__init__(model, comm, lr, betas, eps, weight_decay, groups=groups)
         self.ledger.add("parameters", self.master.nbytes)
         group_of = {id(p): g for g in groups for p in g.params}
         self._unit_groups = {name: list({id(group_of[id(p)]): group_of[id(p)] for p in used}.values())
