@@ -8,7 +8,7 @@ One step, on every layout (a 1 x 1 x 1 grid is the single-device run):
                (PP = 1: one stage; gradient accumulation over micro-batches)
     gradients  summed over DP and finished by ``model.finalize_grads()`` (sequence-parallel sums,
                the tied embedding's two parts): the optimizer's ``finish_gradients()``
-    clip       by the whole model's gradient norm, across TP, PP and DP groups
+    clip       by the whole model's gradient norm, across TP and PP groups (and DP, for ZeRO's pieces)
     step       AdamW, or its ZeRO-sharded form
 
 The optimizer is a step-protocol object (``parallel/protocol.py``) made from ``--zero-stage`` by

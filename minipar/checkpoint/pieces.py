@@ -23,7 +23,6 @@ from minipar.checkpoint.boxes import flat_boxes, region, to_global, volume
 from minipar.placement import Split, is_primary
 
 
-
 @dataclass
 class Piece:
     kind: str

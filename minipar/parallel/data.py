@@ -80,7 +80,7 @@ class Bucket:
 
 class DataParallelAdamW(DistributedOptimizer):
     """AdamW on a model whose replicas live on the ranks of ``comm`` (the DP group; size 1 is the
-    single-device run: the same buckets, nothing sent).
+    single-device run: the same buckets, no hooks, nothing sent).
 
     On construction the parameters are broadcast from DP rank 0, and each parameter's ``.grad``
     becomes a view into its bucket, so the engine accumulates straight into the buckets. Use this
@@ -113,7 +113,8 @@ class DataParallelAdamW(DistributedOptimizer):
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[p] = bucket
-                p.register_grad_hook(self._gradient_ready)
+                if comm.size > 1:  # one rank alone sends nothing: spare the engine counting uses for hooks
+                    p.register_grad_hook(self._gradient_ready)
         self._views()
         self._sync, self._finished = True, False
         self.started_in_backward = 0  # buckets whose all-reduce began while backward still ran
