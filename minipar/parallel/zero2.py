@@ -22,10 +22,10 @@ class ZeRO2(ShardedAdamW):
     stage = 2
 
     def __init__(self, model, comm, **hyper):
-        self._ready, self._sent = {}, set()
-        self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
         super().__init__(model, comm, **hyper)
-        self._ready = {id(g): 0 for g in self.groups}
+        self._ready = {id(g): 0 for g in self.groups}  # gradients backward has finished, per group
+        self._sent = set()  # groups sent this step
+        self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
         self._group_of = {id(p): g for g in self.groups for p in g.params}
 
     def _gradient_ready(self, p):
