@@ -9,7 +9,7 @@ from minipar.parallel.pipeline import schedules
 from minipar.parallel.validate import RunConfig, check, problems, resolve
 
 GOOD = RunConfig(world_size=8, tp=2, pp=2, global_batch=16, n_layer=4, n_head=4, n_embd=32, block_size=16,
-                 vocab_size=256, dropout=0.1, sequence_parallel=True, zero_stage=1, recompute=True)
+                 vocab_size=256, dropout=0.1, schedule="1f1b", sequence_parallel=True, zero_stage=1, recompute=True)
 FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batch_size": "--micro-batch-size", "n_head": "--n-head",
          "schedule": "--schedule", "virtual_stages": "--num-virtual-stages", "zero_stage": "--zero-stage",
          "sequence_parallel": "--sequence-parallel"}
@@ -74,7 +74,7 @@ def test_a_bad_value_is_reported_once_and_skips_the_rules_that_would_divide_by_i
 
 
 def test_messages_name_the_callers_flags():
-    found = problems(RunConfig(world_size=2, pp=1, tp=2, n_head=3, n_embd=6, virtual_stages=2, zero_stage=2,
+    found = problems(RunConfig(world_size=2, pp=1, tp=2, n_head=3, n_embd=6, virtual_stages=2, schedule="1f1b", zero_stage=2,
                                sequence_parallel=True), FLAGS)
     assert "--n-head 3 is not divisible by --tp 2: each TP rank needs whole heads; choose --tp among the divisors of --n-head" in found
     assert "--num-virtual-stages 2 needs --pp > 1 and --schedule interleaved" in found
@@ -86,6 +86,11 @@ def test_messages_name_the_callers_flags():
                      "--micro-batch-size so that the micro-batches are a multiple of 2"]
     # a fix names only what the caller can change
     assert "or change --pp" in problems(RunConfig(world_size=2, pp=3), {"pp": "--pp"})[0]
+
+
+def test_virtual_stages_without_a_pipeline_are_a_schedule_but_not_a_run():
+    assert problems(RunConfig(pp=1, virtual_stages=2, schedule="interleaved")) == []  # one rank, chunks in turn
+    assert problems(RunConfig(world_size=1, virtual_stages=2)) == ["virtual_stages=2 needs PP > 1"]
 
 
 def test_the_schedules_validate_knows_are_the_ones_built():

@@ -36,7 +36,7 @@ class RunConfig:
     pp: int = 1
     dp: Optional[int] = None  # None: world_size / (tp x pp)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    schedule: str = "1f1b"
+    schedule: Optional[str] = None  # "gpipe", "1f1b" or "interleaved"
     global_batch: Optional[int] = None  # sequences per step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # None: rows per DP rank / micro_batches
     micro_batches: Optional[int] = None  # None: rows per DP rank / micro_batch_size, or PP if neither
@@ -89,7 +89,7 @@ def _bad_fields(cfg, say):
     if cfg.zero_stage not in (0, 1, 2, 3) or isinstance(cfg.zero_stage, bool):
         out.append(f"{say.name('zero_stage')} must be 0, 1, 2 or 3, got {cfg.zero_stage!r}")
         bad.add("zero_stage")
-    if cfg.schedule not in SCHEDULES:
+    if cfg.schedule is not None and cfg.schedule not in SCHEDULES:
         out.append(f"{say('schedule')} is not a pipeline schedule: choose one of {', '.join(SCHEDULES)}")
         bad.add("schedule")
     if cfg.dtype not in DTYPES:
@@ -136,9 +136,12 @@ def resolve(cfg, names=None):
     if known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (pp * v):
         out.append(f"{say('n_layer')} is not divisible by {say.name('pp')} x {say.name('virtual_stages')} "
                    f"= {pp} x {v}: every pipeline chunk needs the same number of layers")
-    if known("pp", "virtual_stages", "schedule") and v > 1 and (pp == 1 or cfg.schedule != "interleaved"):
-        needs = ([f"{say.name('pp')} > 1"] if pp == 1 else []) + \
-                ([say("schedule", "interleaved")] if cfg.schedule != "interleaved" else [])
+    # One rank can run its chunks in turn, so the schedules allow v > 1 with p = 1; a job that asks
+    # for virtual stages without a pipeline is a mistake, so a run (its world size given) may not.
+    one_rank = known("world_size") and pp == 1
+    other = known("schedule") and cfg.schedule != "interleaved"
+    if known("pp", "virtual_stages") and v > 1 and (one_rank or other):
+        needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved")] * other
         out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
     m, mbs = _batch(cfg, say, known, dp, out)
     _schedule(cfg, say, known, dp, m, out)
@@ -199,13 +202,13 @@ def _batch(cfg, say, known, dp, out):
 
 def _schedule(cfg, say, known, dp, m, out):
     """The schedule's own requirements of the micro-batches."""
-    if m is None or not known("pp", "virtual_stages", "schedule"):
+    if m is None or not known("pp", "virtual_stages"):
         return
     p, v = cfg.pp, cfg.virtual_stages
     given = cfg.micro_batches is not None  # else the caller set them through the batch
     count = say("micro_batches", m) if given else (
         f"{m} micro-batches ({say('global_batch')} / (DP={dp} x {say('micro_batch_size', cfg.micro_batch_size or '?')}))")
-    if cfg.schedule == "interleaved" and m % p:
+    if known("schedule") and cfg.schedule == "interleaved" and m % p:
         fix = (f"choose {say.name('micro_batches')} among the multiples of {p}" if given else
                f"set {say.name('micro_batch_size')} so that the micro-batches are a multiple of {p}")
         out.append(f"{say('schedule')} runs micro-batches in groups of {say.name('pp')}: {count} is not "
