@@ -171,7 +171,8 @@ def _batch(cfg, say, known, dp, out):
     if not known("global_batch") or dp is None:
         return m, mbs
     if cfg.global_batch % dp:
-        out.append(f"{say('global_batch')} does not split over {say('dp', dp)} ranks: use a multiple of {dp}")
+        given = say("dp") if cfg.dp is not None else f"DP={dp}"  # DP from the world size names no flag
+        out.append(f"{say('global_batch')} does not split over {given} ranks: use a multiple of {dp}")
         return m, mbs
     rows = cfg.global_batch // dp  # sequences per data-parallel rank per step
     if m is None and mbs is None and known("pp"):  # Megatron's default: one micro-batch per stage
