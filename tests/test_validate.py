@@ -81,7 +81,7 @@ def test_messages_name_the_callers_flags():
     assert any("use --zero-stage 1 (or 0) with --sequence-parallel" in f for f in found)
     # a size set through the batch says which flag sets it
     found = problems(RunConfig(world_size=4, pp=2, schedule="interleaved", global_batch=8, micro_batch_size=4), FLAGS)
-    assert found == ["--schedule interleaved runs micro-batches in groups of --pp: 1 micro-batches "
+    assert found == ["the interleaved schedule runs micro-batches in groups of --pp: 1 micro-batches "
                      "(global_batch=8 / (DP=2 x --micro-batch-size 4)) is not divisible by --pp 2; set "
                      "--micro-batch-size so that the micro-batches are a multiple of 2"]
     # a fix names only what the caller can change

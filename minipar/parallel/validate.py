@@ -212,7 +212,7 @@ def _schedule(cfg, say, known, dp, m, out):
     if known("schedule") and cfg.schedule == "interleaved" and m % p:
         fix = (f"choose {say.name('micro_batches')} among the multiples of {p}" if given else
                f"set {say.name('micro_batch_size')} so that the micro-batches are a multiple of {p}")
-        out.append(f"{say('schedule')} runs micro-batches in groups of {say.name('pp')}: {count} is not "
+        out.append(f"the interleaved schedule runs micro-batches in groups of {say.name('pp')}: {count} is not "
                    f"divisible by {say('pp')}; {fix}")
     if p > 1 and 2 * m * p * v > MAX_TAG:
         fix = f"use fewer {say.name('micro_batches')}" if given else f"raise {say.name('micro_batch_size')}"
