@@ -37,8 +37,8 @@ from minipar.parallel import tensor
 from minipar.parallel.collectives import gather_from_region
 from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from minipar.parallel.pipeline.schedules import Pipeline
-from minipar.parallel.validate import RunConfig, check
 from minipar.parallel.recompute import checkpoint
+from minipar.parallel.validate import RunConfig, check
 from minipar.rng import DropoutRNG
 
 
@@ -71,10 +71,9 @@ class GPT(Module):
         # the model on its grid (whole heads per TP rank, whole blocks per chunk, SP needs TP > 1),
         # before any group communicates. Not block_size: a sequence parallel model may run shorter
         # sequences, and refuses a length TP does not divide when it sees one (``_positions``).
-        c = config
-        check(RunConfig(world_size=grid.layout.world_size if grid else 1, tp=grid.tp if grid else 1,
-                        pp=grid.pp if grid else 1, dp=grid.dp if grid else 1, virtual_stages=virtual_stages,
-                        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, sequence_parallel=bool(sequence_parallel)),
+        n, tp, pp, dp = (grid.layout.world_size, grid.tp, grid.pp, grid.dp) if grid is not None else (1, 1, 1, 1)
+        check(RunConfig(world_size=n, tp=tp, pp=pp, dp=dp, virtual_stages=virtual_stages, n_layer=config.n_layer,
+                        n_head=config.n_head, n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel)),
               what="GPT")
         self.sequence_parallel = bool(sequence_parallel)
         # dropout: by default this model holds its data-parallel rank's slice of the batch's rows
