@@ -19,11 +19,11 @@ Every rank sends 2 (N-1) chunks of S/N bytes: 2 (N-1)/N S in total, which no alg
 checks its result against MPI's own all-reduce, and counts the bytes.
 """
 
-import argparse
 import sys
 
 import numpy as np
 
+from minipar.cli import Parser, parse
 from minipar.comm import wait_all, world
 
 
@@ -46,11 +46,12 @@ def ring_all_reduce(comm, x, plant_bug=False):
 
 
 def main():
-    p = argparse.ArgumentParser(description="A ring all-reduce from send/recv, checked against MPI.")
+    comm = world()
+    p = Parser(description="A ring all-reduce from send/recv, checked against MPI.")
     p.add_argument("--size", type=int, default=1 << 20, help="float64 elements per rank")
     p.add_argument("--plant-bug", action="store_true", help="skip the last all-gather step")
-    args = p.parse_args()
-    comm = world()
+    # a bad flag: one line from one rank, and every rank exits with status 2 (minipar.cli)
+    args = parse(p, comm, lambda args: [] if args.size >= 1 else [f"--size must be >= 1, got {args.size}"])
     N, r = comm.size, comm.rank
     size = max(N, args.size - args.size % N)  # N equal chunks, so the byte count is exact
     x = np.random.default_rng(r).standard_normal(size)  # each rank has its own "gradient"

@@ -17,7 +17,6 @@ started before backward ended, and 2 (N-1)/N x 4P bytes sent per rank per step, 
 all-reduce's cost for P float32 gradients. Read next: docs/data_parallel.md.
 """
 
-import argparse
 import contextlib
 import sys
 
@@ -25,20 +24,28 @@ import numpy as np
 
 import minipar
 from minipar.backend import add_device_flag, use_device
+from minipar.cli import Parser, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import DataParallelAdamW, token_count
+from minipar.parallel.validate import RunConfig, problems
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 
 
-def parse_args(n):
-    p = argparse.ArgumentParser(description="Data parallelism against the single-device run.")
+CONFIG = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.1)
+FLAGS = {"global_batch": "--batch-size", "micro_batches": "--micro-batches", "dtype": "--dtype"}
+
+
+def parse_args(comm):
+    """The same flags and problems on every rank: on any, one rank prints them, one line each, and
+    every rank exits with status 2 before any message (minipar.cli)."""
+    p = Parser(description="Data parallelism against the single-device run.")
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
     add_device_flag(p)
     p.add_argument("--steps", type=int, default=3)
@@ -48,24 +55,26 @@ def parse_args(n):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
                    help="average the ranks' means instead of summing shares of the global mean: N times too big")
-    args = p.parse_args()
-    if args.steps < 1 or args.micro_batches < 1 or args.bucket_kb < 1:
-        p.error("--steps, --micro-batches and --bucket-kb must be >= 1")
-    if args.batch_size % (n * args.micro_batches):
-        p.error(f"--batch-size {args.batch_size} must split into {args.micro_batches} micro-batches "
-                f"of equal slices for each of the {n} ranks")
-    return args
+
+    def check(args):
+        run = RunConfig(world_size=comm.size, global_batch=args.batch_size, micro_batches=args.micro_batches,
+                        dtype=args.dtype, **CONFIG)
+        found = [f"{flag} must be >= 1" for flag, value in (("--steps", args.steps), ("--bucket-kb", args.bucket_kb))
+                 if value < 1]
+        return found + problems(run, FLAGS)
+
+    return parse(p, comm, check)
 
 
 def main():
     comm = world()
-    args = parse_args(comm.size)
+    args = parse_args(comm)
     minipar.set_default_dtype(args.dtype)
     use_device(args.device)
     comm = world()  # on GPUs, NCCL's
     grid = ProcessGrid(tp=1, pp=1)
     dp, N = grid.dp_group, grid.dp
-    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.1)
+    config = GPTConfig(**CONFIG)
     data = Dataset(load_corpus())
     minipar.manual_seed(args.seed)
     serial = GPT(config)

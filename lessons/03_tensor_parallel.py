@@ -27,13 +27,13 @@ runs with eps = 1e-5: gradients below eps count as nearly zero instead of as ful
 Read next: minipar/parallel/tensor.py, docs/tensor_parallel.md.
 """
 
-import argparse
 import sys
 
 import numpy as np
 
 import minipar
 from minipar.backend import add_device_flag, use_device
+from minipar.cli import Parser, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
@@ -41,14 +41,22 @@ from minipar.models.layers import Block
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.tensor import full_parameters
+from minipar.parallel.validate import RunConfig, problems
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 
 
-def parse_args(world_size):
-    p = argparse.ArgumentParser(description="Tensor parallelism checked against one device.")
-    p.add_argument("--tp", type=int, default=world_size, help="tensor-parallel size (DP = ranks / TP)")
+FLAGS = {"tp": "--tp", "global_batch": "--batch-size", "n_layer": "--n-layer", "n_head": "--n-head",
+         "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout", "dtype": "--dtype",
+         "sequence_parallel": "the sequence-parallel pass"}
+
+
+def parse_args(comm):
+    """The same flags and problems on every rank: on any, one rank prints them, one line each, and
+    every rank exits with status 2 before any message (minipar.cli)."""
+    p = Parser(description="Tensor parallelism checked against one device.")
+    p.add_argument("--tp", type=int, default=comm.size, help="tensor-parallel size (DP = ranks / TP)")
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
     add_device_flag(p)
     p.add_argument("--steps", type=int, default=3, help="AdamW steps compared")
@@ -61,14 +69,15 @@ def parse_args(world_size):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
                    help="skip finalize_grads, so sequence parallelism's partial gradients are never summed: must fail")
-    args = p.parse_args()
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
-    if args.tp < 1 or world_size % args.tp:  # every rank sees the same numbers: all stop here
-        p.error(f"--tp {args.tp} does not divide the {world_size} ranks")
-    if args.batch_size % (world_size // args.tp):
-        p.error(f"--batch-size {args.batch_size} does not split over DP = {world_size // args.tp}")
-    return args
+
+    def check(args):
+        # the second pass (TP > 1) adds sequence parallelism: the more demanding of the two runs
+        run = RunConfig(world_size=comm.size, tp=args.tp, global_batch=args.batch_size, n_layer=args.n_layer,
+                        n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, dropout=args.dropout,
+                        sequence_parallel=args.tp > 1, dtype=args.dtype)
+        return ([] if args.steps >= 1 else ["--steps must be >= 1"]) + problems(run, FLAGS)
+
+    return parse(p, comm, check)
 
 
 def count_per_layer(grid):
@@ -178,7 +187,7 @@ def print_traffic(sp, traffic, n_layer, activation_bytes, tp):
 
 def main():
     comm = world()
-    args = parse_args(comm.size)
+    args = parse_args(comm)
     minipar.set_default_dtype(args.dtype)
     use_device(args.device)
     comm = world()  # on GPUs, NCCL's

@@ -29,7 +29,6 @@ The timelines are drawn in --out: one Gantt picture per schedule as measured, on
 Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
 """
 
-import argparse
 import os
 import sys
 import tracemalloc
@@ -38,6 +37,7 @@ import numpy as np
 
 import minipar
 from minipar.backend import add_device_flag, use_device
+from minipar.cli import Parser, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
@@ -47,51 +47,48 @@ from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline import schedules, trace
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
+from minipar.parallel.validate import RunConfig, problems
 from minipar.verify import rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 
 
-class Parser(argparse.ArgumentParser):
-    """Every rank parses the same flags and finds the same problem before any message: rank 0
-    prints it as one line (argparse would print the usage first, on every rank) and ends the job
-    with status 2."""
-
-    def __init__(self, comm, **kwargs):
-        super().__init__(**kwargs)
-        self.comm = comm
-
-    def error(self, message):
-        if self.comm.rank == 0:
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-            if self.comm.size > 1:
-                self.comm.abort(2)  # ends every rank, each waiting below: no rank ends before this print
-            sys.exit(2)
-        self.comm.barrier()
-        sys.exit(2)
-
-    def print_help(self, file=None):
-        if self.comm.rank == 0:
-            super().print_help(file)
+N_HEAD, N_EMBD = 4, 128  # the GPT's width; its depth and context are flags
+# the RunConfig field each flag sets, so that a problem names the flag
+FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual_stages": "--virtual-stages",
+         "n_layer": "--n-layer", "global_batch": "--batch-size", "block_size": "--block-size"}
 
 
-def longest_pipeline(n, args):
-    """The default --pp: the most stages among the divisors of the ranks that the schedules allow
-    (interleaved: m divisible by p, n_layer by p x v); virtual stages need 2 stages or more."""
-    fewest = 2 if args.virtual_stages > 1 else 1
-    for pp in sorted((d for d in range(fewest, n + 1) if n % d == 0), reverse=True):
-        try:
-            schedules.check(pp, args.micro_batches, args.virtual_stages, args.n_layer, interleaved=True)
-        except ValueError:
-            continue
-        return pp
-    return None
+def run_config(n, args, pp):
+    """The runs this lesson makes on n ranks with pp stages, as plain numbers: the interleaved
+    schedule's rules hold for GPipe and 1F1B too (they run with one chunk per rank)."""
+    return RunConfig(world_size=n, pp=pp, virtual_stages=args.virtual_stages, schedule="interleaved",
+                     global_batch=args.batch_size, micro_batches=args.micro_batches, n_layer=args.n_layer,
+                     n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dtype=args.dtype)
+
+
+def choose_pipeline(n, args):
+    """(--pp, problems). By default the most stages among the divisors of the ranks for which the
+    run has no problem; if none fits, the problems every choice shares, or a line saying so."""
+    if args.pp is not None:
+        return args.pp, problems(run_config(n, args, args.pp), FLAGS)
+    tried = {pp: problems(run_config(n, args, pp), FLAGS) for pp in range(1, n + 1) if n % pp == 0}
+    fits = [pp for pp, found in tried.items() if not found]
+    if fits:
+        return max(fits), []
+    common = set.intersection(*map(set, tried.values()))  # problems that no --pp would mend
+    return None, [f for f in tried[1] if f in common] or [
+        f"no pipeline fits {n} rank(s) with --micro-batches {args.micro_batches}, --virtual-stages "
+        f"{args.virtual_stages}, --n-layer {args.n_layer} and --batch-size {args.batch_size}: change "
+        "those flags or the number of ranks (the defaults fit 2, 4 and 8)"]
 
 
 def parse_args(comm):
+    """Every rank parses the same flags and finds the same problems before any message: one rank
+    prints them, one line each, and every rank exits with status 2 (minipar.cli)."""
     n = comm.size
-    p = Parser(comm, description="Pipeline parallelism against the single-device run.")
+    p = Parser(description="Pipeline parallelism against the single-device run.")
     p.add_argument("--pp", type=int, help="pipeline stages (DP = ranks / PP); default: the most the "
                    "other flags allow")
     p.add_argument("--micro-batches", type=int, default=8)
@@ -107,35 +104,14 @@ def parse_args(comm):
     p.add_argument("--show-schedules", action="store_true", help="print each schedule as a table first")
     p.add_argument("--plant-bug", action="store_true",
                    help="skip adding the tied embedding's two gradient parts (first and last stage)")
-    args = p.parse_args()
-    if args.steps < 2:
-        p.error("--steps must be >= 2 (memory is measured in the first step, time in the last)")
-    if min(args.n_layer, args.batch_size, args.block_size) < 1:
-        p.error("--n-layer, --batch-size and --block-size must be >= 1")
-    try:
-        schedules.check(1, args.micro_batches, args.virtual_stages, interleaved=True)
-    except ValueError as exc:  # sizes that are no sizes (m < 1, ...), whatever the pipeline
-        p.error(f"{exc} (--micro-batches, --virtual-stages)")
-    if args.pp is None:
-        args.pp = longest_pipeline(n, args)
-        if args.pp is None:
-            p.error(f"no pipeline fits {n} rank(s) with --micro-batches {args.micro_batches}, "
-                    f"--virtual-stages {args.virtual_stages} and --n-layer {args.n_layer}: change those "
-                    "flags or the number of ranks (the defaults fit 2, 4 and 8)")
-    if args.pp < 1 or n % args.pp:
-        p.error(f"--pp {args.pp} must divide the number of ranks ({n})")
-    if args.pp == 1 and args.virtual_stages > 1:
-        p.error("virtual stages interleave the chunks of 2 stages or more: give --pp 2 or more, "
-                "or --virtual-stages 1")
-    try:
-        schedules.check(args.pp, args.micro_batches, args.virtual_stages, args.n_layer, interleaved=True)
-    except ValueError as exc:
-        p.error(f"{exc} (--pp, --micro-batches, --virtual-stages, --n-layer)")
-    if args.batch_size % (args.micro_batches * (n // args.pp)):
-        p.error(f"--batch-size {args.batch_size} must split into {args.micro_batches} micro-batches "
-                f"of equal slices for each of the {n // args.pp} data-parallel replicas: use a "
-                f"multiple of {args.micro_batches * (n // args.pp)}")
-    return args
+
+    def check(args):
+        args.pp, found = choose_pipeline(n, args)
+        if args.steps < 2:
+            found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")
+        return found
+
+    return parse(p, comm, check)
 
 
 def reference_run(config, batches, seed):
@@ -222,7 +198,7 @@ def main():
     comm = world()  # on GPUs, NCCL's
     grid = ProcessGrid(tp=1, pp=args.pp)
     p, m, v = grid.pp, args.micro_batches, args.virtual_stages
-    config = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=128, block_size=args.block_size, dropout=0.1)
+    config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dropout=0.1)
     data = Dataset(load_corpus())
     batches = [data.batch("train", s, args.batch_size, config.block_size, args.seed) for s in range(args.steps)]
     reference = reference_run(config, batches, args.seed)

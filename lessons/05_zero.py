@@ -18,7 +18,6 @@ protocol of minipar/parallel/protocol.py): only what it holds and sends differs.
 minipar/parallel/zero.py, zero3.py, docs/zero.md.
 """
 
-import argparse
 import contextlib
 import sys
 import tracemalloc
@@ -27,6 +26,7 @@ import numpy as np
 
 import minipar
 from minipar.backend import add_device_flag, use_device
+from minipar.cli import Parser, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
@@ -34,15 +34,23 @@ from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.optimizers import make_optimizer
+from minipar.parallel.validate import RunConfig, problems
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+N_HEAD = 4
 FORMULA = {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}  # bytes per parameter: a P + b P / N
 
 
-def parse_args(n):
-    p = argparse.ArgumentParser(description="ZeRO stages 0-3 against the single-device run.")
+FLAGS = {"global_batch": "--batch-size", "micro_batches": "--micro-batches", "n_layer": "--n-layer",
+         "n_embd": "--n-embd", "block_size": "--block-size", "dtype": "--dtype"}
+
+
+def parse_args(comm):
+    """The same flags and problems on every rank: on any, one rank prints them, one line each, and
+    every rank exits with status 2 before any message (minipar.cli)."""
+    p = Parser(description="ZeRO stages 0-3 against the single-device run.")
     p.add_argument("--dtype", choices=TOLERANCE, default="float32")
     add_device_flag(p)
     p.add_argument("--steps", type=int, default=3)
@@ -55,11 +63,17 @@ def parse_args(n):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
                    help="backward on each rank's mean loss instead of its share of the global mean")
-    args = p.parse_args()
-    if args.steps < 1 or args.micro_batches < 1 or args.batch_size % (n * args.micro_batches):
-        p.error(f"--steps and --micro-batches must be >= 1, and --batch-size a multiple of "
-                f"{n} ranks x --micro-batches")
-    return args
+
+    def check(args):
+        # stage 3 is the most demanding of the four runs (none has TP, PP or SP, which it refuses)
+        run = RunConfig(world_size=comm.size, global_batch=args.batch_size, micro_batches=args.micro_batches,
+                        n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size,
+                        dropout=0.1, zero_stage=3, dtype=args.dtype)
+        found = [f"{flag} must be >= 1" for flag, value in (("--steps", args.steps), ("--bucket-kb", args.bucket_kb))
+                 if value < 1]
+        return found + problems(run, FLAGS)
+
+    return parse(p, comm, check)
 
 
 def reference_run(args, config, batches):
@@ -131,13 +145,13 @@ def parallel_run(stage, args, config, grid, batches, reference):
 
 def main():
     comm = world()
-    args = parse_args(comm.size)
+    args = parse_args(comm)
     minipar.set_default_dtype(args.dtype)
     use_device(args.device)
     comm = world()  # on GPUs, NCCL's
     grid = ProcessGrid(tp=1, pp=1)
     N = grid.dp
-    config = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size, dropout=0.1)
+    config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size, dropout=0.1)
     data = Dataset(load_corpus())
     batches = [data.batch("train", s, args.batch_size, args.block_size, args.seed) for s in range(args.steps)]
     reference = reference_run(args, config, batches)

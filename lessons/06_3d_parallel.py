@@ -34,21 +34,22 @@ A step here is the trainer's step (minipar/trainer.py), written out:
 Read next: docs/3d_parallel.md.
 """
 
-import argparse
 import sys
 
 import numpy as np
 
 import minipar
 from minipar.backend import add_device_flag, use_device
+from minipar.cli import Parser, parse
 from minipar.checkpoint.full import gather_full_state
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
-from minipar.parallel import Layout, ProcessGrid
+from minipar.parallel import ProcessGrid
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
+from minipar.parallel.validate import RunConfig, problems
 from minipar.parallel.zero import ZeRO1
 from minipar.trainer import gather_text
 from minipar.verify import as_one_vector, rel_err
@@ -61,29 +62,6 @@ MAX_NORM = 1.0
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, dropout=0.1)
 
 
-class Parser(argparse.ArgumentParser):
-    """Every rank parses the same flags and finds the same problem before any message: rank 0
-    prints it as one line (argparse would print the usage first, on every rank) and ends the job
-    with status 2."""
-
-    def __init__(self, comm, **kwargs):
-        super().__init__(**kwargs)
-        self.comm = comm
-
-    def error(self, message):
-        if self.comm.rank == 0:
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-            if self.comm.size > 1:
-                self.comm.abort(2)  # ends every rank, each waiting below: no rank ends before this print
-            sys.exit(2)
-        self.comm.barrier()
-        sys.exit(2)
-
-    def print_help(self, file=None):
-        if self.comm.rank == 0:
-            super().print_help(file)
-
-
 def default_layout(n):
     """(TP, PP) for n ranks: its factors of 2 dealt in turn to PP, TP and DP (the rest is DP)."""
     sizes, turn = {"pp": 1, "tp": 1, "dp": 1}, 0
@@ -93,9 +71,14 @@ def default_layout(n):
     return sizes["tp"], sizes["pp"]
 
 
+FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batches": "--micro-batches", "global_batch": "--batch-size"}
+
+
 def parse_args(comm):
+    """Every rank parses the same flags and finds the same problems before any message: one rank
+    prints them, one line each, and every rank exits with status 2 (minipar.cli)."""
     n = comm.size
-    p = Parser(comm, description="3D parallelism against the single-device run.")
+    p = Parser(description="3D parallelism against the single-device run.")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: from the number of ranks)")
     p.add_argument("--pp", type=int, help="pipeline stages (default: from the number of ranks)")
     p.add_argument("--micro-batches", type=int, default=4)
@@ -106,24 +89,18 @@ def parse_args(comm):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true",
                    help="skip finalize_grads: the tied embedding's parts on the first and last stage are never added")
-    args = p.parse_args()
-    tp, pp = default_layout(n)
-    args.tp = tp if args.tp is None else args.tp
-    args.pp = pp if args.pp is None else args.pp
-    if min(args.steps, args.micro_batches, args.batch_size) < 1:
-        p.error("--steps, --micro-batches and --batch-size must be >= 1")
-    if min(args.tp, args.pp) < 1 or n % (args.tp * args.pp):
-        p.error(f"TP x PP = {args.tp} x {args.pp} does not divide the {n} ranks: change --tp or --pp")
-    dp = n // (args.tp * args.pp)
-    try:  # whole heads per TP rank, whole blocks per stage: pure arithmetic, no message
-        Layout(args.tp, args.pp, dp).check_model(CONFIG.n_head, CONFIG.n_embd, CONFIG.n_layer)
-    except ValueError as exc:
-        p.error(f"{exc} (--tp {args.tp}, --pp {args.pp})")
-    if args.batch_size % (args.micro_batches * dp):
-        p.error(f"--batch-size {args.batch_size} must split into {args.micro_batches} micro-batches of "
-                f"equal slices for each of the {dp} data-parallel replicas: use a multiple of "
-                f"{args.micro_batches * dp}")
-    return args
+
+    def check(args):
+        tp, pp = default_layout(n)
+        args.tp = tp if args.tp is None else args.tp
+        args.pp = pp if args.pp is None else args.pp
+        c = CONFIG  # the run below: 1F1B, ZeRO-1, this model (whole heads per TP rank, whole blocks per stage)
+        run = RunConfig(world_size=n, tp=args.tp, pp=args.pp, schedule="1f1b", global_batch=args.batch_size,
+                        micro_batches=args.micro_batches, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
+                        block_size=c.block_size, dropout=c.dropout, zero_stage=1, dtype=args.dtype)
+        return ([] if args.steps >= 1 else ["--steps must be >= 1"]) + problems(run, FLAGS)
+
+    return parse(p, comm, check)
 
 
 def who_holds_what(grid, model, opt):

@@ -9,14 +9,18 @@ run is a pure function of its flags, whatever the layout: ``--global-batch-size`
 drawn per step from the seed, and a layout only changes how they are split across data-parallel
 ranks and micro-batches.
 
-Every flag is checked on every rank before any rank communicates; then one all-reduce tells every
-rank whether any found a problem, so a bad flag is one line and exit status 2, never a hang.
+Every flag is checked on every rank before any rank communicates (the run's sizes by
+``minipar.parallel.validate``, which reports every problem at once); then one all-reduce tells every
+rank whether any found a problem (``minipar.cli.agree``), so each problem is one line, one rank
+prints them, and every rank exits with status 2, never a hang.
 """
 
 import argparse
 import math
 import os
 import sys
+
+from minipar.cli import FlagError, Parser, agree
 
 DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
@@ -42,24 +46,8 @@ def non_negative_float(text):
     return value
 
 
-class FlagError(Exception):
-    """A bad flag, found by one rank without communicating (see ``_agree``)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    rank = 0  # only rank 0 prints help
-
-    def error(self, message):
-        """One line naming the problem (argparse would print the whole usage first)."""
-        raise FlagError(f"{self.prog}: error: {message} (see --help)")
-
-    def print_help(self, file=None):
-        if self.rank == 0:
-            super().print_help(file)
-
-
 def build_parser():
-    p = _Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Train a GPT on bytes of text (by default the Python standard library's "
                             "source), on one device or on a TP x PP x DP grid of MPI ranks.")
     m = p.add_argument_group("model")
@@ -109,97 +97,75 @@ def build_parser():
     return p
 
 
-def _writable(p, flag, path):
-    """Fail now, not after the whole run, if ``path`` cannot be written."""
+# the RunConfig field each flag sets, so that a problem names the flag
+FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
+         "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size", "n_layer": "--n-layer",
+         "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout",
+         "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype"}
+
+
+def run_config(args, world_size):
+    """The run the flags describe, as plain numbers (``minipar.parallel.validate``)."""
+    from minipar.parallel.validate import RunConfig
+
+    return RunConfig(world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vpp,
+                     schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
+                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+                     dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
+                     recompute=args.recompute, dtype=args.dtype)
+
+
+def _writable(flag, path):
+    """A problem now, not after the whole run, if ``path`` cannot be written (None if it can)."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        p.error(f"{flag} {path}: cannot create {directory} ({exc.strerror})")
+        return f"{flag} {path}: cannot create {directory} ({exc.strerror})"
     if os.path.isdir(path) or not os.access(directory, os.W_OK):
-        p.error(f"{flag} {path}: not a writable file path")
+        return f"{flag} {path}: not a writable file path"
+    return None
 
 
-def check_args(p, args, world_size):
-    """Errors a flag's own type cannot see, one line each, before anything is built or sent.
-    Fills in ``args.dp`` and ``args.micro_batches``."""
+def check_args(args, world_size):
+    """Every error a flag's own type cannot see, one line each, before anything is built or sent;
+    raises FlagError with all of them. Fills in ``args.dp`` and ``args.micro_batches``."""
     from minipar import backend
+    from minipar.parallel.validate import resolve
 
+    problems = []
     try:
         backend.use_device(args.device)
     except (ImportError, RuntimeError) as exc:
-        p.error(f"--device {args.device}: {exc}")
+        problems.append(f"--device {args.device}: {exc}")
     if args.warmup_iters < 0:
-        p.error(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
+        problems.append(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     if args.min_lr > args.lr:
-        p.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+        problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.seed < 0:
-        p.error(f"--seed must be >= 0, got {args.seed}")
+        problems.append(f"--seed must be >= 0, got {args.seed}")
     if args.data is not None and not os.path.exists(args.data):
-        p.error(f"--data {args.data}: no such file or directory")
+        problems.append(f"--data {args.data}: no such file or directory")
     if args.init_weights is not None and not os.path.isfile(args.init_weights):
-        p.error(f"--init-weights {args.init_weights}: no such file")
+        problems.append(f"--init-weights {args.init_weights}: no such file")
     if args.init_weights and args.load:
-        p.error("--init-weights and --load both set the weights: give one")
+        problems.append("--init-weights and --load both set the weights: give one")
     for flag in ("init_weights", "export_weights"):
         path = getattr(args, flag)
         if path is not None and not path.endswith(".safetensors"):
-            p.error(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file")
+            problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file")
     for flag in ("log_json", "export_weights", "plot"):
         if getattr(args, flag):
-            _writable(p, "--" + flag.replace("_", "-"), getattr(args, flag))
+            problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
     if args.save:
-        _writable(p, "--save", os.path.join(args.save, "latest"))
+        problems.append(_writable("--save", os.path.join(args.save, "latest")))
     if args.exit_interval and not args.save:
-        p.error("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
-    check_layout(p, args, world_size)
-
-
-def check_layout(p, args, world_size):
-    from minipar.parallel.pipeline.executor import MAX_TAG
-    from minipar.parallel.pipeline.schedules import check as check_schedule
-    from minipar.parallel.topology import Layout
-    from minipar.parallel.zero import NOT_WITH_PIPELINES
-
-    tp, pp = args.tp, args.pp
-    if args.dp is None:
-        if world_size % (tp * pp):
-            p.error(f"{world_size} ranks do not split into TP x PP = {tp} x {pp} groups: launch a multiple "
-                    f"of {tp * pp} ranks or change --tp/--pp")
-        args.dp = world_size // (tp * pp)
-    elif tp * pp * args.dp != world_size:
-        p.error(f"TP x PP x DP = {tp} x {pp} x {args.dp} = {tp * pp * args.dp} ranks, but the job has "
-                f"{world_size}: launch with -n {tp * pp * args.dp} or change the sizes")
-    try:
-        Layout(tp, pp, args.dp).check_model(args.n_head, args.n_embd, args.n_layer, args.vpp)
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.vpp > 1 and (pp == 1 or args.schedule != "interleaved"):
-        p.error(f"--num-virtual-stages {args.vpp} needs --pp > 1 and --schedule interleaved")
-    rows = args.batch_size // args.dp  # sequences per DP rank per step
-    if args.batch_size % args.dp:
-        p.error(f"--global-batch-size {args.batch_size} does not split over DP={args.dp} ranks: use a multiple of {args.dp}")
-    mbs = args.micro_batch_size or (rows // pp if rows % pp == 0 else None)
-    if mbs is None or rows % mbs:
-        p.error(f"{rows} sequences per data-parallel rank do not split into micro-batches of "
-                f"{mbs or 'the default size (rows / PP)'}: set --micro-batch-size to a divisor of {rows}")
-    args.micro_batches = rows // mbs
-    try:
-        check_schedule(pp, args.micro_batches, args.vpp, interleaved=args.schedule == "interleaved")
-    except ValueError as exc:
-        p.error(f"{exc} (micro-batches = global batch / (DP x micro-batch size))")
-    if pp > 1 and 2 * args.micro_batches * pp * args.vpp > MAX_TAG:
-        p.error(f"{args.micro_batches} micro-batches x {pp * args.vpp} pipeline chunks need more message "
-                f"tags than MPI promises ({MAX_TAG}): raise --micro-batch-size")
-    if args.sequence_parallel and tp == 1:
-        p.error("--sequence-parallel splits along the tensor-parallel group: it needs --tp > 1")
-    if args.sequence_parallel and args.block_size % tp:
-        p.error(f"--sequence-parallel splits the sequence: --block-size {args.block_size} is not divisible by TP={tp}")
-    if args.sequence_parallel and args.zero_stage >= 2:
-        p.error("ZeRO stages 2 and 3 send gradients before sequence parallelism's partial sums are "
-                "added: use --zero-stage 0 or 1 with --sequence-parallel")
-    if pp > 1 and args.zero_stage >= 2:
-        p.error(NOT_WITH_PIPELINES.format(stage_1="--zero-stage 1 (or 0)"))
+        problems.append("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
+    run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
+    problems = [p for p in problems if p] + layout
+    if problems:
+        raise FlagError(*problems)
+    args.dp, args.micro_batches = run.dp, run.micro_batches
 
 
 def check_files(p, args, config):
@@ -262,42 +228,21 @@ def build(p, args):
     return data, config
 
 
-def _agree(comm, problem):
-    """End the job with one line if any rank found a bad flag.
-
-    Every rank checked the flags on its own, so every rank reaches this one all-reduce, and it
-    cannot hang. The lowest rank with a problem prints it, and no rank exits before it has
-    (under ``python -m mpi4py`` the first non-zero exit aborts the whole job at once).
-    """
-    first = 0 if problem else None
-    if comm.size > 1:
-        import numpy  # a host array: MPI moves it on any device
-
-        votes = comm.all_reduce(numpy.array([comm.size - comm.rank if problem else 0], numpy.int64), op="max")
-        first = comm.size - int(votes[0]) if votes[0] else None
-    if first is None:
-        return
-    if comm.rank == first:
-        print(problem, file=sys.stderr, flush=True)
-    comm.barrier()
-    sys.exit(2)
-
-
 def main(argv=None):
     from minipar.comm import world
 
     comm = world()
     parser = build_parser()
     parser.rank = comm.rank
-    problem = None
+    problems = []
     try:
         args = parser.parse_args(argv)
-        check_args(parser, args, comm.size)
+        check_args(args, comm.size)
         data, config = build(parser, args)
         weights = check_files(parser, args, config)
     except FlagError as exc:
-        problem = exc
-    _agree(comm, problem)
+        problems = exc.lines
+    agree(comm, problems, parser.prog)
     comm = world()  # on GPUs now NCCL's (a collective: every rank chose the device above)
     from minipar.checkpoint.sharded import CheckpointError
     from minipar.trainer import Trainer

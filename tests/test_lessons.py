@@ -53,12 +53,17 @@ def test_3d_lesson_defaults_fit_two_ranks():
     assert "2 ranks as TP=1 x DP=1 x PP=2" in out and "equals the single-device run" in out
 
 
-@pytest.mark.parametrize("lesson,args,message", [
-    ("04_pipeline_parallel.py", ["--pp", "3"], "--pp 3 must divide the number of ranks (2)"),
-    ("04_pipeline_parallel.py", ["--virtual-stages", "3"], "no pipeline fits 2 rank(s)"),
-    ("06_3d_parallel.py", ["--tp", "2", "--pp", "2"], "TP x PP = 2 x 2 does not divide the 2 ranks"),
+@pytest.mark.parametrize("lesson,args,message,lines", [
+    ("04_pipeline_parallel.py", ["--pp", "3"], "2 ranks do not split into TP x PP = 1 x 3 groups", 3),
+    ("04_pipeline_parallel.py", ["--virtual-stages", "3"], "no pipeline fits 2 rank(s)", 1),
+    ("06_3d_parallel.py", ["--tp", "2", "--pp", "2"], "2 ranks do not split into TP x PP = 2 x 2 groups", 1),
+    ("02_data_parallel.py", ["--micro-batches", "3"], "--batch-size 8 does not split into --micro-batches 3", 1),
+    ("05_zero.py", ["--steps", "two"], "argument --steps: invalid int value: 'two'", 1),  # argparse's own
 ])
-def test_a_layout_that_cannot_be_is_one_line_before_any_message(lesson, args, message):
+def test_bad_flags_are_one_line_each_from_one_rank_before_any_message(lesson, args, message, lines):
+    """Every lesson validates its flags through minipar.parallel.validate and minipar.cli: each
+    problem one line, printed once (by one rank), exit status 2, no traceback and no usage text."""
     code, out, _ = run_mpi(2, os.path.join(LESSONS, lesson), *args, timeout=60)
     errors = [line for line in out.splitlines() if "error:" in line]
-    assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
+    assert code == 2 and len(errors) == lines == len(set(errors)) and "Traceback" not in out, out
+    assert sum(message in e for e in errors) == 1 and "usage:" not in out, out

@@ -26,8 +26,8 @@ def test_pipeline_matches_the_single_device_run(n, args):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--schedule", "interleaved", "--v", "2", "--m", "3"], "m=3 is not divisible by p=2"),
-    (["--schedule", "1f1b", "--v", "2"], "runs the interleaved schedule"),
+    (["--schedule", "interleaved", "--v", "2", "--m", "3"], "micro_batches=3 is not divisible by PP=2"),
+    (["--schedule", "1f1b", "--v", "2"], "virtual_stages=2 needs schedule='interleaved'"),
 ])
 def test_bad_pipeline_sizes_end_the_job_with_the_reason(args, message):
     code, out, _ = run_mpi(2, "pipeline.py", "--pp", "2", *args, timeout=60)

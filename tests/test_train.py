@@ -84,12 +84,12 @@ def test_export_then_init_weights(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--n-embd", "10", "--n-head", "4"], "not divisible by n_head"),
+    (["--n-embd", "10", "--n-head", "4"], "--n-embd 10 is not divisible by --n-head 4"),
     (["--max-iters", "0"], "must be >= 1"),
     (["--lr", "abc"], "is not a number"),
     (["--dtype", "float16"], "invalid choice"),
     (["--data", "/nonexistent/corpus.txt"], "no such file"),
-    (["--init-weights", "w.pt"], "no such file"),
+    (["--init-weights", "w.safetensors"], "no such file"),
     (["--block-size", "100000", "--data", "CORPUS"], "too few for --block-size"),
     (["--dropout", "1.5"], "in [0, 1)"),
     (["--seed", "-1"], "--seed must be >= 0"),
@@ -101,6 +101,19 @@ def test_bad_values_get_a_one_line_error(args, message, tmp_path, corpus):
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "error:" in lines[0] and message in lines[0], run.stderr
+
+
+def test_every_bad_size_is_reported_at_once_one_line_each(tmp_path):
+    run = train("--n-embd", "10", "--n-head", "4", "--sequence-parallel", "--zero-stage", "2",
+                "--num-virtual-stages", "2", "--max-iters", "1", cwd=tmp_path)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and all(line.startswith("python -m minipar.train: error: ") for line in lines), run.stderr
+    assert len(lines) == 4, run.stderr
+    for message in ("--n-embd 10 is not divisible by --n-head 4",
+                    "--num-virtual-stages 2 needs --pp > 1 and --schedule interleaved",
+                    "--sequence-parallel splits along the tensor-parallel group: it needs --tp > 1",
+                    "use --zero-stage 1 (or 0) with --sequence-parallel"):
+        assert sum(message in line for line in lines) == 1, (message, run.stderr)
 
 
 def test_help_describes_every_flag():

@@ -24,7 +24,6 @@ position of its token. A forward that holds other rows than its data-parallel sl
 micro-batch) says which inside ``with model.rng.at(rows=...)``.
 """
 
-import numbers
 from dataclasses import dataclass
 
 import numpy
@@ -32,7 +31,6 @@ import numpy
 import minipar.functional as F
 from minipar.autograd import no_grad
 from minipar.backend import default_generator, to_numpy, xp
-from minipar.functional.checks import probability
 from minipar.models.layers import Block, Site, _Layers
 from minipar.nn import Embedding, Module, ModuleDict, ModuleList
 from minipar.parallel import tensor
@@ -40,6 +38,7 @@ from minipar.parallel.collectives import gather_from_region
 from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from minipar.parallel.pipeline.schedules import Pipeline
 from minipar.parallel.recompute import checkpoint
+from minipar.parallel.validate import RunConfig, check
 from minipar.rng import DropoutRNG
 
 
@@ -54,17 +53,12 @@ class GPTConfig:
     bias: bool = True
 
     def __post_init__(self):
+        # the shape rules are the run's (minipar.parallel.validate), asked about the model alone
+        check(RunConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
+                        vocab_size=self.vocab_size, dropout=self.dropout), what="GPTConfig")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-            setattr(self, name, int(value))
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                "every head needs n_embd / n_head dimensions"
-            )
-        self.dropout = probability(self.dropout, "GPTConfig.dropout")
+            setattr(self, name, int(getattr(self, name)))  # a NumPy integer becomes a plain one
+        self.dropout = float(self.dropout)
 
 
 class GPT(Module):
@@ -74,14 +68,13 @@ class GPT(Module):
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
         self.dp = grid.dp_group if grid is not None and grid.dp > 1 else None
         self.pp = grid.pp_group if grid is not None and grid.pp > 1 else None
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-        if grid is not None:
-            grid.layout.check_model(config.n_head, config.n_embd, config.n_layer, virtual_stages)
-        elif virtual_stages > 1:
-            raise ValueError("virtual stages split a pipeline: they need a grid with PP > 1")
-        if sequence_parallel and self.tp is None:
-            raise ValueError("sequence parallelism shards along a TP group: it needs TP > 1")
+        # the model on its grid (whole heads per TP rank, whole blocks per chunk, SP needs TP > 1),
+        # before any group communicates. Not block_size: a sequence parallel model may run shorter
+        # sequences, and refuses a length TP does not divide when it sees one (``_positions``).
+        n, tp, pp, dp = (grid.layout.world_size, grid.tp, grid.pp, grid.dp) if grid is not None else (1, 1, 1, 1)
+        check(RunConfig(world_size=n, tp=tp, pp=pp, dp=dp, virtual_stages=virtual_stages, n_layer=config.n_layer,
+                        n_head=config.n_head, n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel)),
+              what="GPT")
         self.sequence_parallel = bool(sequence_parallel)
         # dropout: by default this model holds its data-parallel rank's slice of the batch's rows
         self.rng = DropoutRNG(replica=(self.dp.rank, self.dp.size) if self.dp is not None else (0, 1))

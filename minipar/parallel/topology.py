@@ -19,10 +19,13 @@ pp groups [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15].
 
 from dataclasses import dataclass
 
+from minipar.parallel.validate import RunConfig, check
+
 
 @dataclass(frozen=True)
 class Layout:
-    """The grid's arithmetic, with no communicator: every rank computes the same answer."""
+    """The grid's arithmetic, with no communicator: every rank computes the same answer. (Whether a
+    model or a run fits a grid is ``minipar.parallel.validate``'s question.)"""
 
     tp: int
     pp: int
@@ -94,20 +97,6 @@ class Layout:
             lines.append(f"{kind + ' groups':<17}" + " ".join(str(g) for g in self.groups(kind)))
         return "\n".join(lines)
 
-    def check_model(self, n_head, n_embd, n_layer, virtual_stages=1):
-        """Raise if a model of this shape cannot be split on this grid (before any communication)."""
-        problems = []
-        if n_head % self.tp:
-            problems.append(f"n_head={n_head} is not divisible by TP={self.tp}: each TP rank needs "
-                            "whole heads; choose TP among the divisors of n_head")
-        if n_embd % self.tp:
-            problems.append(f"n_embd={n_embd} is not divisible by TP={self.tp}")
-        if n_layer % (self.pp * virtual_stages):
-            problems.append(f"n_layer={n_layer} is not divisible by PP x virtual stages = "
-                            f"{self.pp} x {virtual_stages}: every stage needs the same number of layers")
-        if problems:
-            raise ValueError("model does not fit the grid: " + "; ".join(problems))
-
 
 class ProcessGrid:
     """The grid on a live communicator: this rank's coordinates, its groups and its neighbours.
@@ -122,20 +111,9 @@ class ProcessGrid:
             from minipar.comm import world as world_communicator
 
             world = world_communicator()
-        if dp is None:
-            Layout(tp, pp, 1)  # checks tp and pp themselves first
-            if world.size % (tp * pp):
-                raise ValueError(
-                    f"world size {world.size} is not divisible by TP x PP = {tp} x {pp}: "
-                    "choose TP and PP whose product divides the number of ranks"
-                )
-            dp = world.size // (tp * pp)
+        # the sizes against the world, on every rank before any group is made (the run's rules)
+        dp = check(RunConfig(world_size=world.size, tp=tp, pp=pp, dp=dp), what="ProcessGrid").dp
         self.layout = Layout(tp, pp, dp)
-        if self.layout.world_size != world.size:
-            raise ValueError(
-                f"TP x PP x DP = {tp} x {pp} x {dp} = {self.layout.world_size} ranks, but the job has "
-                f"{world.size}: launch with -n {self.layout.world_size} or change the sizes"
-            )
         self.world = world
         self.rank = world.rank
         self.tp_rank, self.dp_rank, self.pp_rank = self.layout.coords(world.rank)

@@ -51,15 +51,16 @@ import time
 
 from minipar.autograd import Tensor, is_grad_enabled, no_grad
 from minipar.backend import on_gpu, xp
+from minipar.parallel import validate
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.simulate import message_key, peer
 from minipar.parallel.pipeline.state import StepRecord, StepState
+from minipar.parallel.validate import MAX_TAG  # re-exported: the tag limit is one of the run's rules
 from minipar.rng import rows_of
 
 __all__ = ["MAX_TAG", "PipelineExecutor", "StepRecord"]
 
-MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
 
 
 class PipelineExecutor:
@@ -71,16 +72,10 @@ class PipelineExecutor:
 
     def __init__(self, model, grid, schedule="1f1b", micro_batches=1, optimizer=None, recompute=False):
         v = len(model.chunks)
-        if schedule not in S.SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(S.SCHEDULES)}")
-        if v > 1 and schedule != "interleaved":
-            raise ValueError(f"a model with {v} virtual stages per rank runs the interleaved schedule, "
-                             f"not {schedule!r}")
-        S.check(grid.pp, micro_batches, v, model.config.n_layer, interleaved=schedule == "interleaved")
-        n_tags = 2 * micro_batches * grid.pp * v
-        if n_tags > MAX_TAG:
-            raise ValueError(f"{micro_batches} micro-batches x {grid.pp * v} chunks need {n_tags} message "
-                             f"tags, more than MPI promises ({MAX_TAG}): use fewer micro-batches")
+        # the schedule, its micro-batches and message tags on this grid: the run's rules, before any message
+        validate.check(validate.RunConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, virtual_stages=v, schedule=schedule,
+                                          micro_batches=micro_batches, n_layer=model.config.n_layer),
+                       what="PipelineExecutor")
         if grid.dp > 1 and optimizer is None:
             raise ValueError("the grid has DP > 1: pass what sums the gradients over it (from "
                              "minipar.parallel.optimizers.make_optimizer) as optimizer=")
@@ -125,9 +120,8 @@ class PipelineExecutor:
         dp = self.grid.dp
         if x.ndim != 2 or x.shape != y.shape:
             raise ValueError(f"a batch is (rows, time) ids and targets of one shape; got {x.shape} and {y.shape}")
-        if len(x) % (self.m * dp):
-            raise ValueError(f"a batch of {len(x)} rows does not split into {self.m} micro-batches of "
-                             f"equal slices for {dp} data-parallel ranks: use a multiple of {self.m * dp}")
+        validate.check(validate.RunConfig(dp=dp, global_batch=len(x), micro_batches=self.m),
+                       names={"global_batch": "batch rows"}, what="PipelineExecutor.step")
         self.model.check_batch(x, y)
         rows = len(x) // self.m
         micro = [(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) for i in range(self.m)]

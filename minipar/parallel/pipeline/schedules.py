@@ -33,6 +33,9 @@ checks that, and measures each schedule's bubble with unit costs.
 
 from dataclasses import dataclass
 
+from minipar.parallel import validate
+
+NAMES = {"pp": "p", "micro_batches": "m", "virtual_stages": "v"}  # a message's words for the sizes
 FORWARD, BACKWARD = "forward", "backward"
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, STEP = "recv_act", "send_act", "recv_grad", "send_grad", "step"
 
@@ -69,23 +72,11 @@ class Pipeline:
 
 def check(p, m, v=1, n_layer=None, interleaved=False):
     """Raise a ValueError naming every requirement the sizes break (call it on every rank before
-    any communication)."""
-    problems = []
-    for name, value in (("pipeline size p", p), ("micro-batches m", m), ("virtual stages v", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name} must be an integer >= 1, got {value!r}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    if v > 1 and not interleaved:
-        problems.append(f"{v} virtual stages need the interleaved schedule")
-    if interleaved and m % p:
-        problems.append(f"the interleaved schedule runs micro-batches in groups of p: m={m} is not "
-                        f"divisible by p={p}; choose m among the multiples of {p}")
-    if n_layer is not None and n_layer % (p * v):
-        problems.append(f"n_layer={n_layer} is not divisible by p x v = {p} x {v}: every chunk needs "
-                        "the same number of layers")
-    if problems:
-        raise ValueError("pipeline schedule: " + "; ".join(problems))
+    any communication). The rules are the run's (``minipar.parallel.validate``), asked in this
+    module's letters: p ranks, m micro-batches, v chunks per rank."""
+    schedule = "interleaved" if interleaved else "1f1b"
+    validate.check(validate.RunConfig(pp=p, micro_batches=m, virtual_stages=v, n_layer=n_layer, schedule=schedule),
+                   names=NAMES, what="pipeline schedule")
 
 
 def _with_communication(pipe, rank, compute):

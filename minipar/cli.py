@@ -1,0 +1,67 @@
+"""Bad flags end a job in one line on every rank, before any rank communicates.
+
+The training CLI (``minipar.train``) and the lessons share this: a parser whose errors are raised,
+not printed with the whole usage on every rank, and ``agree``, after which either every rank goes
+on or every rank exits with status 2 and exactly one has printed the problems, one line each.
+The problems of a run's sizes come from ``minipar.parallel.validate``; a script adds its own.
+"""
+
+import argparse
+import sys
+
+
+class FlagError(Exception):
+    """Bad flags, found by one rank without communicating (see ``agree``); one line each."""
+
+    def __init__(self, *lines):
+        super().__init__("\n".join(lines))
+        self.lines = list(lines)
+
+
+class Parser(argparse.ArgumentParser):
+    rank = 0  # only rank 0 prints help
+
+    def error(self, message):
+        """One line naming the problem (argparse would print the whole usage first)."""
+        raise FlagError(f"{message} (see --help)")
+
+    def print_help(self, file=None):
+        if self.rank == 0:
+            super().print_help(file)
+
+
+def agree(comm, problems, prog):
+    """End the job if any rank found a problem: the lowest such rank prints its problems as
+    ``prog: error: ...`` lines, then every rank exits with status 2.
+
+    Every rank checked its flags on its own, so every rank reaches this one all-reduce, and it
+    cannot hang. No rank exits before the printing one has printed (under ``python -m mpi4py``
+    the first non-zero exit aborts the whole job at once).
+    """
+    first = 0 if problems else None
+    if comm.size > 1:
+        import numpy  # a host array: MPI moves it on any device
+
+        votes = comm.all_reduce(numpy.array([comm.size - comm.rank if problems else 0], numpy.int64), op="max")
+        first = comm.size - int(votes[0]) if votes[0] else None
+    if first is None:
+        return
+    if comm.rank == first:
+        print("\n".join(f"{prog}: error: {line}" for line in problems), file=sys.stderr, flush=True)
+    comm.barrier()
+    sys.exit(2)
+
+
+def parse(parser, comm, check=None, argv=None):
+    """The flags, parsed on every rank, and ``check(args)`` (the problems argparse cannot see, a
+    list of lines, e.g. ``validate.problems`` of the run they describe). On any problem the job
+    ends through ``agree``: one rank prints, every rank exits 2, before any other message."""
+    parser.rank = comm.rank
+    args, found = None, []
+    try:
+        args = parser.parse_args(argv)
+        found = list(check(args)) if check is not None else []
+    except FlagError as exc:
+        found = exc.lines
+    agree(comm, found, parser.prog)
+    return args

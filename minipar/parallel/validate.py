@@ -1,0 +1,233 @@
+"""One validation of a run: every problem of a configuration, from plain numbers.
+
+A ``RunConfig`` describes a run: the job's size, the grid, the model's shape, the pipeline
+schedule, the batch, sequence parallelism and ZeRO. ``problems(cfg)`` returns every rule it
+breaks, one line each, naming the field (or the caller's flag for it) and the fix;
+``resolve(cfg)`` also fills in what the sizes imply: DP from the world size, the micro-batches
+from the batch. Nothing here communicates or allocates, so every rank finds the same problems
+before any message. The CLI, the lessons and the constructors (``ProcessGrid``, ``GPT``,
+``GPTConfig``, ``PipelineExecutor``, the schedules) all ask this module, and keep no size rules of
+their own.
+
+A field left None is not part of the question: ``GPT`` asks about the model on its grid without a
+batch, the executor about its schedule without the model's width. A field whose own value is bad
+(``tp=0``) is reported once and left out of the rules that would divide by it.
+
+``names`` maps fields to what the caller calls them: the CLI passes its flags (``{"tp": "--tp"}``),
+so a problem reads ``--n-head 3 is not divisible by --tp 2``; a constructor passes nothing and
+reads ``n_head=3 is not divisible by TP=2``.
+"""
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+from typing import Optional
+
+MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the names pipeline/schedules.py builds
+DTYPES = ("float32", "float64")
+NAMES = {"tp": "TP", "pp": "PP", "dp": "DP"}  # a field's name in a message when the caller gives none
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    world_size: Optional[int] = None
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None  # None: world_size / (tp x pp)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    schedule: Optional[str] = None  # "gpipe", "1f1b" or "interleaved"
+    global_batch: Optional[int] = None  # sequences per step, over all data-parallel ranks
+    micro_batch_size: Optional[int] = None  # None: rows per DP rank / micro_batches
+    micro_batches: Optional[int] = None  # None: rows per DP rank / micro_batch_size, or PP if neither
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    block_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    dropout: Optional[float] = None
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    recompute: bool = False  # no rule of its own; part of the run's description
+    dtype: str = "float32"
+
+
+POSITIVE = ("world_size", "tp", "pp", "dp", "virtual_stages", "global_batch", "micro_batch_size",
+            "micro_batches", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+class _Say:
+    """How a message names a field: ``--tp 2`` for a flag, ``TP=2`` otherwise."""
+
+    def __init__(self, cfg, names):
+        self.cfg, self.names = cfg, {**NAMES, **(names or {})}
+
+    def name(self, field):
+        return self.names.get(field, field)
+
+    def __call__(self, field, value=None):
+        value = getattr(self.cfg, field) if value is None else value
+        name = self.name(field)
+        if isinstance(value, bool):
+            return name if value else f"no {name}"
+        return f"{name} {value}" if name.startswith("-") else f"{name}={value!r}"
+
+    def change(self, *fields):
+        """The fields a fix may change: the caller's flags among them, or all of them if none is."""
+        flags = [self.name(f) for f in fields if self.name(f).startswith("-")]
+        return " or ".join(flags or [self.name(f) for f in fields])
+
+
+def _bad_fields(cfg, say):
+    """Problems of single values; returns (problems, the fields the other rules must skip)."""
+    out, bad = [], set()
+    for field in POSITIVE:
+        value = getattr(cfg, field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            out.append(f"{say.name(field)} must be a positive integer, got {value!r}")
+            bad.add(field)
+    if cfg.zero_stage not in (0, 1, 2, 3) or isinstance(cfg.zero_stage, bool):
+        out.append(f"{say.name('zero_stage')} must be 0, 1, 2 or 3, got {cfg.zero_stage!r}")
+        bad.add("zero_stage")
+    if cfg.schedule is not None and cfg.schedule not in SCHEDULES:
+        out.append(f"{say('schedule')} is not a pipeline schedule: choose one of {', '.join(SCHEDULES)}")
+        bad.add("schedule")
+    if cfg.dtype not in DTYPES:
+        out.append(f"{say('dtype')} is not a floating dtype minipar runs: choose {' or '.join(DTYPES)}")
+    d = cfg.dropout
+    if d is not None and (isinstance(d, bool) or not isinstance(d, numbers.Real) or not math.isfinite(d)
+                          or not 0 <= d < 1):
+        out.append(f"{say.name('dropout')} must be a number in [0, 1), got {d!r}")
+    return out, bad
+
+
+def resolve(cfg, names=None):
+    """(cfg with ``dp``, ``micro_batches`` and ``micro_batch_size`` filled in where the other sizes
+    determine them, every problem as a list of one-line strings)."""
+    say = _Say(cfg, names)
+    out, bad = _bad_fields(cfg, say)
+
+    def known(*fields):
+        return all(getattr(cfg, f) is not None and f not in bad for f in fields)
+
+    tp, pp, v, dp = cfg.tp, cfg.pp, cfg.virtual_stages, cfg.dp if known("dp") else None
+    # the grid: TP x PP x DP ranks
+    if known("world_size", "tp", "pp"):
+        n = cfg.world_size
+        if cfg.dp is None and n % (tp * pp):
+            out.append(f"{n} ranks do not split into TP x PP = {tp} x {pp} groups: launch a multiple "
+                       f"of {tp * pp} ranks or change {say.change('tp', 'pp')}")
+        elif cfg.dp is None:
+            dp = n // (tp * pp)
+        elif dp is not None and tp * pp * dp != n:
+            out.append(f"TP x PP x DP = {tp} x {pp} x {dp} = {tp * pp * dp} ranks, but the job has {n}: "
+                       f"launch with -n {tp * pp * dp} or change the sizes")
+            dp = None  # no batch rule on a grid that cannot be
+    # the model, and the model on the grid
+    if known("n_embd", "n_head") and cfg.n_embd % cfg.n_head:
+        out.append(f"{say('n_embd')} is not divisible by {say('n_head')}: every head needs "
+                   f"n_embd / n_head dimensions")
+    if known("n_head", "tp") and cfg.n_head % tp:
+        out.append(f"{say('n_head')} is not divisible by {say('tp')}: each TP rank needs whole heads; "
+                   f"choose {say.name('tp')} among the divisors of {say.name('n_head')}")
+    if known("n_embd", "tp") and cfg.n_embd % tp:
+        out.append(f"{say('n_embd')} is not divisible by {say('tp')}: each TP rank holds "
+                   f"n_embd / TP columns; choose {say.name('tp')} among its divisors")
+    if known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (pp * v):
+        out.append(f"{say('n_layer')} is not divisible by {say.name('pp')} x {say.name('virtual_stages')} "
+                   f"= {pp} x {v}: every pipeline chunk needs the same number of layers")
+    # One rank can run its chunks in turn, so the schedules allow v > 1 with p = 1; a job that asks
+    # for virtual stages without a pipeline is a mistake, so a run (its world size given) may not.
+    one_rank = known("world_size") and pp == 1
+    other = known("schedule") and cfg.schedule != "interleaved"
+    if known("pp", "virtual_stages") and v > 1 and (one_rank or other):
+        needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved")] * other
+        out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
+    m, mbs = _batch(cfg, say, known, dp, out)
+    _schedule(cfg, say, known, dp, m, out)
+    # sequence parallelism and ZeRO
+    if cfg.sequence_parallel and known("tp") and tp == 1:
+        out.append(f"{say('sequence_parallel')} splits along the tensor-parallel group: it needs "
+                   f"{say.name('tp')} > 1")
+    if cfg.sequence_parallel and known("tp", "block_size") and cfg.block_size % tp:
+        out.append(f"{say('sequence_parallel')} splits the sequence: {say('block_size')} is not "
+                   f"divisible by {say('tp')}")
+    if known("zero_stage") and cfg.zero_stage >= 2:
+        stage_1 = say("zero_stage", 1) + " (or 0)"
+        if cfg.sequence_parallel:
+            out.append("ZeRO stages 2 and 3 send gradients before sequence parallelism's partial sums "
+                       f"are added: use {stage_1} with {say('sequence_parallel')}")
+        if known("pp") and pp > 1:
+            out.append("ZeRO stages 2 and 3 send gradients during backward, before the tied "
+                       "embedding's two parts on the first and last pipeline stage are added: with "
+                       f"pipeline parallelism use {stage_1}")
+    return replace(cfg, dp=dp, micro_batches=m, micro_batch_size=mbs), out
+
+
+def _batch(cfg, say, known, dp, out):
+    """The batch over DP ranks and micro-batches; returns (micro-batches, their size) or Nones."""
+    m = cfg.micro_batches if known("micro_batches") else None
+    mbs = cfg.micro_batch_size if known("micro_batch_size") else None
+    if not known("global_batch") or dp is None:
+        return m, mbs
+    if cfg.global_batch % dp:
+        given = say("dp") if cfg.dp is not None else f"DP={dp}"  # DP from the world size names no flag
+        out.append(f"{say('global_batch')} does not split over {given} ranks: use a multiple of {dp}")
+        return m, mbs
+    rows = cfg.global_batch // dp  # sequences per data-parallel rank per step
+    if m is None and mbs is None and known("pp"):  # Megatron's default: one micro-batch per stage
+        if rows % cfg.pp:
+            out.append(f"{rows} sequences per data-parallel rank do not split into micro-batches of the "
+                       f"default size (rows / PP): set {say.name('micro_batch_size')} to a divisor of {rows}")
+            return None, None
+        m = cfg.pp
+    if mbs is not None and m is not None and cfg.micro_batches is not None and cfg.micro_batch_size is not None:
+        if m * mbs != rows:
+            out.append(f"{say('micro_batches')} x {say('micro_batch_size')} is not the {rows} sequences "
+                       f"per data-parallel rank ({say('global_batch')} / DP={dp}): give one of the two")
+            return m, mbs
+    elif mbs is not None:
+        if rows % mbs:
+            out.append(f"{rows} sequences per data-parallel rank do not split into micro-batches of "
+                       f"{mbs}: set {say.name('micro_batch_size')} to a divisor of {rows}")
+            return None, mbs
+        m = rows // mbs
+    elif m is not None:
+        if rows % m:
+            out.append(f"{say('global_batch')} does not split into {say('micro_batches')} equal "
+                       f"micro-batches on each of {dp} data-parallel ranks: use a multiple of {m * dp}")
+            return m, None
+        mbs = rows // m
+    return m, mbs
+
+
+def _schedule(cfg, say, known, dp, m, out):
+    """The schedule's own requirements of the micro-batches."""
+    if m is None or not known("pp", "virtual_stages"):
+        return
+    p, v = cfg.pp, cfg.virtual_stages
+    given = cfg.micro_batches is not None  # else the caller set them through the batch
+    count = say("micro_batches", m) if given else (
+        f"{m} micro-batches ({say('global_batch')} / (DP={dp} x {say('micro_batch_size', cfg.micro_batch_size or '?')}))")
+    if known("schedule") and cfg.schedule == "interleaved" and m % p:
+        fix = (f"choose {say.name('micro_batches')} among the multiples of {p}" if given else
+               f"set {say.name('micro_batch_size')} so that the micro-batches are a multiple of {p}")
+        out.append(f"the interleaved schedule runs micro-batches in groups of {say.name('pp')}: {count} is not "
+                   f"divisible by {say('pp')}; {fix}")
+    if p > 1 and 2 * m * p * v > MAX_TAG:
+        fix = f"use fewer {say.name('micro_batches')}" if given else f"raise {say.name('micro_batch_size')}"
+        out.append(f"{count} x {p * v} pipeline chunks need {2 * m * p * v} message tags, more than MPI "
+                   f"promises ({MAX_TAG}): {fix}")
+
+
+def problems(cfg, names=None):
+    """Every problem of ``cfg``, one line each ([] for a run that can be)."""
+    return resolve(cfg, names)[1]
+
+
+def check(cfg, names=None, what=None):
+    """``resolve`` for a constructor: the resolved config, or a ValueError with every problem."""
+    resolved, found = resolve(cfg, names)
+    if found:
+        raise ValueError((f"{what}: " if what else "") + "; ".join(found))
+    return resolved
