@@ -36,15 +36,21 @@ backward), and ``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_s
 from minipar.autograd import Tensor
 from minipar.backend import sum_of_squares, xp
 from minipar.optim import AdamW, check_hyperparameters
+from minipar.parallel import validate
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.protocol import DistributedOptimizer
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
 
 
-NOT_WITH_PIPELINES = ("ZeRO stages 2 and 3 send gradients during backward, before the tied embedding's "
-                      "two parts on the first and last pipeline stage are added: with pipeline "
-                      "parallelism use {stage_1}")
+def refuse_unsupported(model, stage, what):
+    """The run's one validation (``validate``) asked about this stage on this model: stages 2 and 3
+    send gradients during backward, before the sums a pipeline (the tied embedding's two parts)
+    or sequence parallelism (partial sums over TP, declared in the placements) still has to add."""
+    tp, pp = (model.grid.tp, model.grid.pp) if model.grid is not None else (1, 1)
+    sequence_parallel = any("tp" in p.placement.grad_sum for p in model.parameters())
+    validate.check(validate.RunConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel, zero_stage=stage),
+                   names={"zero_stage": "stage"}, what=what)
 
 
 class ShardedAdamW(DistributedOptimizer):
@@ -61,11 +67,7 @@ class ShardedAdamW(DistributedOptimizer):
         params = model.parameters()
         if len({p.dtype for p in params}) != 1:
             raise ValueError("ZeRO lays all parameters out in flat buffers of one dtype; the model mixes dtypes")
-        if stage >= 2 and getattr(model, "pp", None) is not None:
-            raise ValueError(NOT_WITH_PIPELINES.format(stage_1="ZeRO stage 1 (or 0)"))
-        if stage >= 2 and getattr(model, "sequence_parallel", False):
-            raise ValueError("ZeRO stages 2 and 3 send gradients during backward, before sequence "
-                             "parallelism's partial gradients are summed: use stage 1 with it")
+        refuse_unsupported(model, stage, type(self).__name__)
         super().__init__(model, comm)
         # which copies this rank counts in the norm (see placement.is_primary); its pieces differ
         # across the DP group, so none is a copy there

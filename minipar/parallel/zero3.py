@@ -24,7 +24,7 @@ from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.recompute import checkpoint
 from minipar.parallel.shards import Group
-from minipar.parallel.zero import NOT_WITH_PIPELINES, ShardedAdamW
+from minipar.parallel.zero import ShardedAdamW, refuse_unsupported
 
 
 def unit_groups(units):
@@ -49,8 +49,7 @@ class ZeRO3(ShardedAdamW):
     stage = 3
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        if getattr(model, "pp", None) is not None:
-            raise ValueError(NOT_WITH_PIPELINES.format(stage_1="ZeRO stage 1 (or 0)"))
+        refuse_unsupported(model, 3, type(self).__name__)
         units = model.units()
         params = model.parameters()
         sync_replicas(model, comm)  # every rank starts from rank 0's weights ...
