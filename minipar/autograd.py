@@ -14,7 +14,8 @@ receives nor returns an array that something else still holds.
 
 import contextlib
 
-from minipar.backend import get_default_dtype, to_numpy, xp
+from minipar.backend import to_numpy, xp
+from minipar.dtypes import get_default_dtype
 from minipar.engine import Node, backward
 
 _grad_enabled = True

@@ -1,4 +1,7 @@
-"""The array module, the device and the default floating dtype.
+"""The array module and the device: which one runs the math, and the operations it decides.
+
+The default float dtype (``dtypes.py``) and the seeded generator (``random.py``) are settings of
+the process, not of the device, and live apart from it.
 
 Every other module does its math through ``xp`` from here, so the same code runs on NumPy (CPU) or
 CuPy (GPU). ``xp`` is a namespace that ``use_device`` fills with NumPy's or CuPy's functions: the
@@ -212,45 +215,6 @@ def _keep_freed_memory():
 
 if os.environ.get("MINIPAR_MALLOC_TUNING", "1") != "0":
     _keep_freed_memory()
-
-_FLOAT_DTYPES = ("float32", "float64")
-_default_dtype = numpy.dtype(numpy.float32)
-_generator = numpy.random.default_rng(0)
-
-
-def set_default_dtype(dtype):
-    """Use ``dtype`` (``numpy.float32``/``numpy.float64`` or their names) for new float tensors.
-
-    float64 is for checking: gradient checks, and parallel-vs-serial comparisons that should agree
-    to ~1e-12 instead of float32's ~1e-6.
-    """
-    global _default_dtype
-    if dtype is None:  # numpy.dtype(None) would quietly mean float64
-        raise ValueError("set_default_dtype(None): give 'float32' or 'float64'")
-    try:
-        dt = numpy.dtype(dtype)
-    except TypeError as exc:
-        raise ValueError(f"not a dtype: {dtype!r}; use 'float32' or 'float64'") from exc
-    if dt.name not in _FLOAT_DTYPES:
-        raise ValueError(f"default dtype must be float32 or float64, got {dt.name}")
-    _default_dtype = dt
-
-
-def get_default_dtype():
-    return _default_dtype
-
-
-def manual_seed(seed):
-    """Reseed the generator that parameter initialisation and dropout draw from by default."""
-    global _generator
-    _generator = numpy.random.default_rng(seed)
-
-
-def default_generator():
-    """The process-wide generator. It is a NumPy generator on every device: initial weights are
-    drawn on the host in float64 so float32, float64, CPU and GPU runs start from the same values."""
-    return _generator
-
 
 def blocks(n, size=1 << 16):
     """Slices cutting range(n) into pieces of ``size`` elements, for chains of elementwise ops.

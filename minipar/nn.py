@@ -11,8 +11,10 @@ import numpy
 import minipar.functional as F
 from minipar import rng
 from minipar.autograd import Tensor
-from minipar.backend import default_generator, get_default_dtype, xp
+from minipar.backend import xp
+from minipar.dtypes import get_default_dtype
 from minipar.placement import REPLICATED
+from minipar.random import default_generator
 
 
 class Parameter(Tensor):

@@ -1,7 +1,7 @@
 import pytest
 
 import minipar
-from minipar.backend import get_default_dtype, set_default_dtype
+from minipar.dtypes import get_default_dtype, set_default_dtype
 
 
 @pytest.fixture(autouse=True)

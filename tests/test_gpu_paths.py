@@ -76,6 +76,21 @@ def test_the_gpu_branches_of_the_reductions_agree_with_the_cpu_ones(monkeypatch,
             assert numpy.abs(numpy.asarray(x, "float64") - y).max() <= rtol * scale, shape
 
 
+def test_choosing_a_device_leaves_the_dtype_and_the_generator_alone(monkeypatch):
+    """The device (backend), the default dtype (dtypes) and the generator (random) are separate."""
+    from minipar import dtypes, random
+
+    minipar.set_default_dtype("float64")
+    minipar.manual_seed(5)
+    generator = random.default_generator()
+    with pytest.raises(ValueError):
+        backend.use_device("tpu")
+    backend.use_device("cpu")
+    assert dtypes.get_default_dtype() == numpy.float64 and random.default_generator() is generator
+    assert not any(hasattr(backend, n) for n in ("get_default_dtype", "set_default_dtype", "manual_seed",
+                                                  "default_generator"))
+
+
 def test_an_unknown_device_or_a_missing_cupy_is_an_error():
     with pytest.raises(ValueError, match="'tpu' is not one of cpu, cuda"):
         backend.use_device("tpu")

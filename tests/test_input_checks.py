@@ -11,7 +11,7 @@ import minipar
 import minipar.functional as F
 from minipar import Tensor
 from minipar.autograd import Function
-from minipar.backend import set_default_dtype
+from minipar.dtypes import set_default_dtype
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Parameter
 from minipar.optim import AdamW

@@ -13,7 +13,7 @@ import numbers
 import numpy
 
 from minipar.autograd import Tensor
-from minipar.backend import get_default_dtype
+from minipar.dtypes import get_default_dtype
 
 
 def scalar(x):

@@ -8,8 +8,9 @@ NumPy treats as "weak" (float32 * 0.5 stays float32); see ``checks`` for the dty
 import math
 
 from minipar.autograd import Function, Tensor
-from minipar.backend import blocks, default_generator, xp
+from minipar.backend import blocks, xp
 from minipar.functional.checks import floats, probability, scalar
+from minipar.random import default_generator
 from minipar.rng import keep, scaled
 
 
@@ -263,7 +264,7 @@ def dropout(x, p, training=True, key=None):
     """Zero each element with probability p and scale the rest by 1/(1-p). Identity when p == 0 or
     not training. Element i (in row-major order) is kept by the hash of ``key`` (a tuple of
     integers) and i (see ``minipar.rng``); without a key, one is taken from the process-wide
-    generator of ``minipar.backend.manual_seed``."""
+    generator of ``minipar.manual_seed``."""
     p = probability(p)
     if not training or p == 0.0:
         return x

@@ -30,7 +30,7 @@ import numpy
 
 import minipar.functional as F
 from minipar.autograd import no_grad
-from minipar.backend import default_generator, to_numpy, xp
+from minipar.backend import to_numpy, xp
 from minipar.models.layers import Block, Site, _Layers
 from minipar.nn import Embedding, Module, ModuleDict, ModuleList
 from minipar.parallel import tensor
@@ -39,6 +39,7 @@ from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from minipar.parallel.pipeline.schedules import Pipeline
 from minipar.parallel.recompute import checkpoint
 from minipar.parallel.validate import RunConfig, check
+from minipar.random import default_generator
 from minipar.rng import DropoutRNG
 
 

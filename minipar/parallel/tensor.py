@@ -21,7 +21,8 @@ rank keeps its part, so a model built on any grid starts from the very same numb
 
 
 import minipar.functional as F
-from minipar.backend import get_default_dtype, xp
+from minipar.backend import xp
+from minipar.dtypes import get_default_dtype
 from minipar.nn import Module, Parameter, normal_
 from minipar.parallel.collectives import (
     copy_to_region,
