@@ -88,8 +88,8 @@ fi
 say ""
 say "| check | result | time |"
 say "| --- | --- | --- |"
-step "GPU tests: kernel vs float64, GPU step vs CPU step, NCCL on one rank, two ranks on one GPU" 150 tests.log \
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step "GPU tests: kernel vs float64, GPU step vs CPU step, dropout masks, NCCL on one rank, two ranks on one GPU" 150 tests.log \
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_rng.py::test_masks_on_the_gpu_equal_those_on_the_cpu
 step "GEMM: ours vs cuBLAS vs naive" 120 gemm.log "$PYTHON" bench/gemm.py --markdown "$out/gemm.md"
 step "lesson 07 with the GPU section" 90 lesson07.log "$PYTHON" lessons/07_gemm_kernel.py --device cuda
 step "GPT-2-small step: our kernel vs cuBLAS" 150 step.log \
