@@ -129,7 +129,9 @@ class Comparison:
     def gradients(self, grads, reference=None):
         """The first step's gradients by name, the worst tensor: of the names given (a pipeline
         stage holds some), against ``reference``'s where the run holds other shapes (TP shards)."""
-        self.record("gradients", worst_tensor(grads, reference or {n: self.reference.grads[n] for n in grads}))
+        if reference is None:
+            reference = {n: self.reference.grads[n] for n in grads}
+        self.record("gradients", worst_tensor(grads, reference))
 
     def parameters(self, params):
         """All parameters after the last step, as one vector."""
