@@ -153,7 +153,8 @@ def main():
                             f"{args.micro_batches} micro-batches per step, {args.dtype}, dropout 0.1; relative "
                             "error against one device")
 
-    return lesson.finish(comm, not lesson.within(tol, errors), report, "The 3D-parallel run equals the single-device run.")
+    return lesson.finish(comm, not lesson.within(tol, errors), report,
+                         "The 3D-parallel run equals the single-device run.")
 
 
 if __name__ == "__main__":
