@@ -23,8 +23,8 @@ import sys
 
 import numpy as np
 
-from minipar.cli import Parser, parse
-from minipar.comm import wait_all, world
+import lesson
+from minipar.comm import wait_all
 
 
 def ring_all_reduce(comm, x, plant_bug=False):
@@ -46,12 +46,11 @@ def ring_all_reduce(comm, x, plant_bug=False):
 
 
 def main():
-    comm = world()
-    p = Parser(description="A ring all-reduce from send/recv, checked against MPI.")
-    p.add_argument("--size", type=int, default=1 << 20, help="float64 elements per rank")
-    p.add_argument("--plant-bug", action="store_true", help="skip the last all-gather step")
-    # a bad flag: one line from one rank, and every rank exits with status 2 (minipar.cli)
-    args = parse(p, comm, lambda args: [] if args.size >= 1 else [f"--size must be >= 1, got {args.size}"])
+    args, comm = lesson.start(
+        "A ring all-reduce from send/recv, checked against MPI.",
+        lambda p: p.add_argument("--size", type=int, default=1 << 20, help="float64 elements per rank"),
+        lambda args, ranks: [] if args.size >= 1 else [f"--size must be >= 1, got {args.size}"],
+        plant_bug="skip the last all-gather step", training=False)
     N, r = comm.size, comm.rank
     size = max(N, args.size - args.size % N)  # N equal chunks, so the byte count is exact
     x = np.random.default_rng(r).standard_normal(size)  # each rank has its own "gradient"
@@ -64,26 +63,22 @@ def main():
     model = comm.stats.by_op["all_reduce"].bytes_sent
 
     error = float(np.abs(ours - reference).max())
-    wrong_here = error > 1e-9 * max(1.0, float(np.abs(reference).max()))
-    bad = comm.all_reduce(np.array([int(wrong_here)]), op="max")[0]  # every rank exits alike
     S = x.nbytes
     formula = 2 * (N - 1) * S // N
-    if r == 0:
+    wrong = error > 1e-9 * max(1.0, float(np.abs(reference).max())) or sent_by_ring != formula
+
+    def report():
         rounded = f", --size rounded down to a multiple of {N}" if size != args.size else ""
         print(f"{N} ranks, {S:,} bytes each ({size:,} float64{rounded})\n")
         print(f"  max |ring - MPI all-reduce|        {error:.2e}  (sums in another order)")
         print(f"  bytes sent by this rank, ring     {sent_by_ring:>14,}")
         print(f"  2 (N-1)/N x S                     {formula:>14,}")
         print(f"  MPI all-reduce, ring model        {model:>14,}")
-        print(f"  all-to-one-and-back, busiest rank {2 * (N - 1) * S:>14,}\n")
-    if bad or sent_by_ring != formula:
-        if r == 0:
-            print("MISMATCH: the ring's result or its byte count differs from MPI's all-reduce")
-        comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
-        return 1
-    if r == 0:
-        print("The hand-made ring equals MPI's all-reduce and sends exactly 2 (N-1)/N x S bytes per rank.")
-    return 0
+        print(f"  all-to-one-and-back, busiest rank {2 * (N - 1) * S:>14,}")
+
+    return lesson.finish(comm, wrong, report,
+                         "The hand-made ring equals MPI's all-reduce and sends exactly 2 (N-1)/N x S bytes per rank.",
+                         mismatch="MISMATCH: the ring's result or its byte count differs from MPI's all-reduce")
 
 
 if __name__ == "__main__":

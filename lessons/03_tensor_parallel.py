@@ -31,53 +31,37 @@ import sys
 
 import numpy as np
 
+import lesson
 import minipar
-from minipar.backend import add_device_flag, use_device
-from minipar.cli import Parser, parse
-from minipar.comm import world
-from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
 from minipar.models.layers import Block
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.tensor import full_parameters
 from minipar.parallel.validate import RunConfig, problems
-from minipar.verify import as_one_vector, rel_err, worst_tensor
-
-TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
-
 
 FLAGS = {"tp": "--tp", "global_batch": "--batch-size", "n_layer": "--n-layer", "n_head": "--n-head",
          "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout", "dtype": "--dtype",
          "sequence_parallel": "the sequence-parallel pass"}
 
 
-def parse_args(comm):
-    """The same flags and problems on every rank: on any, one rank prints them, one line each, and
-    every rank exits with status 2 before any message (minipar.cli)."""
-    p = Parser(description="Tensor parallelism checked against one device.")
-    p.add_argument("--tp", type=int, default=comm.size, help="tensor-parallel size (DP = ranks / TP)")
-    p.add_argument("--dtype", choices=TOLERANCE, default="float32")
-    add_device_flag(p)
-    p.add_argument("--steps", type=int, default=3, help="AdamW steps compared")
+def flags(p):
+    p.add_argument("--tp", type=int, help="tensor-parallel size (DP = ranks / TP; default: every rank)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="the global batch")
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plant-bug", action="store_true",
-                   help="skip finalize_grads, so sequence parallelism's partial gradients are never summed: must fail")
 
-    def check(args):
-        # the second pass (TP > 1) adds sequence parallelism: the more demanding of the two runs
-        run = RunConfig(world_size=comm.size, tp=args.tp, global_batch=args.batch_size, n_layer=args.n_layer,
-                        n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, dropout=args.dropout,
-                        sequence_parallel=args.tp > 1, dtype=args.dtype)
-        return ([] if args.steps >= 1 else ["--steps must be >= 1"]) + problems(run, FLAGS)
 
-    return parse(p, comm, check)
+def check(args, ranks):
+    args.tp = ranks if args.tp is None else args.tp
+    # the second pass (TP > 1) adds sequence parallelism: the more demanding of the two runs
+    run = RunConfig(world_size=ranks, tp=args.tp, global_batch=args.batch_size, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, dropout=args.dropout,
+                    sequence_parallel=args.tp > 1, dtype=args.dtype)
+    return lesson.at_least_one(args, "--steps") + problems(run, FLAGS)
 
 
 def count_per_layer(grid):
@@ -99,24 +83,17 @@ def count_per_layer(grid):
     return per_block, inputs, lambda: setattr(Block, "forward", original)
 
 
-def run(args, grid, data, sp):
-    """Train the serial and the parallel model side by side; returns errors and traffic."""
-    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                       block_size=args.block_size, dropout=args.dropout)
-    minipar.manual_seed(args.seed)
-    serial = GPT(config)
+def run(args, config, grid, batches, reference, sp):
+    """Train the tensor-parallel GPT (with sequence parallelism if ``sp``) on the reference's
+    batches; its errors against the reference, and its traffic."""
     minipar.manual_seed(args.seed)
     model = GPT(config, grid, sequence_parallel=sp)
-    opts = [AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1) for m in (serial, model)]
+    opt = AdamW(model.parameters(), **lesson.HYPER)
     dp, tp = grid.dp_group, grid.tp_group
     rows = slice(grid.dp_rank * args.batch_size // dp.size, (grid.dp_rank + 1) * args.batch_size // dp.size)
-    errors, traffic = {}, {}
-    for step in range(args.steps):
-        serial.rng.iteration = model.rng.iteration = step  # keys the dropout masks
-        x, y = data.batch("train", step, args.batch_size, args.block_size, args.seed)
-        logits_s, loss_s = serial(x, y)
-        loss_s.backward()
-        serial.finalize_grads()
+    compare = lesson.Comparison(reference, order=("logits", "gradients", "loss", "parameters"))
+    for step, (x, y) in enumerate(batches):
+        model.rng.iteration = step  # keys the dropout masks
         tp.stats.reset()
         per_block, block_inputs, restore = count_per_layer(grid)
         logits, loss = model(x[rows], y[rows])
@@ -130,19 +107,16 @@ def run(args, grid, data, sp):
         for p in model.parameters():  # data parallel: average the replicas' gradients
             dp.all_reduce(p.grad)
             p.grad *= 1.0 / dp.size
-        loss_all = dp.all_reduce(np.array([loss.item()]))[0] / dp.size
         if step == 0:
-            errors["logits"] = rel_err(model.gather_logits(logits).data, logits_s.data[rows])
-            errors["gradients (worst tensor)"] = worst_tensor(full_parameters(model, "grad"),
-                                                              {n: p.grad for n, p in serial.named_parameters()})
+            compare.logits(model.gather_logits(logits).data, rows)
+            compare.gradients(full_parameters(model, "grad"))
             traffic = dict(per_block=per_block, forward=forward_total, backward=backward_total,
                            block_input=block_inputs[0])
-        errors["loss"] = max(errors.get("loss", 0.0), rel_err(loss_all, loss_s.item()))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    errors[f"parameters after {args.steps} steps"] = as_one_vector(model.full_state_dict(), serial.state_dict())
-    return errors, traffic
+        compare.loss(step, dp.all_reduce(np.array([loss.item()]))[0] / dp.size)
+        opt.step()
+        opt.zero_grad()
+    compare.parameters(model.full_state_dict())
+    return compare.errors, traffic
 
 
 def expected_traffic(sp, n_layer, tp):
@@ -186,37 +160,32 @@ def print_traffic(sp, traffic, n_layer, activation_bytes, tp):
 
 
 def main():
-    comm = world()
-    args = parse_args(comm)
-    minipar.set_default_dtype(args.dtype)
-    use_device(args.device)
-    comm = world()  # on GPUs, NCCL's
+    args, comm = lesson.start("Tensor parallelism checked against one device.", flags, check,
+                              plant_bug="skip finalize_grads, so sequence parallelism's partial gradients are "
+                              "never summed: must fail")
     grid = ProcessGrid(tp=args.tp, pp=1)
-    data = Dataset(load_corpus())
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                       block_size=args.block_size, dropout=args.dropout)
+    batches = lesson.batches(args, config.block_size)
+    reference = lesson.reference_run(config, batches, args.seed)
     variants = [False] + ([True] if args.tp > 1 else [])
-    results = {sp: run(args, grid, data, sp) for sp in variants}
-    tol = TOLERANCE[args.dtype]
+    results = {sp: run(args, config, grid, batches, reference, sp) for sp in variants}
+
+    tol = lesson.TOLERANCE[args.dtype]
     B, T, C = args.batch_size // grid.dp, args.block_size, args.n_embd
     activation = B * T * C * np.dtype(args.dtype).itemsize  # one block's (B, T, C) activation
-    failed = any(e > tol for errors, _ in results.values() for e in errors.values())
-    failed |= not all(check_traffic(results[sp][1], sp, args.n_layer, activation, grid.tp) for sp in variants)
-    failed = comm.all_reduce(np.array([int(failed)]), op="max")[0]  # every rank agrees
-    if comm.rank == 0:
+    ok = lesson.within(tol, *(errors for errors, _ in results.values()))
+    ok &= all(check_traffic(results[sp][1], sp, args.n_layer, activation, grid.tp) for sp in variants)
+
+    def report():
         print(f"{comm.size} ranks: TP={grid.tp} x DP={grid.dp}; GPT {args.n_layer} layers, "
               f"{args.n_head} heads, hidden {args.n_embd}, {args.dtype}, dropout {args.dropout}")
-        print(f"\nrelative error against the single-device run (tolerance {tol:g})")
-        names = list(results[False][0])
-        header = "".join(f"{'SP ' + ('on' if sp else 'off'):>12}" for sp in variants)
-        print(f"  {'':<28}{header}")
-        for name in names:
-            cells = "".join(f"{results[sp][0][name]:>12.1e}" for sp in variants)
-            print(f"  {name:<28}{cells}")
+        lesson.print_errors({f"SP {'on' if sp else 'off'}": results[sp][0] for sp in variants}, tol, width=12)
         for sp in variants:
             print_traffic(sp, results[sp][1], args.n_layer, activation, grid.tp)
-        print("\nMISMATCH: see the rows above" if failed
-              else "\nThe tensor-parallel GPT equals the single-device GPT, and moves what Megatron's design says.")
-    comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
-    return 1 if failed else 0
+
+    return lesson.finish(comm, not ok, report,
+                         "The tensor-parallel GPT equals the single-device GPT, and moves what Megatron's design says.")
 
 
 if __name__ == "__main__":

@@ -35,24 +35,15 @@ import tracemalloc
 
 import numpy as np
 
+import lesson
 import minipar
-from minipar.backend import add_device_flag, use_device
-from minipar.cli import Parser, parse
-from minipar.comm import world
-from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
-from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline import schedules, trace
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
 from minipar.parallel.validate import RunConfig, problems
-from minipar.verify import rel_err, worst_tensor
-
-TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
-HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
-
 
 N_HEAD, N_EMBD = 4, 128  # the GPT's width; its depth and context are flags
 # the RunConfig field each flag sets, so that a problem names the flag
@@ -84,11 +75,7 @@ def choose_pipeline(n, args):
         "those flags or the number of ranks (the defaults fit 2, 4 and 8)"]
 
 
-def parse_args(comm):
-    """Every rank parses the same flags and finds the same problems before any message: one rank
-    prints them, one line each, and every rank exits with status 2 (minipar.cli)."""
-    n = comm.size
-    p = Parser(description="Pipeline parallelism against the single-device run.")
+def flags(p):
     p.add_argument("--pp", type=int, help="pipeline stages (DP = ranks / PP); default: the most the "
                    "other flags allow")
     p.add_argument("--micro-batches", type=int, default=8)
@@ -96,53 +83,27 @@ def parse_args(comm):
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--dtype", choices=TOLERANCE, default="float32")
-    add_device_flag(p)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/pipeline", help="where the timeline pictures and traces go")
     p.add_argument("--show-schedules", action="store_true", help="print each schedule as a table first")
-    p.add_argument("--plant-bug", action="store_true",
-                   help="skip adding the tied embedding's two gradient parts (first and last stage)")
-
-    def check(args):
-        args.pp, found = choose_pipeline(n, args)
-        if args.steps < 2:
-            found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")
-        return found
-
-    return parse(p, comm, check)
 
 
-def reference_run(config, batches, seed):
-    """The single-device run: its losses, first-step gradients and final parameters."""
-    minipar.manual_seed(seed)
-    model = GPT(config)
-    opt = AdamW(model.parameters(), **HYPER)
-    losses = []
-    for step, (x, y) in enumerate(batches):
-        model.rng.iteration = step  # keys the dropout masks (with each token's place)
-        _, loss = model(x, y)  # the whole batch at once
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {n: p.grad.copy() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, model.state_dict()
+def check(args, ranks):
+    args.pp, found = choose_pipeline(ranks, args)
+    if args.steps < 2:
+        found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")
+    return found
 
 
-def pipeline_run(name, v, recompute, args, config, grid, batches, reference):
-    """Train with one schedule; errors against the reference, and what the step cost."""
-    losses_s, grads_s, params_s = reference
+def pipeline_run(comm, name, v, recompute, args, config, grid, batches, reference):
+    """Train with one schedule; the errors against the reference (the worst over the ranks), and
+    what the step cost, gathered from every rank."""
     minipar.manual_seed(args.seed)
     model = GPT(config, grid, virtual_stages=v)
-    opt = make_optimizer(model, grid, 0, **HYPER)  # data parallelism + AdamW (DP = 1: nothing sent)
+    opt = make_optimizer(model, grid, 0, **lesson.HYPER)  # data parallelism + AdamW (DP = 1: nothing sent)
     if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
         model.finalize_grads = lambda: None
     run = PipelineExecutor(model, grid, name, args.micro_batches, optimizer=opt, recompute=recompute)
-    errors = {"loss": 0.0, "gradients (worst tensor)": 0.0}
-    costs = {}
+    compare, costs = lesson.Comparison(reference), {}
     for step, (x, y) in enumerate(batches):
         model.rng.iteration = step  # keys the dropout masks (with each token's place)
         if step == 0:
@@ -156,24 +117,26 @@ def pipeline_run(name, v, recompute, args, config, grid, batches, reference):
             if step == 0:
                 costs["activation bytes"] = tracemalloc.get_traced_memory()[1] - before
                 tracemalloc.stop()
-                mine = {n: p.grad for n, p in model.named_parameters()}
-                errors["gradients (worst tensor)"] = worst_tensor(mine, {n: grads_s[n] for n in mine})
+                compare.gradients({n: p.grad for n, p in model.named_parameters()})  # this stage's
             opt.step()
 
         record = run.step(x, y, optimizer_step)
         if grid.is_last_stage:
             loss = record.loss if grid.dp == 1 else grid.dp_group.all_reduce(np.array([record.loss]))[0]
-            errors["loss"] = max(errors["loss"], rel_err(loss, losses_s[step]))
+            compare.loss(step, loss)
         opt.zero_grad()
     # parameters as one vector over all ranks: sums of squares, added up over the world
     sq = np.zeros(2)
     for n, p in model.named_parameters():
-        a, b = np.asarray(p.data, np.float64), np.asarray(params_s[n], np.float64)
+        a, b = np.asarray(p.data, np.float64), np.asarray(reference.params[n], np.float64)
         sq += [((a - b) ** 2).sum(), (b ** 2).sum()]
-    costs.update(timeline=record.timeline, peak_alive=record.peak_alive,
-                 sent=grid.pp_group.stats.total().bytes_sent if grid.pp_group is not None else 0,
-                 sq=sq, chunks=model.chunks)
-    return errors, costs
+    sq = comm.all_reduce(sq)
+    compare.record("parameters", float(np.sqrt(sq[0] / sq[1])))
+    costs.update(timelines=gather_timelines(comm, grid, name, args.micro_batches, v, record.timeline),
+                 peak_alive=comm.all_gather(np.array([record.peak_alive]))[:, 0],
+                 sent=grid.pp_group.stats.total().bytes_sent if grid.pp_group is not None else 0)
+    costs["activation bytes"] = comm.all_gather(np.array([costs["activation bytes"]]))[:, 0]
+    return compare.worst_over(comm), costs
 
 
 def gather_timelines(comm, grid, name, m, v, timeline):
@@ -191,61 +154,54 @@ def gather_timelines(comm, grid, name, m, v, timeline):
 
 
 def main():
-    comm = world()
-    args = parse_args(comm)
-    minipar.set_default_dtype(args.dtype)
-    use_device(args.device)
-    comm = world()  # on GPUs, NCCL's
+    args, comm = lesson.start("Pipeline parallelism against the single-device run.", flags, check,
+                              plant_bug="skip adding the tied embedding's two gradient parts (first and last stage)")
     grid = ProcessGrid(tp=1, pp=args.pp)
     p, m, v = grid.pp, args.micro_batches, args.virtual_stages
     config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dropout=0.1)
-    data = Dataset(load_corpus())
-    batches = [data.batch("train", s, args.batch_size, config.block_size, args.seed) for s in range(args.steps)]
-    reference = reference_run(config, batches, args.seed)
-    tol = TOLERANCE[args.dtype]
+    batches = lesson.batches(args, config.block_size)
+    reference = lesson.reference_run(config, batches, args.seed)
     runs = [(name, vv) for name, vv in (("gpipe", 1), ("1f1b", 1), ("interleaved", v))]
     if args.show_schedules and comm.rank == 0:
         for name, vv in runs:  # F3.1: the forward of micro-batch 3 on the rank's chunk 1
             print(f"{name} (compute order per rank)\n{schedules.table(schedules.build(name, p, m, vv))}\n")
-    results, failed = {}, False
-    for name, vv in runs:
-        for recompute in (False, True):
-            errors, costs = pipeline_run(name, vv, recompute, args, config, grid, batches, reference)
-            sq = comm.all_reduce(costs["sq"])
-            errors[f"parameters after {args.steps} steps"] = float(np.sqrt(sq[0] / sq[1]))
-            errors = {k: comm.all_reduce(np.array([e]), op="max")[0] for k, e in errors.items()}
-            costs["timelines"] = gather_timelines(comm, grid, name, m, vv, costs["timeline"])
-            costs["peak_alive"] = comm.all_gather(np.array([costs["peak_alive"]]))[:, 0]
-            costs["activation bytes"] = comm.all_gather(np.array([costs["activation bytes"]]))[:, 0]
-            results[name, recompute] = errors, costs
-            failed |= any(e > tol for e in errors.values())
+    results = {(name, recompute): pipeline_run(comm, name, vv, recompute, args, config, grid, batches, reference)
+               for name, vv in runs for recompute in (False, True)}
+    tol = lesson.TOLERANCE[args.dtype]
+    lines, costs_ok = costs_beside_formulas(comm, args, grid, results, runs)
+    ok = lesson.within(tol, *(errors for errors, _ in results.values())) and costs_ok
+    return lesson.finish(comm, not ok, lambda: report(args, grid, results, runs, lines, tol),
+                         "Every schedule, with and without recompute, equals the single-device run; the bubble, "
+                         "the activations held and the bytes sent are what the formulas say.")
 
-    # the costs, each next to its formula (rank r of the table is pipeline rank r of replica 0)
-    act_bytes = (args.batch_size // m // grid.dp) * config.block_size * config.n_embd * np.dtype(args.dtype).itemsize
+
+def costs_beside_formulas(comm, args, grid, results, runs):
+    """Each cost next to its formula (rank r of the table is pipeline rank r of replica 0), whether
+    all agree, and the timelines drawn."""
+    p, m = grid.pp, args.micro_batches
+    act_bytes = (args.batch_size // m // grid.dp) * args.block_size * N_EMBD * np.dtype(args.dtype).itemsize
     stage_ranks = [grid.layout.rank(0, 0, r) for r in range(p)]
-    lines = []
+    lines, ok = [], True
     for name, vv in runs:
         sim = simulate(schedules.build(name, p, m, vv), m, vv)
         theory = theoretical_bubble(p, m, vv)
-        failed |= any(b != theory for b in sim.bubble.values())
+        ok &= all(b == theory for b in sim.bubble.values())
         costs, costs_r = results[name, False][1], results[name, True][1]
         alive = [int(costs["peak_alive"][g]) for g in stage_ranks]
-        failed |= alive != [sim.peak_alive[r] for r in range(p)] or list(costs_r["peak_alive"]) != list(costs["peak_alive"])
-        if name == "gpipe":
-            failed |= alive != [m] * p
-        elif name == "1f1b":
-            failed |= alive != [min(p - r, m) for r in range(p)]
-        else:
-            failed |= alive != [min((p - r - 1) * 2 + (vv - 1) * p + 1, vv * m) for r in range(p)]
+        ok &= alive == [sim.peak_alive[r] for r in range(p)]
+        ok &= list(costs_r["peak_alive"]) == list(costs["peak_alive"])  # recompute holds as many
+        formula = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)]}.get(
+            name, [min((p - r - 1) * 2 + (vv - 1) * p + 1, vv * m) for r in range(p)])
+        ok &= alive == formula
         # messages: an activation per micro-batch for each chunk but the last global one, and a
         # gradient for each but the first
         n_chunks = p * vv
         per_rank = [sum((g < n_chunks - 1) + (g > 0) for g in range(r, n_chunks, p)) * m * act_bytes for r in range(p)]
-        failed |= results[name, False][1]["sent"] != per_rank[grid.pp_rank]  # every rank checks its own
+        ok &= costs["sent"] == per_rank[grid.pp_rank]  # every rank checks its own
         measured = trace.bubble(costs["timelines"])
         mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
         mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks]
-        failed |= any(b >= a for a, b in zip(mem, mem_r))
+        ok &= all(b < a for a, b in zip(mem, mem_r))
         lines.append((name, vv, theory, sim, measured, alive, mem, mem_r, per_rank))
         if comm.rank == 0:
             tag = f"{name}, p={p}, m={m}" + (f", v={vv}" if vv > 1 else "")
@@ -254,25 +210,15 @@ def main():
             trace.gantt(costs["timelines"], os.path.join(args.out, f"{name}_measured.png"),
                         f"{tag}: measured on this machine", chunks=vv)
             trace.chrome_trace(costs["timelines"], os.path.join(args.out, f"{name}_trace.json"), chunks=vv)
-    failed = comm.all_reduce(np.array([int(failed)]), op="max")[0]
-    if comm.rank == 0:
-        report(args, grid, results, runs, lines, tol)
-        print("\nMISMATCH: see the rows above" if failed else
-              "\nEvery schedule, with and without recompute, equals the single-device run; the bubble, "
-              "the activations held and the bytes sent are what the formulas say.")
-    comm.barrier()  # a rank's non-zero exit ends the job: not before rank 0 has printed
-    return int(failed)
+    return lines, ok
 
 
 def report(args, grid, results, runs, lines, tol):
     p, m = grid.pp, args.micro_batches
     print(f"PP={p} x DP={grid.dp}; GPT of {args.n_layer} blocks; global batch {args.batch_size} in {m} "
           f"micro-batches; {args.dtype}, dropout 0.1, {args.steps} AdamW steps")
-    print(f"\nrelative error against the single-device run (tolerance {tol:g}); +r: with recompute")
-    keys = list(results)
-    print(f"  {'':<28}" + "".join(f"{n + (' +r' if r else ''):>15}" for n, r in keys))
-    for row in results[keys[0]][0]:
-        print(f"  {row:<28}" + "".join(f"{results[k][0][row]:>15.1e}" for k in keys))
+    lesson.print_errors({n + (" +r" if r else ""): errors for (n, r), (errors, _) in results.items()}, tol,
+                        width=15, note="; +r: with recompute")
     print("\nbubble: the idle fraction of a step (convention: idle time / makespan)")
     print(f"  {'schedule':<13}{'formula':<22}{'theory':>8}{'simulated':>11}{'measured':>10}   measured per rank")
     for name, vv, theory, sim, measured, *_ in lines:

@@ -1,5 +1,6 @@
 """Lessons are programs a reader runs: each must pass as shipped and fail when its subject breaks."""
 
+import importlib
 import os
 import re
 import subprocess
@@ -29,6 +30,34 @@ def test_autograd_lesson_fails_on_a_planted_bug():
     run = run_lesson("01_autograd.py", "--plant-bug")
     assert run.returncode == 1
     assert "FAIL" in run.stdout and "MISMATCH" in run.stdout
+
+
+class OneRank:
+    """What lesson.finish asks of a communicator, for one rank without MPI."""
+    rank, size = 0, 1
+
+    def all_reduce(self, array, op="sum"):
+        return array
+
+    def barrier(self):
+        pass
+
+
+def test_lesson_scaffolding_prints_the_table_and_exits_1_on_a_mismatch(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(LESSONS)  # as a lesson script finds it: its folder first on sys.path
+    lesson = importlib.import_module("lesson")
+    runs = {"SP off": {"loss": 1e-7, "gradients (worst tensor)": 3e-5},
+            "SP on": {"loss": 2e-7, "gradients (worst tensor)": 4e-7}}
+    for failed, runs_shown, last in ((False, {None: runs["SP on"]}, "all equal"),
+                                     (True, runs, "MISMATCH: see the rows above")):
+        assert lesson.within(1e-5, *runs_shown.values()) != failed
+        code = lesson.finish(OneRank(), failed, lambda: lesson.print_errors(runs_shown, 1e-5, width=12), "all equal")
+        out = capsys.readouterr().out
+        assert code == int(failed) and out.endswith(f"\n\n{last}\n"), out
+        assert "relative error against the single-device run (tolerance 1e-05)\n" in out
+        assert ("SP off       SP on\n" in out) == failed  # a heading row only for named runs
+    assert "  gradients (worst tensor)         3.0e-05     4.0e-07\n" in out
+    assert not lesson.within(1e-5, {"loss": float("nan")})  # NaN is a mismatch, not a pass
 
 
 def test_gemm_kernel_lesson_passes():

@@ -1,0 +1,171 @@
+"""What every MPI lesson does around its technique, so that each lesson's ``main`` reads as the story.
+
+A lesson is five moves, and only the middle two are its own:
+
+    args, comm = lesson.start(...)                 flags agreed on every rank; dtype, device
+    reference = lesson.reference_run(...)          the single-device run every layout must equal
+    ... the technique: build the parallel model, train the same steps, count what it sends and holds
+    compare = lesson.Comparison(reference)         its relative errors, one row per quantity
+    return lesson.finish(comm, failed, report, "The ... equals ...")
+
+``finish`` makes the ranks agree on the verdict, lets rank 0 print the report and one last
+sentence, and returns the exit status: 0, or 1 on a mismatch (``--plant-bug`` makes one).
+
+This module belongs to the lessons: minipar never imports it. A lesson finds it because a
+script's folder comes first on ``sys.path`` (``python -m mpi4py`` keeps that rule).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import minipar
+from minipar.backend import add_device_flag, use_device
+from minipar.cli import Parser, parse
+from minipar.comm import world
+from minipar.data import Dataset, load_corpus
+from minipar.models import GPT
+from minipar.optim import AdamW, clip_grad_norm
+from minipar.verify import as_one_vector, rel_err, worst_tensor
+
+# how far a parallel run may be from one device: rounding in another summation order
+TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
+# AdamW for every run; eps = 1e-5 so that nearly cancelled gradients are not full steps (minipar.verify)
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+MISMATCH = "MISMATCH: see the rows above"
+
+
+def start(description, flags=None, check=None, *, plant_bug, training=True, steps=3):
+    """The world and the flags, parsed and checked on every rank before any message: on a problem,
+    one rank prints it, one line each, and every rank exits with status 2 (minipar.cli).
+
+    ``flags(parser)`` adds the lesson's own flags; ``check(args, ranks)`` returns the problems
+    argparse cannot see, one line each (``validate.problems`` of the run, ``at_least_one``). A
+    training lesson also takes --steps, --dtype, --device and --seed, and from here on runs in that
+    dtype on that device. Returns (args, comm): on GPUs, comm is then NCCL's."""
+    comm = world()
+    p = Parser(description=description)
+    if flags is not None:
+        flags(p)
+    if training:
+        p.add_argument("--steps", type=int, default=steps, help="optimizer steps compared")
+        p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+        add_device_flag(p)
+        p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plant-bug", action="store_true", help=plant_bug)
+    args = parse(p, comm, None if check is None else lambda args: check(args, comm.size))
+    if training:
+        minipar.set_default_dtype(args.dtype)
+        use_device(args.device)
+        comm = world()
+    return args, comm
+
+
+def at_least_one(args, *flags):
+    """A problem line for each of ``flags`` (as typed, "--bucket-kb") whose value is below 1."""
+    return [f"{flag} must be >= 1" for flag in flags if getattr(args, flag[2:].replace("-", "_")) < 1]
+
+
+def batches(args, block_size):
+    """Each step's global batch (x, y): a pure function of the seed and the step, so every rank
+    and every layout sees the same samples."""
+    data = Dataset(load_corpus())
+    return [data.batch("train", step, args.batch_size, block_size, args.seed) for step in range(args.steps)]
+
+
+@dataclass
+class Reference:
+    """What the single-device run leaves to compare with."""
+    losses: list   # each step's loss
+    grads: dict    # the first step's gradients by name (before clipping)
+    logits: object  # the first step's logits, (B, T, vocab)
+    params: dict   # the parameters after the last step
+
+
+def reference_run(config, batches, seed, max_norm=None):
+    """The single-device run, on every rank (the GPT is small): AdamW (``HYPER``) from ``seed``
+    over ``batches``, each whole batch at once, the gradients clipped to ``max_norm`` if given."""
+    minipar.manual_seed(seed)
+    model = GPT(config)
+    opt = AdamW(model.parameters(), **HYPER)
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        model.rng.iteration = step  # keys the dropout masks (with each token's place)
+        logits, loss = model(x, y)
+        loss.backward()
+        if step == 0:
+            first = logits.data, {n: p.grad.copy() for n, p in model.named_parameters()}
+        if max_norm is not None:
+            clip_grad_norm(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return Reference(losses, first[1], first[0], model.state_dict())
+
+
+class Comparison:
+    """A run's relative errors against the reference (minipar.verify), one row per quantity in
+    ``order``; the loss keeps its worst step. ``errors`` is the table's column: {row: error}."""
+
+    def __init__(self, reference, order=("loss", "gradients", "parameters"), loss="loss"):
+        self.reference = reference
+        names = {"logits": "logits", "loss": loss, "gradients": "gradients (worst tensor)",
+                 "parameters": f"parameters after {len(reference.losses)} steps"}
+        self.names = {row: names[row] for row in order}
+        self.errors = {name: 0.0 for name in self.names.values()}
+
+    def record(self, row, error):
+        """An error measured by the lesson itself; the worst one recorded stays (NaN the worst)."""
+        name = self.names[row]
+        self.errors[name] = float(np.maximum(self.errors[name], error))
+
+    def logits(self, logits, rows=slice(None)):
+        """The first step's logits; ``rows``: which of the reference's this rank holds."""
+        self.record("logits", rel_err(logits, self.reference.logits[rows]))
+
+    def loss(self, step, loss):
+        self.record("loss", rel_err(loss, self.reference.losses[step]))
+
+    def gradients(self, grads, reference=None):
+        """The first step's gradients by name, the worst tensor: of the names given (a pipeline
+        stage holds some), against ``reference``'s where the run holds other shapes (TP shards)."""
+        if reference is None:
+            reference = {n: self.reference.grads[n] for n in grads}
+        self.record("gradients", worst_tensor(grads, reference))
+
+    def parameters(self, params):
+        """All parameters after the last step, as one vector."""
+        self.record("parameters", as_one_vector(params, self.reference.params))
+
+    def worst_over(self, comm):
+        """Each row's worst over the ranks, on every rank (each rank compared what it holds)."""
+        self.errors = {name: comm.all_reduce(np.array([e]), op="max")[0] for name, e in self.errors.items()}
+        return self.errors
+
+
+def within(tolerance, *runs):
+    """Whether every error of these runs ({row: error} each) is at most ``tolerance``."""
+    return all(e <= tolerance for errors in runs for e in errors.values())
+
+
+def print_errors(runs, tolerance, width=10, title="relative error against the single-device run", note=""):
+    """The table of relative errors: a row per quantity, a column per run. ``runs`` is
+    {column heading: {row: error}}; a lone run under the heading None prints no heading row."""
+    print(f"\n{title} (tolerance {tolerance:g}){note}")
+    if list(runs) != [None]:
+        print(f"  {'':<28}" + "".join(f"{heading:>{width}}" for heading in runs))
+    for row in next(iter(runs.values())):
+        print(f"  {row:<28}" + "".join(f"{errors[row]:>{width}.1e}" for errors in runs.values()))
+
+
+def finish(comm, failed, report, passed, mismatch=MISMATCH):
+    """The end of every lesson: the ranks agree on the verdict (one rank's mismatch fails all),
+    rank 0 runs ``report()`` and prints the last sentence, ``passed`` or ``mismatch``, and every
+    rank returns the exit status, 0 or 1. No rank returns before rank 0 has printed: under
+    ``python -m mpi4py`` a rank's non-zero exit ends the whole job at once."""
+    failed = bool(comm.all_reduce(np.array([int(failed)]), op="max")[0])
+    if comm.rank == 0:
+        report()
+        print(f"\n{mismatch if failed else passed}")
+    comm.barrier()
+    return int(failed)
