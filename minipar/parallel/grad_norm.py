@@ -28,8 +28,15 @@ def grad_norm(params, grid=None):
     """||g|| of the whole model from this rank's ``params`` (a collective over TP and PP)."""
     ranks = dict(grid.ranks(), dp=0) if grid is not None else {}  # each DP replica counts everything
     local = sum_of_squares([p.grad for p in params if p.grad is not None and is_primary(p.placement, ranks)])
+    return norm_over_groups(local, grid)
+
+
+def norm_over_groups(local, grid, first=()):
+    """The square root of ``local`` (this rank's sum of counted squares) summed over the groups
+    ``first`` (ZeRO: the DP group, whose ranks hold different pieces), then over the grid's TP and
+    PP groups: the norm every rank of the model then shares."""
     total = xp.asarray([local])
-    for group in (grid.tp_group, grid.pp_group) if grid is not None else ():
+    for group in tuple(first) + ((grid.tp_group, grid.pp_group) if grid is not None else ()):
         if group is not None and group.size > 1:
             group.all_reduce(total)
     return math.sqrt(float(total[0]))

@@ -38,6 +38,7 @@ from minipar.backend import sum_of_squares, xp
 from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel import validate
 from minipar.parallel.data import sync_replicas
+from minipar.parallel.grad_norm import norm_over_groups
 from minipar.parallel.protocol import DistributedOptimizer
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
@@ -203,11 +204,7 @@ class ShardedAdamW(DistributedOptimizer):
         self.finish_gradients()
         counted = [piece[at : at + b - a] for g, piece in zip(self.groups, self.grad_pieces)
                    for i, a, b, at in g.segments() if is_primary(g.params[i].placement, self.ranks)]
-        total = self.comm.all_reduce(xp.asarray([sum_of_squares(counted)]))
-        for group in (self.grid.tp_group, self.grid.pp_group) if self.grid is not None else ():
-            if group is not None and group.size > 1:
-                group.all_reduce(total)
-        return float(total[0]) ** 0.5
+        return norm_over_groups(sum_of_squares(counted), self.grid, first=(self.comm,))
 
     def step(self):
         self.finish_gradients()
