@@ -228,6 +228,15 @@ def blocks(n, size=1 << 16):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def array_of(value):
+    """The array a Tensor holds (its ``.data``), or ``value`` itself when it is already an array
+    or a list. A CuPy array has a ``.data`` of its own, a raw memory pointer, so "``.data`` if it
+    has one" would hand that pointer on."""
+    if isinstance(value, (numpy.ndarray, xp.ndarray)):
+        return value
+    return getattr(value, "data", value)
+
+
 def to_numpy(array):
     """A host (NumPy) copy-or-view of an xp array, for printing, saving and comparing."""
     if hasattr(array, "__cuda_array_interface__"):  # a CuPy array, whatever the current device

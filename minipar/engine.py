@@ -18,7 +18,7 @@ The engine knows tensors only by their attributes (``data``, ``requires_grad``, 
 
 import contextlib
 
-from minipar.backend import xp
+from minipar.backend import array_of, xp
 
 
 class Node:
@@ -112,8 +112,7 @@ def backward(tensor, grad=None):
         if tensor.data.size != 1:
             raise RuntimeError(f"backward() on a tensor of shape {tensor.shape} needs grad=")
         grad = xp.ones_like(tensor.data)
-    grad = getattr(grad, "data", grad)
-    grad = xp.asarray(grad)
+    grad = xp.asarray(array_of(grad))
     if grad.shape != tensor.shape or grad.dtype != tensor.dtype:
         raise ValueError(
             f"grad has shape {grad.shape} {grad.dtype}, tensor has {tensor.shape} {tensor.dtype}"

@@ -11,13 +11,13 @@ nearly zero instead of as full steps.)
 
 import numpy
 
-from minipar.backend import to_numpy
+from minipar.backend import array_of, to_numpy
 
 
 def rel_err(a, b):
     """||a - b|| / ||b|| (b == 0 everywhere: ||a - b||)."""
-    a = numpy.asarray(to_numpy(getattr(a, "data", a)), numpy.float64)
-    b = numpy.asarray(to_numpy(getattr(b, "data", b)), numpy.float64)
+    a = numpy.asarray(to_numpy(array_of(a)), numpy.float64)
+    b = numpy.asarray(to_numpy(array_of(b)), numpy.float64)
     if a.shape != b.shape:
         a = a.reshape(b.shape)
     norm = numpy.linalg.norm(b)

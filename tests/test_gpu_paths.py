@@ -199,3 +199,37 @@ def test_the_nccl_unique_id_round_trips_through_both_cupy_forms(takes):
     assert (size, rank) == (2, 1) and uid == fake.get_unique_id()
     with pytest.raises(ValueError, match="128 bytes"):
         nccl.unique_id_bytes(b"short")
+
+
+class PointerData(numpy.ndarray):
+    """A NumPy array whose ``.data`` is unusable, as a CuPy array's is (a raw memory pointer).
+    NumPy's own ``.data`` is a buffer that reads back as the same values, so only this catches
+    code that unwraps "``.data`` if the value has one" instead of only a Tensor's."""
+
+    @property
+    def data(self):
+        raise AssertionError("read .data of an array; on the GPU that is a memory pointer")
+
+
+def test_arrays_are_never_unwrapped_through_their_own_data():
+    from minipar.autograd import Tensor
+    from minipar.parallel.data import token_count
+    from minipar.verify import rel_err
+
+    minipar.set_default_dtype("float64")
+    try:
+        minipar.manual_seed(3)
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64))
+        rng = numpy.random.default_rng(0)
+        idx, targets = rng.integers(0, 64, (2, 8)), rng.integers(-1, 64, (2, 8))
+        logits, loss = model(idx.view(PointerData), targets.view(PointerData))
+        assert float(loss.data) == float(model(idx, targets)[1].data)
+        assert token_count(targets.view(PointerData)) == token_count(targets) == int((targets != -1).sum())
+        upstream = rng.standard_normal(logits.shape)
+        logits.backward(upstream.view(PointerData))
+        assert backend.array_of(upstream) is upstream
+        held = Tensor(upstream)
+        assert backend.array_of(held) is held.data
+        assert rel_err(upstream.view(PointerData), upstream) == 0.0
+    finally:
+        minipar.set_default_dtype("float32")

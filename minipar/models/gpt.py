@@ -30,7 +30,7 @@ import numpy
 
 import minipar.functional as F
 from minipar.autograd import no_grad
-from minipar.backend import to_numpy, xp
+from minipar.backend import array_of, to_numpy, xp
 from minipar.models.layers import Block, Site, _Layers
 from minipar.nn import Embedding, Module, ModuleDict, ModuleList
 from minipar.parallel import tensor
@@ -203,7 +203,7 @@ class GPT(Module):
 
     def embed(self, idx):
         """Token and position embeddings of the ids (B, T), then dropout."""
-        idx = xp.asarray(getattr(idx, "data", idx))  # a Tensor's array as it is (no trip to the host)
+        idx = xp.asarray(array_of(idx))  # a Tensor's array as it is (no trip to the host)
         if idx.ndim != 2:
             raise ValueError(f"GPT input must be (batch, time) token ids, got shape {idx.shape}")
         T = idx.shape[1]
@@ -275,7 +275,7 @@ class GPT(Module):
             raise ValueError("generate() adds one token at a time, which sequence parallelism cannot "
                              "split; sample from a model built without sequence_parallel")
         generator = generator or default_generator()
-        idx = to_numpy(getattr(idx, "data", idx))
+        idx = to_numpy(array_of(idx))
         was_training = self.training
         self.eval()
         with no_grad():

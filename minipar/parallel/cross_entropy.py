@@ -15,7 +15,7 @@ whether the target is among them: no communication in backward. Columns past the
 """
 
 from minipar.autograd import Function
-from minipar.backend import xp
+from minipar.backend import array_of, xp
 from minipar.functional.checks import floats
 
 
@@ -60,7 +60,7 @@ def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start, vocab_size,
     ``vocab_start``, against integer ``targets`` (...) in the whole vocabulary of ``vocab_size``.
     Every rank of ``comm`` gets the same loss."""
     logits = floats("vocab_parallel_cross_entropy", logits)
-    targets = xp.asarray(getattr(targets, "data", targets))
+    targets = xp.asarray(array_of(targets))
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets of shape {targets.shape} do not match logits {logits.shape}")
     used = targets[targets != ignore_index]

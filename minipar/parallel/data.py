@@ -28,7 +28,7 @@ import hashlib
 
 import numpy
 
-from minipar.backend import to_numpy, xp
+from minipar.backend import array_of, to_numpy, xp
 from minipar.optim import AdamW
 from minipar.parallel.grad_norm import grad_norm
 from minipar.parallel.protocol import STATE_KINDS, DistributedOptimizer
@@ -36,7 +36,7 @@ from minipar.parallel.protocol import STATE_KINDS, DistributedOptimizer
 
 def token_count(targets, ignore_index=-1):
     """Targets that count in the loss (not ``ignore_index``)."""
-    return int((xp.asarray(getattr(targets, "data", targets)) != ignore_index).sum())
+    return int((xp.asarray(array_of(targets)) != ignore_index).sum())
 
 
 def scale_loss(loss, targets, comm=None, ignore_index=-1, total=None):
