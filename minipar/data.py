@@ -9,6 +9,7 @@ got there directly or resumed from a checkpoint, and however a parallel layout l
 Data stays on the host (NumPy); the model moves ids to the device.
 """
 
+import hashlib
 import os
 import sysconfig
 
@@ -73,9 +74,11 @@ def load_corpus(path=None):
 
 
 class Dataset:
-    """Token ids split into train (first 90%) and validation (last 10%)."""
+    """Token ids split into train (first 90%) and validation (last 10%). ``size`` and ``sha256``
+    name the corpus, so that ranks and checkpoints can check they mean the same one."""
 
     def __init__(self, corpus, val_fraction=0.1):
+        self.size, self.sha256 = len(corpus), hashlib.sha256(corpus).hexdigest()
         ids = numpy.frombuffer(corpus, dtype=numpy.uint8)
         n_train = int(len(ids) * (1.0 - val_fraction))
         self.splits = {"train": ids[:n_train], "val": ids[n_train:]}

@@ -89,6 +89,8 @@ def build_parser():
     d.add_argument("--export-weights", metavar="FILE", help="save the final weights (.safetensors, GPT-2 names)")
     d.add_argument("--save", metavar="DIR", help="write sharded checkpoints here (every --save-interval steps and at the end)")
     d.add_argument("--save-interval", type=positive_int, default=100, help="steps between checkpoints")
+    d.add_argument("--keep-checkpoints", metavar="N", type=positive_int, help="keep only the N newest checkpoints in --save (default: all)")
+    d.add_argument("--overwrite-checkpoints", action="store_true", help="let this run write into a --save directory that holds checkpoints it does not continue")
     d.add_argument("--load", metavar="DIR", help="continue from the latest checkpoint in DIR (or a checkpoint directory)")
     d.add_argument("--exit-interval", type=positive_int, help="stop when the iterations done are a multiple of this (as Megatron-LM: a planned interruption; needs --save, resume with --load)")
     d.add_argument("--report", action="store_true", help="print every rank's memory and bytes sent per step at the end")
@@ -159,6 +161,9 @@ def check_args(args, world_size):
             problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
     if args.save:
         problems.append(_writable("--save", os.path.join(args.save, "latest")))
+    for flag in ("keep_checkpoints", "overwrite_checkpoints"):
+        if getattr(args, flag) and not args.save:
+            problems.append(f"--{flag.replace('_', '-')} is about the checkpoints of --save DIR: give --save")
     if args.exit_interval and not args.save:
         problems.append("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
@@ -168,10 +173,12 @@ def check_args(args, world_size):
     args.dp, args.micro_batches = run.dp, run.micro_batches
 
 
-def check_files(p, args, config):
-    """The checkpoint or weights to start from must hold this model (read on every rank, before
-    any communication)."""
+def check_files(p, args, config, data):
+    """The checkpoint or weights to start from must hold this model and have been trained on this
+    corpus (read on every rank, before any communication). ``args.load`` becomes the checkpoint
+    directory itself (not ``latest``, which may move)."""
     from minipar.checkpoint.sharded import CheckpointError, check_model, read_index
+    from minipar.run_inputs import corpus_matches
 
     if args.load:
         try:
@@ -179,7 +186,11 @@ def check_files(p, args, config):
             check_model(index, config, args.dtype)
         except CheckpointError as exc:
             p.error(f"--load: {exc}")
+        args.load = index["path"]
         saved = index["trainer"]
+        problem = corpus_matches(saved.get("corpus"), data, f"--data {args.data or '(default corpus)'}")
+        if problem:
+            p.error(problem)
         for key, flag in (("seed", "--seed"), ("batch_size", "--global-batch-size")):
             if saved[key] != getattr(args, key):
                 p.error(f"--load: the checkpoint was trained with {flag} {saved[key]}, not "
@@ -228,33 +239,47 @@ def build(p, args):
     return data, config
 
 
+def _end(comm, prog, message):
+    """One rank found a problem the others cannot see: say it, and end every rank."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    if comm.size > 1:
+        comm.abort(1)
+    return 1
+
+
 def main(argv=None):
     from minipar.comm import world
+    from minipar.run_inputs import claim_save_directory, same_inputs
 
     comm = world()
     parser = build_parser()
     parser.rank = comm.rank
-    problems = []
+    problems, lock = [], None
     try:
         args = parser.parse_args(argv)
         check_args(args, comm.size)
         data, config = build(parser, args)
-        weights = check_files(parser, args, config)
+        weights = check_files(parser, args, config, data)
+        lock = claim_save_directory(args, comm.rank)  # last: held only by a run that goes on
     except FlagError as exc:
         problems = exc.lines
     agree(comm, problems, parser.prog)
+    agree(comm, same_inputs(comm, args, data), parser.prog)  # rank 0's checkpoint and corpus, on every rank
     comm = world()  # on GPUs now NCCL's (a collective: every rank chose the device above)
     from minipar.checkpoint.sharded import CheckpointError
     from minipar.trainer import Trainer
 
     try:
         trainer = Trainer(args, config, data, comm, weights)
-    except CheckpointError as exc:  # found by the rank that read the damaged part: end every rank
-        print(f"{parser.prog}: error: --load: {exc}", file=sys.stderr, flush=True)
-        if comm.size > 1:
-            comm.abort(1)
-        return 1
-    return trainer.run()
+    except CheckpointError as exc:  # found by the rank that read the damaged part
+        return _end(comm, parser.prog, f"--load: {exc}")
+    try:
+        return trainer.run()
+    except CheckpointError as exc:  # a save that failed (a full disk): the last good one stays
+        return _end(comm, parser.prog, f"--save: {exc}")
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

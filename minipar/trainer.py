@@ -131,7 +131,7 @@ class Trainer:
 
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
-                 "rng": {"seed": self.model.rng.seed}}
+                 "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256]}
         return sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
 
     # ---- the run ----------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):
     code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
                          "--save", save, "--save-interval", "5", "--exit-interval", "10")
     assert code == 0 and "resume with --load" in out, out
-    assert sorted(os.listdir(save)) == ["iter_0000005", "iter_0000010", "latest"]
+    assert sorted(os.listdir(save)) == [".lock", "iter_0000005", "iter_0000010", "latest"]
     for n, layout in ((8, ["--tp", "4"]), (8, ["--pp", "4", "--schedule", "gpipe"]), (1, []),
                       (4, ["--zero-stage", "3"]),  # moments and parameters into flat ZeRO shards of DP=4
                       (4, ["--pp", "2", "--num-virtual-stages", "2", "--schedule", "interleaved", "--micro-batch-size", "2"])):

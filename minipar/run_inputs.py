@@ -1,0 +1,117 @@
+"""Every rank of a run reads the same inputs, and one run at a time writes a save directory.
+
+Each rank reads its flags' files on its own, before any communication, so that a bad flag is one
+line and never a hang. That leaves two ways for ranks to disagree without any error:
+
+* ``--load DIR`` means ``DIR/latest``, which another run may move while this job starts: ranks
+  that read it a moment apart load tensor-parallel shards of different iterations, then run
+  different numbers of steps, and hang.
+* ``--data`` (or the default corpus, this Python's standard library) can change while the ranks
+  read it, or differ between hosts: the ranks then train on different corpora and exit 0.
+
+So once the flags are agreed, rank 0 decides what is loaded and broadcasts it: the checkpoint
+directory it resolved (no rank reads ``latest`` again), the SHA-256 of that checkpoint's index,
+and the corpus's length and SHA-256. Every rank compares its own with them; a difference ends the
+job before training, one line, every rank with status 2.
+
+The save directory is claimed the same way before training (rank 0, ``checkpoint/lock.py``), and
+a run does not write into a directory of checkpoints that it does not continue unless told to.
+"""
+
+import hashlib
+import json
+import os
+import re
+
+import numpy
+
+from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
+from minipar.cli import FlagError
+
+_CHECKPOINT = re.compile(r"iter_\d{7}")
+
+
+def broadcast_text(comm, text, root=0):
+    """Root's ``text`` on every rank (UTF-8 bytes: a length, then the bytes)."""
+    data = numpy.frombuffer(text.encode(), numpy.uint8) if comm.rank == root else None
+    size = comm.broadcast(numpy.array([0 if data is None else data.size], numpy.int64), root)
+    buffer = data.copy() if data is not None else numpy.zeros(int(size[0]), numpy.uint8)
+    return comm.broadcast(buffer, root).tobytes().decode()
+
+
+def index_sha256(checkpoint):
+    """SHA-256 of a checkpoint's ``index.json``: it names every shard's checksum, so equal index
+    hashes mean the same checkpoint, whichever host's disk it is read from."""
+    with open(os.path.join(checkpoint, "index.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _facts(args, data):
+    facts = {"corpus": [data.size, data.sha256]}
+    if args.load:
+        facts.update(checkpoint=os.path.abspath(args.load), index=index_sha256(args.load))
+    return facts
+
+
+def same_inputs(comm, args, data):
+    """The problems (lines) of this rank's inputs against rank 0's; afterwards ``args.load`` is
+    rank 0's checkpoint directory on every rank. A collective: every rank calls it."""
+    theirs = json.loads(broadcast_text(comm, json.dumps(_facts(args, data)) if comm.rank == 0 else ""))
+    if comm.rank == 0:
+        return []
+    problems = []
+    if theirs["corpus"] != [data.size, data.sha256]:
+        (n0, h0), (n, h) = theirs["corpus"], (data.size, data.sha256)
+        problems.append(f"--data {args.data or '(default corpus)'}: rank {comm.rank} read {n:,} bytes "
+                        f"(sha256 {h[:12]}), rank 0 read {n0:,} (sha256 {h0[:12]}): the corpus changed "
+                        "while the job started, or the hosts hold different files (the default corpus "
+                        "is each host's Python standard library); give every rank the same file")
+    if args.load:
+        args.load = theirs["checkpoint"]  # rank 0's choice, whatever `latest` says now
+        try:
+            mine = index_sha256(args.load)
+        except OSError as exc:
+            mine = f"unreadable ({exc.strerror})"
+        if mine != theirs["index"]:
+            problems.append(f"--load: rank {comm.rank} does not see the checkpoint rank 0 loads "
+                            f"({args.load}: index {mine[:12]}, rank 0's {theirs['index'][:12]}): "
+                            "every host must see the same checkpoint files")
+    return problems
+
+
+def _checkpoints_in(directory):
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory) if _CHECKPOINT.fullmatch(name))
+
+
+def claim_save_directory(args, rank):
+    """Rank 0 locks ``--save`` for this run (held until the process ends) and refuses to write
+    into checkpoints the run does not continue; raises FlagError. Returns the lock (None when
+    there is nothing to save or on other ranks)."""
+    if not args.save or rank != 0:
+        return None
+    found = _checkpoints_in(args.save)
+    continues = args.load and os.path.dirname(os.path.abspath(args.load)) == os.path.abspath(args.save)
+    if found and not continues and not args.overwrite_checkpoints:
+        raise FlagError(f"--save {args.save} already holds checkpoints ({', '.join(found[-2:])}"
+                        f"{' and more' if len(found) > 2 else ''}) that this run does not continue: "
+                        f"pass --load {args.save} to continue them, save elsewhere, or pass "
+                        "--overwrite-checkpoints to let this run replace them")
+    try:
+        return SaveLock(args.save).acquire()
+    except SaveDirectoryBusy as exc:
+        raise FlagError(f"--save {exc}") from None
+    except OSError as exc:
+        raise FlagError(f"--save {args.save}: cannot lock it ({exc.strerror})") from None
+
+
+def corpus_matches(saved, data, flag):
+    """A problem line if a checkpoint's corpus (its trainer state's [bytes, sha256]) is not
+    ``data``'s, else None. Checkpoints from before the corpus was recorded have none."""
+    if saved is None or list(saved) == [data.size, data.sha256]:
+        return None
+    return (f"--load: the checkpoint was trained on a corpus of {saved[0]:,} bytes (sha256 "
+            f"{saved[1][:12]}), {flag} gives {data.size:,} bytes (sha256 {data.sha256[:12]}): the data "
+            "would differ from the run it continues")
+

@@ -1,0 +1,26 @@
+"""Ranks that read different inputs, as they can when files change while a job starts.
+
+    corpus DIR   rank 1 reads one more byte of corpus than the others: every rank must stop, one line
+    latest DIR   ranks resolved ``latest`` of DIR at different moments (iter 2 on rank 0, iter 4 on
+                 the others): every rank must load rank 0's, and say which
+"""
+
+import os
+import sys
+from types import SimpleNamespace
+
+from minipar.cli import agree
+from minipar.comm.mpi import world
+from minipar.data import Dataset
+from minipar.run_inputs import same_inputs
+
+mode, directory = sys.argv[1], sys.argv[2]
+comm = world()
+corpus = b"def f(x):\n    return x\n" * 50
+args = SimpleNamespace(data=None, load=None)
+if mode == "corpus" and comm.rank == 1:
+    corpus += b"\n"
+if mode == "latest":
+    args.load = os.path.join(directory, "iter_0000002" if comm.rank == 0 else "iter_0000004")
+agree(comm, same_inputs(comm, args, Dataset(corpus)), "run_inputs")
+print(f"rank {comm.rank} loads {os.path.basename(args.load or '-')}", flush=True)

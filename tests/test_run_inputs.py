@@ -1,0 +1,110 @@
+"""Every rank reads the same checkpoint and corpus, and one run writes a save directory: the
+adversary's cases (``minipar/run_inputs.py``, ``minipar/checkpoint/lock.py``)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from mpi_run import ROOT, run_mpi
+from test_train import TINY, train
+
+from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(300)))
+    return str(path)
+
+
+def one_line(run, message):
+    lines = run.stderr.strip().splitlines()
+    return run.returncode == 2 and len(lines) == 1 and message in lines[0]
+
+
+def test_a_save_directory_has_one_writer_and_a_crash_frees_it(tmp_path, corpus):
+    save = str(tmp_path / "ckpt")
+    holder = subprocess.Popen([sys.executable, "-c", f"from minipar.checkpoint.lock import SaveLock\n"
+                               f"SaveLock({save!r}).acquire(); print('held', flush=True)\n"
+                               "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        run = train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save)
+        assert one_line(run, f"--save {save} is in use by another run (pid {holder.pid} on "), run.stderr
+        with pytest.raises(SaveDirectoryBusy):
+            SaveLock(save).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a crash: no clean-up runs
+        holder.wait()
+    SaveLock(save).acquire().release()  # the kernel dropped the dead run's lock
+    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
+
+
+def test_a_run_does_not_write_over_checkpoints_it_does_not_continue(tmp_path, corpus):
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save", save).returncode == 0
+    other_model = train(*TINY, "--data", corpus, "--max-iters", "2", "--n-embd", "32", "--save", save)
+    assert one_line(other_model, f"--save {save} already holds checkpoints (iter_0000004) that this run "
+                                 "does not continue"), other_model.stderr
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == "iter_0000004"  # latest did not move backwards
+    told = train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save, "--overwrite-checkpoints")
+    assert told.returncode == 0, told.stderr
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == "iter_0000002"
+
+
+def test_a_resume_on_another_corpus_is_refused(tmp_path, corpus):
+    save, other = str(tmp_path / "ckpt"), tmp_path / "other.txt"
+    other.write_text(open(corpus).read() + "x")
+    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
+    run = train(*TINY, "--data", str(other), "--max-iters", "4", "--load", save)
+    assert one_line(run, "--load: the checkpoint was trained on a corpus of "), run.stderr
+    assert "the data would differ from the run it continues" in run.stderr
+
+
+def test_ranks_that_read_different_corpora_all_stop_in_one_line(tmp_path):
+    code, out, _ = run_mpi(4, "run_inputs.py", "corpus", tmp_path, timeout=60)
+    assert code == 2 and out.count("run_inputs: error: --data (default corpus): rank 1 read 1,151 bytes") == 1, out
+    assert "loads" not in out  # no rank went on
+
+
+def test_every_rank_loads_the_checkpoint_rank_0_resolved(tmp_path, corpus):
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save-interval", "2", "--save", save).returncode == 0
+    code, out, _ = run_mpi(4, "run_inputs.py", "latest", save, timeout=60)
+    assert code == 0 and out.count("loads iter_0000002") == 4, out
+
+
+def test_latest_moving_while_a_tensor_parallel_job_starts(tmp_path, corpus):
+    """Before ranks agreed, a `latest` flipping between two iterations made TP ranks combine
+    shards of both, run different numbers of steps, and hang."""
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save-interval", "2", "--save", save).returncode == 0
+    stop = threading.Event()
+
+    def flip():
+        for n in range(10**9):
+            if stop.is_set():
+                return
+            tmp = os.path.join(save, "latest.flip")
+            with open(tmp, "w") as f:
+                f.write(f"iter_000000{2 + 2 * (n % 2)}\n")
+            os.replace(tmp, os.path.join(save, "latest"))
+            time.sleep(0)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        code, out, _ = run_mpi(2, "", timeout=120, command=[
+            os.path.join(ROOT, "run_mpi.sh"), "-n", "2", "-m", "minipar.train", *TINY, "--data", corpus,
+            "--tp", "2", "--max-iters", "6", "--eval-interval", "100", "--load", save])
+    finally:
+        stop.set()
+        flipper.join()
+    assert code == 0 and "resuming at iteration" in out, out
