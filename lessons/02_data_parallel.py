@@ -2,7 +2,7 @@
 
     ./run_mpi.sh -n 4 lessons/02_data_parallel.py
     ./run_mpi.sh -n 4 lessons/02_data_parallel.py --micro-batches 2 --bucket-kb 64
-    ./run_mpi.sh -n 4 lessons/02_data_parallel.py --plant-bug   # replicas draw the same dropout masks: fails
+    ./run_mpi.sh -n 4 lessons/02_data_parallel.py --plant-bug  # equal masks on all replicas: fails
 
 Every rank holds the whole GPT and takes 1/N of each global batch. Backward leaves each rank with
 the gradient of its own slice; summing them over the ranks gives the gradient of the whole batch,

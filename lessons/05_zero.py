@@ -2,7 +2,7 @@
 
     ./run_mpi.sh -n 4 lessons/05_zero.py
     ./run_mpi.sh -n 8 lessons/05_zero.py --dtype float64
-    ./run_mpi.sh -n 4 lessons/05_zero.py --plant-bug   # replicas draw the same dropout masks: fails
+    ./run_mpi.sh -n 4 lessons/05_zero.py --plant-bug  # equal masks on all replicas: fails
 
 minipar trains in fp32 and keeps no master copy: every parameter costs 16 bytes, 4 of weight, 4 of
 gradient, 8 of Adam moments, on every data-parallel rank. ZeRO (Rajbhandari et al. 2020) shards
