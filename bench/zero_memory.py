@@ -65,8 +65,9 @@ def main():
         for stage, per_layer, base, depth, params, per_param in rows:
             print(f"  {stage:<7}{per_layer:>13,}{per_param:>13.2f}{base:>13,}{depth:>13}{params:>16,}")
         n = comm.size
-        print(f"\n  the paper's bytes per parameter for N={n}: 16, 8 + 8/N = {8 + 8 / n:.2f}, "
-              f"4 + 12/N = {4 + 12 / n:.2f}, 16/N = {16 / n:.2f} (the peaks add a step's transient buffers)")
+        print(f"\n  minipar's fp32 bytes per parameter (4 weight + 4 gradient + 8 Adam moments) for N={n}:"
+              f"\n  16, 8 + 8/N = {8 + 8 / n:.2f}, 4 + 12/N = {4 + 12 / n:.2f}, 16/N = {16 / n:.2f}"
+              " (the peaks add a step's transient buffers)")
     return 0
 
 

@@ -25,6 +25,10 @@ from minipar.functional.elementwise import GELU
 from minipar.gradcheck import gradcheck, op_cases
 from minipar.models import GPT, GPTConfig
 
+# the pass rule, entry by entry: |analytic - numeric| <= ATOL + RTOL |numeric|, with the numeric
+# derivative a central difference of step EPS (passed to every gradcheck below, so it is the rule used)
+RULE = dict(eps=1e-6, rtol=1e-6, atol=1e-8)
+
 
 def forgetful_gelu_backward(ctx, grad):
     """GELU's backward with d tanh(z)/dz taken as 1 instead of 1 - tanh(z)^2."""
@@ -53,9 +57,12 @@ def main():
         print("planted: GELU.backward now forgets the factor 1 - tanh^2\n")
 
     header = f"  {'':<42} {'max |err|':>10} {'rel err':>10} {'entries':>8}"
+    print(f"An input passes when every entry has |analytic - numeric| <= {RULE['atol']:g} + "
+          f"{RULE['rtol']:g} |numeric|,\nnumeric: the central difference with eps = {RULE['eps']:g}. "
+          "Columns: the worst entry's |err|, and\nmax |err| / max |numeric| over the input.\n")
     print("1. Every op: analytic backward vs central differences, float64, random upstream gradient")
     print(header)
-    results = [row(name, gradcheck(fn, inputs)) for name, fn, inputs in op_cases()]
+    results = [row(name, gradcheck(fn, inputs, **RULE)) for name, fn, inputs in op_cases()]
 
     print("\n2. The whole GPT (2 layers, 2 heads, hidden 8, vocab 11): every entry of every parameter")
     print(header)
@@ -65,14 +72,14 @@ def main():
     rng = numpy.random.default_rng(0)
     idx, targets = rng.integers(0, 11, (2, 4)), rng.integers(0, 11, (2, 4))
     names, params = zip(*model.named_parameters())
-    reports = gradcheck(lambda *_: model(idx, targets)[1], list(params), names=list(names))
+    reports = gradcheck(lambda *_: model(idx, targets)[1], list(params), names=list(names), **RULE)
     results += [row(r.name, [r]) for r in reports]
 
     print("\n3. The checker itself must catch a wrong backward (a negative control)")
     print(header)
     x = minipar.Tensor(rng.standard_normal((4, 5)), requires_grad=True, dtype=numpy.float64)
     saved, GELU.backward = GELU.backward, staticmethod(forgetful_gelu_backward)
-    control = gradcheck(GELU.apply, [x])
+    control = gradcheck(GELU.apply, [x], **RULE)
     GELU.backward = saved
     caught = not control[0].ok
     row("GELU with 1 - tanh^2 dropped (must FAIL)", control)

@@ -2,6 +2,7 @@
 
     ./run_mpi.sh -n 4 lessons/02_data_parallel.py
     ./run_mpi.sh -n 4 lessons/02_data_parallel.py --micro-batches 2 --bucket-kb 64
+    ./run_mpi.sh -n 4 lessons/02_data_parallel.py --plant-bug  # equal masks on all replicas: fails
 
 Every rank holds the whole GPT and takes 1/N of each global batch. Backward leaves each rank with
 the gradient of its own slice; summing them over the ranks gives the gradient of the whole batch,
@@ -47,8 +48,8 @@ def check(args, ranks):
 
 def main():
     args, comm = lesson.start("Data parallelism against the single-device run.", flags, check,
-                              plant_bug="average the ranks' means instead of summing shares of the global "
-                              "mean: N times too big")
+                              plant_bug="every replica draws the dropout masks of rows 0, 1, ... (as "
+                              "replicas seeded alike would)")
     grid = ProcessGrid(tp=1, pp=1)
     dp, N, k = grid.dp_group, grid.dp, args.micro_batches
     config = GPTConfig(**CONFIG)
@@ -68,11 +69,12 @@ def main():
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):  # micro-batches
             xs, ys = opt.split_batch(x[rows], y[rows])
             mine = np.array_split(rows, N)[dp.rank]  # their global rows, which key the dropout masks
+            if args.plant_bug:  # local row numbers: the replicas' masks repeat one another's
+                mine = np.arange(len(mine))
             with opt.no_sync() if i < k - 1 else contextlib.nullcontext(), model.rng.at(rows=mine):
                 _, loss = model(xs, ys)
                 # each micro-batch mean times (its tokens / the step's): its share of the global mean
-                share = loss * (1.0 / k) if args.plant_bug else opt.scale_loss(loss, ys, total=total)
-                share.backward()
+                opt.scale_loss(loss, ys, total=total).backward()
             losses.append(loss.item())
         overlap.append((opt.started_in_backward, len(opt.buckets)))
         opt.finish_gradients()  # the buckets' all-reduces waited for, then model.finalize_grads()
@@ -96,14 +98,14 @@ def main():
     agrees &= sum(held.values()) == 4 * item * P
 
     def report():
-        print(f"{N} data-parallel ranks; GPT of P = {P:,} parameters ({args.dtype}); global batch "
+        print(f"{N} data-parallel ranks; GPT of P = {P:,} parameters ({args.dtype});\nglobal batch "
               f"{args.batch_size} = {N} ranks x {k} micro-batch(es) x {args.batch_size // N // k}")
         lesson.print_errors({None: compare.errors}, tol)
         print(f"\ngradient buckets of {args.bucket_kb} KiB: {len(opt.buckets)}; all-reduces started by the "
-              f"gradient hooks during backward, per step: {', '.join(f'{s}/{b}' for s, b in overlap)}")
+              f"gradient hooks\nduring backward, per step: {', '.join(f'{s}/{b}' for s, b in overlap)}")
         print(f"bytes sent per rank per step (ring model): {sent[0]:,}; 2 (N-1)/N x {item}P = {formula_sent:,}")
-        print(f"bytes held per rank: parameters {held['parameters']:,} + gradients {held['gradients']:,} + "
-              f"optimizer {held['optimizer']:,} = {sum(held.values()):,} = {4 * item}P "
+        print(f"bytes held per rank: parameters {held['parameters']:,} + gradients {held['gradients']:,} "
+              f"+ optimizer {held['optimizer']:,}\n  = {sum(held.values()):,} = {4 * item}P "
               f"(every rank holds everything: ZeRO, lesson 5, shards it)")
 
     return lesson.finish(comm, not (lesson.within(tol, compare.errors) and agrees), report,

@@ -2,20 +2,27 @@
 
     ./run_mpi.sh -n 4 lessons/05_zero.py
     ./run_mpi.sh -n 8 lessons/05_zero.py --dtype float64
+    ./run_mpi.sh -n 4 lessons/05_zero.py --plant-bug  # equal masks on all replicas: fails
 
-Data parallelism keeps on every rank 16 bytes per parameter: 4 of weight, 4 of gradient, 8 of
-Adam moments. ZeRO (Rajbhandari et al. 2020) shards them over the N data-parallel ranks: the
-optimizer state (stage 1), then the gradients (stage 2), then the weights themselves (stage 3):
+minipar trains in fp32 and keeps no master copy: every parameter costs 16 bytes, 4 of weight, 4 of
+gradient, 8 of Adam moments, on every data-parallel rank. ZeRO (Rajbhandari et al. 2020) shards
+them over the N ranks: the optimizer state (stage 1), then the gradients (stage 2), then the
+weights themselves (stage 3). minipar's fp32 count per rank:
 
     16P   ->   8P + 8P/N   ->   4P + 12P/N   ->   16P/N
 
+The paper counts mixed precision instead, also 16 bytes: 2 of fp16 weight, 2 of fp16 gradient and
+12 of fp32 optimizer state (master weight, m, v), so 16P -> 4P + 12P/N -> 2P + 14P/N -> 16P/N.
+
 Each stage trains the same GPT for a few AdamW steps on the same batches (dropout on, gradients
 clipped to norm 1) and is compared with the single-device run: loss, every gradient, all
-parameters. Then the tables: the bytes each rank holds, measured, next to the paper's formula, and
+parameters. Then the tables: the bytes each rank holds, measured, next to the fp32 formula, and
 the bytes each rank sends per step next to theirs (stage 3 sends 1.5x: weights gathered for forward
-and again for backward). Every stage is one object with the same calls (``make_optimizer``, the step
-protocol of minipar/parallel/protocol.py): only what it holds and sends differs. Read next:
-minipar/parallel/zero.py, zero3.py, docs/zero.md.
+and again for backward). minipar's stage 3 recomputes every unit in backward (so that the gathered
+weights can be freed; the paper does not ask for it), so stages 0-2 run a second time recomputing
+the same units, and the peaks are shown for both settings. Every stage is one object with the same
+calls (``make_optimizer``, the step protocol of minipar/parallel/protocol.py): only what it holds
+and sends differs. Read next: minipar/parallel/zero.py, zero3.py, docs/zero.md.
 """
 
 import contextlib
@@ -30,10 +37,12 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.optimizers import make_optimizer
+from minipar.parallel.recompute import checkpoint
 from minipar.parallel.validate import RunConfig, problems
 
 N_HEAD = 4
-FORMULA = {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}  # bytes per parameter: a P + b P / N
+FORMULA = {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}  # fp32 bytes per parameter: a P + b P/N
+PAPER = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}  # the paper's mixed precision: 2 + 2 + 12
 FLAGS = {"global_batch": "--batch-size", "micro_batches": "--micro-batches", "n_layer": "--n-layer",
          "n_embd": "--n-embd", "block_size": "--block-size", "dtype": "--dtype"}
 
@@ -55,12 +64,21 @@ def check(args, ranks):
     return lesson.at_least_one(args, "--steps", "--bucket-kb") + problems(run, FLAGS)
 
 
-def parallel_run(stage, args, config, grid, batches, reference):
-    """The same training under ZeRO ``stage``; errors, bytes held and sent, and the optimizer."""
+def formula(a, b):
+    return f"{a}P + {b}P/N" if a and b else (f"{a}P" if a else f"{b}P/N")
+
+
+def parallel_run(stage, args, config, grid, batches, reference, recompute=False):
+    """The same training under ZeRO ``stage``; errors, bytes held and sent, and the optimizer.
+    ``recompute``: run every unit of the model (embeddings, each block, the head) again in
+    backward, keeping only its input, as stage 3 always does."""
     dp, k = grid.dp_group, args.micro_batches
     tracemalloc.start()
     minipar.manual_seed(args.seed)
     model = GPT(config, grid)
+    if recompute and stage < 3:  # stage 3 wraps the same units itself, gathering around them
+        used = dict(model.units())
+        model.wrap_units(lambda name, run, x: checkpoint(run, x, used[name], rng=model.rng))
     opt = make_optimizer(model, grid, stage, bucket_bytes=args.bucket_kb << 10, **lesson.HYPER)
     compare, peak_numpy, sent = lesson.Comparison(reference), 0, []
     moved = ("all_reduce",) if stage == 0 else ("reduce_scatter", "all_gather")  # the step's traffic
@@ -73,10 +91,11 @@ def parallel_run(stage, args, config, grid, batches, reference):
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):
             xs, ys = split_batch(x[rows], y[rows], dp)
             mine = np.array_split(rows, dp.size)[dp.rank]  # their global rows key the dropout masks
+            if args.plant_bug:  # local row numbers: every rank draws the masks of rows 0, 1, ...
+                mine = np.arange(len(mine))
             with (opt.no_sync() if i < k - 1 else contextlib.nullcontext()), model.rng.at(rows=mine):
                 _, loss = model(xs, ys)
-                share = loss * (1.0 / k) if args.plant_bug else scale_loss(loss, ys, total=total)
-                share.backward()
+                scale_loss(loss, ys, total=total).backward()  # its share of the global mean
             losses.append(loss.item() * len(xs))
         opt.finish_gradients()
         if step == 0:  # the verification's own traffic and memory are not the step's
@@ -102,52 +121,71 @@ def parallel_run(stage, args, config, grid, batches, reference):
 
 def main():
     args, comm = lesson.start("ZeRO stages 0-3 against the single-device run.", flags, check,
-                              plant_bug="backward on each rank's mean loss instead of its share of the global mean")
+                              plant_bug="key the dropout masks by each rank's local rows, not the "
+                              "global ones")
     grid = ProcessGrid(tp=1, pp=1)
     N = grid.dp
-    config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size, dropout=0.1)
+    config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size,
+                       dropout=0.1)
     batches = lesson.batches(args, config.block_size)
     reference = lesson.reference_run(config, batches, args.seed, max_norm=1.0)
     results = {stage: parallel_run(stage, args, config, grid, batches, reference) for stage in range(4)}
+    # stage 3 recomputes every unit; stages 0-2 once more doing the same, for a fair peak
+    recomputed = {stage: parallel_run(stage, args, config, grid, batches, reference, recompute=True)
+                  for stage in range(3)}
+    recomputed[3] = results[3]
 
-    # what each stage holds and sends, beside the paper's formulas
+    # what each stage holds and sends, beside the formulas
     tol = lesson.TOLERANCE[args.dtype]
     P = sum(v.size for v in reference.params.values())
     item = np.dtype(args.dtype).itemsize
     wte = config.vocab_size * config.n_embd
-    rows, ok = [], lesson.within(tol, *(r[0] for r in results.values()))
+    k = args.micro_batches
+    runs = [r[0] for r in results.values()] + [r[0] for r in recomputed.values()]
+    rows, ok = [], lesson.within(tol, *runs)
     for s, (errors, held, peak_state, peak_numpy, sent, padding) in results.items():
+        # the fp32 formula over the padded parameters: every buffer is cut from the padded layout
         a, b = FORMULA[s]
-        memory = item * (a * P + b * P // N) // 4
+        padded = P + padding
+        memory = item * (a * padded + b * padded // N) // 4
         # passes over the model per step: stages 0-1 send the accumulated gradients once; stage 2
         # reduce-scatters every micro-batch's; stage 3 also gathers the weights twice per micro-batch
-        k = args.micro_batches
         passes = {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[s]
         traffic = passes * (N - 1) * item * P // N + (3 * k * (N - 1) * item * wte // N if s == 3 else 0)
-        # agreement: the formulas plus padding (each padded entry can be held 4 times and sent
-        # 3 times), and a byte of rounding per collective call in the ring-model count
-        held_ok = 0 <= sum(held.values()) - memory <= 4 * item * padding
+        # each padded entry can be sent 3 times, and a byte is rounded per collective call
         sent_ok = all(abs(x - traffic) <= 3 * item * padding + 100 for x in sent)
-        ok &= held_ok and sent_ok
-        rows.append((s, held, memory, peak_state, peak_numpy, sent[-1], traffic, padding, passes))
+        ok &= sum(held.values()) == memory and sent_ok
+        rows.append((s, held, memory, sent[-1], traffic, padding, passes))
 
     def report():
-        print(f"{N} data-parallel ranks; GPT of P = {P:,} parameters ({args.dtype}), {args.steps} AdamW "
-              f"steps of {args.micro_batches} micro-batch(es), dropout 0.1")
+        print(f"{N} data-parallel ranks; GPT of P = {P:,} parameters ({args.dtype});\n"
+              f"{args.steps} AdamW steps of {k} micro-batch(es), dropout 0.1")
         lesson.print_errors({f"stage {s}": results[s][0] for s in results}, tol, width=11)
-        print(f"\nbytes held per rank: training state after a step next to the ZeRO paper's formula "
-              f"({item}-byte values), and the peaks during a step")
+        lesson.print_errors({f"stage {s}": recomputed[s][0] for s in recomputed}, tol, width=11,
+                            title="the same, every unit recomputed in backward")
+        scale = item // 4  # the formulas count 4-byte values
+        print(f"\nbytes held per rank after a step, and minipar's formula ({args.dtype}: {item} bytes each"
+              f" of\nweight, gradient, m and v; no master copy); P in the formula counts the padding")
         print(f"  {'stage':<7}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total':>13}"
-              f"{'formula':>13}  {'':<11}{'padding':>8}{'peak, state':>13}{'peak, all arrays':>18}")
-        for s, held, memory, peak_state, peak_numpy, *_, padding, passes in rows:
-            a, b = (x * item // 4 for x in FORMULA[s])  # the paper counts 4-byte values
-            text = f"{a}P + {b}P/N" if a and b else (f"{a}P" if a else f"{b}P/N")
+              f"{'formula':>13}  {'':<12}{'padding':>8}")
+        for s, held, memory, *_, padding, passes in rows:
+            text = formula(*(x * scale for x in FORMULA[s]))
             print(f"  {s:<7}{held['parameters']:>12,}{held['gradients']:>12,}{held['optimizer']:>12,}"
-                  f"{sum(held.values()):>13,}{memory:>13,}  {text:<11}{padding:>8,}{peak_state:>13,}{peak_numpy:>18,}")
+                  f"{sum(held.values()):>13,}{memory:>13,}  {text:<12}{padding:>8,}")
+        paper = ", ".join(formula(*PAPER[s]) for s in range(4))
+        print(f"  (the paper's count, mixed precision, 2 + 2 + 12 bytes: {paper})")
+        print("\npeak bytes per rank during a step: training state, and every NumPy array (activations"
+              "\nincluded); stage 3 always recomputes (so that it can free the gathered weights)")
+        print(f"  {'stage':<7}{'state':>15}{'state':>15}{'all arrays':>17}{'all arrays':>17}")
+        print(f"  {'':<7}{'no recompute':>15}{'recompute':>15}{'no recompute':>17}{'recompute':>17}")
+        for s in range(4):
+            plain = (f"{results[s][2]:>15,}", f"{results[s][3]:>17,}") if s < 3 else (f"{'-':>15}", f"{'-':>17}")
+            print(f"  {s:<7}{plain[0]}{recomputed[s][2]:>15,}{plain[1]}{recomputed[s][3]:>17,}")
         print("\nbytes sent per rank per step on the data-parallel group (ring model | formula)")
         for s, *_, sent, traffic, padding, passes in rows:
-            tied = f" + {passes} (N-1)/N x the tied embedding (used by two units)" if s == 3 else ""
+            tied = f" + {passes} (N-1)/N x {item}VC" if s == 3 else ""
             print(f"  stage {s}  {sent:>13,} | {traffic:>13,}   {passes} (N-1)/N x {item}P{tied}")
+        print("  (VC: the tied embedding, used by two units of stage 3 and gathered for each)")
 
     return lesson.finish(comm, not ok, report, "Every stage equals the single-device run and holds and sends "
                          "what the formulas say (plus padding).")

@@ -1,10 +1,13 @@
 """Draw docs/figures/pipeline_{gpipe,1f1b,interleaved}.png: python docs/figures/make_pipeline_figures.py
 
 The three schedules for p = 4 ranks and m = 8 micro-batches (v = 2 chunks per rank interleaved),
-as the unit-cost simulator runs them: forward 1, backward 2, messages free. The gaps are the bubble.
+as the unit-cost simulator runs them: a stage's forward 1, its backward 2, messages free. An
+interleaved rank runs v chunks of 1/v of a stage each, so a chunk's forward costs 1/v and its
+backward 2/v: the three share one time axis. The gaps are the bubble.
 """
 
 import os
+from fractions import Fraction
 
 from minipar.parallel.pipeline import schedules, trace
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
@@ -15,12 +18,15 @@ P, M, V = 4, 8, 2
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", V)):
-        sim = simulate(schedules.build(name, P, M, v), M, v)
+        # a chunk is 1/v of a rank's layers, so it costs 1/v of a stage's forward and backward
+        sim = simulate(schedules.build(name, P, M, v), M, v, forward=Fraction(1, v), backward=Fraction(2, v))
         peak = max(sim.peak_alive.values())
         held = f"{peak} micro-batches" if v == 1 else f"{peak} chunks = {peak / v:g} micro-batches"
         title = (f"{name}: p={P}, m={M}" + (f", v={v}" if v > 1 else "") +
                  f"; bubble {theoretical_bubble(P, M, v)} = {float(theoretical_bubble(P, M, v)):.3f}"
-                 f"; rank 0 holds up to {held}")
+                 f"; rank 0 holds up to {held}; ends at {float(sim.makespan):g}"
+                 + (f"\n(each chunk is 1/{v} of a stage: forward {Fraction(1, v)}, backward {Fraction(2, v)})"
+                    if v > 1 else ""))
         trace.gantt(sim.timeline, os.path.join(here, f"pipeline_{name}.png"), title, chunks=v, unit="units")
 
 

@@ -101,7 +101,8 @@ class RowParallelLinear(Module):
 
 
 def padded_vocab(vocab_size, tp):
-    """The vocabulary rounded up to a multiple of the TP size (GPT-2's 50257 is prime)."""
+    """The vocabulary rounded up to a multiple of the TP size: GPT-2's 50257 = 29 x 1733 is odd, so a
+    TP of 2, 4 or 8 does not divide it (Megatron pads it to a multiple of 128 x TP)."""
     return -(-vocab_size // tp) * tp
 
 

@@ -8,6 +8,10 @@ of the data-parallel group, in three stages:
     stage 2  + gradients sharded          4P + (4P + 8P)/N = 4P + 12P/N
     stage 3  + parameters sharded         16P/N
 
+These are minipar's fp32 counts. The paper counts mixed precision (2 bytes of fp16 weight, 2 of
+fp16 gradient, 12 of fp32 master weight, m and v), so its stages 1 and 2 are 4P + 12P/N and
+2P + 14P/N (docs/zero.md has both).
+
 Layout (``shards.py``): groups of parameters, each flat and padded into N equal pieces; rank r owns
 piece r of every group, and its pieces one after another are its shard, one contiguous buffer each
 for its gradients and Adam moments. AdamW updates the shard piece by piece with the same arithmetic
