@@ -92,7 +92,7 @@ def claim_save_directory(args, rank):
     if not args.save or rank != 0:
         return None
     found = _checkpoints_in(args.save)
-    continues = args.load and os.path.dirname(os.path.abspath(args.load)) == os.path.abspath(args.save)
+    continues = args.load and os.path.dirname(os.path.realpath(args.load)) == os.path.realpath(args.save)
     if found and not continues and not args.overwrite_checkpoints:
         raise FlagError(f"--save {args.save} already holds checkpoints ({', '.join(found[-2:])}"
                         f"{' and more' if len(found) > 2 else ''}) that this run does not continue: "
