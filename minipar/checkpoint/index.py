@@ -23,6 +23,7 @@ FORMAT = "minipar-sharded-checkpoint-2"  # 2: a box's checksum covers its key, d
 ITER_NAME = re.compile(r"iter_[0-9]{7,}")
 SHARD_NAME = re.compile(r"rank_[0-9]{5,}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DAMAGED = "the index is damaged: load an earlier checkpoint"
 _MISSING = object()
 
@@ -111,7 +112,12 @@ class _Fields:
         self.file = file
 
     def __call__(self, parent, key, where, what, ok):
-        name = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
+        if isinstance(key, int):
+            name = f"{where}[{key}]"
+        elif not _IDENTIFIER.fullmatch(key):  # a tensor's or a file's name: quoted, as in the JSON
+            name = f"{where}[{json.dumps(key)}]"
+        else:
+            name = f"{where}.{key}" if where else key
         if isinstance(parent, list):
             value = parent[key] if key < len(parent) else _MISSING
         else:

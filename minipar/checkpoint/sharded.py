@@ -123,9 +123,22 @@ def _publish(directory, partial, final, index):
         os.replace(final, final + ".old")
     os.replace(partial, final)
     fsync_dir(directory)  # the rename is on disk before `latest` names it
-    remove(final + ".old")
-    write_file(os.path.join(directory, "latest"), (os.path.basename(final) + "\n").encode())
+    try:
+        write_file(os.path.join(directory, "latest"), (os.path.basename(final) + "\n").encode())
+    except OSError:
+        _put_back(final, partial)  # so that "not saved, the previous one unchanged" is true
+        raise
     fsync_dir(directory)
+    remove(final + ".old")  # only now: until `latest` is written, it may be the one to go back to
+
+
+def _put_back(final, partial):
+    try:
+        os.replace(final, partial)
+        if os.path.lexists(final + ".old"):
+            os.replace(final + ".old", final)
+    except OSError:
+        pass  # find() still recovers iter_N.old, and the next start removes iter_N.partial
 
 
 def _rmdir_if_empty(path):
