@@ -185,7 +185,7 @@ def test_every_malformed_index_field_is_one_checkpoint_error_naming_it(tmp_path)
         with pytest.raises(CheckpointError) as caught:
             _load(save)
         message = str(caught.value)
-        named = "no 'format' field" if path == ("format",) else _name(path)
+        named = "'format' field" if path == ("format",) else _name(path)
         assert "\n" not in message and "index.json" in message and named in message, (path, message)
     open(index_file, "w").write(good.replace("minipar-sharded-checkpoint-2", "minipar-sharded-checkpoint-1"))
     with pytest.raises(CheckpointError, match="is a 'minipar-sharded-checkpoint-1' checkpoint; this minipar reads"):

@@ -135,7 +135,8 @@ def validate(index, index_file):
     """Raise CheckpointError naming the first field of ``index`` that is missing or not what a
     ``FORMAT`` index holds there."""
     if not isinstance(index, dict) or not isinstance(index.get("format"), str):
-        raise CheckpointError(f"{index_file} is not a minipar checkpoint index (no 'format' field)")
+        raise CheckpointError(f"{index_file} is not a minipar checkpoint index (its 'format' field is missing "
+                              "or not a string): pass a checkpoint minipar saved")
     if index["format"] != FORMAT:
         raise CheckpointError(f"{index_file} is a {index['format']!r} checkpoint; this minipar reads "
                               f"{FORMAT!r} only (its checksums cover each box's dtype and shape): "

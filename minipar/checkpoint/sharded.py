@@ -78,13 +78,14 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
     try:
         _write_mine(stem, model, optimizer, grid)
     except OSError as exc:
-        for path in (stem + ".safetensors", stem + ".json", partial):
-            remove(path) if path != partial else _rmdir_if_empty(partial)
+        remove(stem + ".safetensors")
+        remove(stem + ".json")
+        _rmdir_if_empty(partial)
         raise _not_saved(directory, final, exc) from exc
     world.barrier()
     if world.rank == 0:
-        index = _merge(partial, world.size, iteration, model, grid, trainer_state)
         try:
+            index = _merge(partial, world.size, iteration, model, grid, trainer_state)
             _publish(directory, partial, final, index)
         except OSError as exc:
             remove(partial)  # every rank has finished writing into it
@@ -143,7 +144,7 @@ def _put_back(final, partial):
 
 def _rmdir_if_empty(path):
     try:
-        os.rmdir(path)  # the last rank to leave it empty removes it; the others' files stay
+        os.rmdir(path)  # only when no other rank's files are in it: those ranks may still be writing
     except OSError:
         pass
 
@@ -166,7 +167,8 @@ def _merge(partial, n_ranks, iteration, model, grid, trainer_state):
             files[part["file"]] = part["bytes"]
         for box in part["boxes"]:
             entry = tensors.setdefault(box["tensor"], {"shape": box["shape"], "boxes": []})
-            entry["boxes"].append({"file": part["file"], **{k: box[k] for k in ("key", "dtype", "start", "stop", "sha256")}})
+            kept = {k: box[k] for k in ("key", "dtype", "start", "stop", "sha256")}
+            entry["boxes"].append({"file": part["file"], **kept})
     # Each element saved exactly once, or the writer rules are wrong: the boxes must not overlap
     # and must add up to the whole tensor; and every tensor some rank holds must be saved.
     if held != set(tensors):
