@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 import minipar
@@ -130,6 +129,9 @@ def test_a_save_never_writes_through_a_planted_link(tmp_path):
     assert not os.path.islink(os.path.join(save, "latest")) and _load(save) == {"optimizer_steps": 0}
 
 
+DELETE = object()
+
+
 def _mutations(index):
     """(path, new value or DELETE) pairs, each making the index malformed in one field."""
     tensor = next(iter(index["tensors"]))
@@ -150,8 +152,6 @@ def _mutations(index):
             (box + ("sha256",), 123), (box + ("sha256",), DELETE)]
     return out
 
-
-DELETE = object()
 
 
 def _name(path):
