@@ -222,6 +222,27 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(name, tmp_
     assert _load(save) == {"iteration": 1, "optimizer_steps": 0}
 
 
+def test_a_resave_that_fails_between_its_renames_keeps_the_previous_one(tmp_path, monkeypatch):
+    save = _saved(tmp_path)
+    model, opt, grid = _make()
+    opt.step_count = 7
+    replace = os.replace
+
+    def failing(src, dst):
+        if str(src).endswith(".partial"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), src)
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(CheckpointError, match="iter_0000001 was not saved: Input/output error"):
+        sharded.save(save, 1, model, opt, grid, {})
+    monkeypatch.undo()
+    assert sorted(os.listdir(save)) == ["iter_0000001.old", "latest"]  # stopped between the two renames
+    assert sharded.find(save).endswith("iter_0000001.old") and _load(save) == {"iteration": 1, "optimizer_steps": 0}
+    sharded.save(save, 1, model, opt, grid, {})  # the same iteration again, whole this time
+    assert sorted(os.listdir(save)) == ["iter_0000001", "latest"] and _load(save) == {"optimizer_steps": 7}
+
+
 TMPFS_SCRIPT = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, sys.argv[2])
