@@ -4,6 +4,9 @@
     boxes.py     where a rank's piece of a tensor lies in the whole tensor
     pieces.py    what a rank holds of the training state (parameters, AdamW moments)
     sharded.py   checkpoints every rank writes its pieces of, loadable on any layout
+    files.py     a checkpoint's files written whole, through exclusive temporaries, never via links
+    index.py     what a checkpoint on disk says (``latest``, the index, its file names), checked
+    retention.py a save directory kept tidy: stale partial saves removed, old checkpoints pruned
     full.py      the whole weights gathered from any layout, or spread onto it
 """
 

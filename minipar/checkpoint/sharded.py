@@ -4,7 +4,7 @@ can load them.
 A checkpoint is a directory ``iter_0000020/`` in the save directory:
 
     rank_00000.safetensors   the boxes rank 0 writes (``pieces.py`` says which ones are its)
-    rank_00000.json          their list: tensor, box of the whole tensor, checksum
+    rank_00000.json          their list: tensor, box of the whole tensor, dtype, checksum
     ...
     index.json               written last: the model, layout, iteration, trainer state, every
                              tensor's whole shape and where each box of it is, every file's size
@@ -12,68 +12,90 @@ A checkpoint is a directory ``iter_0000020/`` in the save directory:
 Saving is atomic at the level of the checkpoint. All ranks write into ``iter_0000020.partial/``;
 after a barrier, rank 0 merges the ranks' lists into ``index.json``, checks that the boxes cover
 every tensor exactly once, renames the directory to ``iter_0000020`` and points ``latest`` at it.
-A crash at any moment leaves the previous checkpoint, and ``latest``, as they were.
+A crash at any moment leaves the previous checkpoint, and ``latest``, as they were. Every file is
+written whole or not at all, never through a planted link (``files.py``). A save that cannot write
+(the disk is full) raises CheckpointError on the rank that failed, saying that this checkpoint was
+not saved, why, and that the previous one and ``latest`` are unchanged; that rank's partial files
+are removed. The caller ends every rank: ``save`` is a collective the others are still inside.
 
 Loading on any layout: every rank computes the boxes of the whole tensors its own pieces cover,
 reads the saved boxes that intersect them (only those: a TP=4 rank does not read the other
-ranks' quarters), verifies each one's checksum, and copies the intersections into place. Vocabulary
-padding is no problem: it is in no saved box, and a new layout's padding is left at zero.
+ranks' quarters), checks each one's dtype and shape against the index and its checksum (over its
+key, dtype, shape and bytes), and copies the intersections into place. Vocabulary padding is no
+problem: it is in no saved box, and a new layout's padding is left at zero. Nothing read from the
+checkpoint is trusted before ``index.py`` has checked it.
+
+Housekeeping of the save directory (``retention.py``, re-exported here): ``remove_stale_partials
+(directory)`` removes what crashed saves left; ``prune(directory, keep)`` keeps the newest ``keep``
+checkpoints and the one ``latest`` names.
 """
 
 import dataclasses
 import hashlib
 import json
 import os
-import shutil
 
 import numpy
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save as safetensors_bytes
 
 from minipar.backend import to_numpy, xp
 from minipar.checkpoint.boxes import intersect, region, volume
+from minipar.checkpoint.files import fsync_dir, remove, write_file
+from minipar.checkpoint.index import FORMAT, CheckpointError, find, read_index
 from minipar.checkpoint.pieces import pieces
+from minipar.checkpoint.retention import prune, remove_stale_partials
 
-FORMAT = "minipar-sharded-checkpoint-1"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: the message names the file and the problem."""
+__all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "prune", "read_index",
+           "remove_stale_partials", "save"]
 
 
-def _sha256(array):
-    return hashlib.sha256(numpy.ascontiguousarray(array).tobytes()).hexdigest()
-
-
-def _write_atomically(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _checksum(key, dtype, shape, array):
+    """SHA-256 of a box: its name, dtype and shape as well as its bytes, so that a header edited to
+    another dtype or shape of the same size does not pass."""
+    h = hashlib.sha256(f"{key}:{numpy.dtype(dtype).name}:{list(shape)}".encode())
+    h.update(numpy.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
 
 
 def save(directory, iteration, model, optimizer, grid, trainer_state):
     """Write a checkpoint of iteration ``iteration`` into ``directory`` (a collective over the
-    world). ``trainer_state``: JSON-able facts to resume with (seed, RNG, data position...)."""
+    world). ``trainer_state``: JSON-able facts to resume with (seed, RNG, data position...).
+    Raises CheckpointError if a file cannot be written (see the module's docstring)."""
     world = grid.world
     trainer_state = dict(trainer_state, optimizer_steps=optimizer.step_count)
     final = os.path.join(directory, f"iter_{iteration:07d}")
     partial = final + ".partial"
     if world.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # what a crashed save left
-        os.makedirs(partial)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            remove(partial)  # what a crashed save of this same iteration left
+            os.makedirs(partial)
+        except OSError as exc:
+            raise _not_saved(directory, final, exc) from exc
     world.barrier()
+    stem = os.path.join(partial, f"rank_{world.rank:05d}")
+    try:
+        _write_mine(stem, model, optimizer, grid)
+    except OSError as exc:
+        remove(stem + ".safetensors")
+        remove(stem + ".json")
+        _rmdir_if_empty(partial)
+        raise _not_saved(directory, final, exc) from exc
+    world.barrier()
+    if world.rank == 0:
+        try:
+            index = _merge(partial, world.size, iteration, model, grid, trainer_state)
+            _publish(directory, partial, final, index)
+        except OSError as exc:
+            remove(partial)  # every rank has finished writing into it
+            raise _not_saved(directory, final, exc) from exc
+    world.barrier()
+    return final
+
+
+def _write_mine(stem, model, optimizer, grid):
+    """This rank's shard file (if it writes any box) and its list of boxes."""
     tensors, boxes, held = {}, [], set()
     for piece in pieces(model, optimizer, grid):
         held.add(f"{piece.kind}/{piece.name}")
@@ -81,32 +103,58 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
             continue
         for n, (start, stop, view) in enumerate(piece.global_boxes()):
             key = f"{piece.kind}/{piece.name}/{n}"
-            tensors[key] = numpy.ascontiguousarray(to_numpy(view))
+            array = tensors[key] = numpy.ascontiguousarray(to_numpy(view))
             boxes.append({"tensor": f"{piece.kind}/{piece.name}", "key": key, "start": start, "stop": stop,
-                          "shape": piece.global_shape, "sha256": _sha256(tensors[key])})
-    stem = os.path.join(partial, f"rank_{world.rank:05d}")
+                          "shape": piece.global_shape, "dtype": array.dtype.name,
+                          "sha256": _checksum(key, array.dtype, array.shape, array)})
     listing = {"file": None, "bytes": 0, "boxes": boxes, "held": sorted(held)}
     if tensors:  # a replica that saves nothing writes no shard file
-        save_file(tensors, stem + ".safetensors")
-        with open(stem + ".safetensors", "rb+") as f:
-            os.fsync(f.fileno())
-        listing.update(file=os.path.basename(stem) + ".safetensors", bytes=os.path.getsize(stem + ".safetensors"))
-    _write_atomically(stem + ".json", json.dumps(listing))
-    world.barrier()
-    if world.rank == 0:
-        index = _merge(partial, world.size, iteration, model, grid, trainer_state)
-        _write_atomically(os.path.join(partial, "index.json"), json.dumps(index, indent=1))
-        _fsync_dir(partial)
-        if os.path.exists(final):  # the same iteration saved again: replace it, never half of it
-            shutil.rmtree(final + ".old", ignore_errors=True)
-            os.replace(final, final + ".old")
-        os.replace(partial, final)
-        _fsync_dir(directory)  # the rename is on disk before `latest` names it
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        _write_atomically(os.path.join(directory, "latest"), os.path.basename(final) + "\n")
-        _fsync_dir(directory)
-    world.barrier()
-    return final
+        data = safetensors_bytes(tensors)
+        write_file(stem + ".safetensors", data)
+        listing.update(file=os.path.basename(stem) + ".safetensors", bytes=len(data))
+    write_file(stem + ".json", json.dumps(listing).encode())
+
+
+def _publish(directory, partial, final, index):
+    """Rank 0: the index into the finished directory, the directory into place, then ``latest``."""
+    write_file(os.path.join(partial, "index.json"), json.dumps(index, indent=1).encode())
+    fsync_dir(partial)
+    if os.path.lexists(final):  # the same iteration saved again: replace it, never half of it
+        remove(final + ".old")
+        os.replace(final, final + ".old")
+    os.replace(partial, final)
+    fsync_dir(directory)  # the rename is on disk before `latest` names it
+    try:
+        write_file(os.path.join(directory, "latest"), (os.path.basename(final) + "\n").encode())
+    except OSError:
+        _put_back(final, partial)  # so that "not saved, the previous one unchanged" is true
+        raise
+    fsync_dir(directory)
+    remove(final + ".old")  # only now: until `latest` is written, it may be the one to go back to
+
+
+def _put_back(final, partial):
+    try:
+        os.replace(final, partial)
+        if os.path.lexists(final + ".old"):
+            os.replace(final + ".old", final)
+    except OSError:
+        pass  # find() still recovers iter_N.old, and the next start removes iter_N.partial
+
+
+def _rmdir_if_empty(path):
+    try:
+        os.rmdir(path)  # only when no other rank's files are in it: those ranks may still be writing
+    except OSError:
+        pass
+
+
+def _not_saved(directory, final, exc):
+    where = f" ({exc.filename})" if exc.filename else ""
+    return CheckpointError(
+        f"checkpoint {os.path.basename(final)} was not saved: {exc.strerror or exc}{where}; the previous "
+        f"checkpoint and {os.path.join(directory, 'latest')} are unchanged: free space there (or save "
+        "to another directory) and resume from the previous checkpoint")
 
 
 def _merge(partial, n_ranks, iteration, model, grid, trainer_state):
@@ -119,7 +167,8 @@ def _merge(partial, n_ranks, iteration, model, grid, trainer_state):
             files[part["file"]] = part["bytes"]
         for box in part["boxes"]:
             entry = tensors.setdefault(box["tensor"], {"shape": box["shape"], "boxes": []})
-            entry["boxes"].append({"file": part["file"], **{k: box[k] for k in ("key", "start", "stop", "sha256")}})
+            kept = {k: box[k] for k in ("key", "dtype", "start", "stop", "sha256")}
+            entry["boxes"].append({"file": part["file"], **kept})
     # Each element saved exactly once, or the writer rules are wrong: the boxes must not overlap
     # and must add up to the whole tensor; and every tensor some rank holds must be saved.
     if held != set(tensors):
@@ -139,48 +188,6 @@ def _merge(partial, n_ranks, iteration, model, grid, trainer_state):
             "files": files, "tensors": tensors}
 
 
-def find(path):
-    """The checkpoint directory ``path`` names: an ``iter_*`` directory, or a save directory whose
-    ``latest`` file names one. Raises CheckpointError saying what is missing."""
-    if os.path.isfile(os.path.join(path, "index.json")):
-        return path
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        raise CheckpointError(f"{path}: no checkpoint here (no index.json, no 'latest' file); a save "
-                              "that did not finish leaves only an *.partial directory")
-    with open(latest) as f:
-        target = os.path.join(path, f.read().strip())
-    if not os.path.isdir(target) and os.path.isfile(os.path.join(target + ".old", "index.json")):
-        target += ".old"  # a save of the same iteration again stopped between its two renames
-    if not os.path.isfile(os.path.join(target, "index.json")):
-        raise CheckpointError(f"{latest} names {target}, which has no index.json: the checkpoint is "
-                              f"incomplete; pass an earlier iter_* directory of {path} to --load")
-    return target
-
-
-def read_index(path):
-    """The index of the checkpoint at ``path``, after checking that every shard file it lists is
-    there at its full size (cheap checks every rank can make before any communication)."""
-    path = find(path)
-    index_file = os.path.join(path, "index.json")
-    try:
-        with open(index_file) as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{index_file} is not readable JSON ({exc})") from exc
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise CheckpointError(f"{index_file} is not a {FORMAT} index")
-    for name, size in index["files"].items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file} is missing: the checkpoint lacks one rank's shards")
-        if os.path.getsize(file) != size:
-            raise CheckpointError(f"{file} is truncated or damaged: {os.path.getsize(file)} bytes, "
-                                  f"the index says {size}")
-    index["path"] = path
-    return index
-
-
 def check_model(index, config, dtype):
     """Raise CheckpointError unless the checkpoint holds this model, listing every difference."""
     saved = index["model"]
@@ -193,7 +200,8 @@ def check_model(index, config, dtype):
 
 
 class _Reader:
-    """Saved boxes by tensor, read lazily, each verified against its checksum once."""
+    """Saved boxes by tensor, read lazily, each verified once against the index (dtype, shape)
+    and its checksum."""
 
     def __init__(self, index):
         self.path, self.tensors, self.cache = index["path"], index["tensors"], {}
@@ -212,8 +220,16 @@ class _Reader:
                     array = f.get_tensor(box["key"])
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"{file} is damaged: cannot read {box['key']} ({exc})") from exc
-            if _sha256(array) != box["sha256"]:
-                raise CheckpointError(f"{file} is damaged: {box['key']} does not match its checksum")
+            shape = tuple(b - a for a, b in zip(box["start"], box["stop"]))
+            problem = None
+            if array.dtype.name != box["dtype"]:
+                problem = f"its dtype is {array.dtype}, the index says {box['dtype']}"
+            elif array.shape != shape:
+                problem = f"its shape is {array.shape}, its box in the index is {shape}"
+            elif _checksum(box["key"], box["dtype"], shape, array) != box["sha256"]:
+                problem = "it does not match its checksum"
+            if problem:
+                raise CheckpointError(f"{file} is damaged: {box['key']}: {problem}; load an earlier checkpoint")
             self.cache[key] = array
         return self.cache[key]
 

@@ -1,0 +1,76 @@
+"""Writing a checkpoint's files: whole or not at all, never through a link someone planted.
+
+``write_file`` creates a fresh temporary file beside the target (``tempfile.mkstemp``: O_CREAT |
+O_EXCL | O_NOFOLLOW, so an existing name, a symbolic link included, is never opened), writes and
+flushes it, and renames it over the target. A rename replaces a link named like the target rather
+than writing where it points, and a crash leaves the old file or the new one, never half of one.
+
+Every file gets the mode any file the user writes gets (0666 less the umask, as ``weights.py``'s),
+not mkstemp's private 0600: a checkpoint's shards and its index are read alike.
+"""
+
+import os
+import shutil
+import stat
+import tempfile
+
+
+def file_mode():
+    umask = os.umask(0)  # the only way to read it is to set it, so put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_file(path, data):
+    """Write the bytes ``data`` to ``path`` atomically and durably. An OSError (the disk is full)
+    leaves no temporary file behind and names ``path``."""
+    directory, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+    try:
+        try:
+            os.fchmod(fd, file_mode())
+            view = memoryview(data)
+            while view:  # os.write may take only part of it
+                view = view[os.write(fd, view):]
+            os.fsync(fd)  # the bytes are on disk before the rename can name them
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        remove(tmp)
+        if exc.filename is None:  # os.write's error does not say which file it was writing
+            exc.filename = path
+        raise
+    except BaseException:
+        remove(tmp)
+        raise
+
+
+def fsync_dir(path):
+    """Make the renames inside directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_plain(path, kind):
+    """Whether ``path`` is a real ``kind`` ("dir" or "file") and not a symbolic link to one."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISDIR(mode) if kind == "dir" else stat.S_ISREG(mode)
+
+
+def remove(path):
+    """Remove whatever ``path`` is, if anything: a link is unlinked (what it names is untouched),
+    a directory is removed with its contents. Errors are ignored: this is cleaning up."""
+    try:
+        if is_plain(path, "dir"):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass

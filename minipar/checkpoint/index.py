@@ -1,0 +1,176 @@
+"""What a checkpoint on disk says, checked before it is believed.
+
+A checkpoint comes from disk, and a disk holds what anyone put there. Before any rank reads a shard
+or sends a message, ``read_index`` checks every name and field the checkpoint gives:
+
+* ``latest`` holds exactly one plain name ``iter_NNNNNNN``, a real directory (not a symbolic link)
+  inside the save directory: never ``..``, an absolute path, or a link leading elsewhere;
+* the index's shard files are plain names ``rank_NNNNN.safetensors``, regular files (not links)
+  inside the checkpoint directory, at the sizes the index records;
+* every field of the index has its type and range (``validate``), so a damaged field is one
+  CheckpointError naming the field and the file, never a KeyError or TypeError further on.
+"""
+
+import json
+import os
+import re
+
+import numpy
+
+from minipar.checkpoint.files import is_plain
+
+FORMAT = "minipar-sharded-checkpoint-2"  # 2: a box's checksum covers its key, dtype and shape too
+ITER_NAME = re.compile(r"iter_[0-9]{7,}")
+SHARD_NAME = re.compile(r"rank_[0-9]{5,}\.safetensors")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DAMAGED = "the index is damaged: load an earlier checkpoint"
+_MISSING = object()
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message names the file and the problem."""
+
+
+def find(path):
+    """The checkpoint directory ``path`` names: an ``iter_*`` directory, or a save directory whose
+    ``latest`` file names one. Raises CheckpointError saying what is missing."""
+    if os.path.isfile(os.path.join(path, "index.json")):
+        return path  # a directory the user named: trusted as given
+    latest = os.path.join(path, "latest")
+    if not os.path.lexists(latest):
+        raise CheckpointError(f"{path}: no checkpoint here (no index.json, no 'latest' file); a save "
+                              "that did not finish leaves only an *.partial directory")
+    text = None
+    if is_plain(latest, "file"):  # a link or a FIFO is not opened at all
+        try:
+            with open(latest, "rb") as f:
+                text = f.read(4096).decode("ascii").rstrip("\n")
+        except (OSError, UnicodeDecodeError):
+            pass
+    if text is None or not ITER_NAME.fullmatch(text):
+        raise CheckpointError(f"{latest} does not hold the name of a checkpoint directory (iter_NNNNNNN, "
+                              f"a plain name inside {path}): it is damaged; pass an iter_* directory to --load")
+    target = os.path.join(path, text)
+    old = target + ".old"
+    if not os.path.lexists(target) and is_plain(old, "dir") and is_plain(os.path.join(old, "index.json"), "file"):
+        target = old  # a save of the same iteration again stopped between its two renames
+    if os.path.lexists(target) and not is_plain(target, "dir"):
+        raise CheckpointError(f"{latest} names {target}, which is not a directory inside {path} (a link?): "
+                              "a checkpoint is read only from its own directory; pass it to --load itself")
+    if not is_plain(os.path.join(target, "index.json"), "file"):
+        raise CheckpointError(f"{latest} names {target}, which has no index.json: the checkpoint is "
+                              f"incomplete; pass an earlier iter_* directory of {path} to --load")
+    return target
+
+
+def read_index(path):
+    """The index of the checkpoint at ``path``, after checking every field of it and that every
+    shard file it lists is there at its full size (checks every rank can make before any
+    communication)."""
+    path = find(path)
+    index_file = os.path.join(path, "index.json")
+    try:
+        with open(index_file) as f:
+            index = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{index_file} is not readable JSON ({exc})") from exc
+    validate(index, index_file)
+    for name, size in index["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.lexists(file):
+            raise CheckpointError(f"{file} is missing: the checkpoint lacks one rank's shards")
+        if not is_plain(file, "file"):
+            raise CheckpointError(f"{file} is not a regular file (a link?): a checkpoint's shards are "
+                                  "read only from its own directory; load an earlier checkpoint")
+        if os.path.getsize(file) != size:
+            raise CheckpointError(f"{file} is truncated or damaged: {os.path.getsize(file)} bytes, "
+                                  f"the index says {size}")
+    index["path"] = path
+    return index
+
+
+def _whole(minimum=0):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _dtype_name(v):
+    try:
+        return isinstance(v, str) and numpy.dtype(v).name == v
+    except (TypeError, ValueError):
+        return False
+
+
+def _list_of(n, each):
+    return lambda v: isinstance(v, list) and (n is None or len(v) == n) and all(each(x) for x in v)
+
+
+class _Fields:
+    """One index file's fields, each looked up and checked by its full name."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def __call__(self, parent, key, where, what, ok):
+        if isinstance(key, int):
+            name = f"{where}[{key}]"
+        elif not _IDENTIFIER.fullmatch(key):  # a tensor's or a file's name: quoted, as in the JSON
+            name = f"{where}[{json.dumps(key)}]"
+        else:
+            name = f"{where}.{key}" if where else key
+        if isinstance(parent, list):
+            value = parent[key] if key < len(parent) else _MISSING
+        else:
+            value = parent.get(key, _MISSING)
+        if value is _MISSING:
+            raise CheckpointError(f"{self.file}: field {name} is missing; {_DAMAGED}")
+        if not ok(value):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise CheckpointError(f"{self.file}: field {name} is {shown}, not {what}; {_DAMAGED}")
+        return value
+
+
+def validate(index, index_file):
+    """Raise CheckpointError naming the first field of ``index`` that is missing or not what a
+    ``FORMAT`` index holds there."""
+    if not isinstance(index, dict) or not isinstance(index.get("format"), str):
+        raise CheckpointError(f"{index_file} is not a minipar checkpoint index (its 'format' field is missing "
+                              "or not a string): pass a checkpoint minipar saved")
+    if index["format"] != FORMAT:
+        raise CheckpointError(f"{index_file} is a {index['format']!r} checkpoint; this minipar reads "
+                              f"{FORMAT!r} only (its checksums cover each box's dtype and shape): "
+                              "load it with the minipar that wrote it, or start the run again")
+    field, is_dict = _Fields(index_file), (lambda v: isinstance(v, dict))
+    field(index, "iteration", "", "a whole number >= 0", _whole())
+    field(index, "dtype", "", "a NumPy dtype name", _dtype_name)
+    field(index, "model", "", "an object", is_dict)
+    layout = field(index, "layout", "", "an object", is_dict)
+    for size in ("tp", "pp", "dp"):
+        field(layout, size, "layout", "a whole number >= 1", _whole(1))
+    trainer = field(index, "trainer", "", "an object", is_dict)
+    field(trainer, "optimizer_steps", "trainer", "a whole number >= 0", _whole())
+    files = field(index, "files", "", "an object", is_dict)
+    for name in files:
+        if not SHARD_NAME.fullmatch(name):
+            raise CheckpointError(f"{index_file}: field files names {json.dumps(name)[:60]}, not a plain "
+                                  f"name rank_NNNNN.safetensors inside the checkpoint; {_DAMAGED}")
+        field(files, name, "files", "a whole number of bytes", _whole())
+    tensors = field(index, "tensors", "", "an object", is_dict)
+    for tensor in tensors:
+        where = f"tensors[{json.dumps(tensor)}]"
+        entry = field(tensors, tensor, "tensors", "an object", is_dict)
+        shape = field(entry, "shape", where, "a list of whole numbers", _list_of(None, _whole()))
+        boxes = field(entry, "boxes", where, "a list", lambda v: isinstance(v, list))
+        for i in range(len(boxes)):
+            box = field(boxes, i, f"{where}.boxes", "an object", is_dict)
+            at = f"{where}.boxes[{i}]"
+            field(box, "file", at, "one of the names in files", lambda v: isinstance(v, str) and v in files)
+            field(box, "key", at, "a string", lambda v: isinstance(v, str))
+            field(box, "dtype", at, "a NumPy dtype name", _dtype_name)
+            start = field(box, "start", at, f"a list of {len(shape)} whole numbers", _list_of(len(shape), _whole()))
+            field(box, "stop", at, f"a list of {len(shape)} whole numbers, each above start and at most the "
+                  f"shape {shape}", lambda v: _list_of(len(shape), _whole())(v)
+                  and all(a < b <= n for a, b, n in zip(start, v, shape)))
+            field(box, "sha256", at, "64 lowercase hexadecimal digits",
+                  lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None)
