@@ -188,6 +188,13 @@ def check_files(p, args, config, data):
             p.error(f"--load: {exc}")
         args.load = index["path"]
         saved = index["trainer"]
+        # read_index checked the index's own fields; the trainer's state is ours to check
+        rng = saved.get("rng") if isinstance(saved.get("rng"), dict) else {}
+        missing = [key for key in ("iteration", "seed", "batch_size") if type(saved.get(key)) is not int]
+        missing += [] if type(rng.get("seed")) is int else ["rng.seed"]
+        if missing:
+            p.error(f"--load: {args.load}/index.json: its trainer state has no whole number "
+                    f"{', '.join(missing)}: it was not written by minipar.train")
         problem = corpus_matches(saved.get("corpus"), data, f"--data {args.data or '(default corpus)'}")
         if problem:
             p.error(problem)

@@ -82,6 +82,8 @@ class Trainer:
             model.rng.seed = state["rng"]["seed"]  # the iteration, which keys the masks with it, is self.start
             self.start = state["iteration"]
         self.speaks = world.rank == 0
+        if args.save and self.speaks:  # the save directory's lock is ours (run_inputs.claim_save_directory)
+            sharded.remove_stale_partials(args.save)
         self.reports_loss = grid.is_last_stage and grid.tp_rank == 0  # one copy of each loss share
 
     # ---- one step ---------------------------------------------------------------------------
@@ -132,7 +134,10 @@ class Trainer:
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
                  "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256]}
-        return sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
+        saved = sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
+        if self.args.keep_checkpoints and self.speaks:
+            sharded.prune(self.args.save, self.args.keep_checkpoints)
+        return saved
 
     # ---- the run ----------------------------------------------------------------------------
     def run(self):

@@ -1,6 +1,7 @@
 """Every rank reads the same checkpoint and corpus, and one run writes a save directory: the
 adversary's cases (``minipar/run_inputs.py``, ``minipar/checkpoint/lock.py``)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -108,3 +109,26 @@ def test_latest_moving_while_a_tensor_parallel_job_starts(tmp_path, corpus):
         stop.set()
         flipper.join()
     assert code == 0 and "resuming at iteration" in out, out
+
+
+def test_stale_partials_go_and_only_the_newest_checkpoints_are_kept(tmp_path, corpus):
+    save = tmp_path / "ckpt"
+    os.makedirs(save / "iter_0000009.partial")  # what a crashed save left
+    run = train(*TINY, "--data", corpus, "--max-iters", "8", "--save-interval", "2", "--save", str(save),
+                "--keep-checkpoints", "2", "--overwrite-checkpoints")
+    assert run.returncode == 0, run.stderr
+    assert sorted(os.listdir(save)) == [".lock", "iter_0000006", "iter_0000008", "latest"]
+
+
+def test_a_trainer_state_without_its_fields_is_one_line(tmp_path, corpus):
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
+    index_file = os.path.join(save, "iter_0000002", "index.json")
+    with open(index_file) as f:
+        index = json.load(f)
+    del index["trainer"]["rng"]
+    index["trainer"]["seed"] = "1337"
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+    run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
+    assert one_line(run, "its trainer state has no whole number seed, rng.seed: it was not written by"), run.stderr
