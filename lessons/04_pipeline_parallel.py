@@ -148,7 +148,7 @@ def gather_timelines(comm, grid, name, m, v, timeline):
     everyone = comm.all_gather(mine)
     out = {}
     for r, plan in plans.items():
-        times = everyone[grid.layout.rank(0, 0, r)]
+        times = everyone[grid.layout.rank(pp=r)]
         out[r] = [(i.op, i.mb, i.chunk, s, e) for i, (s, e) in zip(plan, times)]
     return out
 
@@ -180,7 +180,7 @@ def costs_beside_formulas(comm, args, grid, results, runs):
     all agree, and the timelines drawn."""
     p, m = grid.pp, args.micro_batches
     act_bytes = (args.batch_size // m // grid.dp) * args.block_size * N_EMBD * np.dtype(args.dtype).itemsize
-    stage_ranks = [grid.layout.rank(0, 0, r) for r in range(p)]
+    stage_ranks = [grid.layout.rank(pp=r) for r in range(p)]
     lines, ok = [], True
     for name, vv in runs:
         sim = simulate(schedules.build(name, p, m, vv), m, vv)

@@ -3,7 +3,7 @@
 Every technique that cuts or copies a parameter says so here, and everything that must know reads
 it: the gradient norm (each element counted once), ZeRO (which of its pieces count), checkpoints
 (who writes what; where a local array lies in the whole tensor), resharding. A placement names
-groups, not communicators: "tp", "dp", "pp", "embedding" (later "ep", "cp"), which the grid
+groups, not communicators: "tp", "cp", "dp", "pp", "embedding" (later "ep"), which the grid
 resolves (``ProcessGrid.group``, ``Layout.ranks``), so this layer knows nothing of MPI.
 
     split     how the local array is cut from the whole tensor: along ``axis``, which holds
@@ -11,9 +11,11 @@ resolves (``ProcessGrid.group``, ``Layout.ranks``), so this layer knows nothing 
               the axis to ``padded`` entries (the vocabulary), one part per rank of ``group``.
               None: the local array is the whole tensor.
     copies    the groups across whose ranks the local arrays are equal copies: every data-parallel
-              replica ("dp"); every TP rank, for a weight not split over TP ("tp"); the first and
-              the last pipeline stage, for the tied token embedding ("embedding").
-    grad_sum  the groups over which the gradient is summed before the step: "dp" always; "tp" for
+              replica ("dp") and every context-parallel rank ("cp": they hold other positions of
+              the same sequences); every TP rank, for a weight not split over TP ("tp"); the first
+              and the last pipeline stage, for the tied token embedding ("embedding").
+    grad_sum  the groups over which the gradient is summed before the step: "dp" always (the
+              optimizer sums over DP x CP, the "dp_cp" group, when there is context parallelism); "tp" for
               the partial sums sequence parallelism leaves (each rank saw only its positions);
               "embedding" for the tied embedding's two uses (input on the first stage, output head
               on the last).
@@ -97,7 +99,7 @@ class Placement:
     ``Placement()`` is a parameter every rank that holds it holds whole."""
 
     split: Split = None
-    copies: tuple = ("tp", "dp")
+    copies: tuple = ("tp", "cp", "dp")
     grad_sum: tuple = ("dp",)
 
     def __post_init__(self):

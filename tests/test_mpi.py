@@ -14,9 +14,10 @@ def test_communicator_operations(n):
     assert f"comm ops OK on {n} ranks" in check_mpi(n, "comm_ops.py")
 
 
-@pytest.mark.parametrize("n,tp,pp", [(8, 2, 2), (8, 1, 4), (4, 2, 1), (4, 1, 1), (2, 2, 1)])
-def test_process_grid_groups_match_the_rank_arithmetic(n, tp, pp):
-    assert "grid OK" in check_mpi(n, "grid.py", tp, pp)
+@pytest.mark.parametrize("n,tp,pp,cp", [(8, 2, 2, 1), (8, 1, 4, 1), (4, 2, 1, 1), (4, 1, 1, 1), (2, 2, 1, 1),
+                                        (8, 2, 1, 2)])
+def test_process_grid_groups_match_the_rank_arithmetic(n, tp, pp, cp):
+    assert "grid OK" in check_mpi(n, "grid.py", tp, pp, cp)
 
 
 @pytest.mark.parametrize("n", [2, 4])

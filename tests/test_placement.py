@@ -52,18 +52,18 @@ def test_placements_refuse_what_cannot_be():
 
 
 def test_placement_defaults_and_additions():
-    assert Parameter(np.ones(3)).placement == REPLICATED == Placement(None, ("tp", "dp"), ("dp",))
+    assert Parameter(np.ones(3)).placement == REPLICATED == Placement(None, ("tp", "cp", "dp"), ("dp",))
     assert Linear(2, 3).weight.placement.split is None
     tied = split_over("tp", 0, 32, padded=32).also(copies="embedding", grad_sum=("embedding", "dp"))
-    assert tied.copies == ("dp", "embedding") and tied.grad_sum == ("dp", "embedding")
+    assert tied.copies == ("cp", "dp", "embedding") and tied.grad_sum == ("dp", "embedding")
     assert REPLICATED.also(grad_sum="tp").grad_sum == ("dp", "tp")
 
 
 def test_layout_names_each_rank_in_its_groups():
-    lay = Layout(tp=2, pp=3, dp=2)
+    lay = Layout(tp=2, pp=3, dp=2, cp=2)
     for r in range(lay.world_size):
         ranks = lay.ranks(r)
-        for kind in ("tp", "dp", "pp"):
+        for kind in ("tp", "cp", "dp", "pp", "dp_cp"):
             assert getattr(lay, f"{kind}_group")(r)[ranks[kind]] == r
         assert ("embedding" in ranks) == (ranks["pp"] in (0, 2))
         if "embedding" in ranks:
@@ -81,7 +81,7 @@ def _gpt_on(lay, sequence_parallel):
     row = split_over("tp", 1, 8) if lay.tp > 1 else REPLICATED
     held = {}
     for r in range(lay.world_size):
-        stage = lay.coords(r)[2]
+        stage = lay.coords(r).pp
         mine = [(f"h.{stage}.{n}", p) for n, p in (("ln_1", partial), ("c_attn", column), ("c_proj", row),
                                                   ("c_proj.bias", partial))]
         if stage in (0, lay.pp - 1):
@@ -113,7 +113,7 @@ def test_each_element_is_counted_once_per_replica_and_written_once(tp, pp, dp, s
     assert set(norm) == {(d, *e) for d, e in itertools.product(range(dp), every)}
     assert all(len(rs) == 1 for rs in norm.values())
     if pp > 1:  # the tied embedding: the first stage's copy, never the last stage's
-        assert all(lay.coords(rs[0])[2] == 0 for (name, _), rs in written.items() if name == "wte")
+        assert all(lay.coords(rs[0]).pp == 0 for (name, _), rs in written.items() if name == "wte")
 
 
 def test_zero3_holds_the_parameters_and_the_model_still_counts_them():

@@ -20,11 +20,21 @@ def test_sixteen_ranks_tp2_pp4_as_megatron_lays_them_out():
 
 
 def test_coordinates_round_trip():
-    lay = Layout(tp=2, pp=3, dp=4)
+    lay = Layout(tp=2, pp=3, dp=4, cp=3)
     for r in range(lay.world_size):
-        t, d, p = lay.coords(r)
-        assert lay.rank(t, d, p) == r
-        assert r == t + d * 2 + p * 2 * 4
+        t, c, d, p = lay.coords(r)
+        assert lay.rank(tp=t, cp=c, dp=d, pp=p) == r
+        assert r == t + c * 2 + d * 2 * 3 + p * 2 * 3 * 4  # Megatron-core: TP fastest, then CP, DP, PP
+
+
+def test_context_parallel_ranks_sit_between_tensor_and_data_parallel_ones():
+    lay = Layout(tp=2, pp=1, dp=2, cp=2)
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # the ranks that sum one weight's gradient
+    assert lay.ranks(6) == {"tp": 0, "cp": 1, "dp": 1, "pp": 0, "dp_cp": 3, "embedding": 0}
+    assert "cp groups        [0, 2] [1, 3]" in lay.table()
 
 
 def test_layout_sizes_are_checked():  # a model on a grid: tests/test_validate.py

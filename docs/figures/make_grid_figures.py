@@ -24,7 +24,7 @@ def draw(layout, path):
     fig, ax = plt.subplots(figsize=(2.5 * pp + 1.6, 0.62 * rows + 1.4))
     colours = plt.get_cmap("tab10")
     for r in range(layout.world_size):
-        t, d, p = layout.coords(r)
+        t, _, d, p = layout.coords(r)
         x, y = 2.5 * p, rows - 1 - (d * tp + t)
         ax.add_patch(FancyBboxPatch((x, y + 0.1), 1.4, 0.8, boxstyle="round,pad=0.02",
                                     fc=colours(t % 10), alpha=0.25, ec="none"))

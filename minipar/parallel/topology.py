@@ -1,25 +1,41 @@
 """ProcessGrid: which rank does which part of the work, by rank arithmetic alone.
 
-The world's ranks form a TP x DP x PP grid in Megatron-LM's order, tensor-parallel rank fastest:
+The world's ranks form a TP x CP x DP x PP grid in Megatron-core's order, tensor-parallel rank
+fastest:
 
-    global = tp_rank + dp_rank * TP + pp_rank * TP * DP
+    global = tp_rank + cp_rank * TP + dp_rank * TP * CP + pp_rank * TP * CP * DP
 
 so the TP ranks of a group are neighbours (on one node, where their per-layer all-reduces need the
-fastest links), the DP replicas of a stage come next and pipeline stages are furthest apart. Each
-rank belongs to one group of each kind, made with ``Comm.Split``:
+fastest links), the context-parallel ranks next (they pass keys and values every layer), then the
+DP replicas of a stage, and pipeline stages furthest apart. Each rank belongs to one group of each
+kind, made with ``Comm.Split``:
 
-    tp group   same (dp, pp), tp = 0..TP-1    splits every layer's matrices
-    dp group   same (tp, pp), dp = 0..DP-1    holds replicas; averages gradients
-    pp group   same (tp, dp), pp = 0..PP-1    the stages one micro-batch flows through
-    embedding  first and last stage of a pp group: both hold the tied token embedding
+    tp group      same (cp, dp, pp), tp = 0..TP-1   splits every layer's matrices
+    cp group      same (tp, dp, pp), cp = 0..CP-1   splits every sequence (context parallelism)
+    dp group      same (tp, cp, pp), dp = 0..DP-1   holds replicas; splits the batch
+    pp group      same (tp, cp, dp), pp = 0..PP-1   the stages one micro-batch flows through
+    dp_cp group   same (tp, pp): DP x CP ranks      sum the gradients (every one of them saw
+                                                    other tokens of the same weights)
+    embedding     first and last stage of a pp group: both hold the tied token embedding
 
 With TP=2, PP=4 on 16 ranks (DP=2): tp groups [0,1] [2,3] ..., dp groups [0,2] [1,3] [4,6] ...,
-pp groups [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15].
+pp groups [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]. With CP=2 too on 8 ranks (TP=2, DP=2):
+cp groups [0,2] [1,3] [4,6] [5,7], dp groups [0,4] [1,5] [2,6] [3,7], dp_cp groups [0,2,4,6] [1,3,5,7].
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from minipar.parallel.validate import RunConfig, check
+
+KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "embedding")
+
+
+class Coords(NamedTuple):
+    tp: int
+    cp: int
+    dp: int
+    pp: int
 
 
 @dataclass(frozen=True)
@@ -30,35 +46,48 @@ class Layout:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name.upper()} size must be an integer >= 1, got {value!r}")
 
     @property
     def world_size(self):
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
     def coords(self, rank):
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+        """Coords(tp, cp, dp, pp) of a global rank."""
+        tp, cp, dp = self.tp, self.cp, self.dp
+        return Coords(rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp))
 
-    def rank(self, tp_rank, dp_rank, pp_rank):
-        return tp_rank + dp_rank * self.tp + pp_rank * self.tp * self.dp
+    def rank(self, *, tp=0, cp=0, dp=0, pp=0):
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def _along(self, rank, *kinds):
+        """The ranks that differ from ``rank`` only in the coordinates ``kinds``, in rank order."""
+        out = [rank]
+        for kind in kinds:
+            out = [self.rank(**dict(self.coords(r)._asdict(), **{kind: i})) for r in out
+                   for i in range(getattr(self, kind))]
+        return sorted(out)
 
     def tp_group(self, rank):
-        _, d, p = self.coords(rank)
-        return [self.rank(t, d, p) for t in range(self.tp)]
+        return self._along(rank, "tp")
+
+    def cp_group(self, rank):
+        return self._along(rank, "cp")
 
     def dp_group(self, rank):
-        t, _, p = self.coords(rank)
-        return [self.rank(t, d, p) for d in range(self.dp)]
+        return self._along(rank, "dp")
 
     def pp_group(self, rank):
-        t, d, _ = self.coords(rank)
-        return [self.rank(t, d, p) for p in range(self.pp)]
+        return self._along(rank, "pp")
+
+    def dp_cp_group(self, rank):
+        return self._along(rank, "cp", "dp")
 
     def embedding_group(self, rank):
         """The first and last stage of this rank's pipeline (one rank when PP = 1); None for a
@@ -70,8 +99,8 @@ class Layout:
     def ranks(self, rank):
         """{group name: index of ``rank`` in that group}: how a parameter's ``Placement`` (which
         names groups) resolves on this rank. "embedding" only on the first and last stage."""
-        t, d, p = self.coords(rank)
-        out = {"tp": t, "dp": d, "pp": p}
+        c = self.coords(rank)
+        out = {"tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp, "dp_cp": c.cp + self.cp * c.dp}
         embedding = self.embedding_group(rank)
         if embedding is not None:
             out["embedding"] = embedding.index(rank)
@@ -89,11 +118,11 @@ class Layout:
 
     def table(self):
         """A readable picture of the layout: each rank's coordinates, then every group."""
-        lines = [f"{self.world_size} ranks as TP={self.tp} x DP={self.dp} x PP={self.pp}",
-                 f"{'rank':>6} {'tp':>4} {'dp':>4} {'pp':>4}"]
-        lines += [f"{r:>6} {t:>4} {d:>4} {p:>4}" for r in range(self.world_size)
-                  for t, d, p in [self.coords(r)]]
-        for kind in ("tp", "dp", "pp", "embedding"):
+        kinds = [k for k in ("tp", "cp", "dp", "pp") if k != "cp" or self.cp > 1]
+        sizes = " x ".join(f"{k.upper()}={getattr(self, k)}" for k in kinds)
+        lines = [f"{self.world_size} ranks as {sizes}", f"{'rank':>6}" + "".join(f"{k:>5}" for k in kinds)]
+        lines += [f"{r:>6}" + "".join(f"{getattr(self.coords(r), k):>5}" for k in kinds) for r in range(self.world_size)]
+        for kind in kinds + (["dp_cp"] if self.cp > 1 else []) + ["embedding"]:
             lines.append(f"{kind + ' groups':<17}" + " ".join(str(g) for g in self.groups(kind)))
         return "\n".join(lines)
 
@@ -106,28 +135,33 @@ class ProcessGrid:
     world size. A 1 x 1 x 1 grid is the single-device run and needs no launcher.
     """
 
-    def __init__(self, tp=1, pp=1, dp=None, world=None):
+    def __init__(self, tp=1, pp=1, dp=None, world=None, cp=1):
         if world is None:
             from minipar.comm import world as world_communicator
 
             world = world_communicator()
         # the sizes against the world, on every rank before any group is made (the run's rules)
-        dp = check(RunConfig(world_size=world.size, tp=tp, pp=pp, dp=dp), what="ProcessGrid").dp
-        self.layout = Layout(tp, pp, dp)
+        dp = check(RunConfig(world_size=world.size, tp=tp, pp=pp, dp=dp, cp=cp), what="ProcessGrid").dp
+        self.layout = lay = Layout(tp, pp, dp, cp)
         self.world = world
         self.rank = world.rank
-        self.tp_rank, self.dp_rank, self.pp_rank = self.layout.coords(world.rank)
-        t, d, p = self.tp_rank, self.dp_rank, self.pp_rank
-        # Split's colour names the group (any number shared by its members); the key orders it.
-        self.tp_group = world.split(d + p * dp, t, "tp")
-        self.dp_group = world.split(t + p * tp, d, "dp")
-        self.pp_group = world.split(t + d * tp, p, "pp")
-        in_embedding = self.layout.embedding_group(world.rank) is not None
-        self.embedding_group = world.split(t + d * tp if in_embedding else None, p, "embedding")
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = lay.coords(world.rank)
+        # Split's colour names the group (any number its members share: here its first rank); the
+        # key orders it (this rank's index in it).
+        index = lay.ranks(world.rank)
+        for kind in ("tp", "cp", "dp", "pp", "dp_cp"):
+            members = getattr(lay, f"{kind}_group")(world.rank)
+            if kind == "dp_cp" and cp == 1:  # the DP group itself: no second communicator of it
+                self.dp_cp_group = self.dp_group
+                continue
+            setattr(self, f"{kind}_group", world.split(members[0], index[kind], kind))
+        embedding = lay.embedding_group(world.rank)
+        self.embedding_group = world.split(embedding[0] if embedding else None, self.pp_rank, "embedding")
 
     tp = property(lambda self: self.layout.tp)
     pp = property(lambda self: self.layout.pp)
     dp = property(lambda self: self.layout.dp)
+    cp = property(lambda self: self.layout.cp)
 
     @property
     def is_first_stage(self):
@@ -140,12 +174,15 @@ class ProcessGrid:
     @property
     def prev_stage(self):
         """Global rank of the previous pipeline stage (None on the first)."""
-        return None if self.is_first_stage else self.layout.rank(self.tp_rank, self.dp_rank, self.pp_rank - 1)
+        return None if self.is_first_stage else self._stage(self.pp_rank - 1)
 
     @property
     def next_stage(self):
         """Global rank of the next pipeline stage (None on the last)."""
-        return None if self.is_last_stage else self.layout.rank(self.tp_rank, self.dp_rank, self.pp_rank + 1)
+        return None if self.is_last_stage else self._stage(self.pp_rank + 1)
+
+    def _stage(self, pp):
+        return self.layout.rank(tp=self.tp_rank, cp=self.cp_rank, dp=self.dp_rank, pp=pp)
 
     def ranks(self):
         """This rank's index in each group, by name (``Layout.ranks``)."""
@@ -154,13 +191,13 @@ class ProcessGrid:
     def group(self, name):
         """The communicator a group name of a ``Placement`` stands for (None: this rank is in no
         such group, as a middle stage is in no "embedding" group)."""
-        groups = {"tp": self.tp_group, "dp": self.dp_group, "pp": self.pp_group, "embedding": self.embedding_group}
+        groups = {kind: getattr(self, f"{kind}_group") for kind in KINDS}
         if name not in groups:
             raise ValueError(f"no group named {name!r} on this grid: a Placement names one of {sorted(groups)}")
         return groups[name]
 
     def groups(self):
-        return [g for g in (self.tp_group, self.dp_group, self.pp_group, self.embedding_group) if g]
+        return [g for g in (self.tp_group, self.cp_group, self.dp_group, self.pp_group, self.embedding_group) if g]
 
     def describe(self):
         return self.layout.table()

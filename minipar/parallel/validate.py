@@ -1,7 +1,7 @@
 """One validation of a run: every problem of a configuration, from plain numbers.
 
 A ``RunConfig`` describes a run: the job's size, the grid, the model's shape, the pipeline
-schedule, the batch, sequence parallelism and ZeRO. ``problems(cfg)`` returns every rule it
+schedule, the batch, sequence and context parallelism and ZeRO. ``problems(cfg)`` returns every rule it
 breaks, one line each, naming the field (or the caller's flag for it) and the fix;
 ``resolve(cfg)`` also fills in what the sizes imply: DP from the world size, the micro-batches
 from the batch. Nothing here communicates or allocates, so every rank finds the same problems
@@ -26,7 +26,8 @@ from typing import Optional
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the names pipeline/schedules.py builds
 DTYPES = ("float32", "float64")
-NAMES = {"tp": "TP", "pp": "PP", "dp": "DP"}  # a field's name in a message when the caller gives none
+CP_COMM_TYPES = ("p2p", "a2a")  # ring attention, DeepSpeed-Ulysses (parallel/context.py)
+NAMES = {"tp": "TP", "pp": "PP", "dp": "DP", "cp": "CP"}  # a field's name in a message when the caller gives none
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,9 @@ class RunConfig:
     world_size: Optional[int] = None
     tp: int = 1
     pp: int = 1
-    dp: Optional[int] = None  # None: world_size / (tp x pp)
+    dp: Optional[int] = None  # None: world_size / (tp x cp x pp)
+    cp: int = 1  # context parallel: ranks that split each sequence
+    cp_comm_type: Optional[str] = None  # how they attend across it: "p2p" (the default) or "a2a"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     schedule: Optional[str] = None  # "gpipe", "1f1b" or "interleaved"
     global_batch: Optional[int] = None  # sequences per step, over all data-parallel ranks
@@ -52,7 +55,7 @@ class RunConfig:
     dtype: str = "float32"
 
 
-POSITIVE = ("world_size", "tp", "pp", "dp", "virtual_stages", "global_batch", "micro_batch_size",
+POSITIVE = ("world_size", "tp", "pp", "dp", "cp", "virtual_stages", "global_batch", "micro_batch_size",
             "micro_batches", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
@@ -89,6 +92,10 @@ def _bad_fields(cfg, say):
     if cfg.zero_stage not in (0, 1, 2, 3) or isinstance(cfg.zero_stage, bool):
         out.append(f"{say.name('zero_stage')} must be 0, 1, 2 or 3, got {cfg.zero_stage!r}")
         bad.add("zero_stage")
+    if cfg.cp_comm_type is not None and cfg.cp_comm_type not in CP_COMM_TYPES:
+        out.append(f"{say('cp_comm_type')} is not a context-parallel communication: choose one of "
+                   f"{', '.join(CP_COMM_TYPES)}")
+        bad.add("cp_comm_type")
     if cfg.schedule is not None and cfg.schedule not in SCHEDULES:
         out.append(f"{say('schedule')} is not a pipeline schedule: choose one of {', '.join(SCHEDULES)}")
         bad.add("schedule")
@@ -111,17 +118,24 @@ def resolve(cfg, names=None):
         return all(getattr(cfg, f) is not None and f not in bad for f in fields)
 
     tp, pp, v, dp = cfg.tp, cfg.pp, cfg.virtual_stages, cfg.dp if known("dp") else None
-    # the grid: TP x PP x DP ranks
+    cp = cfg.cp if known("cp") else 1
+    # the grid: TP x CP x DP x PP ranks
     if known("world_size", "tp", "pp"):
-        n = cfg.world_size
-        if cfg.dp is None and n % (tp * pp):
-            out.append(f"{n} ranks do not split into TP x PP = {tp} x {pp} groups: launch a multiple "
-                       f"of {tp * pp} ranks or change {say.change('tp', 'pp')}")
+        n, grid = cfg.world_size, tp * cp * pp
+        kinds = ("tp", "cp", "pp") if cp > 1 else ("tp", "pp")  # CP named only where it is used
+
+        def product(*extra):
+            names, sizes = kinds + extra, [getattr(cfg, k) if k != "dp" else dp for k in kinds + extra]
+            return f"{' x '.join(k.upper() for k in names)} = {' x '.join(map(str, sizes))}"
+
+        if cfg.dp is None and n % grid:
+            out.append(f"{n} ranks do not split into {product()} groups: launch a multiple "
+                       f"of {grid} ranks or change {say.change(*kinds)}")
         elif cfg.dp is None:
-            dp = n // (tp * pp)
-        elif dp is not None and tp * pp * dp != n:
-            out.append(f"TP x PP x DP = {tp} x {pp} x {dp} = {tp * pp * dp} ranks, but the job has {n}: "
-                       f"launch with -n {tp * pp * dp} or change the sizes")
+            dp = n // grid
+        elif dp is not None and grid * dp != n:
+            out.append(f"{product('dp')} = {grid * dp} ranks, but the job has {n}: "
+                       f"launch with -n {grid * dp} or change the sizes")
             dp = None  # no batch rule on a grid that cannot be
     # the model, and the model on the grid
     if known("n_embd", "n_head") and cfg.n_embd % cfg.n_head:
@@ -143,6 +157,7 @@ def resolve(cfg, names=None):
     if known("pp", "virtual_stages") and v > 1 and (one_rank or other):
         needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved")] * other
         out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
+    _context(cfg, say, known, out)
     m, mbs = _batch(cfg, say, known, dp, out)
     _schedule(cfg, say, known, dp, m, out)
     # sequence parallelism and ZeRO
@@ -162,6 +177,23 @@ def resolve(cfg, names=None):
                        "embedding's two parts on the first and last pipeline stage are added: with "
                        f"pipeline parallelism use {stage_1}")
     return replace(cfg, dp=dp, micro_batches=m, micro_batch_size=mbs), out
+
+
+def _context(cfg, say, known, out):
+    """Context parallelism cuts every sequence into 2 x CP chunks (rank r holds chunks r and
+    2CP-1-r, so causal work is even); Ulysses also gives each rank whole heads."""
+    if not known("cp") or cfg.cp == 1:
+        return
+    cp, tp = cfg.cp, cfg.tp if known("tp") else 1
+    if known("block_size") and cfg.block_size % (2 * cp):
+        out.append(f"context parallelism cuts each sequence into 2 x {say.name('cp')} chunks: {say('block_size')} "
+                   f"is not divisible by {2 * cp}; choose a multiple of {2 * cp}")
+    elif cfg.sequence_parallel and known("block_size") and (cfg.block_size // cp) % tp:
+        out.append(f"{say('sequence_parallel')} splits each context-parallel rank's {cfg.block_size // cp} "
+                   f"positions over {say('tp')}: choose {say.name('block_size')} a multiple of {cp * tp}")
+    if cfg.cp_comm_type == "a2a" and known("n_head") and cfg.n_head % (tp * cp):
+        out.append(f"{say('cp_comm_type')} (Ulysses) gives each rank whole heads: {say('n_head')} is not "
+                   f"divisible by TP x CP = {tp * cp}; use {say.name('cp_comm_type')} p2p or change the sizes")
 
 
 def _batch(cfg, say, known, dp, out):

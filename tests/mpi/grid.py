@@ -1,6 +1,6 @@
 """ProcessGrid on a live world: its groups equal the rank arithmetic, and bad sizes fail everywhere.
 
-    run_mpi.sh -n 8 tests/mpi/grid.py TP PP
+    run_mpi.sh -n 8 tests/mpi/grid.py TP PP [CP]
 """
 
 import sys
@@ -11,8 +11,9 @@ from minipar.comm import world
 from minipar.parallel import ProcessGrid
 
 tp, pp = int(sys.argv[1]), int(sys.argv[2])
+cp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 comm = world()
-grid = ProcessGrid(tp=tp, pp=pp)
+grid = ProcessGrid(tp=tp, pp=pp, cp=cp)
 r = comm.rank
 
 
@@ -22,8 +23,8 @@ def check(ok, what):
 
 
 lay = grid.layout
-check((grid.tp_rank, grid.dp_rank, grid.pp_rank) == lay.coords(r), "coordinates")
-for kind in ("tp", "dp", "pp", "embedding"):
+check((grid.tp_rank, grid.cp_rank, grid.dp_rank, grid.pp_rank) == lay.coords(r), "coordinates")
+for kind in ("tp", "cp", "dp", "pp", "dp_cp", "embedding"):
     group = getattr(grid, f"{kind}_group")
     expected = getattr(lay, f"{kind}_group")(r)
     if expected is None:
@@ -31,8 +32,9 @@ for kind in ("tp", "dp", "pp", "embedding"):
         continue
     members = group.all_gather(np.array([r]))[:, 0].tolist()
     check(members == expected, f"{kind} group {members} != {expected}")
-check(grid.prev_stage == (None if grid.pp_rank == 0 else r - tp * grid.dp), "previous stage")
-check(grid.next_stage == (None if grid.pp_rank == pp - 1 else r + tp * grid.dp), "next stage")
+stage = tp * cp * grid.dp  # ranks per pipeline stage
+check(grid.prev_stage == (None if grid.pp_rank == 0 else r - stage), "previous stage")
+check(grid.next_stage == (None if grid.pp_rank == pp - 1 else r + stage), "next stage")
 
 # Bad sizes raise on every rank, before any group is made, so nothing hangs.
 raised = 0
