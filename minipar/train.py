@@ -154,6 +154,12 @@ def check_args(args, world_size):
         path = getattr(args, flag)
         if path is not None and not path.endswith(".safetensors"):
             problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file")
+    if args.plot:
+        from minipar.plots import path_problem
+
+        why = path_problem(args.plot)
+        if why:
+            problems.append(f"--plot {args.plot}: {why}")
     for flag in ("log_json", "export_weights", "plot"):
         if getattr(args, flag):
             problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
