@@ -1,7 +1,10 @@
 """Each bad input to the training CLI and the launcher is one line and exit status 2, never a
 traceback, and is found before training starts (issue 12)."""
 
+import json
+import math
 import os
+import struct
 import subprocess
 
 import pytest
@@ -35,3 +38,31 @@ def test_the_launcher_refuses_more_ranks_than_it_can_count(ranks):
 def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, tmp_path):
     refused(train(*ONE_STEP, "--plot", plot, cwd=tmp_path), PROG, *words)
     assert not (tmp_path / "out" / "loss.xyz").exists()
+
+
+def write_safetensors(path, shapes, dtype):
+    """A safetensors file written by hand (NumPy has no bfloat16): the header's length as 8 bytes
+    little-endian, the JSON header, then every tensor's bytes (zeros)."""
+    size = {"BF16": 2, "I32": 4, "I64": 8}[dtype]
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        nbytes = size * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text + bytes(offset))
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "I32", "I64"])
+def test_weights_that_are_not_float32_or_float64_are_refused(dtype, tmp_path):
+    from minipar.models import GPT, GPTConfig
+
+    # every name and shape of the model the flags describe, so that only the dtype is wrong
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16))
+    path = str(tmp_path / "w.safetensors")
+    write_safetensors(path, {n: p.shape for n, p in model.named_parameters()}, dtype)
+    line = refused(train(*ONE_STEP, "--init-weights", path), PROG, f"--init-weights {path}", f" is {dtype}",
+                   "float32 or float64")
+    assert ("convert bf16 weights to float32" in line) == (dtype == "BF16")
