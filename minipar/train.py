@@ -234,6 +234,21 @@ def build(p, args):
     return data, config
 
 
+def interrupted(args, iteration):
+    """The line a Ctrl-C ends the run with: where it stopped and which checkpoint survives (a save
+    in progress is written aside and renamed at its end, so the previous one is whole)."""
+    from minipar.checkpoint.sharded import CheckpointError, read_index
+
+    line = f"interrupted at iteration {iteration}"
+    if not args.save:
+        return line
+    try:
+        kept = read_index(args.save)["iteration"]
+    except CheckpointError:
+        return f"{line}; no checkpoint was saved in {args.save} yet"
+    return f"{line}; the last checkpoint in {args.save} (iteration {kept}) is kept: continue with --load {args.save}"
+
+
 def main(argv=None):
     from minipar.comm import world
 
@@ -260,7 +275,12 @@ def main(argv=None):
         if comm.size > 1:
             comm.abort(1)
         return 1
-    return trainer.run()
+    try:
+        return trainer.run()
+    except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback
+        if comm.rank == 0:
+            print(f"{parser.prog}: {interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)
+        return 128 + 2  # the shell's status for a death by SIGINT (2), so scripts see the interruption
 
 
 if __name__ == "__main__":
