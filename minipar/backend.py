@@ -33,6 +33,9 @@ xp = types.ModuleType("xp", "NumPy or CuPy, as use_device chose")
 # Launchers tell each process its rank on its node under one of these names.
 _LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
                          "SLURM_LOCALID", "LOCAL_RANK")
+# ... and how many processes run on the node.
+_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+                         "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE")
 
 
 def local_rank():
@@ -41,6 +44,32 @@ def local_rank():
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
+
+
+def local_size():
+    """How many processes of the job run on this node (1 where no launcher says)."""
+    for name in _LOCAL_SIZE_VARIABLES:
+        if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
+            return int(os.environ[name])
+    return 1
+
+
+def free_memory():
+    """(bytes free on this rank's device, how many ranks of the node share them, what was read),
+    or None where nothing says: the GPU's free memory, or the host's MemAvailable (Linux)."""
+    ranks = local_size()
+    if DEVICE == "cuda":
+        import cupy
+
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        sharing = -(-ranks // cupy.cuda.runtime.getDeviceCount())  # ranks go round the GPUs
+        return free, sharing, f"free memory of the {gpu_name()}"
+    try:
+        with open("/proc/meminfo") as fh:
+            kib = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib * 1024, ranks, "MemAvailable"
 
 
 def _cupy_on_this_rank():

@@ -168,6 +168,10 @@ def check_args(args, world_size):
     if args.exit_interval and not args.save:
         problems.append("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
+    if not layout:  # the sizes make sense: will the model fit before it is allocated?
+        from minipar.parallel.memory import problem as memory_problem
+
+        problems.append(memory_problem(run, backend.free_memory(), FLAGS))
     problems = [p for p in problems if p] + layout
     if problems:
         raise FlagError(*problems)

@@ -4,10 +4,13 @@ traceback, and is found before training starts (issue 12)."""
 import json
 import math
 import os
+import resource
 import signal
 import struct
 import subprocess
 import sys
+import time
+from dataclasses import replace
 
 import pytest
 
@@ -95,3 +98,34 @@ def test_ctrl_c_ends_the_run_with_one_line_and_status_130(save, tmp_path):
         assert f"the last checkpoint in {tmp_path / 'ckpt'} (iteration " in lines[0] and "--load" in lines[0], lines[0]
     else:
         assert "checkpoint" not in lines[0]
+
+
+def test_a_model_too_large_for_the_machine_is_refused_from_its_size(tmp_path):
+    def small_address_space():  # were the model built, it would fail fast here, not swap the machine
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "minipar.train", "--n-layer", "1000", "--n-embd", "8192", "--plot", ""],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
+    refused(run, PROG, "a model of 805,416,026,112 parameters needs about 12,886.7 GB on each rank",
+            "activations not counted", "is available to each (MemAvailable", "--n-layer", "--tp")
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("n_layer,n_embd,block_size", [(1, 16, 16), (3, 24, 8)])
+def test_the_parameter_count_is_the_models(n_layer, n_embd, block_size):
+    from minipar.models import GPT, GPTConfig
+    from minipar.parallel.memory import parameter_count
+
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=block_size))
+    assert parameter_count(n_layer, n_embd, block_size) == sum(p.data.size for p in model.parameters())
+
+
+def test_zero_shards_the_moments_then_the_gradients_then_the_parameters():
+    from minipar.parallel.memory import parameter_count, state_bytes
+    from minipar.parallel.validate import RunConfig
+
+    n = parameter_count(4, 64, 32)
+    run = RunConfig(tp=2, pp=2, dp=4, n_layer=4, n_embd=64, block_size=32, dtype="float64")
+    for stage, arrays in [(0, 4), (1, 2 + 2 / 4), (2, 1 + 3 / 4), (3, 4 / 4)]:
+        assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(n / 4 * arrays * 8)
