@@ -47,6 +47,8 @@ def non_negative_float(text):
 
 
 def build_parser():
+    from minipar import backend
+
     p = Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Train a GPT on bytes of text (by default the Python standard library's "
                             "source), on one device or on a TP x PP x DP grid of MPI ranks.")
@@ -76,7 +78,7 @@ def build_parser():
     o.add_argument("--grad-clip", "--clip-grad", dest="grad_clip", type=non_negative_float, default=1.0, help="max global gradient norm (0: off)")
     o.add_argument("--seed", type=int, default=1337, help="seed of the weights, the batches and dropout")
     o.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="floating dtype of the whole run")
-    o.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("MINIPAR_DEVICE", "cpu").strip().lower(),
+    o.add_argument("--device", type=backend.device_flag, choices=backend.DEVICES, default=backend.device_from_environment(),
                    help="where the arrays live: cuda runs every op on CuPy arrays, matrix products with "
                         "minipar's own kernel, collectives on NCCL; rank r uses GPU r %% GPUs of its node")
     d = p.add_argument_group("data, output and checkpoints")

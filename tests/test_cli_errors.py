@@ -129,3 +129,16 @@ def test_zero_shards_the_moments_then_the_gradients_then_the_parameters():
     run = RunConfig(tp=2, pp=2, dp=4, n_layer=4, n_embd=64, block_size=32, dtype="float64")
     for stage, arrays in [(0, 4), (1, 2 + 2 / 4), (2, 1 + 3 / 4), (3, 4 / 4)]:
         assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(n / 4 * arrays * 8)
+
+
+def test_an_unknown_minipar_device_is_a_flag_problem(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "minipar.train", *ONE_STEP], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env=dict(os.environ, MINIPAR_DEVICE="tpu"))
+    refused(run, PROG, "MINIPAR_DEVICE='tpu' (the default of --device) is not a device: set it to cpu or cuda")
+
+
+@pytest.mark.parametrize("script", ["00_collectives.py", "01_autograd.py", "02_data_parallel.py"])
+def test_an_unknown_minipar_device_stops_a_lesson_in_one_line(script):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "lessons", script)], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, MINIPAR_DEVICE="tpu"))
+    refused(run, f"{script}: error: ", "MINIPAR_DEVICE='tpu'", "cpu", "cuda")
