@@ -142,3 +142,18 @@ def test_an_unknown_minipar_device_stops_a_lesson_in_one_line(script):
     run = subprocess.run([sys.executable, os.path.join(ROOT, "lessons", script)], capture_output=True,
                          text=True, timeout=60, env=dict(os.environ, MINIPAR_DEVICE="tpu"))
     refused(run, f"{script}: error: ", "MINIPAR_DEVICE='tpu'", "cpu", "cuda")
+
+
+def test_on_a_gpu_the_free_memory_is_shared_by_the_ranks_on_it(monkeypatch):
+    """The CUDA branch on the CPU: a stand-in CuPy with two GPUs of 80 GB free, five ranks here."""
+    import types
+
+    from minipar import backend
+
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (80e9, 141e9), getDeviceCount=lambda: 2,
+                                    getDeviceProperties=lambda i: {"name": b"NVIDIA H200"})
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=lambda: types.SimpleNamespace(id=0)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(backend, "DEVICE", "cuda")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "5")
+    assert backend.free_memory() == (80e9, 3, "free memory of the NVIDIA H200")
