@@ -56,8 +56,8 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
     p.add_argument("--plant-bug", action="store_true", help=plant_bug)
     def problems(args):
         # a lesson without --device runs on NumPy, but a MINIPAR_DEVICE it cannot honour is refused
-        unusable = [] if training or backend.environment_problem() is None else [backend.environment_problem()]
-        return unusable + (check(args, comm.size) if check is not None else [])
+        unusable = None if training else backend.environment_problem()
+        return [unusable] * bool(unusable) + (check(args, comm.size) if check is not None else [])
 
     args = parse(p, comm, problems)
     if training:

@@ -7,8 +7,9 @@ Every other module does its math through ``xp`` from here, so the same code runs
 CuPy (GPU). ``xp`` is a namespace that ``use_device`` fills with NumPy's or CuPy's functions: the
 modules that imported it before the choice (``from minipar.backend import xp``) see the choice too,
 so ``--device cuda`` can be read from the command line after the imports. At import the device is
-``MINIPAR_DEVICE`` (``cpu``, the default, or ``cuda``). Asking for ``cuda`` without a working CuPy
-and GPU is an error, never a quiet fall back to the CPU.
+``MINIPAR_DEVICE`` (``cpu``, the default, or ``cuda``). One it cannot use (another name, ``cuda``
+without a working CuPy and GPU) is an error, never a quiet fall back to the CPU: every use of
+``xp`` raises it, and the scripts report it among their flags (``environment_problem``).
 
 Five operations are here rather than in ``functional`` because the device decides how they run:
 ``matmul`` (BLAS on the CPU, our own kernel in ``kernels/gemm.cu`` on the GPU: cuBLAS is never
