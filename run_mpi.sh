@@ -30,12 +30,21 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ -n "$ranks" ] && [ $# -ge 1 ] || usage
-case "$ranks" in ''|*[!0-9]*) ranks_ok=0 ;; *) [ "$((10#$ranks))" -ge 1 ] && ranks_ok=1 || ranks_ok=0 ;; esac
+# Bash arithmetic wraps silently past 2^63 (-n 99999999999999999999 became 7.8e18 ranks), so the
+# number is checked as text before any arithmetic. A million ranks is far beyond what one
+# launch here can start: MPICH's launcher forks every local rank on this machine.
+max_ranks=1000000
+digits=${ranks#"${ranks%%[!0]*}"}  # without leading zeros: 0000008 is 8
+case "$ranks" in ''|*[!0-9]*) ranks_ok=0 ;; *) [ -n "$digits" ] && ranks_ok=1 || ranks_ok=0 ;; esac
 if [ "$ranks_ok" = 0 ]; then
     echo "$0: -n needs a positive number of ranks, got '$ranks'" >&2
     exit 2
 fi
-ranks=$((10#$ranks))
+if [ "${#digits}" -gt 7 ] || [ "$digits" -gt "$max_ranks" ]; then
+    echo "$0: -n $ranks: at most $max_ranks ranks; give the number of processes to start" >&2
+    exit 2
+fi
+ranks=$digits
 if [ "$1" = "-m" ]; then
     [ $# -ge 2 ] || usage
 elif [ ! -f "$1" ]; then

@@ -14,13 +14,13 @@ ignores its incoming gradient is right for G = 1 and wrong for everything else.)
 Read next: minipar/autograd.py (Function.apply, then backward), minipar/functional/, docs/autograd.md.
 """
 
-import argparse
 import sys
 
 import numpy
 
 import minipar
 from minipar.backend import add_device_flag, use_device
+from minipar.cli import Parser, parse
 from minipar.functional.elementwise import GELU
 from minipar.gradcheck import gradcheck, op_cases
 from minipar.models import GPT, GPTConfig
@@ -47,10 +47,10 @@ def row(name, reports):
 
 
 def main():
-    p = argparse.ArgumentParser(description="Gradient checks of every op and of the whole GPT.")
+    p = Parser(description="Gradient checks of every op and of the whole GPT.")
     p.add_argument("--plant-bug", action="store_true", help="break GELU's backward to see a failure")
     add_device_flag(p)  # on cuda every check runs on the GPU, matrix products in minipar's kernel
-    args = p.parse_args()
+    args = parse(p, None)  # a bad flag is one line and exit 2, as in the MPI lessons
     use_device(args.device)
     if args.plant_bug:
         GELU.backward = staticmethod(forgetful_gelu_backward)

@@ -15,13 +15,13 @@ __syncthreads()), which records every load from global memory. The lesson shows:
 Any mismatch exits non-zero.
 """
 
-import argparse
 import statistics
 import sys
 
 import numpy as np
 
 from minipar.backend import add_device_flag
+from minipar.cli import Parser, parse
 from minipar.kernels import emulator, gemm
 
 TILES = gemm.TILES["float32"]
@@ -152,10 +152,10 @@ def on_the_gpu():
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--plant-bug", action="store_true", help="a wrong index in the emulated kernel's tile copy")
     add_device_flag(p)
-    args = p.parse_args()
+    args = parse(p, None)  # a bad flag is one line and exit 2, as in the MPI lessons
     if emulator.compiler() is None:
         print("this lesson runs the kernel in a CPU emulator built with g++ (C++20): install g++")
         return 2

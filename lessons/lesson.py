@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import minipar
+from minipar import backend
 from minipar.backend import add_device_flag, use_device
 from minipar.cli import Parser, parse
 from minipar.comm import world
@@ -53,7 +54,12 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
         add_device_flag(p)
         p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true", help=plant_bug)
-    args = parse(p, comm, None if check is None else lambda args: check(args, comm.size))
+    def problems(args):
+        # a lesson without --device runs on NumPy, but a MINIPAR_DEVICE it cannot honour is refused
+        unusable = None if training else backend.environment_problem()
+        return [unusable] * bool(unusable) + (check(args, comm.size) if check is not None else [])
+
+    args = parse(p, comm, problems)
     if training:
         minipar.set_default_dtype(args.dtype)
         use_device(args.device)

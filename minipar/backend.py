@@ -7,8 +7,9 @@ Every other module does its math through ``xp`` from here, so the same code runs
 CuPy (GPU). ``xp`` is a namespace that ``use_device`` fills with NumPy's or CuPy's functions: the
 modules that imported it before the choice (``from minipar.backend import xp``) see the choice too,
 so ``--device cuda`` can be read from the command line after the imports. At import the device is
-``MINIPAR_DEVICE`` (``cpu``, the default, or ``cuda``). Asking for ``cuda`` without a working CuPy
-and GPU is an error, never a quiet fall back to the CPU.
+``MINIPAR_DEVICE`` (``cpu``, the default, or ``cuda``). One it cannot use (another name, ``cuda``
+without a working CuPy and GPU) is an error, never a quiet fall back to the CPU: every use of
+``xp`` raises it, and the scripts report it among their flags (``environment_problem``).
 
 Five operations are here rather than in ``functional`` because the device decides how they run:
 ``matmul`` (BLAS on the CPU, our own kernel in ``kernels/gemm.cu`` on the GPU: cuBLAS is never
@@ -21,6 +22,7 @@ On import it also tunes glibc's allocator for NumPy's allocate-per-op pattern (s
 ``_keep_freed_memory``); ``MINIPAR_MALLOC_TUNING=0`` leaves the allocator alone.
 """
 
+import argparse
 import os
 import types
 
@@ -33,6 +35,9 @@ xp = types.ModuleType("xp", "NumPy or CuPy, as use_device chose")
 # Launchers tell each process its rank on its node under one of these names.
 _LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
                          "SLURM_LOCALID", "LOCAL_RANK")
+# ... and how many processes run on the node.
+_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+                         "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE")
 
 
 def local_rank():
@@ -41,6 +46,32 @@ def local_rank():
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
+
+
+def local_size():
+    """How many processes of the job run on this node (1 where no launcher says)."""
+    for name in _LOCAL_SIZE_VARIABLES:
+        if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
+            return int(os.environ[name])
+    return 1
+
+
+def free_memory():
+    """(bytes free on this rank's device, how many ranks of the node share them, what was read),
+    or None where nothing says: the GPU's free memory, or the host's MemAvailable (Linux)."""
+    ranks = local_size()
+    if DEVICE == "cuda":
+        import cupy
+
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        sharing = -(-ranks // cupy.cuda.runtime.getDeviceCount())  # ranks go round the GPUs
+        return free, sharing, f"free memory of the {gpu_name()}"
+    try:
+        with open("/proc/meminfo") as fh:
+            kib = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib * 1024, ranks, "MemAvailable"
 
 
 def _cupy_on_this_rank():
@@ -95,16 +126,53 @@ def gpu_name(index=None):
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def device_from_environment():
+    """``MINIPAR_DEVICE`` as a device name ("cpu" when unset or empty), not yet checked."""
+    return os.environ.get("MINIPAR_DEVICE", "").strip().lower() or "cpu"
+
+
+def environment_problem():
+    """Why the device ``MINIPAR_DEVICE`` names cannot be used, as one line naming the variable;
+    None if it can (or was replaced since by ``use_device``)."""
+    return None if DEVICE is not None else _environment_problem
+
+
+def device_flag(text):
+    """The type of ``--device``: argparse applies it to the default too (MINIPAR_DEVICE), which its
+    ``choices`` are never checked against."""
+    name = text.strip().lower()
+    if name in DEVICES:
+        return name
+    choices = " or ".join(DEVICES)
+    if text == os.environ.get("MINIPAR_DEVICE"):
+        raise argparse.ArgumentTypeError(f"MINIPAR_DEVICE={text!r} (the default of --device) is not a device: "
+                                         f"set it to {choices}, or unset it")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: choose {choices}")
+
+
 def add_device_flag(parser):
     """``--device`` for a script's argparse parser; pass the parsed value to ``use_device``."""
-    parser.add_argument("--device", choices=DEVICES, default=DEVICE,
+    parser.add_argument("--device", type=device_flag, choices=DEVICES, default=device_from_environment(),
                         help="cpu (NumPy) or cuda (CuPy, minipar's GEMM kernel, NCCL collectives)")
 
 
+def _refuse_every_use(problem, kind):
+    """Leave no device: every use of ``xp`` raises ``problem``, never a quiet fall back to the CPU."""
+    def refuse(attr):
+        raise kind(problem)
+
+    xp.__getattr__ = refuse
+
+
+_environment_problem = None
 try:
-    use_device(os.environ.get("MINIPAR_DEVICE", "cpu"))
-except (ValueError, ImportError, RuntimeError) as exc:  # say where the choice came from
-    raise type(exc)(f"MINIPAR_DEVICE={os.environ['MINIPAR_DEVICE']!r}: {exc}") from exc
+    use_device(device_from_environment())
+except (ValueError, ImportError, RuntimeError) as exc:
+    # Not raised here, while ``import minipar`` runs: a script could not catch it, and a traceback
+    # would stand where a flag problem is one line (the CLI's and the lessons' --device defaults to
+    # this variable and is checked with the other flags). Code that uses xp unchecked still fails.
+    _environment_problem = f"MINIPAR_DEVICE={os.environ['MINIPAR_DEVICE']!r}: {exc}"
+    _refuse_every_use(_environment_problem, type(exc))
 
 
 def matmul(a, b, out=None):

@@ -36,19 +36,21 @@ def agree(comm, problems, prog):
 
     Every rank checked its flags on its own, so every rank reaches this one all-reduce, and it
     cannot hang. No rank exits before the printing one has printed (under ``python -m mpi4py``
-    the first non-zero exit aborts the whole job at once).
+    the first non-zero exit aborts the whole job at once). ``comm`` None: a script of one process
+    that never starts MPI.
     """
     first = 0 if problems else None
-    if comm.size > 1:
+    if comm is not None and comm.size > 1:
         import numpy  # a host array: MPI moves it on any device
 
         votes = comm.all_reduce(numpy.array([comm.size - comm.rank if problems else 0], numpy.int64), op="max")
         first = comm.size - int(votes[0]) if votes[0] else None
     if first is None:
         return
-    if comm.rank == first:
+    if comm is None or comm.rank == first:
         print("\n".join(f"{prog}: error: {line}" for line in problems), file=sys.stderr, flush=True)
-    comm.barrier()
+    if comm is not None:
+        comm.barrier()
     sys.exit(2)
 
 
@@ -56,7 +58,7 @@ def parse(parser, comm, check=None, argv=None):
     """The flags, parsed on every rank, and ``check(args)`` (the problems argparse cannot see, a
     list of lines, e.g. ``validate.problems`` of the run they describe). On any problem the job
     ends through ``agree``: one rank prints, every rank exits 2, before any other message."""
-    parser.rank = comm.rank
+    parser.rank = 0 if comm is None else comm.rank
     args, found = None, []
     try:
         args = parser.parse_args(argv)

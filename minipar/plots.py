@@ -2,9 +2,32 @@
 
 import os
 
+# What matplotlib's Agg canvas writes without extra packages, for a message when it is missing.
+COMMON_FORMATS = ("eps", "pdf", "png", "ps", "svg")
+
+
+def path_problem(path):
+    """Why ``plot_loss`` could not write ``path``, in words naming the fix, or None. Asked before
+    training: matplotlib finds an unknown extension only when it saves, after the whole run, and
+    without an extension it writes ``path.png``, a file of another name than the one asked for."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return (f"the loss curve needs matplotlib: pip install matplotlib (it writes "
+                f"{', '.join('.' + f for f in COMMON_FORMATS)}), or ask for no picture")
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    extension = os.path.splitext(path)[1][1:].lower()
+    if extension in formats:
+        return None
+    choices = ", ".join("." + f for f in formats)
+    if not extension:
+        return f"no extension to name the format (matplotlib would write {path}.png): end it with one of {choices}"
+    return f"matplotlib cannot write a .{extension} file: end the name with one of {choices}"
+
 
 def plot_loss(train_losses, val_points, path, title="training loss"):
-    """Train loss per step and validation estimates ((step, loss) pairs) as a PNG at ``path``."""
+    """Train loss per step and validation estimates ((step, loss) pairs) as a picture at ``path``,
+    in the format its extension names (see ``path_problem``)."""
     import matplotlib
 
     matplotlib.use("Agg")

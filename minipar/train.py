@@ -47,6 +47,8 @@ def non_negative_float(text):
 
 
 def build_parser():
+    from minipar import backend
+
     p = Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Train a GPT on bytes of text (by default the Python standard library's "
                             "source), on one device or on a TP x PP x DP grid of MPI ranks.")
@@ -76,7 +78,7 @@ def build_parser():
     o.add_argument("--grad-clip", "--clip-grad", dest="grad_clip", type=non_negative_float, default=1.0, help="max global gradient norm (0: off)")
     o.add_argument("--seed", type=int, default=1337, help="seed of the weights, the batches and dropout")
     o.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="floating dtype of the whole run")
-    o.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("MINIPAR_DEVICE", "cpu").strip().lower(),
+    o.add_argument("--device", type=backend.device_flag, choices=backend.DEVICES, default=backend.device_from_environment(),
                    help="where the arrays live: cuda runs every op on CuPy arrays, matrix products with "
                         "minipar's own kernel, collectives on NCCL; rank r uses GPU r %% GPUs of its node")
     d = p.add_argument_group("data, output and checkpoints")
@@ -156,6 +158,12 @@ def check_args(args, world_size):
         path = getattr(args, flag)
         if path is not None and not path.endswith(".safetensors"):
             problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file")
+    if args.plot:
+        from minipar.plots import path_problem
+
+        why = path_problem(args.plot)
+        if why:
+            problems.append(f"--plot {args.plot}: {why}")
     for flag in ("log_json", "export_weights", "plot"):
         if getattr(args, flag):
             problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
@@ -167,6 +175,10 @@ def check_args(args, world_size):
     if args.exit_interval and not args.save:
         problems.append("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
+    if not layout:  # the sizes make sense: will the model fit before it is allocated?
+        from minipar.parallel.memory import problem as memory_problem
+
+        problems.append(memory_problem(run, backend.free_memory(), FLAGS))
     problems = [p for p in problems if p] + layout
     if problems:
         raise FlagError(*problems)
@@ -254,6 +266,21 @@ def _end(comm, prog, message):
     return 1
 
 
+def interrupted(args, iteration):
+    """The line a Ctrl-C ends the run with: where it stopped and which checkpoint survives (a save
+    in progress is written aside and renamed at its end, so the previous one is whole)."""
+    from minipar.checkpoint.sharded import CheckpointError, read_index
+
+    line = f"interrupted at iteration {iteration}"
+    if not args.save:
+        return line
+    try:
+        kept = read_index(args.save)["iteration"]
+    except CheckpointError:
+        return f"{line}; no checkpoint was saved in {args.save} yet"
+    return f"{line}; the last checkpoint in {args.save} (iteration {kept}) is kept: continue with --load {args.save}"
+
+
 def main(argv=None):
     from minipar.comm import world
     from minipar.run_inputs import claim_save_directory, same_inputs
@@ -284,6 +311,10 @@ def main(argv=None):
         return trainer.run()
     except CheckpointError as exc:  # a save that failed (a full disk): the last good one stays
         return _end(comm, parser.prog, f"--save: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback
+        if comm.rank == 0:
+            print(f"{parser.prog}: {interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)
+        return 128 + 2  # the shell's status for a death by SIGINT (2), so scripts see the interruption
     finally:
         if lock is not None:
             lock.release()

@@ -155,7 +155,9 @@ def test_backend_device_errors(device, message):
             pytest.skip("CuPy is installed here")
     except ImportError:
         pass
-    run = subprocess.run([sys.executable, "-c", "import minipar"], capture_output=True, text=True,
+    # the import succeeds (a script reports the variable among its flags); the first use fails
+    run = subprocess.run([sys.executable, "-c", "import minipar; from minipar.backend import xp; xp.zeros(1)"],
+                         capture_output=True, text=True,
                          env=dict(os.environ, MINIPAR_DEVICE=device), timeout=60)
     assert run.returncode != 0 and message in run.stderr
 

@@ -33,7 +33,7 @@ def test_a_failing_rank_ends_the_whole_job():
 
 def test_a_rank_failing_before_mpi_starts_ends_the_whole_job():
     code, out, seconds = run_mpi(4, "fails_before_mpi.py", timeout=60)
-    assert code != 0 and "MINIPAR_DEVICE='no-such-device'" in out
+    assert code != 0 and "import of minipar.autograd halted" in out
     assert seconds < 20, f"the job took {seconds:.1f} s to end"
 
 

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from minipar.backend import to_numpy
 
 _DIGEST_KEY = "minipar.sha256"
+_FLOAT_DTYPES = ("F32", "F64")  # safetensors' names for the dtypes a run takes (--dtype)
 
 
 def _digest(tensors):
@@ -55,17 +56,32 @@ def save_weights(state, path):
 
 
 def load_weights(path):
-    """``{name: numpy array}`` from a .safetensors file; raises ValueError if it is damaged.
+    """``{name: numpy array}`` from a .safetensors file of float32 or float64 tensors; raises
+    ValueError if it is damaged or holds another dtype.
 
     Files written by ``save_weights`` carry a checksum that is verified; files from elsewhere (GPT-2
     weights exported by another tool) have none, and get only safetensors' own header checks."""
     try:
-        tensors = load_file(path)
         with safe_open(path, framework="numpy") as fh:
             metadata = fh.metadata() or {}
+            dtypes = {name: fh.get_slice(name).get_dtype() for name in fh.keys()}
+        _check_dtypes(dtypes)
+        tensors = load_file(path)
     except SafetensorError as exc:
         raise ValueError(f"{path} is not a readable safetensors file ({exc})") from exc
     expected = metadata.get(_DIGEST_KEY)
     if expected is not None and expected != _digest(tensors):
         raise ValueError(f"{path} is damaged: its tensors do not match the checksum written with them")
     return tensors
+
+
+def _check_dtypes(dtypes):
+    """Refuse, from the header alone, what a run would have to convert: NumPy has no bfloat16
+    (safetensors cannot even load it), and integers cast to floats would start a run from
+    weights nobody trained."""
+    wrong = {name: dtype for name, dtype in dtypes.items() if dtype not in _FLOAT_DTYPES}
+    if wrong:
+        name, dtype = next(iter(wrong.items()))
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        hint = "; convert bf16 weights to float32 first" if dtype == "BF16" else ""
+        raise ValueError(f"tensor {name} is {dtype}{more}: weights must be float32 or float64 (F32, F64){hint}")

@@ -1,0 +1,56 @@
+"""What one rank of a run holds, from the run's sizes alone, so that a model too large for the
+machine is refused before anything is allocated (``python -m minipar.train`` asks ``problem``).
+
+A rank holds a 1/(TP x PP) part of the parameters, their gradients and AdamW's two moments: four
+arrays of the parameters' size. ZeRO shards them over the DP group stage by stage: the moments
+(stage 1), then the gradients (2), then the parameters (3). Activations are not counted: they
+depend on the batch, the schedule and recomputation, and for the models this refuses they are the
+smaller part. It imports nothing from minipar, like ``validate``, which resolves the sizes it reads.
+"""
+
+BYTES = {"float32": 4, "float64": 8}
+
+
+def parameter_count(n_layer, n_embd, block_size, vocab_size=256):
+    """The GPT's parameters (GPT-2's shapes, biases, the output head tied to the token embedding):
+    per block 12 h^2 + 13 h (attention 4 h^2 + 4 h, MLP 8 h^2 + 5 h, two LayerNorms 4 h), the token
+    and position embeddings (V + T) h, the final LayerNorm 2 h."""
+    h = n_embd
+    return (vocab_size + block_size) * h + n_layer * (12 * h * h + 13 * h) + 2 * h
+
+
+def state_bytes(cfg):
+    """Bytes of parameters, gradients and AdamW's moments on one rank of ``cfg`` (a resolved
+    ``validate.RunConfig``: its DP known)."""
+    per_rank = parameter_count(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size or 256) / (cfg.tp * cfg.pp)
+    dp, stage = cfg.dp or 1, cfg.zero_stage
+    arrays = (1 / dp if stage >= 3 else 1) + (1 / dp if stage >= 2 else 1) + (2 / dp if stage >= 1 else 2)
+    return per_rank * arrays * BYTES[cfg.dtype]
+
+
+def gb(n):
+    return f"{n / 1e9:,.1f} GB"
+
+
+def problem(cfg, free, names):
+    """A line saying that ``cfg`` cannot fit in ``free`` (bytes, ranks sharing them, what they are,
+    as ``backend.free_memory`` reads them; None: not known), naming the fixes by the caller's
+    ``names`` of the fields; None if it fits."""
+    if free is None:
+        return None
+    total, ranks, what = free
+    need, available = state_bytes(cfg), total / ranks
+    if need <= available:
+        return None
+    name = names.get
+    fixes = [f"fewer {name('n_layer', 'layers')} or a smaller {name('n_embd', 'hidden size')}",
+             f"a larger {name('tp', 'TP')} or {name('pp', 'PP')}"]
+    if (cfg.dp or 1) == 1:
+        fixes.append(f"more ranks with {name('zero_stage', 'ZeRO')} (it shards over DP)")
+    elif cfg.zero_stage < 3:
+        fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over DP={cfg.dp})")
+    n = parameter_count(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size or 256)
+    return (f"a model of {n:,} parameters needs about {gb(need)} on each rank ({cfg.dtype} parameters, "
+            f"gradients and AdamW's two moments on TP x PP x DP = {cfg.tp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
+            f"stage {cfg.zero_stage}; activations not counted), but {gb(available)} is available to each "
+            f"({what} {gb(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")

@@ -1,0 +1,159 @@
+"""Each bad input to the training CLI and the launcher is one line and exit status 2, never a
+traceback, and is found before training starts (issue 12)."""
+
+import json
+import math
+import os
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from mpi_run import ROOT
+from test_train import TINY, train
+
+PROG = "python -m minipar.train: error: "
+ONE_STEP = [*TINY, "--max-iters", "1", "--eval-iters", "1"]
+
+
+def refused(run, *words):
+    """The run ended with status 2 and one error line holding every word, before any step."""
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert all(w in lines[0] for w in words), (words, lines[0])
+    assert "iter " not in run.stdout, run.stdout
+    return lines[0]
+
+
+@pytest.mark.parametrize("ranks", ["99999999999999999999", "1000001"])
+def test_the_launcher_refuses_more_ranks_than_it_can_count(ranks):
+    run = subprocess.run(["env", "PYTHON=/bin/false", os.path.join(ROOT, "run_mpi.sh"), "-n", ranks, __file__],
+                         capture_output=True, text=True, timeout=30)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and f"-n {ranks}: at most 1000000 ranks" in lines[0], run.stderr
+
+
+@pytest.mark.parametrize("plot,words", [("out/loss.xyz", ["--plot out/loss.xyz", "cannot write a .xyz file", ".png"]),
+                                        ("foo", ["--plot foo", "no extension", "would write foo.png"])])
+def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, tmp_path):
+    refused(train(*ONE_STEP, "--plot", plot, cwd=tmp_path), PROG, *words)
+    assert not (tmp_path / "out" / "loss.xyz").exists()
+
+
+def write_safetensors(path, shapes, dtype):
+    """A safetensors file written by hand (NumPy has no bfloat16): the header's length as 8 bytes
+    little-endian, the JSON header, then every tensor's bytes (zeros)."""
+    size = {"BF16": 2, "I32": 4, "I64": 8}[dtype]
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        nbytes = size * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text + bytes(offset))
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "I32", "I64"])
+def test_weights_that_are_not_float32_or_float64_are_refused(dtype, tmp_path):
+    from minipar.models import GPT, GPTConfig
+
+    # every name and shape of the model the flags describe, so that only the dtype is wrong
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16))
+    path = str(tmp_path / "w.safetensors")
+    write_safetensors(path, {n: p.shape for n, p in model.named_parameters()}, dtype)
+    line = refused(train(*ONE_STEP, "--init-weights", path), PROG, f"--init-weights {path}", f" is {dtype}",
+                   "float32 or float64")
+    assert ("convert bf16 weights to float32" in line) == (dtype == "BF16")
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_ctrl_c_ends_the_run_with_one_line_and_status_130(save, tmp_path):
+    args = [*TINY, "--max-iters", "100000", "--log-interval", "1", "--eval-interval", "100000"]
+    if save:
+        args += ["--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    # a shell that ran these tests in the background may have left SIGINT ignored: undo that here
+    run = subprocess.Popen([sys.executable, "-m", "minipar.train", *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        line = run.stdout.readline()
+        while not line.startswith("iter"):  # printed after the step's checkpoint was saved
+            assert line, "the run ended before its first progress line"
+            line = run.stdout.readline()
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    lines = err.strip().splitlines()
+    assert run.returncode == 130 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("python -m minipar.train: interrupted at iteration "), lines[0]
+    if save:
+        assert f"the last checkpoint in {tmp_path / 'ckpt'} (iteration " in lines[0] and "--load" in lines[0], lines[0]
+    else:
+        assert "checkpoint" not in lines[0]
+
+
+def test_a_model_too_large_for_the_machine_is_refused_from_its_size(tmp_path):
+    def small_address_space():  # were the model built, it would fail fast here, not swap the machine
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "minipar.train", "--n-layer", "1000", "--n-embd", "8192", "--plot", ""],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
+    refused(run, PROG, "a model of 805,416,026,112 parameters needs about 12,886.7 GB on each rank",
+            "activations not counted", "is available to each (MemAvailable", "--n-layer", "--tp")
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("n_layer,n_embd,block_size", [(1, 16, 16), (3, 24, 8)])
+def test_the_parameter_count_is_the_models(n_layer, n_embd, block_size):
+    from minipar.models import GPT, GPTConfig
+    from minipar.parallel.memory import parameter_count
+
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=block_size))
+    assert parameter_count(n_layer, n_embd, block_size) == sum(p.data.size for p in model.parameters())
+
+
+def test_zero_shards_the_moments_then_the_gradients_then_the_parameters():
+    from minipar.parallel.memory import parameter_count, state_bytes
+    from minipar.parallel.validate import RunConfig
+
+    n = parameter_count(4, 64, 32)
+    run = RunConfig(tp=2, pp=2, dp=4, n_layer=4, n_embd=64, block_size=32, dtype="float64")
+    for stage, arrays in [(0, 4), (1, 2 + 2 / 4), (2, 1 + 3 / 4), (3, 4 / 4)]:
+        assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(n / 4 * arrays * 8)
+
+
+def test_an_unknown_minipar_device_is_a_flag_problem(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "minipar.train", *ONE_STEP], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env=dict(os.environ, MINIPAR_DEVICE="tpu"))
+    refused(run, PROG, "MINIPAR_DEVICE='tpu' (the default of --device) is not a device: set it to cpu or cuda")
+
+
+@pytest.mark.parametrize("script", ["00_collectives.py", "01_autograd.py", "02_data_parallel.py"])
+def test_an_unknown_minipar_device_stops_a_lesson_in_one_line(script):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "lessons", script)], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, MINIPAR_DEVICE="tpu"))
+    refused(run, f"{script}: error: ", "MINIPAR_DEVICE='tpu'", "cpu", "cuda")
+
+
+def test_on_a_gpu_the_free_memory_is_shared_by_the_ranks_on_it(monkeypatch):
+    """The CUDA branch on the CPU: a stand-in CuPy with two GPUs of 80 GB free, five ranks here."""
+    import types
+
+    from minipar import backend
+
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (80e9, 141e9), getDeviceCount=lambda: 2,
+                                    getDeviceProperties=lambda i: {"name": b"NVIDIA H200"})
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=lambda: types.SimpleNamespace(id=0)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(backend, "DEVICE", "cuda")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "5")
+    assert backend.free_memory() == (80e9, 3, "free memory of the NVIDIA H200")
