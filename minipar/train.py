@@ -17,10 +17,10 @@ prints them, and every rank exits with status 2, never a hang.
 
 import argparse
 import math
-import os
 import sys
 
 from minipar.cli import FlagError, Parser, agree
+from minipar.train_checks import check_args, check_files
 
 DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
@@ -99,145 +99,6 @@ def build_parser():
     d.add_argument("--plot", metavar="FILE", default="out/loss.png", help="loss-curve picture ('' for none)")
     d.add_argument("--sample", type=int, default=200, help="bytes to generate after training (0: none)")
     return p
-
-
-# the RunConfig field each flag sets, so that a problem names the flag
-FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
-         "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size", "n_layer": "--n-layer",
-         "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout",
-         "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype"}
-
-
-def run_config(args, world_size):
-    """The run the flags describe, as plain numbers (``minipar.parallel.validate``)."""
-    from minipar.parallel.validate import RunConfig
-
-    return RunConfig(world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vpp,
-                     schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
-                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-                     dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
-                     recompute=args.recompute, dtype=args.dtype)
-
-
-def _writable(flag, path):
-    """A problem now, not after the whole run, if ``path`` cannot be written (None if it can)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        return f"{flag} {path}: cannot create {directory} ({exc.strerror})"
-    if os.path.isdir(path) or not os.access(directory, os.W_OK):
-        return f"{flag} {path}: not a writable file path"
-    return None
-
-
-def check_args(args, world_size):
-    """Every error a flag's own type cannot see, one line each, before anything is built or sent;
-    raises FlagError with all of them. Fills in ``args.dp`` and ``args.micro_batches``."""
-    from minipar import backend
-    from minipar.parallel.validate import resolve
-
-    problems = []
-    try:
-        backend.use_device(args.device)
-    except (ImportError, RuntimeError) as exc:
-        problems.append(f"--device {args.device}: {exc}")
-    if args.warmup_iters < 0:
-        problems.append(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
-    if args.min_lr > args.lr:
-        problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    if args.seed < 0:
-        problems.append(f"--seed must be >= 0, got {args.seed}")
-    if args.data is not None and not os.path.exists(args.data):
-        problems.append(f"--data {args.data}: no such file or directory")
-    if args.init_weights is not None and not os.path.isfile(args.init_weights):
-        problems.append(f"--init-weights {args.init_weights}: no such file")
-    if args.init_weights and args.load:
-        problems.append("--init-weights and --load both set the weights: give one")
-    for flag in ("init_weights", "export_weights"):
-        path = getattr(args, flag)
-        if path is not None and not path.endswith(".safetensors"):
-            problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file")
-    if args.plot:
-        from minipar.plots import path_problem
-
-        why = path_problem(args.plot)
-        if why:
-            problems.append(f"--plot {args.plot}: {why}")
-    for flag in ("log_json", "export_weights", "plot"):
-        if getattr(args, flag):
-            problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
-    if args.save:
-        problems.append(_writable("--save", os.path.join(args.save, "latest")))
-    for flag in ("keep_checkpoints", "overwrite_checkpoints"):
-        if getattr(args, flag) and not args.save:
-            problems.append(f"--{flag.replace('_', '-')} is about the checkpoints of --save DIR: give --save")
-    if args.exit_interval and not args.save:
-        problems.append("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
-    run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
-    if not layout:  # the sizes make sense: will the model fit before it is allocated?
-        from minipar.parallel.memory import problem as memory_problem
-
-        problems.append(memory_problem(run, backend.free_memory(), FLAGS))
-    problems = [p for p in problems if p] + layout
-    if problems:
-        raise FlagError(*problems)
-    args.dp, args.micro_batches = run.dp, run.micro_batches
-
-
-def check_files(p, args, config, data):
-    """The checkpoint or weights to start from must hold this model and have been trained on this
-    corpus (read on every rank, before any communication). ``args.load`` becomes the checkpoint
-    directory itself (not ``latest``, which may move)."""
-    from minipar.checkpoint.sharded import CheckpointError, check_model, read_index
-    from minipar.run_inputs import corpus_matches
-
-    if args.load:
-        try:
-            index = read_index(args.load)
-            check_model(index, config, args.dtype)
-        except CheckpointError as exc:
-            p.error(f"--load: {exc}")
-        args.load = index["path"]
-        saved = index["trainer"]
-        # read_index checked the index's own fields; the trainer's state is ours to check
-        rng = saved.get("rng") if isinstance(saved.get("rng"), dict) else {}
-        missing = [key for key in ("iteration", "seed", "batch_size") if type(saved.get(key)) is not int]
-        missing += [] if type(rng.get("seed")) is int else ["rng.seed"]
-        if missing:
-            p.error(f"--load: {args.load}/index.json: its trainer state has no whole number "
-                    f"{', '.join(missing)}: it was not written by minipar.train")
-        problem = corpus_matches(saved.get("corpus"), data, f"--data {args.data or '(default corpus)'}")
-        if problem:
-            p.error(problem)
-        for key, flag in (("seed", "--seed"), ("batch_size", "--global-batch-size")):
-            if saved[key] != getattr(args, key):
-                p.error(f"--load: the checkpoint was trained with {flag} {saved[key]}, not "
-                        f"{getattr(args, key)}: the data would differ from the run it continues")
-        if index["iteration"] >= args.max_iters:
-            p.error(f"--load: the checkpoint is at iteration {index['iteration']}, so --max-iters "
-                    f"{args.max_iters} leaves nothing to train: raise --max-iters")
-    if args.init_weights:
-        from minipar import checkpoint
-        from minipar.models import GPT
-
-        try:
-            weights = checkpoint.load_weights(args.init_weights)
-        except (OSError, ValueError) as exc:
-            p.error(f"--init-weights {args.init_weights}: {exc}")
-        # the names and shapes of the single-device model (the trainer reseeds before its own)
-        expected = {n: q.shape for n, q in GPT(config).named_parameters()}
-        problems = [f"missing: {n}" for n in expected if n not in weights]
-        problems += [f"unexpected: {n}" for n in weights if n not in expected]
-        problems += [f"{n}: shape {tuple(weights[n].shape)}, model has {s}" for n, s in expected.items()
-                     if n in weights and tuple(weights[n].shape) != s]
-        if problems:
-            more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-            p.error(f"--init-weights {args.init_weights}: {'; '.join(problems[:2])}{more}; "
-                    "the model flags must match the file's model")
-        # a float32 file may start a float64 run and back: the cast is explicit, here
-        return {k: v.astype(args.dtype) for k, v in weights.items()}
-    return None
 
 
 def build(p, args):
