@@ -7,7 +7,7 @@ import pytest
 import minipar.functional as F
 from minipar import Tensor
 from minipar.functional import blockwise
-from minipar.functional.blockwise import blockwise_attention, runs
+from minipar.functional.blockwise import Block, blockwise_attention, pairs, runs
 from minipar.gradcheck import gradcheck
 from minipar.parallel.context import causal_work, contiguous_positions, load_balanced_positions
 from mpi_run import check_mpi, run_mpi
@@ -76,6 +76,25 @@ def test_contiguous_split_loads_the_last_rank_most(T, cp):
     imbalance = max(work) / (sum(work) / cp)
     assert imbalance == pytest.approx((T * (2 * cp - 1) + cp) / (cp * (T + 1)), rel=1e-12)
     assert imbalance < (2 * cp - 1) / cp
+
+
+def _ring_scores(positions_per_rank):
+    """Per rank, the scores ring attention computes: its queries against every rank's keys, less
+    the pairs of chunks entirely in the future."""
+    blocks = [Block(p) for p in positions_per_rank]
+    return [sum((rows.stop - rows.start) * (cols.stop - cols.start) for keys in blocks
+                for rows, cols, *_ in pairs(queries, keys)) for queries in blocks]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_attention_skips_future_chunks_and_balances_what_it_computes(cp):
+    T = 4 * cp * 3
+    c = T // (2 * cp)
+    # chunks c x c: 2 of the 4 pairs against every other rank's keys, 3 against its own
+    assert _ring_scores([load_balanced_positions(T, cp, r) for r in range(cp)]) == [(2 * cp + 1) * c * c] * cp
+    # halves c x c of L = 2c: all 4 pairs against each earlier rank, 3 against its own
+    assert _ring_scores([contiguous_positions(T, cp, r) for r in range(cp)]) == [(4 * r + 3) * c * c
+                                                                                 for r in range(cp)]
 
 
 @pytest.mark.parametrize("T,cp,rank", [(12, 4, 0), (10, 2, 1), (16, 2, 2), (16, 0, 0), (0, 2, 0)])

@@ -23,9 +23,9 @@ y = (P * R) v,
 
 so each block's gradients need that block's keys and values and nothing of the others.
 
-A block's keys come as runs of consecutive positions (a load-balanced rank holds two). A pair
-(run of queries, run of keys) entirely in the future is skipped; one entirely in the past needs
-no mask. Arrays are (B, H, T, D) per head; positions are host integer arrays.
+A block's keys come as runs of consecutive positions (a load-balanced rank holds two chunks). A
+pair (run of queries, run of keys) entirely in the future is skipped; one entirely in the past
+needs no mask. Arrays are (B, H, T, D) per head; positions are host integer arrays.
 """
 
 import math
@@ -78,11 +78,16 @@ class DropoutSite:
 
 
 class Block:
-    """The queries or keys of one attention block: their positions and runs of consecutive ones."""
+    """The queries or keys of one attention block: their positions, cut into ``pieces`` equal
+    parts (a load-balanced rank's two chunks, which may adjoin), each into runs of consecutive
+    positions. Finer parts let more of a diagonal pair be skipped."""
 
-    def __init__(self, positions):
+    def __init__(self, positions, pieces=2):
         self.positions = numpy.asarray(positions, dtype=numpy.int64)
-        self.runs = runs(self.positions)
+        n = len(self.positions)
+        cuts = sorted({n * i // pieces for i in range(pieces + 1)})
+        self.runs = [(a + start, a + stop, first, last) for a, b in zip(cuts[:-1], cuts[1:])
+                     for start, stop, first, last in runs(self.positions[a:b])]
 
 
 def pairs(queries, keys):

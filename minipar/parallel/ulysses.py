@@ -16,8 +16,23 @@ of heads, and each rank holds the whole sequence of its heads.
 import numpy
 
 import minipar.functional as F
+from minipar.autograd import Function
 from minipar.backend import xp
 from minipar.parallel.collectives import all_to_all
+
+
+class Reorder(Function):
+    """x[:, order], the tokens of (B, T, W) permuted; the gradient goes back by the inverse
+    permutation (a gather, where indexing's backward would scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x, order):
+        ctx.inverse = xp.asarray(numpy.argsort(order))
+        return x[:, xp.asarray(order)]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.inverse], None
 
 
 def ulysses(qkv, n_head, group, positions, dropout_p, key, rows, head_offset):
@@ -32,9 +47,9 @@ def ulysses(qkv, n_head, group, positions, dropout_p, key, rows, head_offset):
     x = all_to_all(x, group)  # chunk j: rank j's tokens, this rank's heads
     x = x.transpose(1, 0, 2, 3, 4).reshape(B, N * T_local, 3 * piece)  # (B, T, 3C/N), in rank order
     gathered = positions.reshape(-1)  # the global position of each token of x
-    x = x[:, xp.asarray(numpy.argsort(gathered))]  # global order 0..T-1
+    x = Reorder.apply(x, numpy.argsort(gathered))  # global order 0..T-1
     y = F.causal_attention(x, heads, dropout_p, key, rows, None, head_offset + r * heads)  # (B, T, C/N)
-    y = y[:, xp.asarray(gathered)]  # back to rank order
+    y = Reorder.apply(y, gathered)  # back to rank order
     y = y.reshape(B, N, T_local, piece).transpose(1, 0, 2, 3)  # chunk j: rank j's tokens
     y = all_to_all(y, group)  # chunk i: rank i's heads of this rank's tokens
     return y.transpose(1, 2, 0, 3).reshape(B, T_local, N * piece)
