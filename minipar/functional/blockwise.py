@@ -65,7 +65,7 @@ def runs(positions):
 
 @dataclass
 class DropoutSite:
-    """Which dropout mask: its key and probability, the batch's global rows, the heads' numbers."""
+    """Which dropout mask: its key and probability, the batch's global rows, the heads' global numbers."""
 
     key: tuple
     p: float

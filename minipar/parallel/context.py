@@ -16,12 +16,14 @@ L rL + L(L+1)/2 (query, key) pairs, and the busiest over the mean is
 
 The load-balanced ("zigzag") split of Megatron-core's context parallelism and Llama 3 cuts the
 sequence into 2N chunks of c = T/2N and gives rank r chunks r and 2N-1-r: an early chunk and its
-mirror image, so every rank computes c^2 (2N-1) + c (c+1) pairs, the same for all.
+mirror image, so every rank has c^2 (2N-1) + c (c+1) pairs, the same for all. Ring attention
+computes them chunk pair by chunk pair: against another rank's keys 2 of the 4 pairs of c x c
+scores are in the past and 2 wholly in the future (skipped), against its own 3 (two of them
+diagonal, half masked), (2N+1) c^2 scores on every rank.
 """
 
 import numpy
 
-from minipar.autograd import Tensor
 from minipar.backend import to_numpy
 from minipar.functional.attention import attention_arguments
 from minipar.functional.blockwise import DropoutSite
@@ -68,8 +70,6 @@ def _arguments(op, qkv, n_head, group, positions, dropout_p, key, rows, head_off
     """Checks that need no communication (so every rank called alike raises alike), then one
     all-gather of what the ranks must agree on and one of their positions: (qkv, every rank's
     positions (N, T_local), p, key, where)."""
-    if not isinstance(qkv, Tensor):
-        raise ValueError(f"{op}: qkv must be a Tensor (B, T_local, 3C), got {type(qkv).__name__}")
     given = key
     qkv, p, key, where = attention_arguments(op, qkv, n_head, dropout_p, key, rows, None, head_offset)
     if p > 0 and given is None:
@@ -80,7 +80,7 @@ def _arguments(op, qkv, n_head, group, positions, dropout_p, key, rows, head_off
         raise ValueError(f"{op}: positions must be {T_local} integers, one per token of qkv, got "
                          f"{mine.dtype} {mine.shape}")
     dropout = None if where is None else (*key, *where[0].tolist())
-    header = numpy.array([B, T_local, width, n_head, head_offset, qkv.dtype.itemsize, round(p * 2**32),
+    header = numpy.array([B, T_local, width, n_head, int(head_offset), qkv.dtype.itemsize, round(p * 2**32),
                           0 if dropout is None else stream(dropout) >> 2], numpy.int64)
     every = group.all_gather(header)  # (N, 8)
     if (every != every[0]).any():
