@@ -5,10 +5,11 @@ import numpy
 import pytest
 
 import minipar.functional as F
-from minipar import Tensor
+from minipar import Tensor, backend
 from minipar.functional import blockwise
 from minipar.functional.blockwise import Block, blockwise_attention, pairs, runs
 from minipar.gradcheck import gradcheck
+from minipar.kernels import emulator, gemm
 from minipar.parallel.context import causal_work, contiguous_positions, load_balanced_positions
 from mpi_run import check_mpi, run_mpi
 
@@ -118,4 +119,22 @@ def test_ring_and_ulysses_match_single_device_attention(n):
 def test_ring_attention_fails_on_a_planted_bug(bug):
     code, out, _ = run_mpi(4, "context.py", "--plant-bug", bug, timeout=60)  # on 2, r+1 == r-1
     assert code != 0 and "context parallel attention FAILED" in out
-    assert all("MISMATCH" in line for line in out.splitlines() if line.startswith("ring "))
+    assert all("MISMATCH" in line for line in out.splitlines() if line.startswith("ring ") and " p=" in line)
+
+
+@pytest.mark.skipif(emulator.compiler() is None, reason="no C++ compiler for the emulator")
+def test_blockwise_attention_on_the_gpu_branches(monkeypatch):
+    """The products of the merge and of its backward (query rows of a block, transposed keys)
+    through the GPU kernel's plan, run by its CPU emulator, with the GPU's plain reductions."""
+    expected = _pair(0.2, BLOCKS["zigzag chunks"])
+    products = []
+
+    def kernel(a, b, out=None):
+        products.append(gemm.plan(a, b, numpy))
+        return emulator.matmul(a, b, out=out)
+
+    monkeypatch.setattr(backend, "DEVICE", "cuda")  # the GPU's branches, on NumPy arrays
+    monkeypatch.setattr(gemm, "matmul", kernel)
+    for got, want in zip(_pair(0.2, BLOCKS["zigzag chunks"]), expected):
+        assert numpy.abs(got - want).max() < 1e-13
+    assert len(products) > 10 and any(p.b.trans for p in products)

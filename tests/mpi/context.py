@@ -54,28 +54,29 @@ def worst(value):
     return float(comm.all_reduce(np.array([value]), op="max")[0])
 
 
-def case(method, split, dtype, p):
+def case(method, split, dtype, p, group=comm):
+    """(errors of the output and of dqkv, bytes sent forward per op, within tolerance) on ``group``."""
     minipar.set_default_dtype(dtype)
     reference_in = Tensor(full_qkv, requires_grad=True)
     reference = F.causal_attention(reference_in, H, p, KEY, ROWS, None, HEAD_OFFSET)
     reference.backward(upstream.astype(dtype))
-    positions = SPLITS[split](T, N, r)
+    n = group.size
+    positions = SPLITS[split](T, n, group.rank)
     local = Tensor(full_qkv[:, positions], requires_grad=True)
-    comm.stats.reset()
-    out = OPS[method](local, H, comm, positions, p, KEY, ROWS, HEAD_OFFSET)
-    forward = {op: t.bytes_sent for op, t in comm.stats.by_op.items()}
-    comm.stats.reset()
+    group.stats.reset()
+    out = OPS[method](local, H, group, positions, p, KEY, ROWS, HEAD_OFFSET)
+    forward = {op: t.bytes_sent for op, t in group.stats.by_op.items()}
+    group.stats.reset()
     out.backward(upstream[:, positions].astype(dtype))
-    backward = {op: t.bytes_sent for op, t in comm.stats.by_op.items()}
+    backward = {op: t.bytes_sent for op, t in group.stats.by_op.items()}
     assert out.dtype == dtype and local.grad.dtype == dtype
     rows = xp.asarray(positions)
     errors = (worst(rel_err(out, reference.data[:, rows])), worst(rel_err(local.grad, reference_in.grad[:, rows])))
-    itemsize, T_local = np.dtype(dtype).itemsize, T // N
     if method == "ring":  # one K,V block per step forward; K,V and dK,dV blocks backward
-        kv = 2 * B * T_local * C * itemsize
-        expected = {"send": ((N - 1) * kv, 2 * (N - 1) * kv)}
-    else:  # (N-1)/N of the local qkv and of the local output, both ways
-        a2a = (N - 1) * (local.data.nbytes + out.data.nbytes) // N
+        kv = 2 * B * (T // n) * C * np.dtype(dtype).itemsize
+        expected = {"send": ((n - 1) * kv, 2 * (n - 1) * kv)}
+    else:  # (n-1)/n of the local qkv and of the local output, both ways
+        a2a = (n - 1) * (local.data.nbytes + out.data.nbytes) // n
         expected = {"all_to_all": (a2a, a2a)}
     for op, (fwd, bwd) in expected.items():
         assert forward.get(op, 0) == fwd and backward.get(op, 0) == bwd, (
@@ -110,6 +111,16 @@ for method in OPS:
                     print(f"{method:8} {split:10} {dtype} p={p}: out {err_y:.1e}  dqkv {err_g:.1e}  "
                           f"bytes {sent['send']}/{sent['all_to_all']}/{sent['all_gather']}"
                           f"{'' if ok else '  MISMATCH'}")
+
+# a CP group that is not the world: pairs of ranks ({0, 2} and {1, 3} on 4), each ring in the
+# reverse of the world's order
+group = comm.split(r % 2 if N > 2 else 0, -r, "cp")
+for method in OPS:
+    errors, _, ok = case(method, "balanced", "float64", 0.1, group)
+    passed &= ok
+    if r == 0:
+        print(f"{method:8} on CP groups of {group.size}, ranks reversed: out {errors[0]:.1e}  dqkv {errors[1]:.1e}"
+              f"{'' if ok else '  MISMATCH'}")
 
 minipar.set_default_dtype("float64")
 positions = load_balanced_positions(T, N, r)
