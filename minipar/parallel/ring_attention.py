@@ -1,13 +1,13 @@
 """Ring attention (Liu, Zaharia & Abbeel 2023): causal attention over a sequence spread across the
 ranks of a context-parallel group, with the keys and values travelling around the ring.
 
-Each rank keeps its queries. Its keys and values (one block, with their positions) go round the
-ring, rank r sending to r+1 and receiving from r-1, so that at step t rank r holds the block of
-rank r-t. Every step first starts the transfer of the next block (isend/irecv) and then computes
-attention against the current one, so the transfer hides behind the compute; after N-1 transfers
-every query has met every key. The partial results of the blocks are merged exactly by the online
-softmax (``functional/blockwise.py``: running max, running sum, rescale), and pairs of chunks
-entirely in a query's future are skipped, which is where the load-balanced chunking pays
+Each rank keeps its queries. Its keys and values (one block) go round the ring, rank r sending
+to r+1 and receiving from r-1, so that at step t rank r holds the block of rank r-t. Every step
+first starts the transfer of the next block (isend/irecv) and then computes attention against the
+current one, so the transfer hides behind the compute; after N-1 transfers every query has met
+every key. The partial results of the blocks are merged exactly by the online softmax
+(``functional/blockwise.py``: running max, running sum, rescale), and pairs of chunks entirely in
+a query's future are skipped, which is where the load-balanced chunking pays
 (``context.load_balanced_positions``).
 
 Backward runs the ring again, from the saved output and log-sum-exp (FlashAttention's backward):
@@ -17,8 +17,10 @@ at rank s+1, gathers the share of each rank it passes and arrives home at rank s
 where the owner adds its own share. Sending each share straight to its owner instead would move
 as many bytes, but over links between any two ranks rather than only ring neighbours, and the
 owner would sum N-1 messages in arrival order; the travelling accumulator uses only the ring's
-links, keeps one block of gradients in flight, and sums in a fixed order.
+links, sends one dK,dV block per step like the K,V it follows, and sums in a fixed order.
 
+A block's positions do not travel with it: every rank's positions are all-gathered once, when
+the arguments are checked (``context.py``), so each ring message is one K,V (or dK,dV) array.
 Forward saves this rank's qkv, its output and its log-sum-exp: no other rank's keys or values.
 Bytes sent per rank: (N-1) K,V blocks forward; (N-1) K,V blocks and (N-1) dK,dV blocks backward.
 """
