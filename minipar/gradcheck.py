@@ -89,6 +89,7 @@ def op_cases(seed=0):
     catalogue drives the test suite and ``lessons/01_autograd.py``.
     """
     import minipar.functional as F
+    from minipar.functional.blockwise import blockwise_attention
 
     rng = numpy.random.default_rng(seed)
 
@@ -140,4 +141,11 @@ def op_cases(seed=0):
         ("causal_attention (dropout 0.2, seeded)",
          lambda qkv: F.causal_attention(qkv, 3, 0.2, key=(3, 0), query_block=3),
          [t(2, 4, 18)]),
+        # keys in blocks (the load-balanced chunks of 2 ranks, the later block first), merged by
+        # the online softmax; the backward is FlashAttention's, from the output and log-sum-exp
+        ("blockwise attention (online softmax merge)",
+         lambda qkv: blockwise_attention(qkv, 2, [numpy.r_[2:6], numpy.r_[0:2, 6:8]]), [t(2, 8, 12)]),
+        ("blockwise attention (dropout 0.2, seeded)",
+         lambda qkv: blockwise_attention(qkv, 3, [numpy.r_[3:5], numpy.r_[0:3]], 0.2, key=(3, 0)),
+         [t(2, 5, 18)]),
     ]

@@ -76,6 +76,12 @@ def test_communicators_on_gpu_arrays(monkeypatch):
         assert "via NCCL" in out and "share a GPU" not in out
 
 
+def test_context_parallel_attention_on_gpu_arrays(monkeypatch):
+    monkeypatch.setenv("MINIPAR_DEVICE", "cuda")
+    out = check_mpi(2, "context.py", "--device", "cuda", timeout=180)
+    assert "context parallel attention OK on 2 ranks" in out
+
+
 def test_nccl_itself_runs_on_a_world_of_one():
     """With one GPU the two-rank test above goes through MPI (NCCL refuses two ranks on one GPU),
     so NCCL runs here, on one rank: the unique id's round trip (bytes in CuPy 14, a tuple before),
@@ -89,6 +95,7 @@ def test_nccl_itself_runs_on_a_world_of_one():
     assert comm.all_reduce(x) is x and numpy.array_equal(x.get(), numpy.arange(12))
     assert numpy.array_equal(comm.reduce_scatter(x).get(), numpy.arange(12))
     assert comm.iall_gather(x).wait().shape == (1, 12)
+    assert numpy.array_equal(comm.all_to_all(x.reshape(3, 4)).get(), numpy.arange(12).reshape(3, 4))
     comm.broadcast(x, root=0)
     comm.iall_reduce(x, op="max").wait()
     cupy.cuda.get_current_stream().synchronize()

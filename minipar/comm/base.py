@@ -6,6 +6,9 @@ group) with the operations parallel training needs, on contiguous xp arrays:
     all_reduce(x, op)     every rank ends with the elementwise sum (or max) of all ranks' x, in place
     reduce_scatter(x)     x is split in ``size`` chunks along axis 0; rank r gets the sum of chunk r
     all_gather(x)         every rank gets all ranks' x stacked along a new axis 0
+    all_to_all(x)         x is split in ``size`` chunks along axis 0; chunk i goes to rank i, and
+                          rank r's result holds, as its chunk j, rank j's chunk r (a transpose of
+                          the ranks x chunks matrix, so it is its own inverse)
     broadcast(x, root)    every rank ends with root's x, in place
     send / recv           point to point; the i- forms return a Request
     barrier()
@@ -18,6 +21,8 @@ buffer and N ranks:
     all_reduce      2 (N-1)/N S sent and received  (a reduce-scatter, then an all-gather)
     reduce_scatter    (N-1)/N S                     (S = the input, all N chunks)
     all_gather        (N-1)/N S                     (S = the output, all N chunks)
+    all_to_all        (N-1)/N S                     (S = the input: every chunk but one's own
+                                                     leaves, and as many arrive)
     broadcast       S received by every rank but the root, S sent by every rank but the last
                     of the chain (a pipelined chain from the root: N-1 links carry S each)
     send / recv     the message itself
@@ -127,7 +132,7 @@ def ring_bytes(op, nbytes, size, is_root=False, is_last=False):
     if op == "all_reduce":
         share = 2 * (size - 1) * nbytes // size
         return share, share
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         share = (size - 1) * nbytes // size
         return share, share
     if op == "broadcast":
@@ -171,6 +176,14 @@ class Communicator:
 
     def iall_gather(self, x, out=None):
         return self._all_gather(x, out, wait=False)
+
+    def all_to_all(self, x, out=None):
+        """Chunk i of ``x`` along axis 0 goes to rank i; rank r receives every rank's chunk r,
+        in rank order along axis 0 of the result (same shape as x; into ``out`` if given)."""
+        return self._all_to_all(x, out, wait=True)
+
+    def iall_to_all(self, x, out=None):
+        return self._all_to_all(x, out, wait=False)
 
     def broadcast(self, x, root=0):
         """Every rank's ``x`` becomes root's, in place."""

@@ -150,6 +150,17 @@ class MPICommunicator(Communicator):
         return self._run("all_gather", out.nbytes, out, lambda: self.comm.Allgather(x_buf, buf),
                          lambda: self.comm.Iallgather(x_buf, buf), wait, then=then)
 
+    def _all_to_all(self, x, out, wait):
+        x_buf, _ = _stage(x, "all_to_all", copy_back=False)
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"all_to_all: axis 0 of shape {x.shape} does not split into {self.size} chunks")
+        out = self._out(out, x.shape, x.dtype, "all_to_all", x)
+        if self.size == 1:
+            out[...] = x
+        buf, then = _stage(out, "all_to_all", copy_back=True)
+        return self._run("all_to_all", x.nbytes, out, lambda: self.comm.Alltoall(x_buf, buf),
+                         lambda: self.comm.Ialltoall(x_buf, buf), wait, then=then)
+
     def _broadcast(self, x, root, wait):
         buf, then = _stage(x, "broadcast", copy_back=True)
         return self._run("broadcast", x.nbytes, x, lambda: self.comm.Bcast(buf, root=root),

@@ -151,6 +151,28 @@ class NCCLCommunicator(Communicator):
                             lambda s: self.comm.allGather(x.data.ptr, out.data.ptr, x.size, dtype, s),
                             (x, out), wait)
 
+    def _all_to_all(self, x, out, wait):
+        """NCCL has no all-to-all primitive: it is one send and one receive per peer (itself
+        included), fused into a single operation by ncclGroupStart/End so that none waits for
+        another (NCCL's documented recipe)."""
+        if self._on_host(x):
+            return self.mpi._all_to_all(x, out, wait)
+        _contiguous(x, "all_to_all")
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"all_to_all: axis 0 of shape {x.shape} does not split into {self.size} chunks")
+        out = self._out(out, x.shape, x, "all_to_all")
+        nccl, dtype, count = _nccl(), _dtype(x), x.size // self.size
+        step = count * x.itemsize  # bytes per chunk
+
+        def call(stream):
+            nccl.groupStart()
+            for peer in range(self.size):
+                self.comm.send(x.data.ptr + peer * step, count, dtype, peer, stream)
+                self.comm.recv(out.data.ptr + peer * step, count, dtype, peer, stream)
+            nccl.groupEnd()
+
+        return self._launch("all_to_all", x.nbytes, out, call, (x, out), wait)
+
     def _broadcast(self, x, root, wait):
         if self._on_host(x):
             return self.mpi._broadcast(x, root, wait)

@@ -8,9 +8,12 @@ Each op is a ``Function`` (see ``minipar.autograd``) in one of these files:
 * ``linalg``: matmul, linear, embedding
 * ``loss``: cross_entropy
 * ``attention``: causal_attention (one op for mask, softmax, dropout and both products)
+* ``blockwise``: blockwise_attention (the same, one block of keys at a time, merged by the online
+  softmax: the arithmetic of ring attention)
 """
 
 from minipar.functional.attention import causal_attention
+from minipar.functional.blockwise import blockwise_attention
 from minipar.functional.elementwise import (
     add,
     apply_mask,
@@ -36,5 +39,5 @@ __all__ = [
     "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "gelu", "masked_fill",
     "dropout", "sum", "mean", "softmax", "log_softmax", "layer_norm", "reshape", "transpose",
     "getitem", "split", "concat", "matmul", "linear", "embedding", "cross_entropy",
-    "causal_attention", "apply_mask", "fresh_key",
+    "causal_attention", "blockwise_attention", "apply_mask", "fresh_key",
 ]

@@ -140,14 +140,22 @@ def causal_attention(qkv, n_head, dropout_p=0.0, key=None, rows=None, positions=
     and the tokens' global positions (default 0..T-1): a rank holding some heads or sequences of a
     bigger batch draws exactly their masks. Queries are processed ``query_block`` at a time; the
     result does not depend on it beyond rounding."""
-    qkv = floats("causal_attention", qkv)
-    if qkv.ndim != 3 or qkv.shape[-1] % 3:
-        raise ValueError(f"causal_attention needs qkv of shape (B, T, 3C), got {qkv.shape}")
-    if (qkv.shape[-1] // 3) % n_head:
-        raise ValueError(f"causal_attention: C={qkv.shape[-1] // 3} is not divisible by {n_head} heads")
-    p = probability(dropout_p)
+    qkv, p, key, where = attention_arguments("causal_attention", qkv, n_head, dropout_p, key, rows, positions,
+                                             head_offset)
     if int(query_block) < 1:
         raise ValueError(f"causal_attention: query_block must be >= 1, got {query_block}")
+    return CausalAttention.apply(qkv, int(n_head), p, key, where, int(query_block))
+
+
+def attention_arguments(op, qkv, n_head, dropout_p, key, rows, positions, head_offset):
+    """(qkv, p, key, where) checked: where = (rows, heads, positions) of the dropout mask, None
+    without dropout (``op`` names the caller in the errors)."""
+    qkv = floats(op, qkv)
+    if qkv.ndim != 3 or qkv.shape[-1] % 3:
+        raise ValueError(f"{op} needs qkv of shape (B, T, 3C), got {qkv.shape}")
+    if (qkv.shape[-1] // 3) % n_head:
+        raise ValueError(f"{op}: C={qkv.shape[-1] // 3} is not divisible by {n_head} heads")
+    p = probability(dropout_p)
     B, T = qkv.shape[:2]
     where = None
     if p > 0:
@@ -155,7 +163,7 @@ def causal_attention(qkv, n_head, dropout_p=0.0, key=None, rows=None, positions=
         rows = xp.arange(B) if rows is None else xp.asarray(rows)
         positions = xp.arange(T) if positions is None else xp.asarray(positions)
         if rows.shape != (B,) or positions.shape != (T,):
-            raise ValueError(f"causal_attention: rows {rows.shape} and positions {positions.shape} must "
+            raise ValueError(f"{op}: rows {rows.shape} and positions {positions.shape} must "
                              f"number the batch's {B} sequences and {T} tokens")
         where = (rows, xp.arange(head_offset, head_offset + n_head), positions)
-    return CausalAttention.apply(qkv, int(n_head), p, key, where, int(query_block))
+    return qkv, p, key, where

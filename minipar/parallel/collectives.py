@@ -21,6 +21,13 @@ and, for sequence parallelism (Korthikanti et al. 2022), along the sequence axis
 
 An all-reduce is a reduce-scatter followed by an all-gather, which is why sequence parallelism
 moves the same bytes as the all-reduce it replaces.
+
+DeepSpeed-Ulysses (Jacobs et al. 2023) trades a sequence shard for a head shard with
+
+    all_to_all           all-to-all along axis 0 / all-to-all
+
+its own conjugate: rank r's chunk j becomes rank j's chunk r, a transpose of the (rank, chunk)
+matrix, so sending the gradients back the same way undoes it.
 """
 
 from minipar.autograd import Function
@@ -54,6 +61,10 @@ def _slice(comm, x, axis):
     if x.shape[axis] % comm.size:
         raise ValueError(f"axis {axis} of length {x.shape[axis]} does not split over {comm.size} ranks")
     return xp.split(x, comm.size, axis=axis)[comm.rank].copy()
+
+
+def _all_to_all(comm, x, axis):
+    return comm.all_to_all(xp.ascontiguousarray(x))
 
 
 class RegionCollective(Function):
@@ -115,3 +126,11 @@ def scatter_to_sequence_region(x, comm):
     """The full sequence -> this rank's shard; the backward all-gathers."""
     x = _sequence_input(x, "scatter_to_sequence_region")
     return RegionCollective.apply(x, comm, SEQUENCE_AXIS, _slice, _gather)
+
+
+def all_to_all(x, comm):
+    """Chunk i of axis 0 goes to rank i, and this rank's chunk j comes from rank j (all-to-all /
+    all-to-all)."""
+    if x.ndim == 0 or x.shape[0] % comm.size:
+        raise ValueError(f"all_to_all: axis 0 of shape {x.shape} does not split over {comm.size} ranks")
+    return RegionCollective.apply(x, comm, 0, _all_to_all, _all_to_all)

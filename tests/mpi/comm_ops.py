@@ -36,6 +36,13 @@ check(out.shape == (2, 3) and np.allclose(out, full[2 * r : 2 * r + 2], rtol=1e-
 out = comm.all_gather(data(20 + r, (4,)))
 check(out.shape == (N, 4) and all(np.array_equal(out[k], data(20 + k, (4,))) for k in range(N)), "all_gather")
 
+# all_to_all: chunk i of rank r lands as chunk r of rank i; the result is the input's shape
+x = data(50 + r, (2 * N, 3))
+out = comm.all_to_all(x)
+check(out.shape == x.shape and all(np.array_equal(out[2 * k : 2 * k + 2], data(50 + k, (2 * N, 3))[2 * r : 2 * r + 2])
+                                   for k in range(N)), "all_to_all")
+check(np.array_equal(comm.iall_to_all(out).wait(), x), "all_to_all is its own inverse")
+
 # broadcast from the last rank
 x = data(30 + r, (6,))
 comm.broadcast(x, root=N - 1)
@@ -69,10 +76,12 @@ buf = np.ones(N * 1000, np.float32)
 comm.all_reduce(buf)
 comm.reduce_scatter(buf)
 comm.all_gather(buf[:1000])
+comm.all_to_all(buf)
 t = comm.stats.by_op
 check(t["all_reduce"].bytes_sent == 2 * (N - 1) * buf.nbytes // N, "all_reduce bytes")
 check(t["reduce_scatter"].bytes_sent == (N - 1) * buf.nbytes // N, "reduce_scatter bytes")
 check(t["all_gather"].bytes_received == (N - 1) * buf.nbytes // N, "all_gather bytes")
+check(t["all_to_all"].bytes_sent == t["all_to_all"].bytes_received == (N - 1) * buf.nbytes // N, "all_to_all bytes")
 check(ring_bytes("all_reduce", 4000, 4) == (6000, 6000), "ring model")
 
 # split into even and odd ranks

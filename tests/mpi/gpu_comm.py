@@ -40,6 +40,9 @@ comm.iall_reduce(x, op="max").wait()
 check(np.array_equal(x.get(), np.max([data(40 + k, (3,)) for k in range(N)], axis=0)), "iall_reduce max")
 out = comm.ireduce_scatter(cupy.asarray(data(50 + r, (N, 2)))).wait()
 check(np.allclose(out.get(), sum(data(50 + k, (N, 2)) for k in range(N))[r : r + 1], rtol=1e-5), "ireduce_scatter")
+out = comm.iall_to_all(cupy.asarray(data(55 + r, (2 * N, 3)))).wait()
+check(all(np.array_equal(out[2 * k : 2 * k + 2].get(), data(55 + k, (2 * N, 3))[2 * r : 2 * r + 2]) for k in range(N)),
+      "all_to_all")
 pair = comm.split(r // 2, r, "pairs")  # sub-groups: {0, 1}, {2, 3}, ...
 x = cupy.asarray(data(60 + r, (4,)))
 pair.all_reduce(x)

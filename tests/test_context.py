@@ -1,0 +1,140 @@
+"""Context parallelism: the online-softmax merge on one device, the chunking arithmetic, and ring
+attention and Ulysses on 2 and 4 ranks against single-device attention (tests/mpi/context.py)."""
+
+import numpy
+import pytest
+
+import minipar.functional as F
+from minipar import Tensor, backend
+from minipar.functional import blockwise
+from minipar.functional.blockwise import Block, blockwise_attention, pairs, runs
+from minipar.gradcheck import gradcheck
+from minipar.kernels import emulator, gemm
+from minipar.parallel.context import causal_work, contiguous_positions, load_balanced_positions
+from mpi_run import check_mpi, run_mpi
+
+B, T, H, D = 2, 12, 3, 4
+BLOCKS = {
+    "one block": [numpy.arange(T)],
+    "later half first": [numpy.r_[6:12], numpy.r_[0:6]],
+    "zigzag chunks": [numpy.r_[0:3, 9:12], numpy.r_[3:6, 6:9]],
+    "scattered, first block mostly future": [numpy.array([5, 1, 7]), numpy.r_[0, 2:5, 6, 8:12]],
+}
+
+
+def _pair(p, blocks, dtype="float64"):
+    rng = numpy.random.default_rng(1)
+    x, upstream = rng.standard_normal((B, T, 3 * H * D)), rng.standard_normal((B, T, H * D))
+    whole, split = Tensor(x, requires_grad=True, dtype=dtype), Tensor(x, requires_grad=True, dtype=dtype)
+    y_whole = F.causal_attention(whole, H, p, key=(5, 1), rows=[3, 8], head_offset=2)
+    y_split = blockwise_attention(split, H, blocks, p, key=(5, 1), rows=[3, 8], head_offset=2)
+    y_whole.backward(upstream.astype(dtype))
+    y_split.backward(upstream.astype(dtype))
+    return y_split.data, y_whole.data, split.grad, whole.grad
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("blocks", list(BLOCKS))
+def test_merged_blocks_equal_the_softmax_over_all_keys(blocks, p):
+    y, y_ref, g, g_ref = _pair(p, BLOCKS[blocks])
+    assert numpy.abs(y - y_ref).max() < 1e-14 and numpy.abs(g - g_ref).max() < 1e-14
+
+
+def test_merge_without_the_rescale_is_wrong(monkeypatch):
+    monkeypatch.setattr(blockwise, "rescale", lambda m, shift: blockwise.xp.ones_like(m))
+    y, y_ref, _, _ = _pair(0.0, BLOCKS["later half first"])
+    assert numpy.abs(y - y_ref).max() > 1e-2
+
+
+def test_blockwise_gradient_matches_central_differences():
+    qkv = Tensor(numpy.random.default_rng(2).standard_normal((2, 8, 12)), requires_grad=True, dtype="float64")
+    zigzag = [numpy.r_[2:4, 4:6], numpy.r_[0:2, 6:8]]  # rank 1's chunks of 2 ranks, then rank 0's
+    for p in (0.0, 0.3):
+        (report,) = gradcheck(lambda x: blockwise_attention(x, 2, zigzag, p, key=(1, 1)), [qkv])
+        assert report.ok, report
+
+
+def test_runs_are_the_stretches_of_consecutive_positions():
+    assert runs(numpy.r_[0:3, 9:12]) == [(0, 3, 0, 2), (3, 6, 9, 11)]
+    assert runs(numpy.array([4, 2, 3])) == [(0, 1, 4, 4), (1, 3, 2, 3)]
+
+
+@pytest.mark.parametrize("T,cp", [(8, 1), (16, 2), (24, 4), (64, 8)])
+def test_load_balanced_positions_cover_the_sequence_once_with_equal_work(T, cp):
+    every = [load_balanced_positions(T, cp, r) for r in range(cp)]
+    assert all(p.dtype == numpy.int64 and len(p) == T // cp for p in every)
+    assert numpy.array_equal(numpy.sort(numpy.concatenate(every)), numpy.arange(T))
+    c = T // (2 * cp)
+    assert numpy.array_equal(every[0], numpy.r_[0:c, T - c : T])  # the first chunk and the last
+    work = causal_work(every)
+    assert work == [c * c * (2 * cp - 1) + c * (c + 1)] * cp and sum(work) == T * (T + 1) // 2
+
+
+@pytest.mark.parametrize("T,cp", [(16, 2), (24, 4), (64, 8), (4096, 4)])
+def test_contiguous_split_loads_the_last_rank_most(T, cp):
+    work = causal_work([contiguous_positions(T, cp, r) for r in range(cp)])
+    assert work == sorted(work) and sum(work) == T * (T + 1) // 2
+    imbalance = max(work) / (sum(work) / cp)
+    assert imbalance == pytest.approx((T * (2 * cp - 1) + cp) / (cp * (T + 1)), rel=1e-12)
+    assert imbalance < (2 * cp - 1) / cp
+
+
+def _ring_scores(positions_per_rank):
+    """Per rank, the scores ring attention computes: its queries against every rank's keys, less
+    the pairs of chunks entirely in the future."""
+    blocks = [Block(p) for p in positions_per_rank]
+    return [sum((rows.stop - rows.start) * (cols.stop - cols.start) for keys in blocks
+                for rows, cols, *_ in pairs(queries, keys)) for queries in blocks]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_attention_skips_future_chunks_and_balances_what_it_computes(cp):
+    T = 4 * cp * 3
+    c = T // (2 * cp)
+    # chunks c x c: 2 of the 4 pairs against every other rank's keys, 3 against its own
+    assert _ring_scores([load_balanced_positions(T, cp, r) for r in range(cp)]) == [(2 * cp + 1) * c * c] * cp
+    # halves c x c of L = 2c: all 4 pairs against each earlier rank, 3 against its own
+    assert _ring_scores([contiguous_positions(T, cp, r) for r in range(cp)]) == [(4 * r + 3) * c * c
+                                                                                 for r in range(cp)]
+
+
+@pytest.mark.parametrize("T,cp,rank", [(12, 4, 0), (10, 2, 1), (16, 2, 2), (16, 0, 0), (0, 2, 0)])
+def test_bad_sizes_raise(T, cp, rank):
+    with pytest.raises(ValueError, match="multiple of|need cp"):
+        load_balanced_positions(T, cp, rank)
+
+
+def test_contiguous_positions_need_equal_chunks():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        contiguous_positions(10, 4, 0)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_and_ulysses_match_single_device_attention(n):
+    out = check_mpi(n, "context.py")
+    assert f"context parallel attention OK on {n} ranks" in out and out.count(" p=") == 16
+
+
+@pytest.mark.parametrize("bug", ["rescale", "owner"])
+def test_ring_attention_fails_on_a_planted_bug(bug):
+    code, out, _ = run_mpi(4, "context.py", "--plant-bug", bug, timeout=60)  # on 2, r+1 == r-1
+    assert code != 0 and "context parallel attention FAILED" in out
+    assert all("MISMATCH" in line for line in out.splitlines() if line.startswith("ring ") and " p=" in line)
+
+
+@pytest.mark.skipif(emulator.compiler() is None, reason="no C++ compiler for the emulator")
+def test_blockwise_attention_on_the_gpu_branches(monkeypatch):
+    """The products of the merge and of its backward (query rows of a block, transposed keys)
+    through the GPU kernel's plan, run by its CPU emulator, with the GPU's plain reductions."""
+    expected = _pair(0.2, BLOCKS["zigzag chunks"])
+    products = []
+
+    def kernel(a, b, out=None):
+        products.append(gemm.plan(a, b, numpy))
+        return emulator.matmul(a, b, out=out)
+
+    monkeypatch.setattr(backend, "DEVICE", "cuda")  # the GPU's branches, on NumPy arrays
+    monkeypatch.setattr(gemm, "matmul", kernel)
+    for got, want in zip(_pair(0.2, BLOCKS["zigzag chunks"]), expected):
+        assert numpy.abs(got - want).max() < 1e-13
+    assert len(products) > 10 and any(p.b.trans for p in products)
