@@ -121,6 +121,21 @@ def rows_of(batch, micro=(0, 1), replica=(0, 1)):
     return xp.arange(start, start + per_micro // n)
 
 
+def context_positions(length, context=(0, 1)):
+    """The global positions of the ``length`` tokens a context-parallel rank holds, in the order it
+    holds them. ``context`` = (r, n): the sequence of n x length tokens is cut into 2n chunks and
+    rank r holds chunks r and 2n-1-r (Megatron-core's load balancing): under a causal mask an early
+    chunk attends to few keys and a late one to many, so each rank takes one of each."""
+    r, n = context
+    if n == 1:
+        return xp.arange(length)
+    if length % 2 or not 0 <= r < n:
+        raise ValueError(f"context-parallel rank {r} of {n} holds two equal chunks: {length} positions "
+                         "per rank must be even (the sequence a multiple of 2 x CP)")
+    half = length // 2
+    return xp.concatenate([xp.arange(r * half, (r + 1) * half), xp.arange((2 * n - 1 - r) * half, (2 * n - r) * half)])
+
+
 def part(coords, count, index):
     """Part ``index`` of ``count`` equal consecutive parts of the coordinates ``coords`` (a
     sequence-parallel rank's positions, a tensor-parallel rank's features)."""
@@ -137,10 +152,11 @@ class DropoutRNG:
 
     Without ``at``, a forward of B rows and T positions holds rows r*B ... (r+1)*B - 1, where
     ``replica`` = (r, n) says which data-parallel replica this model is (split_batch's slice), and
-    positions 0 ... T - 1."""
+    positions 0 ... T - 1, or, for rank c of a context-parallel group of m (``context`` = (c, m)),
+    its two chunks of a sequence of m x T (``context_positions``)."""
 
-    def __init__(self, seed=0, replica=(0, 1)):
-        self.seed, self.iteration, self.replica = int(seed), 0, tuple(replica)
+    def __init__(self, seed=0, replica=(0, 1), context=(0, 1)):
+        self.seed, self.iteration, self.replica, self.context = int(seed), 0, tuple(replica), tuple(context)
         self.rows = self.positions = None
 
     @contextlib.contextmanager
@@ -169,7 +185,7 @@ class DropoutRNG:
         elif len(rows) != batch:
             raise ValueError(f"dropout was told of {len(rows)} rows (rng.at(rows=...)) for a batch of {batch}")
         if positions is None:
-            positions = xp.arange(length)
+            positions = context_positions(length, self.context)
         elif len(positions) != length:
             raise ValueError(f"dropout was told of {len(positions)} positions (rng.at(positions=...)) "
                              f"for sequences of {length}")

@@ -13,7 +13,7 @@ import os
 from minipar.cli import FlagError
 
 # the RunConfig field each flag sets, so that a problem names the flag
-FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
+FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type": "--cp-comm-type", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
          "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size", "n_layer": "--n-layer",
          "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout",
          "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype"}
@@ -23,7 +23,8 @@ def run_config(args, world_size):
     """The run the flags describe, as plain numbers (``minipar.parallel.validate``)."""
     from minipar.parallel.validate import RunConfig
 
-    return RunConfig(world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vpp,
+    return RunConfig(world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
+                     cp_comm_type=args.cp_comm_type, virtual_stages=args.vpp,
                      schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
                      n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                      dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,

@@ -64,8 +64,9 @@ class Trainer:
         self.args, self.config, self.data, self.world = args, config, data, world
         minipar.set_default_dtype(args.dtype)
         minipar.manual_seed(args.seed)
-        self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world)
-        self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp)
+        self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp)
+        self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp,
+                                 cp_comm_type=args.cp_comm_type)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the only place the stage is read
         self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
@@ -112,7 +113,7 @@ class Trainer:
 
     def _groups(self):
         g = self.grid
-        return [(name, group) for name, group in (("tp", g.tp_group), ("dp", g.dp_group), ("pp", g.pp_group),
+        return [(name, group) for name, group in (("tp", g.tp_group), ("cp", g.cp_group), ("dp", g.dp_group), ("pp", g.pp_group),
                                                   ("embedding", g.embedding_group)) if group is not None]
 
     def _nonfinite(self):
@@ -189,7 +190,8 @@ class Trainer:
         a, g = self.args, self.grid
         print(f"model: {n_params:,} parameters, {a.n_layer} layers, {a.n_head} heads, "
               f"{a.n_embd} hidden, context {a.block_size}, {a.dtype}")
-        print(f"layout: {self.world.size} ranks = TP {g.tp} x PP {g.pp} x DP {g.dp}; {a.micro_batches} "
+        cp = f" x CP {g.cp} ({a.cp_comm_type})" if g.cp > 1 else ""
+        print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
               + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
               + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else ""))

@@ -163,10 +163,10 @@ class FakeGrid:
     """One stage of a pipeline as GPT and the executor see it at construction (no communicator:
     no embedding group, so nothing is broadcast)."""
 
-    tp_group = dp_group = embedding_group = None
+    tp_group = cp_group = dp_group = embedding_group = None
     pp_group = object()
-    tp = dp = 1
-    tp_rank = dp_rank = 0
+    tp = cp = dp = 1
+    tp_rank = cp_rank = dp_rank = 0
 
     def __init__(self, pp, pp_rank):
         self.pp, self.pp_rank, self.layout = pp, pp_rank, minipar.parallel.Layout(1, pp, 1)

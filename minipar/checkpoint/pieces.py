@@ -77,7 +77,7 @@ def pieces(model, optimizer, grid=None):
     optimizer's ``state_arrays()`` (the step protocol, ``parallel/protocol.py``)."""
     names = {id(p): n for n, p in model.named_parameters()}
     whole = grid.ranks() if grid is not None else {}  # copies over every group, DP included
-    flat = dict(whole, dp=0)  # ZeRO's pieces: a different one on every DP rank
+    flat = dict(whole, dp=0, cp=0)  # ZeRO's pieces: a different one on every DP x CP rank
     return [Piece(kind, names[id(p)], array, shape, *_cut(p, grid), flat=part,
                   write=is_primary(p.placement, whole if part is None else flat))
             for kind, p, array, shape, part in optimizer.state_arrays()]

@@ -40,7 +40,7 @@ from minipar.parallel.pipeline.schedules import Pipeline
 from minipar.parallel.recompute import checkpoint
 from minipar.parallel.validate import RunConfig, check
 from minipar.random import default_generator
-from minipar.rng import DropoutRNG
+from minipar.rng import DropoutRNG, context_positions, part
 
 
 @dataclass
@@ -63,23 +63,26 @@ class GPTConfig:
 
 
 class GPT(Module):
-    def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1):
+    def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1, cp_comm_type="p2p"):
         self.config = config
         self.grid = grid  # resolves the group names of the parameters' placements
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
+        self.cp = grid.cp_group if grid is not None and grid.cp > 1 else None
         self.dp = grid.dp_group if grid is not None and grid.dp > 1 else None
         self.pp = grid.pp_group if grid is not None and grid.pp > 1 else None
         # the model on its grid (whole heads per TP rank, whole blocks per chunk, SP needs TP > 1),
         # before any group communicates. Not block_size: a sequence parallel model may run shorter
         # sequences, and refuses a length TP does not divide when it sees one (``_positions``).
-        n, tp, pp, dp = (grid.layout.world_size, grid.tp, grid.pp, grid.dp) if grid is not None else (1, 1, 1, 1)
-        check(RunConfig(world_size=n, tp=tp, pp=pp, dp=dp, virtual_stages=virtual_stages, n_layer=config.n_layer,
-                        n_head=config.n_head, n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel)),
-              what="GPT")
+        n, tp, pp, dp, cp = (grid.layout.world_size, grid.tp, grid.pp, grid.dp, grid.cp) if grid is not None else (1,) * 5
+        check(RunConfig(world_size=n, tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type,
+                        virtual_stages=virtual_stages, n_layer=config.n_layer, n_head=config.n_head,
+                        n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel)), what="GPT")
         self.sequence_parallel = bool(sequence_parallel)
         # dropout: by default this model holds its data-parallel rank's slice of the batch's rows
-        self.rng = DropoutRNG(replica=(self.dp.rank, self.dp.size) if self.dp is not None else (0, 1))
-        layers = _Layers(self.tp, self.sequence_parallel, self.rng)
+        # and, with context parallelism, its rank's two chunks of every sequence
+        self.rng = DropoutRNG(replica=(self.dp.rank, self.dp.size) if self.dp is not None else (0, 1),
+                              context=(self.cp.rank, self.cp.size) if self.cp is not None else (0, 1))
+        layers = _Layers(self.tp, self.sequence_parallel, self.rng, self.cp, cp_comm_type)
         pipe = Pipeline(grid.pp if grid is not None else 1, 1, virtual_stages)
         r = grid.pp_rank if grid is not None else 0
         self.n_chunks = pipe.n_chunks
@@ -117,14 +120,30 @@ class GPT(Module):
         # drawn after the weights, so the weights do not depend on it
         self.rng.seed = int(default_generator().integers(0, 2**62))
 
-    def _positions(self, T):
-        if not self.sequence_parallel:
+    def context_positions(self, T):
+        """The global positions of the tokens this rank's context-parallel part of a sequence of
+        ``T`` holds (all of them without context parallelism)."""
+        if self.cp is None:
             return xp.arange(T)
-        if T % self.tp.size:
-            raise ValueError(f"sequence parallelism splits the sequence: length {T} is not "
+        if T % (2 * self.cp.size):
+            raise ValueError(f"context parallelism cuts the sequence into 2 x CP chunks: length {T} is not "
+                             f"divisible by {2 * self.cp.size}")
+        return context_positions(T // self.cp.size, (self.cp.rank, self.cp.size))
+
+    def _positions(self, T):
+        """The global positions of the tokens this rank embeds: its context-parallel part of the
+        sequence, and of that its sequence-parallel part."""
+        positions = self.context_positions(T)
+        if not self.sequence_parallel:
+            return positions
+        if len(positions) % self.tp.size:
+            raise ValueError(f"sequence parallelism splits the sequence: {len(positions)} positions are not "
                              f"divisible by TP={self.tp.size}")
-        n = T // self.tp.size
-        return xp.arange(self.tp.rank * n, (self.tp.rank + 1) * n)
+        return part(positions, self.tp.size, self.tp.rank)
+
+    def local_targets(self, targets):
+        """The targets of this rank's positions of ``targets`` (B, T): what its loss is a mean over."""
+        return targets if self.cp is None else targets[:, self.context_positions(targets.shape[1])]
 
     def forward(self, idx, targets=None):
         """``idx`` (B, T) integer ids -> logits (B, T, vocab) and, given targets, the mean loss.
@@ -156,7 +175,8 @@ class GPT(Module):
 
     def activation_shape(self, batch, T):
         """The shape of what one chunk sends the next: (batch, positions on this rank, n_embd)."""
-        positions = T // self.tp.size if self.sequence_parallel else T
+        positions = T // self.cp.size if self.cp is not None else T
+        positions = positions // self.tp.size if self.sequence_parallel else positions
         return (batch, positions, self.config.n_embd)
 
     def check_batch(self, idx, targets=None):
@@ -169,8 +189,13 @@ class GPT(Module):
         T, V = idx.shape[1], self.config.vocab_size
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        if self.sequence_parallel and T % self.tp.size:
-            raise ValueError(f"sequence parallelism splits the sequence: length {T} is not divisible by TP={self.tp.size}")
+        cp = self.cp.size if self.cp is not None else 1
+        if cp > 1 and T % (2 * cp):
+            raise ValueError(f"context parallelism cuts the sequence into 2 x CP chunks: length {T} is not "
+                             f"divisible by {2 * cp}")
+        if self.sequence_parallel and T % (cp * self.tp.size):
+            raise ValueError(f"sequence parallelism splits the sequence: length {T} is not divisible by "
+                             f"{'CP x ' if cp > 1 else ''}TP={cp * self.tp.size}")
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= V):
             raise ValueError(f"token ids must lie in [0, {V}), got ids from {int(idx.min())} to {int(idx.max())}")
         if targets is not None:
@@ -211,6 +236,8 @@ class GPT(Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         tr = self.transformer
         positions = self._positions(T)  # checks T against sequence parallelism before any communication
+        if self.cp is not None:  # this rank's two chunks of every sequence
+            idx = idx[:, self.context_positions(T)]
         return tr.drop(tr.wte(idx) + tr.wpe(positions))
 
     def logits(self, x):
@@ -220,6 +247,8 @@ class GPT(Module):
         return F.linear(x, tr.wte.weight) if self.tp is None else tr.wte.logits(x)
 
     def loss(self, logits, targets):
+        """The mean cross-entropy over this rank's positions of ``targets`` (B, T)."""
+        targets = self.local_targets(xp.asarray(array_of(targets)))
         if self.tp is None:
             return F.cross_entropy(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.tp, self.transformer.wte.start,
@@ -255,6 +284,9 @@ class GPT(Module):
         if self.pp is not None:
             raise RuntimeError(f"{what} needs the whole model, and this GPT is split into pipeline "
                                "stages (each rank holds some layers only)")
+        if self.cp is not None and what.startswith("generate"):
+            raise RuntimeError("generate() adds one token at a time, which context parallelism cannot "
+                               "split; sample from a model built on a grid without CP")
 
     def full_state_dict(self):
         """The single-device state dict, gathered from the shards (a collective on TP ranks)."""

@@ -10,7 +10,7 @@ import math
 
 import minipar.functional as F
 from minipar.nn import Dropout, Embedding, LayerNorm, Linear, Module
-from minipar.parallel import tensor
+from minipar.parallel import context, tensor
 
 
 class Site(enum.IntEnum):
@@ -26,10 +26,13 @@ class Site(enum.IntEnum):
 
 class _Layers:
     """Makes each layer plain (no tensor parallelism) or split across the TP group ``tp``; ``rng``
-    is the model's DropoutRNG, which every dropout shares."""
+    is the model's DropoutRNG, which every dropout shares. ``cp``: the context-parallel group
+    (None without), whose ranks attend across it by ``cp_comm_type``: "p2p" (ring attention) or
+    "a2a" (Ulysses)."""
 
-    def __init__(self, tp, sequence_parallel, rng):
-        self.tp, self.sp, self.rng = tp, sequence_parallel, rng
+    def __init__(self, tp, sequence_parallel, rng, cp=None, cp_comm_type="p2p"):
+        self.tp, self.sp, self.rng, self.cp = tp, sequence_parallel, rng, cp
+        self.context_attention = {"p2p": context.ring_attention, "a2a": context.ulysses_attention}[cp_comm_type]
 
     def column(self, n_in, n_out, bias, chunks=1):
         if self.tp is None:
@@ -83,6 +86,7 @@ class CausalSelfAttention(Module):
         self.n_head = config.n_head // tp  # heads on this rank
         self.head_offset = layers.tp.rank * self.n_head if layers.tp is not None else 0
         self.dropout, self.rng, self.layer = config.dropout, layers.rng, layer
+        self.cp, self.context_attention = layers.cp, layers.context_attention
         self.c_attn = layers.column(config.n_embd, 3 * config.n_embd, config.bias, chunks=3)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 n_layer):
         # 2 n_layer of them add up along the residual path.
@@ -92,13 +96,18 @@ class CausalSelfAttention(Module):
 
     def forward(self, x):
         p = self.dropout if self.training else 0.0
-        qkv = self.c_attn(x)  # (B, T, 3C/TP): every position, also under sequence parallelism
+        qkv = self.c_attn(x)  # (B, T, 3C/TP): every position of this rank's part of the context
         key = rows = positions = None
-        if p > 0:  # the global rows and positions of these tokens key the masks
-            key = self.rng.key(self.layer, Site.ATTENTION_PROBS)
+        if p > 0 or self.cp is not None:  # the global rows and positions of these tokens
             rows, positions = self.rng.where(qkv.shape[0], qkv.shape[1])
-        y = F.causal_attention(qkv, self.n_head, p, key=key, rows=rows, positions=positions,
-                               head_offset=self.head_offset)
+        if p > 0:  # key the masks
+            key = self.rng.key(self.layer, Site.ATTENTION_PROBS)
+        if self.cp is None:
+            y = F.causal_attention(qkv, self.n_head, p, key=key, rows=rows, positions=positions,
+                                   head_offset=self.head_offset)
+        else:  # the keys and values of the other positions are on the other ranks of the CP group
+            y = self.context_attention(qkv, self.n_head, self.cp, positions, p, key=key, rows=rows,
+                                       head_offset=self.head_offset)
         return self.resid_dropout(self.c_proj(y))
 
 

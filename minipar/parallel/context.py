@@ -29,7 +29,7 @@ from minipar.functional.attention import attention_arguments
 from minipar.functional.blockwise import DropoutSite
 from minipar.parallel.ring_attention import RingAttention
 from minipar.parallel.ulysses import ulysses
-from minipar.rng import stream
+from minipar.rng import context_positions, stream
 
 
 def _check_rank(T, cp, rank):
@@ -44,9 +44,7 @@ def load_balanced_positions(T, cp, rank):
     if T % (2 * cp):
         raise ValueError(f"a sequence of {T} tokens does not cut into 2 x {cp} equal chunks for load-balanced "
                          f"context parallelism: make the sequence length a multiple of {2 * cp}")
-    c = T // (2 * cp)
-    mirror = 2 * cp - 1 - rank
-    return numpy.concatenate([numpy.arange(rank * c, (rank + 1) * c), numpy.arange(mirror * c, (mirror + 1) * c)])
+    return to_numpy(context_positions(T // cp, (rank, cp))).astype(numpy.int64)  # the rule dropout keys by too
 
 
 def contiguous_positions(T, cp, rank):

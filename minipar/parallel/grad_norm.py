@@ -12,8 +12,8 @@ parameters:
 * pipeline parallelism: each stage holds different blocks. Sum over the PP group. The tied
   embedding's copy on the last stage ("embedding" in its copies) is the first stage's parameter
   again: not counted.
-* data parallelism: after the all-reduce every replica holds the same gradients and adds up the
-  whole norm itself; nothing to add.
+* data and context parallelism: after the all-reduce over DP x CP every rank holds the same
+  gradients and adds up the whole norm itself; nothing to add.
 
 Every rank then has the same norm, and takes the same step as one device would.
 """
@@ -26,7 +26,7 @@ from minipar.placement import is_primary
 
 def grad_norm(params, grid=None):
     """||g|| of the whole model from this rank's ``params`` (a collective over TP and PP)."""
-    ranks = dict(grid.ranks(), dp=0) if grid is not None else {}  # each DP replica counts everything
+    ranks = dict(grid.ranks(), dp=0, cp=0) if grid is not None else {}  # each DP x CP rank counts everything
     local = sum_of_squares([p.grad for p in params if p.grad is not None and is_primary(p.placement, ranks)])
     return norm_over_groups(local, grid)
 

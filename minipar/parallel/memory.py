@@ -2,7 +2,7 @@
 machine is refused before anything is allocated (``python -m minipar.train`` asks ``problem``).
 
 A rank holds a 1/(TP x PP) part of the parameters, their gradients and AdamW's two moments: four
-arrays of the parameters' size. ZeRO shards them over the DP group stage by stage: the moments
+arrays of the parameters' size. ZeRO shards them over the DP (x CP) group stage by stage: the moments
 (stage 1), then the gradients (2), then the parameters (3). Activations are not counted: they
 depend on the batch, the schedule and recomputation, and for the models this refuses they are the
 smaller part. It imports nothing from minipar, like ``validate``, which resolves the sizes it reads.
@@ -23,7 +23,7 @@ def state_bytes(cfg):
     """Bytes of parameters, gradients and AdamW's moments on one rank of ``cfg`` (a resolved
     ``validate.RunConfig``: its DP known)."""
     per_rank = parameter_count(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size or 256) / (cfg.tp * cfg.pp)
-    dp, stage = cfg.dp or 1, cfg.zero_stage
+    dp, stage = (cfg.dp or 1) * (cfg.cp or 1), cfg.zero_stage  # ZeRO shards over DP x CP
     arrays = (1 / dp if stage >= 3 else 1) + (1 / dp if stage >= 2 else 1) + (2 / dp if stage >= 1 else 2)
     return per_rank * arrays * BYTES[cfg.dtype]
 

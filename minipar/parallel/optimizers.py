@@ -20,8 +20,9 @@ BY_STAGE = {0: DataParallelAdamW, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
 
 def make_optimizer(model, grid, zero_stage=0, bucket_bytes=4 << 20, **hyper):
     """The step-protocol object for ``model`` (built on ``grid``): AdamW with ``hyper`` (lr, betas,
-    eps, weight_decay) over the grid's data-parallel group, its state kept as ZeRO ``zero_stage``
-    says. ``bucket_bytes``: the size of the gradient buckets (stage 0) or groups (stages 1-2);
+    eps, weight_decay) over the grid's data-parallel group (with context parallelism DP x CP: every
+    one of those ranks computed gradients of the same weights from other tokens), its state kept as
+    ZeRO ``zero_stage`` says. ``bucket_bytes``: the size of the gradient buckets (stage 0) or groups (stages 1-2);
     ZeRO-3's groups are the model's units."""
     if zero_stage not in BY_STAGE:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -29,8 +30,8 @@ def make_optimizer(model, grid, zero_stage=0, bucket_bytes=4 << 20, **hyper):
         raise ValueError("make_optimizer: the model was built on another grid (its parameters' "
                          "placements name that grid's groups)")
     if zero_stage == 3:
-        return ZeRO3(model, grid.dp_group, **hyper)
-    return BY_STAGE[zero_stage](model, grid.dp_group, bucket_bytes=bucket_bytes, **hyper)
+        return ZeRO3(model, grid.dp_cp_group, **hyper)
+    return BY_STAGE[zero_stage](model, grid.dp_cp_group, bucket_bytes=bucket_bytes, **hyper)
 
 
 __all__ = ["BY_STAGE", "DataParallelAdamW", "ZeRO1", "ZeRO2", "ZeRO3", "make_optimizer"]

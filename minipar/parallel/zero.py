@@ -75,8 +75,8 @@ class ShardedAdamW(DistributedOptimizer):
         refuse_unsupported(model, stage, type(self).__name__)
         super().__init__(model, comm)
         # which copies this rank counts in the norm (see placement.is_primary); its pieces differ
-        # across the DP group, so none is a copy there
-        self.ranks = dict(self.ranks, dp=0)
+        # across the DP (x CP) group, so none is a copy there
+        self.ranks = dict(self.ranks, dp=0, cp=0)
         self.ledger = Ledger()
         self.dtype = params[0].dtype
         if stage < 3:

@@ -76,8 +76,8 @@ class PipelineExecutor:
         validate.check(validate.RunConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, virtual_stages=v, schedule=schedule,
                                           micro_batches=micro_batches, n_layer=model.config.n_layer),
                        what="PipelineExecutor")
-        if grid.dp > 1 and optimizer is None:
-            raise ValueError("the grid has DP > 1: pass what sums the gradients over it (from "
+        if grid.dp * grid.cp > 1 and optimizer is None:
+            raise ValueError("the grid has DP x CP > 1: pass what sums the gradients over it (from "
                              "minipar.parallel.optimizers.make_optimizer) as optimizer=")
         self.model, self.grid, self.optimizer, self.recompute = model, grid, optimizer, recompute
         self.m, self.v, self.name = micro_batches, v, schedule
@@ -159,8 +159,8 @@ class PipelineExecutor:
         with self._dropout_context(state, ins):
             out = self.model.chunk_forward(ins.chunk, ids if inp is None else inp,
                                            targets if last else None, recompute=self.recompute)
-        if last:  # this micro-batch's share of the step's mean loss
-            out = scale_loss(out, targets, total=state.tokens)
+        if last:  # this micro-batch's share of the step's mean loss (of its positions, with CP)
+            out = scale_loss(out, self.model.local_targets(targets), total=state.tokens)
             state.loss += out.item()
         state.kept[unit] = (inp, out)
         state.record.peak_alive = max(state.record.peak_alive, len(state.kept))
