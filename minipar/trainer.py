@@ -31,6 +31,7 @@ import minipar
 from minipar.checkpoint import full, sharded
 from minipar.checkpoint.boxes import volume
 from minipar.checkpoint.pieces import pieces
+from minipar.mfu import flops_per_token, measured_peak
 from minipar.models import GPT
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
@@ -150,6 +151,9 @@ class Trainer:
         end = min(args.max_iters, stop)
         history, val_history, val_loss = [], [], None
         tokens_per_step = args.batch_size * args.block_size
+        model_flops = tokens_per_step * flops_per_token(args.n_layer, args.n_embd, args.block_size,
+                                                        self.config.vocab_size)
+        peak = measured_peak(self.world, self.model.parameters()[0].dtype)  # a collective, before the clock
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "a" if self.start else "w") as log:
             clock = time.perf_counter()
             for it in range(self.start, end):
@@ -158,7 +162,9 @@ class Trainer:
                     return self._diverged(it, loss, norm, bad)
                 now = time.perf_counter()
                 ms, clock = 1e3 * (now - clock), now
-                record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble}
+                mfu = model_flops / (ms / 1e3) / peak
+                record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
+                          "mfu": mfu}
                 last = it == end - 1
                 if (it + 1) % args.eval_interval == 0 or it == args.max_iters - 1:
                     val_loss = record["val_loss"] = self.evaluate()
@@ -173,7 +179,7 @@ class Trainer:
                     val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
                     print(f"iter {it:>5} | loss {loss:.4f} | val {val} | lr {record['lr']:.2e} | "
                           f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter | "
-                          f"bubble {bubble:.2f}", flush=True)
+                          f"bubble {bubble:.2f} | MFU {100 * mfu:4.1f}%", flush=True)
         if args.report:
             self._report()
         if end < args.max_iters:
