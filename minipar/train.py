@@ -4,7 +4,7 @@
 On one device this is nanoGPT's loop: sample a batch, forward, backward, clip, AdamW, with a
 warm-up and cosine learning-rate schedule, a validation estimate every ``--eval-interval`` steps, a
 progress line, an optional JSON log and a loss-curve picture at the end. On N ranks the same loop
-runs on a TP x PP x DP grid (``minipar/trainer.py`` builds it), with Megatron-LM's flag names. A
+runs on a TP x CP x DP x PP grid (``minipar/trainer.py`` builds it), with Megatron-LM's flag names. A
 run is a pure function of its flags, whatever the layout: ``--global-batch-size`` samples are
 drawn per step from the seed, and a layout only changes how they are split across data-parallel
 ranks and micro-batches.
@@ -51,7 +51,7 @@ def build_parser():
 
     p = Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Train a GPT on bytes of text (by default the Python standard library's "
-                            "source), on one device or on a TP x PP x DP grid of MPI ranks.")
+                            "source), on one device or on a TP x CP x DP x PP grid of MPI ranks.")
     m = p.add_argument_group("model")
     m.add_argument("--n-layer", "--num-layers", type=positive_int, default=DEFAULTS["n_layer"], help="transformer blocks")
     m.add_argument("--n-head", "--num-attention-heads", type=positive_int, default=DEFAULTS["n_head"], help="attention heads")

@@ -1,4 +1,4 @@
-"""The training loop on a TP x PP x DP grid: what ``python -m minipar.train`` runs after its flags
+"""The training loop on a TP x CP x DP x PP grid: what ``python -m minipar.train`` runs after its flags
 are checked.
 
 One step, on every layout (a 1 x 1 x 1 grid is the single-device run):
@@ -6,7 +6,7 @@ One step, on every layout (a 1 x 1 x 1 grid is the single-device run):
     batch      the step's global batch from (seed, iteration); every rank draws the same one
     schedule   the pipeline executor runs this rank's forwards and backwards over its micro-batches
                (PP = 1: one stage; gradient accumulation over micro-batches)
-    gradients  summed over DP and finished by ``model.finalize_grads()`` (sequence-parallel sums,
+    gradients  summed over DP (x CP) and finished by ``model.finalize_grads()`` (sequence-parallel sums,
                the tied embedding's two parts): the optimizer's ``finish_gradients()``
     clip       by the whole model's gradient norm, across TP and PP groups (and DP, for ZeRO's pieces)
     step       AdamW, or its ZeRO-sharded form

@@ -51,6 +51,6 @@ def problem(cfg, free, names):
         fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over DP={cfg.dp})")
     n = parameter_count(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size or 256)
     return (f"a model of {n:,} parameters needs about {gb(need)} on each rank ({cfg.dtype} parameters, "
-            f"gradients and AdamW's two moments on TP x PP x DP = {cfg.tp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
+            f"gradients and AdamW's two moments on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
             f"stage {cfg.zero_stage}; activations not counted), but {gb(available)} is available to each "
             f"({what} {gb(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")
