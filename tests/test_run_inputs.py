@@ -11,16 +11,9 @@ import time
 
 import pytest
 from mpi_run import ROOT, run_mpi
-from test_train import TINY, train
+from test_train import TINY, corpus, train  # noqa: F401 (corpus: a fixture)
 
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(300)))
-    return str(path)
 
 
 def one_line(run, message):
