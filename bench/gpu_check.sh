@@ -73,7 +73,10 @@ step() {  # step NAME LIMIT LOG COMMAND...: one check, its own time limit, its l
 }
 
 : >"$results"
-say "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# The device tool copies the working tree, but its .git can be older than the tree: the caller
+# names the commit it sent (GPU_CHECK_COMMIT), else we say which .git HEAD was found.
+commit=${GPU_CHECK_COMMIT:-"$(git rev-parse --short HEAD 2>/dev/null || echo '?') (HEAD of the .git that travelled)"}
+say "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $commit"
 say ""
 say "python: $PYTHON ($(command -v "$PYTHON")); wheels: $wheels; budget: $budget s"
 say ""
