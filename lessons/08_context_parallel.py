@@ -63,9 +63,10 @@ FLAGS = {"cp": "--cp", "tp": "--tp", "cp_comm_type": "--cp-comm-type", "global_b
 
 
 def flags(p):
-    p.add_argument("--cp", type=int, help="context-parallel size (default: three layouts from the ranks)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size with --cp (DP = ranks / CP / TP)")
-    p.add_argument("--cp-comm-type", default="p2p", help="with --cp: p2p (ring) or a2a (Ulysses)")
+    # none of the three: up to three layouts from the rank count; any of them: that one layout
+    p.add_argument("--cp", type=int, help="context-parallel size (default: ranks / TP)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default 1; DP = ranks / CP / TP)")
+    p.add_argument("--cp-comm-type", help="p2p (ring attention, the default) or a2a (Ulysses)")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=64)
@@ -77,8 +78,9 @@ def flags(p):
 def layouts(args, ranks):
     """(CP, TP, comm type) of each run: the one asked for, or the ring over every rank, the ring on
     half of them with TP=2, and Ulysses over every rank where the heads split."""
-    if args.cp is not None:
-        return [(args.cp, args.tp, args.cp_comm_type)]
+    if (args.cp, args.tp, args.cp_comm_type) != (None, None, None):
+        tp = args.tp or 1
+        return [(args.cp or max(ranks // tp, 1), tp, args.cp_comm_type or "p2p")]
     runs = [(ranks, 1, "p2p")] + [(ranks // 2, 2, "p2p")] * (ranks >= 4 and ranks % 2 == 0)
     return runs + [(ranks, 1, "a2a")] * (ranks > 1 and args.n_head % ranks == 0)
 
@@ -93,17 +95,19 @@ def check(args, ranks):
     return found
 
 
-def attention_alone(args):
-    """Part 1: causal attention over one sequence, the keys taken in 2CP chunks in a ring's order
-    and merged by the online softmax, against the full softmax; output and input gradient."""
-    cp, T, H = 4, args.block_size, args.n_head
+def attention_alone(args, cp):
+    """Part 1: causal attention over one sequence, its keys taken one ring block at a time (chunks
+    r and 2CP-1-r) in the order rank 1 meets them, merged by the online softmax, against the full
+    softmax: the output and the gradient of q, k, v."""
+    T, H = args.block_size, args.n_head
     rng, dtype = np.random.default_rng(args.seed), minipar.get_default_dtype()
     qkv = minipar.Tensor(xp.asarray(rng.standard_normal((2, T, 3 * args.n_embd)), dtype), requires_grad=True)
     grad = xp.asarray(rng.standard_normal((2, T, args.n_embd)), dtype)
-    chunks = [load_balanced_positions(T, cp, r) for r in (1, 0, 3, 2)]  # rank 1's view of the ring
+    chunks = np.array_split(np.arange(T), 2 * cp)
+    blocks = [np.concatenate([chunks[r], chunks[2 * cp - 1 - r]]) for r in ((1 - t) % cp for t in range(cp))]
     errors = {}
     for name, attend in (("full", lambda: F.causal_attention(qkv, H)),
-                         ("blocks", lambda: F.blockwise_attention(qkv, H, chunks))):
+                         ("blocks", lambda: F.blockwise_attention(qkv, H, blocks))):
         qkv.grad = None
         y = attend()
         y.backward(grad)
@@ -211,9 +215,8 @@ def work_table(T, cps):
                  for name, rule in (("balanced", load_balanced_positions), ("contiguous", contiguous_positions))}
         ratio = {name: max(w) / np.mean(w) for name, w in split.items()}
         formula = (T * (2 * cp - 1) + cp) / (cp * (T + 1))
-        lines.append(f"  CP={cp:<3} T={T:<5} {ratio['balanced']:>9.4f} {ratio['contiguous']:>11.4f} "
-                     f"{formula:>14.4f}   (pairs per rank, contiguous: {min(split['contiguous'])}.."
-                     f"{max(split['contiguous'])})")
+        lines.append(f"  CP={cp:<2} T={T:<7,} {ratio['balanced']:>9.4f} {ratio['contiguous']:>11.4f} "
+                     f"{formula:>9.4f}   {min(split['contiguous']):,}..{max(split['contiguous']):,}")
     return lines
 
 
@@ -223,7 +226,8 @@ def main():
                               "exp(m - m'): must fail")
     if args.plant_bug:  # the terms gathered so far keep their old maximum when a larger one arrives
         blockwise.rescale = lambda m, shift: xp.where(xp.isneginf(m), 0.0, 1.0).astype(m.dtype)
-    alone = attention_alone(args)
+    ring = max(layouts(args, comm.size)[0][0], 2)  # the first layout's CP
+    alone = attention_alone(args, ring)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, dropout=args.dropout)
     batches = lesson.batches(args, config.block_size)
@@ -247,27 +251,29 @@ def main():
               f"T={args.block_size}, batch {args.batch_size}, {args.dtype}, dropout {args.dropout}")
         if args.plant_bug:
             print("PLANTED BUG: the online softmax's merge skips its rescale (alpha = 1)")
-        lesson.print_errors({None: alone}, tol, title="1. attention in 2 x 4 key chunks, merged by the online "
-                            "softmax, against the full softmax: relative error")
+        lesson.print_errors({None: alone}, tol, title=f"1. attention, keys in {ring} ring blocks merged by the online "
+                            "softmax, vs all at once")
         lesson.print_errors({name(*layout): errors for layout, (errors, _) in results.items()}, tol, width=14,
-                            title=f"2. the GPT, {args.steps} AdamW steps through the executor: relative error")
+                            title=f"2. the GPT, {args.steps} AdamW steps through the executor")
         print("\n3. bytes each rank sends on the CP group per layer (measured | formula)")
-        print(f"  {'layout':<12} {'forward':>23} {'backward':>23}   check all-gathers, forward")
+        print(f"  {'layout':<12} {'forward':>23} {'backward':>23}   {'check all-gathers':>17}")
         for layout, ((attention, checks), (moved, gathered), _) in shown.items():
             print(f"  {name(*layout):<12} {moved[0]:>11,.0f} | {attention[0]:>9,} {moved[1]:>11,.0f} | "
-                  f"{attention[1]:>9,}   {gathered:,.0f} | {checks:,}")
+                  f"{attention[1]:>9,}   {gathered:>7,.0f} | {checks:>7,}")
         print("  p2p: (CP-1) x 2 B (T/CP) (C/TP) itemsize forward, twice that backward (K,V again + dK,dV)")
         print("  a2a: 4 (CP-1)/CP B (T/CP) (C/TP) itemsize each way; checks: (CP-1)(8 + T/CP) x 8 bytes")
         single = (args.batch_size * args.block_size * args.n_embd * itemsize)
-        print(f"\n  a block's input on each rank (single device, whole batch: {single:,} bytes)")
+        print(f"\n  a block's input on each rank (one device, whole batch: {single:,} bytes; DP splits rows)")
         for layout, (_, _, block) in shown.items():
             cp, tp, _ = layout
             print(f"  {name(*layout):<12} {block:>9,} bytes = 1/{single // block} of it "
-                  f"(1/CP = 1/{cp}, times DP = {comm.size // cp // tp} for the rows)")
-        cps = sorted({2, 4, 8} | {layout[0] for layout in results if layout[0] > 1})
-        print(f"\n  causal work per rank, max/mean {'balanced':>9} {'contiguous':>11} {'formula':>14}")
+                  f"= 1/(CP x DP) = 1/({cp} x {comm.size // cp // tp})")
+        cps = sorted(c for c in {2, 4, 8} | {layout[0] for layout in results} if args.block_size % (2 * c) == 0
+                     and c > 1)
+        print(f"\n  causal (query, key) pairs per rank, max/mean\n  {'':<15}{'balanced':>9} {'contiguous':>11} "
+              f"{'formula':>9}   contiguous: fewest..most")
         print("\n".join(work_table(args.block_size, cps) + work_table(1 << 17, [4])))
-        print("  formula (contiguous): (T(2CP-1) + CP) / (CP(T+1)); balanced: exactly 1")
+        print("  formula (contiguous): (T(2CP-1) + CP) / (CP(T+1)) -> (2CP-1)/CP; balanced: exactly 1")
 
     return lesson.finish(comm, not ok, report, "Context parallelism equals the single-device run, and "
                          "sends what the formulas say.")
