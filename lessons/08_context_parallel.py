@@ -28,7 +28,7 @@ A contiguous split leaves the last rank almost twice the mean's work; the load-b
 
 Exercises.
   a. Predict the contiguous split's max/mean at CP=4 and T=64 from (T(2CP-1)+CP)/(CP(T+1)); then run
-     -n 4 --block-size 64 and read the work table.
+     -n 4 and read the work table's CP=4 row (the default T is 64).
   b. Run -n 4 --cp-comm-type a2a --n-head 2 and read the one-line error. Why must heads divide by CP?
   c. Compare the bytes of p2p and a2a at -n 2 and -n 8. At which CP does a2a send less? Which of the
      two can hide its transfer behind compute (look at ring_attention.py's loop)?
@@ -105,14 +105,14 @@ def attention_alone(args, cp):
     grad = xp.asarray(rng.standard_normal((2, T, args.n_embd)), dtype)
     chunks = np.array_split(np.arange(T), 2 * cp)
     blocks = [np.concatenate([chunks[r], chunks[2 * cp - 1 - r]]) for r in ((1 - t) % cp for t in range(cp))]
-    errors = {}
+    results = {}
     for name, attend in (("full", lambda: F.causal_attention(qkv, H)),
                          ("blocks", lambda: F.blockwise_attention(qkv, H, blocks))):
         qkv.grad = None
         y = attend()
         y.backward(grad)
-        errors[name] = (y.data, qkv.grad.copy())
-    (y, dy), (y_full, dy_full) = errors["blocks"], errors["full"]
+        results[name] = (y.data, qkv.grad.copy())
+    (y, dy), (y_full, dy_full) = results["blocks"], results["full"]
     return {"output": rel_err(y, y_full), "gradient of qkv": rel_err(dy, dy_full)}
 
 
