@@ -88,6 +88,9 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("06_3d_parallel.py", ["--tp", "2", "--pp", "2"], "2 ranks do not split into TP x PP = 2 x 2 groups", 1),
     ("02_data_parallel.py", ["--micro-batches", "3"], "--batch-size 8 does not split into --micro-batches 3", 1),
     ("05_zero.py", ["--steps", "two"], "argument --steps: invalid int value: 'two'", 1),  # argparse's own
+    ("08_context_parallel.py", ["--block-size", "30"], "--block-size 30 is not divisible by 4", 1),
+    ("08_context_parallel.py", ["--cp-comm-type", "a2a", "--n-head", "3", "--n-embd", "48"],
+     "--n-head 3 is not divisible by TP x CP = 2", 1),
 ])
 def test_bad_flags_are_one_line_each_from_one_rank_before_any_message(lesson, args, message, lines):
     """Every lesson validates its flags through minipar.parallel.validate and minipar.cli: each

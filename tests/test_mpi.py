@@ -175,6 +175,20 @@ def test_data_parallel_lessons_fail_on_a_planted_bug(lesson):
     assert code != 0 and "MISMATCH" in out
 
 
+LESSON_8 = os.path.join(ROOT, "lessons", "08_context_parallel.py")
+
+
+def test_context_parallel_lesson():
+    out = check_mpi(4, LESSON_8, timeout=300)
+    assert "CP4 p2p" in out and "CP2xTP2 p2p" in out and "CP4 a2a" in out
+    assert "Context parallelism equals the single-device run, and sends what the formulas say" in out
+
+
+def test_context_parallel_lesson_fails_on_a_planted_bug():
+    code, out, _ = run_mpi(4, LESSON_8, "--plant-bug", timeout=300)
+    assert code == 1 and "PLANTED BUG" in out and "MISMATCH" in out
+
+
 @pytest.mark.parametrize("bench,args", [
     ("collectives.py", ["--max-size", "64K", "--rounds", "1"]),
     ("waiting.py", []),
