@@ -101,13 +101,21 @@ step "training, 1 GPU, 50 steps" 90 train.log \
     "$PYTHON" -m minipar.train --device cuda --max-iters 50 --sample 0 --plot ""
 step "training, 2 ranks, TP=2 on one GPU (MPI) or two (NCCL)" 90 train2.log \
     ./run_mpi.sh -n 2 -m minipar.train --device cuda --tp 2 --max-iters 20 --sample 0 --plot ""
+step "lesson 08, context parallelism, 2 ranks on one GPU" 90 lesson08.log \
+    ./run_mpi.sh -n 2 lessons/08_context_parallel.py --device cuda
+step "training, 2 ranks, CP=2 ring attention on one GPU" 90 train_cp.log \
+    ./run_mpi.sh -n 2 -m minipar.train --device cuda --cp 2 --max-iters 20 --sample 0 --plot ""
 say ""
 for part in gemm.md step.md; do
     [ -f "$out/$part" ] && cat "$out/$part" >>"$results" && echo >>"$results"
 done
 {
     echo '```'
-    tail -n 3 "$out/train.log" "$out/train2.log" 2>/dev/null
+    tail -n 3 "$out/train.log" "$out/train2.log" "$out/train_cp.log" 2>/dev/null
+    echo '```'
+    echo
+    echo '```'
+    tail -n 32 "$out/lesson08.log" 2>/dev/null
     echo '```'
     echo
     echo "total: $((SECONDS - started)) s"
