@@ -45,7 +45,7 @@ import numpy as np
 import lesson
 import minipar
 import minipar.functional as F
-from minipar.backend import xp
+from minipar.backend import to_numpy, xp
 from minipar.functional import blockwise
 from minipar.models import GPT, GPTConfig
 from minipar.models.layers import Block
@@ -154,7 +154,7 @@ def run(args, config, layout, batches, reference):
     if cp_group:
         cp_group.stats.reset()
     with model.rng.at(rows=rows):
-        logits, _ = model(batches[0][0][rows])
+        logits, _ = model(batches[0][0][to_numpy(rows)])  # the batches stay on the host
     restore()
     forward = traffic(cp_group) if cp_group else {}
     positions = model.context_positions(T)

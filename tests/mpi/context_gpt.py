@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 import minipar
+from minipar.backend import to_numpy
 from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
@@ -81,7 +82,7 @@ if pp == 1:  # the first step's logits (before any step) of this rank's rows and
     model.rng.iteration = 0
     rows = rows_of(B, (0, 1), (grid.dp_rank, grid.dp))
     with model.rng.at(rows=rows):
-        logits, _ = model(batches[0][0][rows])
+        logits, _ = model(batches[0][0][to_numpy(rows)])  # the batches stay on the host
     positions = model.context_positions(T)
     close(model.gather_logits(logits).data, logits0[rows][:, positions], "logits")
     checked.append("logits")
