@@ -58,6 +58,9 @@ def check_args(args, world_size):
         problems.append(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     if args.min_lr > args.lr:
         problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.recompute and args.recompute_granularity == "selective":
+        problems.append("--recompute is --recompute-granularity full: give one of them")
+    args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
     if args.seed < 0:
         problems.append(f"--seed must be >= 0, got {args.seed}")
     if args.data is not None and not os.path.exists(args.data):
