@@ -2,6 +2,7 @@
 
     python bench/activation_memory.py                          # s = 64, 128, 256, 512; b 4, h 128, a 4
     python bench/activation_memory.py --seq 1024 --dtype float64 --dropout 0
+    python bench/activation_memory.py --time                   # and what each recomputation costs
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
 per layer, with 2-byte activations and 1-byte dropout masks,
@@ -47,6 +48,7 @@ NumPy arrays were allocated and are still alive after the forward. Both must equ
 import argparse
 import gc
 import sys
+import time
 import tracemalloc
 
 import numpy
@@ -160,6 +162,23 @@ def measure(s, b, h, a, dtype="float32", dropout=0.1, granularity=None, seed=0):
     return graph_bytes(out, x, block.parameters()), traced
 
 
+def step_ms(s, b, h, a, granularity, repeats=5):
+    """Milliseconds of one layer's forward and backward (the best of ``repeats``): what selective
+    recomputation costs, one more S = q k^T and softmax per query block in backward."""
+    minipar.set_default_dtype("float32")
+    minipar.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=a, n_embd=h, block_size=s, dropout=0.1), recompute_granularity=granularity)
+    model.train()
+    block, best = model.transformer.h[0], float("inf")
+    x = Tensor(numpy.random.default_rng(0).standard_normal((b, s, h)), requires_grad=True)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = checkpoint(block, x, block.parameters(), rng=model.rng) if granularity == "full" else block(x)
+        out.backward(numpy.ones(out.shape, out.dtype))
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[64, 128, 256, 512])
@@ -168,6 +187,7 @@ def main(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--time", action="store_true", help="also time a layer's forward and backward")
     args = p.parse_args(argv)
     b, h, a, d = args.batch, args.n_embd, args.n_head, numpy.dtype(args.dtype).itemsize
     print(f"one layer: b={b}, h={h}, a={a}, {args.dtype} (d={d}), dropout {args.dropout}; "
@@ -189,6 +209,11 @@ def main(argv=None):
     print(f"\nminipar's terms at s={s} (bytes):")
     for name, value in formula(s, b, h, a, d, args.dropout > 0).items():
         print(f"  {name:<40}{value:>12,}")
+    if args.time:
+        print(f"\none layer's forward + backward, float32, dropout 0.1, b={b} (ms, best of 5):")
+        print(f"{'s':>6}" + "".join(f"{g or 'none':>11}" for g in GRANULARITIES))
+        for s in args.seq:
+            print(f"{s:>6}" + "".join(f"{step_ms(s, b, h, a, g):>11.1f}" for g in GRANULARITIES))
     print("measured = traced = formula in every row" if ok else "MISMATCH: a measurement differs from the formula")
     return 0 if ok else 1
 

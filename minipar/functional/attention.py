@@ -10,13 +10,15 @@ where R is the dropout mask scaled by 1/(1-p) (all ones without dropout). Backwa
     dq = dS k / sqrt(D)    dk = dS^T q / sqrt(D)
 
 This is exactly what the composed ops compute (``masked_fill``, ``softmax``, ``dropout`` and two
-batched ``matmul``; the tests check the two agree). Doing it as one op buys two things:
+batched ``matmul``; the tests check the two agree). Doing it as one op buys three things:
 
 * It walks the batch one sequence and one block of queries at a time, so those scores stay in the
   CPU cache while they are scaled, masked, normalised and multiplied.
 * Queries q0..q1 attend only to keys 0..q1: the scores right of the diagonal block are all masked,
   so they are never computed (as FlashAttention skips masked tiles). With blocks of 64 queries this
   saves (n-1)/2n of the attention products for n blocks: 25% at T = 128, nearly half for long T.
+* It decides what backward keeps: P and R for the keys each block sees, or nothing T x T at all
+  (``recompute``: Korthikanti et al. 2022's selective recomputation, docs/activation_memory.md).
 """
 
 import math
