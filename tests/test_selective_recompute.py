@@ -42,6 +42,17 @@ def test_recomputed_attention_equals_the_kept_one_bit_for_bit(T, query_block):
     assert numpy.array_equal(results[0][1], results[1][1])
 
 
+def test_the_gpu_branch_recomputes_bit_for_bit_too(monkeypatch):
+    """On a GPU the op takes all sequences at once and one block of T queries, on contiguous
+    copies of the heads: those branches, on NumPy arrays (the GPU's kernel replaced by NumPy's)."""
+    from minipar import backend
+    from minipar.kernels import gemm
+
+    monkeypatch.setattr(backend, "DEVICE", "cuda")
+    monkeypatch.setattr(gemm, "matmul", lambda a, b, out=None: numpy.matmul(a, b, out=out))
+    test_recomputed_attention_equals_the_kept_one_bit_for_bit(70, 64)
+
+
 def test_gpt_with_selective_recompute_equals_the_default_bit_for_bit():
     minipar.set_default_dtype("float64")
     try:
