@@ -87,7 +87,9 @@ class CausalSelfAttention(Module):
         self.head_offset = layers.tp.rank * self.n_head if layers.tp is not None else 0
         self.dropout, self.rng, self.layer = config.dropout, layers.rng, layer
         self.cp, self.context_attention = layers.cp, layers.context_attention
-        self.recompute = False  # selective recomputation: hold no T x T probabilities (GPT sets it)
+        # selective recomputation: hold no T x T probabilities (GPT sets it); with CP, ring attention
+        # holds none anyway, Ulysses does and is not told (the CLI refuses selective with it)
+        self.recompute = False
         self.c_attn = layers.column(config.n_embd, 3 * config.n_embd, config.bias, chunks=3)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 n_layer):
         # 2 n_layer of them add up along the residual path.
