@@ -141,6 +141,8 @@ def op_cases(seed=0):
         ("causal_attention (dropout 0.2, seeded)",
          lambda qkv: F.causal_attention(qkv, 3, 0.2, key=(3, 0), query_block=3),
          [t(2, 4, 18)]),
+        ("causal_attention (recomputed in backward, dropout 0.2)",
+         lambda qkv: F.causal_attention(qkv, 3, 0.2, key=(3, 0), query_block=3, recompute=True), [t(2, 5, 18)]),
         # keys in blocks (the load-balanced chunks of 2 ranks, the later block first), merged by
         # the online softmax; the backward is FlashAttention's, from the output and log-sum-exp
         ("blockwise attention (online softmax merge)",

@@ -70,6 +70,7 @@ def build_parser():
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of the data-parallel optimizer")
     g.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm and dropout along the sequence (TP > 1)")
     g.add_argument("--recompute", "--recompute-activations", dest="recompute", action="store_true", help="keep only each block's input; recompute it in backward")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), help="full: as --recompute; selective: keep all but attention's T x T probabilities and dropout mask, which backward recomputes")
     o = p.add_argument_group("optimisation")
     o.add_argument("--max-iters", "--train-iters", dest="max_iters", type=positive_int, default=DEFAULTS["max_iters"], help="training steps in total")
     o.add_argument("--global-batch-size", "--batch-size", dest="batch_size", type=positive_int, default=DEFAULTS["batch_size"], help="sequences per step")

@@ -67,7 +67,8 @@ class Trainer:
         minipar.manual_seed(args.seed)
         self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp)
         self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp,
-                                 cp_comm_type=args.cp_comm_type)
+                                 cp_comm_type=args.cp_comm_type,
+                                 recompute_granularity="full" if args.recompute else args.recompute_granularity)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the only place the stage is read
         self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
@@ -200,7 +201,8 @@ class Trainer:
         print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
               + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
-              + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else ""))
+              + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else "")
+              + (", selective recompute" if a.recompute_granularity == "selective" else ""))
         print(f"data: {sum(len(s) for s in self.data.splits.values()):,} bytes "
               f"({a.data or 'Python standard library'}), {a.batch_size * a.block_size:,} tokens per step"
               + (f"; resuming at iteration {self.start} from {a.load}" if a.load else ""))

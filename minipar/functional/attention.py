@@ -10,13 +10,15 @@ where R is the dropout mask scaled by 1/(1-p) (all ones without dropout). Backwa
     dq = dS k / sqrt(D)    dk = dS^T q / sqrt(D)
 
 This is exactly what the composed ops compute (``masked_fill``, ``softmax``, ``dropout`` and two
-batched ``matmul``; the tests check the two agree). Doing it as one op buys two things:
+batched ``matmul``; the tests check the two agree). Doing it as one op buys three things:
 
 * It walks the batch one sequence and one block of queries at a time, so those scores stay in the
   CPU cache while they are scaled, masked, normalised and multiplied.
 * Queries q0..q1 attend only to keys 0..q1: the scores right of the diagonal block are all masked,
   so they are never computed (as FlashAttention skips masked tiles). With blocks of 64 queries this
   saves (n-1)/2n of the attention products for n blocks: 25% at T = 128, nearly half for long T.
+* It decides what backward keeps: P and R for the keys each block sees, or nothing T x T at all
+  (``recompute``: Korthikanti et al. 2022's selective recomputation, docs/activation_memory.md).
 """
 
 import math
@@ -54,7 +56,7 @@ def _sequence_groups(B):
 
 
 def _query_blocks(T, size):
-    """[(q0, q1, mask)]: the blocks of queries, with mask[key, query] True where key > query."""
+    """[(q0, q1, future)]: the blocks of queries, with future[key, query] True where key > query."""
     out = []
     for q0 in range(0, T, size):
         q1 = min(q0 + size, T)
@@ -62,42 +64,63 @@ def _query_blocks(T, size):
     return out
 
 
+def _probs_t(q, k, q0, q1, future, scale):
+    """P^T of queries q0..q1 over keys 0..q1: (S, H, q1, q1 - q0). Forward and a recomputing
+    backward both call this, so the two runs do the same arithmetic and agree bit for bit."""
+    pt = matmul(k[..., :q1, :], _mT(q[..., q0:q1, :]))  # S^T = k q^T
+    pt *= scale
+    xp.copyto(pt, -xp.inf, where=future)
+    pt -= pt.max(axis=-2, keepdims=True)
+    xp.exp(pt, out=pt)
+    pt /= sum_along(pt, -2)[..., None, :]
+    return pt
+
+
+def _keep_t(key, p, where, b0, b1, q0, q1, dtype):
+    """R^T of sequences b0..b1 and queries q0..q1 over keys 0..q1, scaled: element (row, head,
+    query, key) is kept by the hash of its global place alone (``minipar.rng``), so drawing one
+    block at a time, here or again in backward, gives the single-device mask's elements."""
+    rows, heads, positions = where
+    return _mT(scaled(keep(key, p, rows[b0:b1], heads, positions[q0:q1], positions[:q1]), p, dtype))
+
+
 class CausalAttention(Function):
     """The scores are kept transposed, S^T (keys x queries) per head, so that the softmax over the
     keys reduces along the outer axis of each block: NumPy vectorises that across the contiguous
     queries, ~3x faster than reducing along rows of 128. BLAS (or our kernel) reads the transposes
-    for free. Arrays below are (sequences, heads, ...)."""
+    for free. Arrays below are (sequences, heads, ...).
+
+    Per query block q0..q1 backward needs P and R over keys 0..q1 only (the rest is masked): held,
+    that is sum over blocks of q1 (q1 - q0) elements of each per sequence and head, s^2 for one
+    block, s^2 (n+1)/2n for n equal ones. With ``recompute`` (Korthikanti et al.'s selective
+    recomputation) none of it is held: backward rebuilds each block's P from q and k and its R
+    from the mask's key, one more QK^T and softmax per block."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, dropout_p, key, where, query_block):
+    def forward(ctx, qkv, n_head, dropout_p, key, where, query_block, recompute):
         B, T, C3 = qkv.shape
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
-        blocks = ctx.blocks = _query_blocks(T, max(T, 1) if on_gpu() else query_block)
+        ctx.block = max(T, 1) if on_gpu() else query_block
         ctx.groups, ctx.copy = _sequence_groups(B), on_gpu()
         probs_t, keep_t = [], []  # per (sequence group, query block): (S, H, keys q1, queries q1 - q0)
         out = xp.empty((B, T, C), qkv.dtype)
         for b0, b1 in ctx.groups:
             q, k, v = _heads(qkv[b0:b1], n_head, 3, ctx.copy)
             y = _heads(out[b0:b1], n_head, 1, ctx.copy)[0]
-            if dropout_p > 0:  # element (row, head, query, key) kept by the hash of its global place
-                rows, heads, positions = where
-                mask = scaled(keep(key, dropout_p, rows[b0:b1], heads, positions, positions), dropout_p, qkv.dtype)
-            for q0, q1, future in blocks:
-                pt = matmul(k[..., :q1, :], _mT(q[..., q0:q1, :]))  # S^T = k q^T
-                pt *= scale
-                xp.copyto(pt, -xp.inf, where=future)
-                pt -= pt.max(axis=-2, keepdims=True)
-                xp.exp(pt, out=pt)
-                pt /= sum_along(pt, -2)[..., None, :]
-                probs_t.append(pt)
-                if dropout_p > 0:
-                    keep_t.append(_mT(mask[..., q0:q1, :q1]))
-                    pt = pt * keep_t[-1]
-                matmul(_mT(pt), v[..., :q1, :], out=y[..., q0:q1, :])  # y = P v
+            for q0, q1, future in _query_blocks(T, ctx.block):
+                pt = _probs_t(q, k, q0, q1, future, scale)
+                mask = _keep_t(key, dropout_p, where, b0, b1, q0, q1, qkv.dtype) if dropout_p > 0 else None
+                if not recompute:
+                    probs_t.append(pt)
+                    keep_t.append(mask)
+                if mask is not None:
+                    pt = pt * mask
+                matmul(_mT(pt), v[..., :q1, :], out=y[..., q0:q1, :])  # y = (P * R) v
             if ctx.copy:
                 out[b0:b1] = _merge(y[None])
         ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
+        ctx.recompute, ctx.dropout = recompute, (key, dropout_p, where) if dropout_p > 0 and recompute else None
         return out
 
     @staticmethod
@@ -109,12 +132,15 @@ class CausalAttention(Function):
             q, k, v = _heads(qkv[b0:b1], n_head, 3, ctx.copy)
             dq, dk, dv = dheads = _heads(dqkv[b0:b1], n_head, 3, ctx.copy)
             dy = _heads(grad[b0:b1], n_head, 1, ctx.copy)[0]
-            for q0, q1, _ in ctx.blocks:
-                pt = ctx.probs_t[step]
-                mask = ctx.keep_t[step] if ctx.keep_t else None
-                step += 1
+            for q0, q1, future in _query_blocks(qkv.shape[1], ctx.block):
+                if ctx.recompute:
+                    pt = _probs_t(q, k, q0, q1, future, scale)
+                    mask = _keep_t(*ctx.dropout, b0, b1, q0, q1, qkv.dtype) if ctx.dropout else None
+                else:
+                    pt, mask = ctx.probs_t[step], ctx.keep_t[step]
+                    step += 1
                 dy_block = dy[..., q0:q1, :]
-                dv[..., :q1, :] += matmul(pt if mask is None else pt * mask, dy_block)  # dv = P^T dy
+                dv[..., :q1, :] += matmul(pt if mask is None else pt * mask, dy_block)  # dv = (P * R)^T dy
                 dpt = matmul(v[..., :q1, :], _mT(dy_block))  # dP^T = v dy^T
                 if mask is not None:
                     dpt *= mask
@@ -126,11 +152,11 @@ class CausalAttention(Function):
                 dk[..., :q1, :] += matmul(dpt, q[..., q0:q1, :])  # dk = dS^T q
             if ctx.copy:
                 dqkv[b0:b1] = _merge(dheads)
-        return dqkv, None, None, None, None, None
+        return dqkv, None, None, None, None, None, None
 
 
 def causal_attention(qkv, n_head, dropout_p=0.0, key=None, rows=None, positions=None, head_offset=0,
-                     query_block=64):
+                     query_block=64, recompute=False):
     """Multi-head causal self-attention of a fused projection ``qkv`` (B, T, 3C) -> (B, T, C):
     q, k and v are the three thirds of the last axis, each split into ``n_head`` heads; the output
     holds the heads side by side (head h in columns h*C/H ... (h+1)*C/H). ``dropout_p`` drops
@@ -139,12 +165,14 @@ def causal_attention(qkv, n_head, dropout_p=0.0, key=None, rows=None, positions=
     positions[i], positions[j]) (see ``minipar.rng``), the sequences' global rows (default 0..B-1)
     and the tokens' global positions (default 0..T-1): a rank holding some heads or sequences of a
     bigger batch draws exactly their masks. Queries are processed ``query_block`` at a time; the
-    result does not depend on it beyond rounding."""
+    result does not depend on it beyond rounding. ``recompute``: hold no probabilities or dropout
+    mask for backward, which recomputes them (selective recomputation); the result and the
+    gradients are the same bit for bit."""
     qkv, p, key, where = attention_arguments("causal_attention", qkv, n_head, dropout_p, key, rows, positions,
                                              head_offset)
     if int(query_block) < 1:
         raise ValueError(f"causal_attention: query_block must be >= 1, got {query_block}")
-    return CausalAttention.apply(qkv, int(n_head), p, key, where, int(query_block))
+    return CausalAttention.apply(qkv, int(n_head), p, key, where, int(query_block), bool(recompute))
 
 
 def attention_arguments(op, qkv, n_head, dropout_p, key, rows, positions, head_offset):

@@ -61,7 +61,8 @@ class GPTConfig:
 
 
 class GPT(WholeModel, Module):
-    def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1, cp_comm_type="p2p"):
+    def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1, cp_comm_type="p2p",
+                 recompute_granularity=None):
         self.config = config
         self.grid = grid  # resolves the group names of the parameters' placements
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
@@ -95,6 +96,13 @@ class GPT(WholeModel, Module):
         wte = layers.vocab_embedding(config.vocab_size, config.n_embd)
         wpe = Embedding(config.block_size, config.n_embd)
         blocks = [Block(config, layers, i) for i in range(config.n_layer)]
+        # Korthikanti et al. 2022: "full" keeps each block's input and runs the block again in
+        # backward (``chunk_forward``), "selective" only attention's T x T probabilities and mask
+        if recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity is None, 'full' or 'selective', got {recompute_granularity!r}")
+        self.recompute_granularity = recompute_granularity
+        for block in blocks:
+            block.attn.recompute = recompute_granularity == "selective"
         mine = [i for layer_ids in self.chunk_layers for i in layer_ids]
         self.transformer = ModuleDict(
             wte=wte if first or last else None,  # the tied head: the first and the last stage
@@ -158,8 +166,10 @@ class GPT(WholeModel, Module):
     def chunk_forward(self, c, x, targets=None, recompute=False):
         """Run local chunk ``c``: token ids (the first chunk) or the previous chunk's activation
         in, the activation (B, T, C) out, or for the last chunk the mean loss over ``targets``.
-        ``recompute``: keep only each block's input, and run the block again in backward."""
+        ``recompute``: keep only each block's input, and run the block again in backward (as
+        ``recompute_granularity="full"`` does for every call)."""
         g = self.chunks[c]
+        recompute = recompute or self.recompute_granularity == "full"
         if g == 0:
             x = self._run_unit("embed", self.embed, x)
         for i in self.chunk_layers[c]:
