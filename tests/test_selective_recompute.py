@@ -12,7 +12,7 @@ import minipar
 import minipar.functional as F
 from minipar.autograd import Tensor
 from minipar.models import GPT, GPTConfig
-from tests.test_train import TINY, losses, train
+from test_train import TINY, losses, train
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "activation_memory.py")
 
