@@ -60,9 +60,6 @@ def check_args(args, world_size):
         problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.recompute and args.recompute_granularity == "selective":
         problems.append("--recompute is --recompute-granularity full: give one of them")
-    if args.recompute_granularity == "selective" and args.cp > 1 and args.cp_comm_type == "a2a":
-        problems.append("--recompute-granularity selective is not built into Ulysses' attention (--cp-comm-type a2a), "
-                        "which holds its heads' T x T probabilities; ring attention (p2p) holds none already")
     args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
     if args.seed < 0:
         problems.append(f"--seed must be >= 0, got {args.seed}")

@@ -13,7 +13,7 @@ from mpi_run import ROOT, check_mpi, run_mpi
     (2, "2 1 p2p"),                # the ring on the whole sequence
     (4, "4 1 a2a"),                # Ulysses, a head per rank
     (4, "2 2 p2p sp"),             # with tensor and sequence parallelism
-    (4, "2 1 a2a zero1"),          # with DP = 2 and ZeRO-1 over DP x CP
+    (4, "2 1 a2a zero1 selective"),  # with DP = 2, ZeRO-1 over DP x CP, selective recomputation
     (4, "2 1 p2p pp2"),            # with two pipeline stages
 ])
 def test_the_gpt_on_a_context_parallel_grid_equals_one_device(n, args):

@@ -87,8 +87,6 @@ def test_cli_selective_recompute_repeats_the_losses(tmp_path):
     assert len(logs[0]) == 2 and logs[0] == logs[1]
     run = train(*TINY, "--data", str(corpus), "--recompute", "--recompute-granularity", "selective")
     assert run.returncode == 2 and "give one of them" in run.stderr and "Traceback" not in run.stderr
-    run = train(*TINY, "--data", str(corpus), "--cp", "2", "--cp-comm-type", "a2a", "--recompute-granularity", "selective")
-    assert run.returncode == 2 and "Ulysses" in run.stderr  # not built in there (ulysses.py)
 
 
 @pytest.mark.parametrize("dtype,dropout", [("float32", 0.1), ("float64", 0.0)])

@@ -88,7 +88,7 @@ class CausalSelfAttention(Module):
         self.dropout, self.rng, self.layer = config.dropout, layers.rng, layer
         self.cp, self.context_attention = layers.cp, layers.context_attention
         # selective recomputation: hold no T x T probabilities (GPT sets it); with CP, ring attention
-        # holds none anyway, Ulysses does and is not told (the CLI refuses selective with it)
+        # holds none anyway, and Ulysses passes it on to the attention on its heads
         self.recompute = False
         self.c_attn = layers.column(config.n_embd, 3 * config.n_embd, config.bias, chunks=3)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 n_layer):
@@ -110,7 +110,7 @@ class CausalSelfAttention(Module):
                                    head_offset=self.head_offset, recompute=self.recompute)
         else:  # the keys and values of the other positions are on the other ranks of the CP group
             y = self.context_attention(qkv, self.n_head, self.cp, positions, p, key=key, rows=rows,
-                                       head_offset=self.head_offset)
+                                       head_offset=self.head_offset, recompute=self.recompute)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -93,26 +93,31 @@ def _arguments(op, qkv, n_head, group, positions, dropout_p, key, rows, head_off
     return qkv, positions, p, key, where
 
 
-def ring_attention(qkv, n_head, group, positions, dropout_p=0.0, key=None, rows=None, head_offset=0):
+def ring_attention(qkv, n_head, group, positions, dropout_p=0.0, key=None, rows=None, head_offset=0,
+                   recompute=False):
     """Rows ``positions`` of ``causal_attention`` on the whole sequence, by ring attention.
 
     ``qkv`` (B, T_local, 3C_local): the fused projection of this rank's tokens, at the global
     ``positions`` (1-D, T_local integers); ``group``: the CP communicator (ring order = rank order),
     every rank with the same rows and heads. Dropout keeps exactly the single-device elements
-    (rows, head_offset + head, query position, key position). Returns (B, T_local, C_local)."""
+    (rows, head_offset + head, query position, key position). Returns (B, T_local, C_local).
+    ``recompute`` (selective recomputation) changes nothing: ring attention holds no T x T
+    probabilities, its backward rebuilds them from the saved log-sum-exp anyway."""
     qkv, positions, p, key, where = _arguments("ring_attention", qkv, n_head, group, positions, dropout_p, key,
                                                rows, head_offset)
     dropout = None if where is None else DropoutSite(key, p, where[0], where[1])
     return RingAttention.apply(qkv, int(n_head), group, positions, dropout)
 
 
-def ulysses_attention(qkv, n_head, group, positions, dropout_p=0.0, key=None, rows=None, head_offset=0):
+def ulysses_attention(qkv, n_head, group, positions, dropout_p=0.0, key=None, rows=None, head_offset=0,
+                      recompute=False):
     """The same result as ``ring_attention`` by DeepSpeed-Ulysses' two all-to-alls; ``n_head`` must
-    be a multiple of the group's size."""
+    be a multiple of the group's size. ``recompute``: hold no T x T probabilities of this rank's
+    heads (selective recomputation, ``causal_attention``'s)."""
     if int(n_head) % group.size:
         raise ValueError(f"ulysses_attention: {n_head} heads do not split over {group.size} ranks: make the "
                          f"number of heads a multiple of the context-parallel size, or use ring_attention")
     qkv, positions, p, key, where = _arguments("ulysses_attention", qkv, n_head, group, positions, dropout_p,
                                                key, rows, head_offset)
     rows = None if where is None else where[0]
-    return ulysses(qkv, int(n_head), group, positions, p, key, rows, head_offset)
+    return ulysses(qkv, int(n_head), group, positions, p, key, rows, head_offset, recompute)

@@ -35,9 +35,10 @@ class Reorder(Function):
         return grad[:, ctx.inverse], None
 
 
-def ulysses(qkv, n_head, group, positions, dropout_p, key, rows, head_offset):
+def ulysses(qkv, n_head, group, positions, dropout_p, key, rows, head_offset, recompute=False):
     """``qkv`` (B, T_local, 3C) of this rank's tokens -> their output (B, T_local, C).
-    ``positions``: (N, T_local) host integers, every rank's positions in group rank order."""
+    ``positions``: (N, T_local) host integers, every rank's positions in group rank order.
+    ``recompute``: selective recomputation in the attention on this rank's heads (its T x T part)."""
     N, r = group.size, group.rank
     B, T_local, width = qkv.shape
     heads = n_head // N  # this rank's heads: r*heads ... (r+1)*heads - 1
@@ -48,7 +49,8 @@ def ulysses(qkv, n_head, group, positions, dropout_p, key, rows, head_offset):
     x = x.transpose(1, 0, 2, 3, 4).reshape(B, N * T_local, 3 * piece)  # (B, T, 3C/N), in rank order
     gathered = positions.reshape(-1)  # the global position of each token of x
     x = Reorder.apply(x, numpy.argsort(gathered))  # global order 0..T-1
-    y = F.causal_attention(x, heads, dropout_p, key, rows, None, head_offset + r * heads)  # (B, T, C/N)
+    y = F.causal_attention(x, heads, dropout_p, key, rows, None, head_offset + r * heads,
+                           recompute=recompute)  # (B, T, C/N)
     y = Reorder.apply(y, gathered)  # back to rank order
     y = y.reshape(B, N, T_local, piece).transpose(1, 0, 2, 3)  # chunk j: rank j's tokens
     y = all_to_all(y, group)  # chunk i: rank i's heads of this rank's tokens

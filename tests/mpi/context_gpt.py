@@ -2,7 +2,7 @@
 logits of each rank's positions, every gradient (summed over DP x CP) and the parameters after
 AdamW steps, through the pipeline executor the trainer uses.
 
-    run_mpi.sh -n 4 tests/mpi/context_gpt.py CP TP COMM [sp] [zero1] [pp2]
+    run_mpi.sh -n 4 tests/mpi/context_gpt.py CP TP COMM [sp] [zero1] [pp2] [selective]
 """
 
 import sys
@@ -61,7 +61,8 @@ after = serial.state_dict()
 # the same on the grid
 minipar.manual_seed(1)
 grid = ProcessGrid(tp=tp, pp=pp, cp=cp)
-model = GPT(config, grid, sequence_parallel="sp" in options, cp_comm_type=comm_type)
+model = GPT(config, grid, sequence_parallel="sp" in options, cp_comm_type=comm_type,
+            recompute_granularity="selective" if "selective" in options else None)
 opt = make_optimizer(model, grid, 1 if "zero1" in options else 0, **HYPER)
 executor = PipelineExecutor(model, grid, "1f1b", micro_batches=pp, optimizer=opt)
 named = dict(model.named_parameters())
