@@ -145,16 +145,17 @@ def check_traffic(traffic, sp, n_layer, activation_bytes, tp):
 
 def print_traffic(sp, traffic, n_layer, activation_bytes, tp):
     block, forward, backward = expected_traffic(sp, n_layer, tp)
-    show = lambda ops: " + ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "none"  # noqa: E731
+    short = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS"}
+    show = lambda ops: " + ".join(f"{n} {short.get(op, op)}" for op, n in sorted(ops.items())) or "none"  # noqa: E731
     measured = lambda m: {op: c for op, (c, _) in m.items()}  # noqa: E731
     sent = sum(b for _, b in traffic["per_block"][0].values())
     print(f"\nsequence parallelism {'on' if sp else 'off'}: collectives on the TP group, first step "
-          "(measured | expected)")
-    print(f"  each block, forward    {show(measured(traffic['per_block'][0])):<34} | {show(block)}")
-    print(f"  whole model, forward   {show(measured(traffic['forward'])):<34} | {show(forward)}")
-    print(f"  whole model, backward  {show(measured(traffic['backward'])):<34} | {show(backward)}")
-    print(f"  bytes per block forward (ring model): {sent:,} | 2 all-reduces of {activation_bytes:,} "
-          f"bytes, 2 x 2 (N-1)/N x S = {2 * (2 * (tp - 1) * activation_bytes // tp):,}")
+          "(measured | expected;\n  AR all-reduce, AG all-gather, RS reduce-scatter)")
+    print(f"  each block, forward    {show(measured(traffic['per_block'][0])):<20} | {show(block)}")
+    print(f"  whole model, forward   {show(measured(traffic['forward'])):<20} | {show(forward)}")
+    print(f"  whole model, backward  {show(measured(traffic['backward'])):<20} | {show(backward)}")
+    print(f"  bytes per block forward (ring model): {sent:,} | 2 all-reduces of S = {activation_bytes:,} bytes,")
+    print(f"  {'':<38}  2 x 2 (N-1)/N x S = {2 * (2 * (tp - 1) * activation_bytes // tp):,}")
     print(f"  a block's input on this rank (what LayerNorm and dropout work on): "
           f"{traffic['block_input']:,} bytes")
 
