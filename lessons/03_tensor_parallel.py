@@ -25,6 +25,16 @@ orders, and a bias that starts at zero is only three such steps large. For the s
 runs with eps = 1e-5: gradients below eps count as nearly zero instead of as full-sized steps.
 
 Read next: minipar/parallel/tensor.py, docs/tensor_parallel.md.
+
+Exercises (predict first, then run the command and read the line named):
+1. With --tp 4 on 8 ranks each TP group gets half of the batch of 8: S = 4 sequences x 64 tokens x
+   128 x 4 bytes. Predict "bytes per block forward" and, with sequence parallelism on, "a block's
+   input on this rank": ./run_mpi.sh -n 8 lessons/03_tensor_parallel.py --tp 4
+2. The default 4 layers make 11 all-reduces forward without SP ("whole model, forward", AR).
+   Predict the count for 6 layers: ./run_mpi.sh -n 2 lessons/03_tensor_parallel.py --n-layer 6
+3. Predict the errors in float64: ./run_mpi.sh -n 4 lessons/03_tensor_parallel.py --dtype float64
+4. --plant-bug skips finalize_grads. Predict which column (SP off or SP on) fails and which rows:
+   ./run_mpi.sh -n 2 lessons/03_tensor_parallel.py --plant-bug
 """
 
 import sys

@@ -4,6 +4,7 @@
     ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py              # PP = 4 x DP = 2
     ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py --pp 2       # PP = 2 x DP = 4
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --dtype float64
+    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule 1f1b   # one schedule, not all three
     ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --show-schedules   # a core per rank
 
 The GPT's 8 blocks are cut into stages: on 4 ranks, rank r runs blocks 2r and 2r+1, the first rank
@@ -27,6 +28,25 @@ Then the costs, each next to its formula:
 
 The timelines are drawn in --out: one Gantt picture per schedule as measured, one simulated, and a
 Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
+
+What to look at: the bubble table (theory and simulated must be equal; measured is this machine),
+the activations held (m for GPipe, p - rank for 1F1B) and the bytes sent. With --show-schedules
+each rank's instructions are printed in order: F3 is the forward of micro-batch 3, B3 its
+backward, and in the interleaved table F3.1 is the forward of micro-batch 3 on the rank's chunk 1.
+
+Exercises (predict first, then run the command and read the table named):
+1. Micro-batches against the bubble on 4 stages: predict the "theory" column of gpipe/1f1b and of
+   interleaved (v = 2) for m = 4, 8 and 16, then run
+   ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --micro-batches 4   (then 8, then 16)
+   and see whether "measured" follows it on this machine (2 cores for 4 ranks: see the note).
+2. Predict the "activations held" rows for --micro-batches 16 on 4 ranks, GPipe and 1F1B, and why
+   only one of them grows with m. The bytes table below it shows the same in megabytes.
+3. Write down 1F1B's order for 2 stages and 4 micro-batches (rank 0 runs two forwards before its
+   first backward; rank 1, the last stage, alternates at once), then check it:
+   ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b --micro-batches 4 --show-schedules
+4. --plant-bug never adds the tied embedding's two gradient parts (first and last stage). Predict
+   which error rows fail, and whether step 1's loss could still match:
+   ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule 1f1b --plant-bug
 """
 
 import os

@@ -3,7 +3,8 @@
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py                    # TP=2, PP=2, DP=2, ZeRO-1
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --tp 1 --pp 4      # any layout of the ranks
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --dtype float64
-    ./run_mpi.sh -n 16 lessons/06_3d_parallel.py                   # TP=2, PP=4, DP=2
+    ./run_mpi.sh -n 16 lessons/06_3d_parallel.py --tp 2 --pp 4     # PP=4 x TP=2 x DP=2 (the default too)
+    ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --schedule interleaved --n-layer 8
 
 Every technique of lessons 2-5 at once, the way Megatron-LM and DeepSpeed run them:
 
@@ -26,12 +27,29 @@ as one device, and compares:
 
 A step here is the trainer's step (minipar/trainer.py), written out:
 
-    executor.step   1F1B over the micro-batches: forwards and backwards, activations sent between stages
+    executor.step   --schedule (1F1B by default) over the micro-batches: forwards and backwards,
+                    activations sent between stages
     finalize_grads  sequence-parallel sums, and the tied embedding's two parts (first + last stage)
     clip            by the whole model's gradient norm, summed over the TP, PP and DP pieces
     step            ZeRO-1: reduce-scatter the gradients over DP, update this rank's piece, all-gather
 
 Read next: docs/3d_parallel.md.
+
+What to look at: the grid and its groups, then "who holds what": each rank's blocks, its half (or
+share) of the heads, MLP columns and vocabulary, and its piece of the Adam state; the error table
+last. --schedule picks gpipe, 1f1b or interleaved (--virtual-stages, default 2) and --n-layer the
+depth, checked like the other flags.
+
+Exercises (predict first, then run the command and read the row named):
+1. The design notes' 16-GPU example, PP4 x TP2 x DP2. From rank = tp + 2 dp + 4 pp, find rank 13's
+   coordinates, blocks, extra layers and shards before running, then check its row:
+   ./run_mpi.sh -n 16 lessons/06_3d_parallel.py --tp 2 --pp 4
+2. Interleaved, 8 blocks on 8 ranks (PP=2 x TP=2 x DP=2, v = 2): predict which blocks rank 0 holds:
+   ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --schedule interleaved --n-layer 8
+3. --plant-bug skips finalize_grads. Predict that it fails on 4 ranks (PP=2 x TP=2), and whether it
+   fails with no pipeline at all:
+   ./run_mpi.sh -n 4 lessons/06_3d_parallel.py --plant-bug
+   ./run_mpi.sh -n 2 lessons/06_3d_parallel.py --tp 2 --pp 1 --plant-bug
 """
 
 import sys

@@ -13,10 +13,23 @@ __syncthreads()), which records every load from global memory. The lesson shows:
 4. why the two barriers are there: without one, threads read tiles that are not ready;
 5. on a GPU, GFLOP/s against cuBLAS.
 Any mismatch exits non-zero.
+
+What to look at: section 2's counts beside their formulas, and section 4, where each barrier taken
+out must make the result wrong.
+
+Exercises (predict first, then run the command and read the section named):
+1. Predict the tiled kernel's loads for M = N = K = 256 from MNK (1/BN + 1/BM) with BM = BN = 128,
+   and the ratio to the naive 2MNK: python lessons/07_gemm_kernel.py (section 2).
+2. --plant-bug drops the "* VEC" from a run's place in the slab, so a 16-byte load starts at an
+   element that is not a multiple of 4. Predict what the emulator does, as a GPU would:
+   python lessons/07_gemm_kernel.py --plant-bug
+3. Predict what --device cuda does on a machine without CuPy (one line, exit status 2, or a
+   traceback?): python lessons/07_gemm_kernel.py --device cuda; echo $?
 """
 
 import statistics
 import sys
+import textwrap
 
 import numpy as np
 
@@ -179,7 +192,8 @@ def main():
         try:
             checks.append(section(source))
         except emulator.EmulatorError as exc:  # what a GPU would stop the kernel for
-            print(f"\n   the kernel was stopped: {exc}")
+            print("\n" + textwrap.fill(f"the kernel was stopped: {exc}", 95, initial_indent="   ",
+                                        subsequent_indent="   "))
             checks.append(False)
     if args.device == "cuda":
         checks.append(on_the_gpu())
