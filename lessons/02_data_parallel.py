@@ -20,7 +20,7 @@ all-reduce's cost for P float32 gradients. Read next: docs/data_parallel.md.
 Exercises (predict first, then run the command and read the line named):
 1. The lesson prints P = 834,304. Predict the bytes each rank sends per step at 8 ranks, and the
    bytes it holds: ./run_mpi.sh -n 8 lessons/02_data_parallel.py ("bytes sent", "bytes held").
-2. Halve the buckets and accumulate 2 micro-batches. Predict whether the bytes sent change, and
+2. Cut the buckets to a quarter (64 KiB) and accumulate 2 micro-batches. Predict whether the bytes sent change, and
    whether the number of buckets goes up fourfold:
    ./run_mpi.sh -n 4 lessons/02_data_parallel.py --micro-batches 2 --bucket-kb 64
    (a bucket holds whole tensors: look at minipar/parallel/data.py for how they are filled).
