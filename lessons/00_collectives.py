@@ -18,6 +18,21 @@ Every rank sends 2 (N-1) chunks of S/N bytes: 2 (N-1)/N S in total, which no alg
 (Patarasuk & Yuan 2009). It is nearly constant in N: S at 2 ranks, 1.5 S at 4, 1.999 S at 2000,
 never above 2 S, while the root of all-to-one-and-back sends (N-1) S. This lesson runs the ring,
 checks its result against MPI's own all-reduce, and counts the bytes each rank sends.
+
+What to look at: the "bytes sent per rank" table. The ring's row must equal 2 (N-1)/N x S exactly,
+and the error row must be rounding (about 1e-15 in float64); the last row is what a root would send.
+
+Exercises (predict first, then run the command and read the row named):
+1. Predict what each rank sends on 8 ranks for the default S = 8,388,608 bytes, and what the root
+   of all-to-one-and-back sends: ./run_mpi.sh -n 8 lessons/00_collectives.py ("the hand-made ring",
+   "all-to-one-and-back" rows).
+2. At 2 ranks the ring has nothing to gain. Predict the ring's row and the root's row for
+   ./run_mpi.sh -n 2 lessons/00_collectives.py --size 1000 (1,000 float64 elements).
+3. --plant-bug leaves out one step of the reduce-scatter. Predict by how many bytes the ring's row
+   falls short at 4 ranks, and whether the error row can still look like rounding:
+   ./run_mpi.sh -n 4 lessons/00_collectives.py --plant-bug
+4. 10 elements do not cut into 3 equal chunks. Predict what the lesson does with them and the
+   ring's bytes: ./run_mpi.sh -n 3 lessons/00_collectives.py --size 10
 """
 
 import sys

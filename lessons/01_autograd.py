@@ -12,6 +12,19 @@ factor is missing, as the planted bug shows. (Why a random G and not y.sum()? A 
 ignores its incoming gradient is right for G = 1 and wrong for everything else.)
 
 Read next: minipar/autograd.py (Function.apply, then backward), minipar/functional/, docs/autograd.md.
+
+What to look at: the two columns of every row (the worst entry's error and the error relative to
+the input's largest numeric derivative) and the last line, which counts the checks that passed.
+The control row breaks GELU on purpose in every run: it must say FAIL, or the check is blind.
+
+Exercises (predict first, then run the command):
+1. Without --plant-bug the control row still says FAIL. Predict the exit status:
+   python lessons/01_autograd.py; echo $?
+2. --plant-bug breaks GELU's backward everywhere, also inside the GPT. Predict which of the GPT's
+   parameter rows must still be "ok": those with no GELU between them and the loss.
+   python lessons/01_autograd.py --plant-bug   (section 2, the rows of transformer.h.1 and ln_f)
+3. The planted bug drops a factor 1 - tanh^2, which lies between 0 and 1. Predict the order of
+   the gelu row's "rel err" under --plant-bug: near 1e-9 like the others, or near 1?
 """
 
 import sys

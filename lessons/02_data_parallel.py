@@ -16,6 +16,17 @@ k micro-batches inside ``no_sync()`` and sends only once.
 What to look for: the same loss, gradients and parameters as one device (float32 rounding), buckets
 started before backward ended, and 2 (N-1)/N x 4P bytes sent per rank per step, the ring
 all-reduce's cost for P float32 gradients. Read next: docs/data_parallel.md.
+
+Exercises (predict first, then run the command and read the line named):
+1. The lesson prints P = 834,304. Predict the bytes each rank sends per step at 8 ranks, and the
+   bytes it holds: ./run_mpi.sh -n 8 lessons/02_data_parallel.py ("bytes sent", "bytes held").
+2. Cut the buckets to a quarter (64 KiB) and accumulate 2 micro-batches. Predict whether the bytes sent change, and
+   whether the number of buckets goes up fourfold:
+   ./run_mpi.sh -n 4 lessons/02_data_parallel.py --micro-batches 2 --bucket-kb 64
+   (a bucket holds whole tensors: look at minipar/parallel/data.py for how they are filled).
+3. --plant-bug gives every replica the dropout masks of rows 0, 1, ... of its own slice. Predict
+   which of the three error rows fail and whether the byte counts change:
+   ./run_mpi.sh -n 4 lessons/02_data_parallel.py --plant-bug
 """
 
 import contextlib

@@ -25,6 +25,16 @@ orders, and a bias that starts at zero is only three such steps large. For the s
 runs with eps = 1e-5: gradients below eps count as nearly zero instead of as full-sized steps.
 
 Read next: minipar/parallel/tensor.py, docs/tensor_parallel.md.
+
+Exercises (predict first, then run the command and read the line named):
+1. With --tp 4 on 8 ranks each TP group gets half of the batch of 8: S = 4 sequences x 64 tokens x
+   128 x 4 bytes. Predict "bytes per block forward" and, with sequence parallelism on, "a block's
+   input on this rank": ./run_mpi.sh -n 8 lessons/03_tensor_parallel.py --tp 4
+2. The default 4 layers make 11 all-reduces forward without SP ("whole model, forward", AR).
+   Predict the count for 6 layers: ./run_mpi.sh -n 2 lessons/03_tensor_parallel.py --n-layer 6
+3. Predict the errors in float64: ./run_mpi.sh -n 4 lessons/03_tensor_parallel.py --dtype float64
+4. --plant-bug skips finalize_grads. Predict which column (SP off or SP on) fails and which rows:
+   ./run_mpi.sh -n 2 lessons/03_tensor_parallel.py --plant-bug
 """
 
 import sys
@@ -145,16 +155,17 @@ def check_traffic(traffic, sp, n_layer, activation_bytes, tp):
 
 def print_traffic(sp, traffic, n_layer, activation_bytes, tp):
     block, forward, backward = expected_traffic(sp, n_layer, tp)
-    show = lambda ops: " + ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "none"  # noqa: E731
+    short = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS"}
+    show = lambda ops: " + ".join(f"{n} {short.get(op, op)}" for op, n in sorted(ops.items())) or "none"  # noqa: E731
     measured = lambda m: {op: c for op, (c, _) in m.items()}  # noqa: E731
     sent = sum(b for _, b in traffic["per_block"][0].values())
     print(f"\nsequence parallelism {'on' if sp else 'off'}: collectives on the TP group, first step "
-          "(measured | expected)")
-    print(f"  each block, forward    {show(measured(traffic['per_block'][0])):<34} | {show(block)}")
-    print(f"  whole model, forward   {show(measured(traffic['forward'])):<34} | {show(forward)}")
-    print(f"  whole model, backward  {show(measured(traffic['backward'])):<34} | {show(backward)}")
-    print(f"  bytes per block forward (ring model): {sent:,} | 2 all-reduces of {activation_bytes:,} "
-          f"bytes, 2 x 2 (N-1)/N x S = {2 * (2 * (tp - 1) * activation_bytes // tp):,}")
+          "(measured | expected;\n  AR all-reduce, AG all-gather, RS reduce-scatter)")
+    print(f"  each block, forward    {show(measured(traffic['per_block'][0])):<20} | {show(block)}")
+    print(f"  whole model, forward   {show(measured(traffic['forward'])):<20} | {show(forward)}")
+    print(f"  whole model, backward  {show(measured(traffic['backward'])):<20} | {show(backward)}")
+    print(f"  bytes per block forward (ring model): {sent:,} | 2 all-reduces of S = {activation_bytes:,} bytes,")
+    print(f"  {'':<38}  2 x 2 (N-1)/N x S = {2 * (2 * (tp - 1) * activation_bytes // tp):,}")
     print(f"  a block's input on this rank (what LayerNorm and dropout work on): "
           f"{traffic['block_input']:,} bytes")
 

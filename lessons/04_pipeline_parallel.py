@@ -4,6 +4,7 @@
     ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py              # PP = 4 x DP = 2
     ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py --pp 2       # PP = 2 x DP = 4
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --dtype float64
+    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule 1f1b   # one schedule, not all three
     ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --show-schedules   # a core per rank
 
 The GPT's 8 blocks are cut into stages: on 4 ranks, rank r runs blocks 2r and 2r+1, the first rank
@@ -27,6 +28,25 @@ Then the costs, each next to its formula:
 
 The timelines are drawn in --out: one Gantt picture per schedule as measured, one simulated, and a
 Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
+
+What to look at: the bubble table (theory and simulated must be equal; measured is this machine),
+the activations held (m for GPipe, p - rank for 1F1B) and the bytes sent. With --show-schedules
+each rank's instructions are printed in order: F3 is the forward of micro-batch 3, B3 its
+backward, and in the interleaved table F3.1 is the forward of micro-batch 3 on the rank's chunk 1.
+
+Exercises (predict first, then run the command and read the table named):
+1. Micro-batches against the bubble on 4 stages: predict the "theory" column of gpipe/1f1b and of
+   interleaved (v = 2) for m = 4, 8 and 16, then run
+   ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --micro-batches 4   (then 8, then 16)
+   and see whether "measured" follows it on this machine (2 cores for 4 ranks: see the note).
+2. Predict the "activations held" rows for --micro-batches 16 on 4 ranks, GPipe and 1F1B, and why
+   only one of them grows with m. The bytes table below it shows the same in megabytes.
+3. Write down 1F1B's order for 2 stages and 4 micro-batches (rank 0 runs two forwards before its
+   first backward; rank 1, the last stage, alternates at once), then check it:
+   ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b --micro-batches 4 --show-schedules
+4. --plant-bug never adds the tied embedding's two gradient parts (first and last stage). Predict
+   which error rows fail, and whether step 1's loss could still match:
+   ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule 1f1b --plant-bug
 """
 
 import os
@@ -48,13 +68,15 @@ from minipar.parallel.validate import RunConfig, problems
 N_HEAD, N_EMBD = 4, 128  # the GPT's width; its depth and context are flags
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual_stages": "--virtual-stages",
-         "n_layer": "--n-layer", "global_batch": "--batch-size", "block_size": "--block-size"}
+         "n_layer": "--n-layer", "global_batch": "--batch-size", "block_size": "--block-size",
+         "schedule": "--schedule"}
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def run_config(n, args, pp):
-    """The runs this lesson makes on n ranks with pp stages, as plain numbers: the interleaved
-    schedule's rules hold for GPipe and 1F1B too (they run with one chunk per rank)."""
-    return RunConfig(world_size=n, pp=pp, virtual_stages=args.virtual_stages, schedule="interleaved",
+    """The runs this lesson makes on n ranks with pp stages, as plain numbers: with every schedule,
+    the interleaved schedule's rules hold for GPipe and 1F1B too (they run with one chunk per rank)."""
+    return RunConfig(world_size=n, pp=pp, virtual_stages=args.virtual_stages, schedule=args.schedule or "interleaved",
                      global_batch=args.batch_size, micro_batches=args.micro_batches, n_layer=args.n_layer,
                      n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dtype=args.dtype)
 
@@ -70,7 +92,7 @@ def choose_pipeline(n, args):
         return max(fits), []
     common = set.intersection(*map(set, tried.values()))  # problems that no --pp would mend
     return None, [f for f in tried[1] if f in common] or [
-        f"no pipeline fits {n} rank(s) with --micro-batches {args.micro_batches}, --virtual-stages "
+        f"no pipeline fits {n} rank(s) with {'--schedule ' + args.schedule + ', ' if args.schedule else ''}--micro-batches {args.micro_batches}, --virtual-stages "
         f"{args.virtual_stages}, --n-layer {args.n_layer} and --batch-size {args.batch_size}: change "
         "those flags or the number of ranks (the defaults fit 2, 4 and 8)"]
 
@@ -79,7 +101,8 @@ def flags(p):
     p.add_argument("--pp", type=int, help="pipeline stages (DP = ranks / PP); default: the most the "
                    "other flags allow")
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank, interleaved schedule")
+    p.add_argument("--schedule", help="run only this one: gpipe, 1f1b or interleaved (default: all three)")
+    p.add_argument("--virtual-stages", type=int, help="chunks per rank, interleaved schedule (default 2)")
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
     p.add_argument("--block-size", type=int, default=64)
@@ -88,6 +111,8 @@ def flags(p):
 
 
 def check(args, ranks):
+    if args.virtual_stages is None:  # 2 for the interleaved run; GPipe and 1F1B alone need 1
+        args.virtual_stages = 2 if args.schedule in (None, "interleaved") else 1
     args.pp, found = choose_pipeline(ranks, args)
     if args.steps < 2:
         found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")
@@ -161,9 +186,11 @@ def main():
     config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dropout=0.1)
     batches = lesson.batches(args, config.block_size)
     reference = lesson.reference_run(config, batches, args.seed)
-    runs = [(name, vv) for name, vv in (("gpipe", 1), ("1f1b", 1), ("interleaved", v))]
+    runs = [(name, v if name == "interleaved" else 1) for name in SCHEDULES if args.schedule in (None, name)]
     if args.show_schedules and comm.rank == 0:
-        for name, vv in runs:  # F3.1: the forward of micro-batch 3 on the rank's chunk 1
+        print("Each rank's instructions in order, one row per time slot. F3: the forward of micro-batch 3,\n"
+              "B3 its backward; interleaved, F3.1: the forward of micro-batch 3 on the rank's chunk 1.\n")
+        for name, vv in runs:
             print(f"{name} (compute order per rank)\n{schedules.table(schedules.build(name, p, m, vv))}\n")
     results = {(name, recompute): pipeline_run(comm, name, vv, recompute, args, config, grid, batches, reference)
                for name, vv in runs for recompute in (False, True)}
@@ -171,7 +198,7 @@ def main():
     lines, costs_ok = costs_beside_formulas(comm, args, grid, results, runs)
     ok = lesson.within(tol, *(errors for errors, _ in results.values())) and costs_ok
     return lesson.finish(comm, not ok, lambda: report(args, grid, results, runs, lines, tol),
-                         "Every schedule, with and without recompute, equals the single-device run; the bubble, "
+                         "Every schedule, with and without recompute, equals the single-device run;\nthe bubble, "
                          "the activations held and the bytes sent are what the formulas say.")
 
 
@@ -216,9 +243,10 @@ def costs_beside_formulas(comm, args, grid, results, runs):
 def report(args, grid, results, runs, lines, tol):
     p, m = grid.pp, args.micro_batches
     print(f"PP={p} x DP={grid.dp}; GPT of {args.n_layer} blocks; global batch {args.batch_size} in {m} "
-          f"micro-batches; {args.dtype}, dropout 0.1, {args.steps} AdamW steps")
-    lesson.print_errors({n + (" +r" if r else ""): errors for (n, r), (errors, _) in results.items()}, tol,
-                        width=15, note="; +r: with recompute")
+          f"micro-batches;\n{args.dtype}, dropout 0.1, {args.steps} AdamW steps")
+    short = {"interleaved": "interl"}
+    lesson.print_errors({short.get(n, n) + ("+r" if r else ""): errors for (n, r), (errors, _) in results.items()},
+                        tol, width=11, note=";\n+r: with recompute, interl: interleaved")
     print("\nbubble: the idle fraction of a step (convention: idle time / makespan)")
     print(f"  {'schedule':<13}{'formula':<22}{'theory':>8}{'simulated':>11}{'measured':>10}   measured per rank")
     for name, vv, theory, sim, measured, *_ in lines:
@@ -233,7 +261,7 @@ def report(args, grid, results, runs, lines, tol):
     print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>9}" for r in range(p)) + "   formula")
     for name, vv, _, _, _, alive, *_ in lines:
         formula = {"gpipe": "m", "1f1b": "p - rank"}.get(
-            name, f"(p-rank-1)*2 + (v-1)*p + 1 chunks, each 1/{vv} of a stage")
+            name, f"(p-rank-1)*2+(v-1)*p+1 chunks of 1/{vv} stage")
         print(f"  {name:<13}" + "".join(f"{a:>9}" for a in alive) + f"   {formula}")
     print("\npeak bytes of the step's arrays per rank (activations and temporaries), without | with recompute")
     print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>17}" for r in range(p)))

@@ -23,6 +23,18 @@ weights can be freed; the paper does not ask for it), so stages 0-2 run a second
 the same units, and the peaks are shown for both settings. Every stage is one object with the same
 calls (``make_optimizer``, the step protocol of minipar/parallel/protocol.py): only what it holds
 and sends differs. Read next: minipar/parallel/zero.py, zero3.py, docs/zero.md.
+
+What to look at: the three error tables (every stage equal to one device), then "bytes held" (each
+stage's total beside its formula), the peaks with and without recompute, and "bytes sent".
+
+Exercises (predict first, then run the command and read the table named):
+1. From P = 834,304, predict each stage's "total" bytes held at 8 ranks with minipar's fp32 formula
+   (16P, 8P + 8P/N, 4P + 12P/N, 16P/N), then the paper's mixed-precision count for the same P and
+   N (not printed: work it out): ./run_mpi.sh -n 8 lessons/05_zero.py ("bytes held per rank").
+2. Predict stage 3's bytes sent per step against stage 0's at 8 ranks: 1.5x, plus the tied
+   embedding's term. Check "bytes sent per rank per step" in the same run.
+3. --plant-bug keys dropout by each rank's local rows. Predict which stages fail (one, or all)
+   and which error row shows it most: ./run_mpi.sh -n 4 lessons/05_zero.py --plant-bug
 """
 
 import contextlib

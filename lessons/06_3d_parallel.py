@@ -3,7 +3,8 @@
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py                    # TP=2, PP=2, DP=2, ZeRO-1
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --tp 1 --pp 4      # any layout of the ranks
     ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --dtype float64
-    ./run_mpi.sh -n 16 lessons/06_3d_parallel.py                   # TP=2, PP=4, DP=2
+    ./run_mpi.sh -n 16 lessons/06_3d_parallel.py --tp 2 --pp 4     # PP=4 x TP=2 x DP=2 (the default too)
+    ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --schedule interleaved --n-layer 8
 
 Every technique of lessons 2-5 at once, the way Megatron-LM and DeepSpeed run them:
 
@@ -26,12 +27,29 @@ as one device, and compares:
 
 A step here is the trainer's step (minipar/trainer.py), written out:
 
-    executor.step   1F1B over the micro-batches: forwards and backwards, activations sent between stages
+    executor.step   --schedule (1F1B by default) over the micro-batches: forwards and backwards,
+                    activations sent between stages
     finalize_grads  sequence-parallel sums, and the tied embedding's two parts (first + last stage)
     clip            by the whole model's gradient norm, summed over the TP, PP and DP pieces
     step            ZeRO-1: reduce-scatter the gradients over DP, update this rank's piece, all-gather
 
 Read next: docs/3d_parallel.md.
+
+What to look at: the grid and its groups, then "who holds what": each rank's blocks, its half (or
+share) of the heads, MLP columns and vocabulary, and its piece of the Adam state; the error table
+last. --schedule picks gpipe, 1f1b or interleaved (--virtual-stages, default 2) and --n-layer the
+depth, checked like the other flags.
+
+Exercises (predict first, then run the command and read the row named):
+1. The design notes' 16-GPU example, PP4 x TP2 x DP2. From rank = tp + 2 dp + 4 pp, find rank 13's
+   coordinates, blocks, extra layers and shards before running, then check its row:
+   ./run_mpi.sh -n 16 lessons/06_3d_parallel.py --tp 2 --pp 4
+2. Interleaved, 8 blocks on 8 ranks (PP=2 x TP=2 x DP=2, v = 2): predict which blocks rank 0 holds:
+   ./run_mpi.sh -n 8 lessons/06_3d_parallel.py --schedule interleaved --n-layer 8
+3. --plant-bug skips finalize_grads. Predict that it fails on 4 ranks (PP=2 x TP=2), and whether it
+   fails with no pipeline at all:
+   ./run_mpi.sh -n 4 lessons/06_3d_parallel.py --plant-bug
+   ./run_mpi.sh -n 2 lessons/06_3d_parallel.py --tp 2 --pp 1 --plant-bug
 """
 
 import sys
@@ -50,8 +68,9 @@ from minipar.parallel.zero import ZeRO1
 from minipar.trainer import gather_text
 
 MAX_NORM = 1.0
-CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, dropout=0.1)
-FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batches": "--micro-batches", "global_batch": "--batch-size"}
+N_HEAD, N_EMBD, BLOCK_SIZE = 4, 64, 32  # the GPT's width and context; its depth is --n-layer
+FLAGS = {"tp": "--tp", "pp": "--pp", "micro_batches": "--micro-batches", "global_batch": "--batch-size",
+         "schedule": "--schedule", "n_layer": "--n-layer", "virtual_stages": "--virtual-stages"}
 
 
 def default_layout(n):
@@ -68,27 +87,40 @@ def flags(p):
     p.add_argument("--pp", type=int, help="pipeline stages (default: from the number of ranks)")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
+    p.add_argument("--virtual-stages", type=int, help="chunks per rank, interleaved (default 2, else 1)")
+    p.add_argument("--n-layer", type=int, default=4, help="the GPT's blocks")
 
 
 def check(args, ranks):
     tp, pp = default_layout(ranks)
     args.tp = tp if args.tp is None else args.tp
     args.pp = pp if args.pp is None else args.pp
-    c = CONFIG  # the run below: 1F1B, ZeRO-1, this model (whole heads per TP rank, whole blocks per stage)
-    run = RunConfig(world_size=ranks, tp=args.tp, pp=args.pp, schedule="1f1b", global_batch=args.batch_size,
-                    micro_batches=args.micro_batches, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
-                    block_size=c.block_size, dropout=c.dropout, zero_stage=1, dtype=args.dtype)
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    # the run below: ZeRO-1, this model (whole heads per TP rank, whole blocks per stage)
+    run = RunConfig(world_size=ranks, tp=args.tp, pp=args.pp, schedule=args.schedule, global_batch=args.batch_size,
+                    micro_batches=args.micro_batches, n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD,
+                    virtual_stages=args.virtual_stages, block_size=BLOCK_SIZE, dropout=0.1, zero_stage=1,
+                    dtype=args.dtype)
     return lesson.at_least_one(args, "--steps") + problems(run, FLAGS)
+
+
+def blocks(layers):
+    """h.2-3 for a run of blocks, h.1,5 for an interleaved rank's chunks."""
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return "h." + "-".join(dict.fromkeys(map(str, (layers[0], layers[-1]))))
+    return "h." + ",".join(map(str, layers))
 
 
 def who_holds_what(grid, model, opt):
     """One line per rank: its coordinates, blocks, extra layers, matrix shards and optimizer piece."""
     layers = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".h." in n})
     ends = [name for name, there in (("wte+wpe", grid.is_first_stage), ("ln_f+head", grid.is_last_stage)) if there]
-    attn = model.transformer.h[0].attn
+    attn = model.transformer.h[0].attn  # this rank's first block
     heads = f"heads {attn.head_offset}-{attn.head_offset + attn.n_head - 1}"
     fc = model.transformer.h[0].mlp.c_fc.weight.shape[0]
-    cols = f"MLP cols {grid.tp_rank * fc}-{(grid.tp_rank + 1) * fc - 1}"
+    cols = f"cols {grid.tp_rank * fc}-{(grid.tp_rank + 1) * fc - 1}"
     vocab = ""
     if model.transformer.wte is not None:
         wte = model.transformer.wte
@@ -97,26 +129,26 @@ def who_holds_what(grid, model, opt):
     mine = sum(g.piece for g in opt.groups)
     shard = f"{heads}, {cols}{vocab}"
     return (f"{grid.rank:>4} {grid.tp_rank:>3} {grid.dp_rank:>3} {grid.pp_rank:>3}  "
-            f"{'h.' + '-'.join(dict.fromkeys(map(str, (layers[0], layers[-1])))):<8} {' '.join(ends):<10} "
-            f"{shard:<46}  Adam m, v: piece {grid.dp_rank} of {grid.dp} ({mine:,} values)")
+            f"{blocks(layers):<8} {' '.join(ends):<10} "
+            f"{shard:<38} {grid.dp_rank}/{grid.dp}: {mine:,}")
 
 
 def main():
     args, comm = lesson.start("3D parallelism against the single-device run.", flags, check, steps=4,
                               plant_bug="skip finalize_grads: the tied embedding's parts on the first and last "
                               "stage are never added")
-    config = CONFIG
+    config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD, block_size=BLOCK_SIZE, dropout=0.1)
     grid = ProcessGrid(tp=args.tp, pp=args.pp)
     batches = lesson.batches(args, config.block_size)
     reference = lesson.reference_run(config, batches, args.seed, max_norm=MAX_NORM)  # on every rank: it is small
 
     # the same on the grid
     minipar.manual_seed(args.seed)
-    model = GPT(config, grid)
+    model = GPT(config, grid, virtual_stages=args.virtual_stages)
     opt = ZeRO1(model, grid.dp_group, **lesson.HYPER)
     if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
         model.finalize_grads = lambda: None
-    run = PipelineExecutor(model, grid, "1f1b", args.micro_batches, optimizer=opt)
+    run = PipelineExecutor(model, grid, args.schedule, args.micro_batches, optimizer=opt)
     lines = gather_text(comm, who_holds_what(grid, model, opt))
     compare = lesson.Comparison(reference, loss="loss (worst step)")
     for step, (x, y) in enumerate(batches):
@@ -146,12 +178,14 @@ def main():
 
     def report():
         print(grid.describe())
-        print("\nwho holds what (block 0's shards shown; every block is split the same way)")
-        print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}  {'blocks':<8} {'also':<10} {'tensor-parallel shard':<46}  ZeRO-1")
+        print("\nwho holds what (the shards of the rank's first block; every block is split the same way)")
+        print("(cols: the MLP's hidden columns; last column: this rank's piece of the DP group's Adam m, v")
+        print(" and the values in it)")
+        print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}  {'blocks':<8} {'also':<10} {'tensor-parallel shard':<38} ZeRO-1")
         print("\n".join(lines))
-        lesson.print_errors({None: errors}, tol, title=f"{args.steps} AdamW steps (ZeRO-1, clipped at {MAX_NORM}), "
-                            f"{args.micro_batches} micro-batches per step, {args.dtype}, dropout 0.1; relative "
-                            "error against one device")
+        print(f"\n{args.steps} AdamW steps (ZeRO-1, clipped at {MAX_NORM}), {args.schedule}, {args.micro_batches} "
+              f"micro-batches per step, {args.dtype}, dropout 0.1")
+        lesson.print_errors({None: errors}, tol)
 
     return lesson.finish(comm, not lesson.within(tol, errors), report,
                          "The 3D-parallel run equals the single-device run.")

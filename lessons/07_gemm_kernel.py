@@ -13,14 +13,27 @@ __syncthreads()), which records every load from global memory. The lesson shows:
 4. why the two barriers are there: without one, threads read tiles that are not ready;
 5. on a GPU, GFLOP/s against cuBLAS.
 Any mismatch exits non-zero.
+
+What to look at: section 2's counts beside their formulas, and section 4, where each barrier taken
+out must make the result wrong.
+
+Exercises (predict first, then run the command and read the section named):
+1. Predict the tiled kernel's loads for M = N = K = 256 from MNK (1/BN + 1/BM) with BM = BN = 128,
+   and the ratio to the naive 2MNK: python lessons/07_gemm_kernel.py (section 2).
+2. --plant-bug drops the "* VEC" from a run's place in the slab, so a 16-byte load starts at an
+   element that is not a multiple of 4. Predict what the emulator does, as a GPU would:
+   python lessons/07_gemm_kernel.py --plant-bug
+3. Predict what --device cuda does on a machine without CuPy (one line, exit status 2, or a
+   traceback?): python lessons/07_gemm_kernel.py --device cuda; echo $?
 """
 
 import statistics
 import sys
+import textwrap
 
 import numpy as np
 
-from minipar.backend import add_device_flag
+from minipar.backend import add_device_flag, use_device
 from minipar.cli import Parser, parse
 from minipar.kernels import emulator, gemm
 
@@ -53,13 +66,13 @@ def tile_walk(source, thread=17):
     emulator.matmul(a, b, source=source)
     rows, _ = emulator.trace("float32", source)
     ty, tx = thread // (BN // TN), thread % (BN // TN)
-    print(f"1. One thread's walk: C = A B with M = N = {M}, K = {K}; blocks of {THREADS} threads own "
+    print(f"1. One thread's walk: C = A B with M = N = {M}, K = {K};\n   blocks of {THREADS} threads own "
           f"{BM} x {BN} tiles of C")
     print(f"   block (0, 0), thread {thread} accumulates C[{ty * TM}:{ty * TM + TM}, {tx * TN}:{tx * TN + TN}] "
           f"in {TM * TN} registers")
     for slab in range(K // BK):
         loads = [run_text(*r) for r in rows[2 * slab : 2 * slab + 2]]
-        print(f"   slab k = {slab * BK}..{slab * BK + BK - 1}: copies {loads[0]} and {loads[1]} to shared memory;")
+        print(f"   slab k = {slab * BK}..{slab * BK + BK - 1}: copies {loads[0]}\n   {'':<17}and {loads[1]} to shared memory")
         print(f"      waits for the block; then {BK} outer products of {TM} x {TN} from shared memory")
     print("   and at the end writes its 64 values. The block's 256 threads together copy the whole slabs.")
     return len(rows) == 2 * (K // BK)
@@ -114,7 +127,7 @@ def barriers(source):
         at = source.index("__syncthreads();") if which == "first" else source.rindex("__syncthreads();")
         broken = source[:at] + source[at + len("__syncthreads();"):]
         error = relative_error(emulator.matmul(a, b, source=broken, mode="reversed"), ref)
-        print(f"   without the {which} __syncthreads(): relative error {error:.2f} (a thread {why})")
+        print(f"   without the {which} __syncthreads(): relative error {error:.2f}\n     (a thread {why})")
         ok &= error > 0.1
     error = relative_error(emulator.matmul(a, b, source=source, mode="reversed"), ref)
     print(f"   with both:                           relative error {error:.1e}")
@@ -151,11 +164,21 @@ def on_the_gpu():
     return ok
 
 
+def device_problem(args):
+    """--device cuda without CuPy or a GPU: one line before the emulator runs, not a traceback
+    after it."""
+    try:
+        use_device(args.device)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        return [f"--device {args.device}: {exc}"]
+    return []
+
+
 def main():
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--plant-bug", action="store_true", help="a wrong index in the emulated kernel's tile copy")
     add_device_flag(p)
-    args = parse(p, None)  # a bad flag is one line and exit 2, as in the MPI lessons
+    args = parse(p, None, device_problem)  # a bad flag is one line and exit 2, as in the MPI lessons
     if emulator.compiler() is None:
         print("this lesson runs the kernel in a CPU emulator built with g++ (C++20): install g++")
         return 2
@@ -169,13 +192,14 @@ def main():
         try:
             checks.append(section(source))
         except emulator.EmulatorError as exc:  # what a GPU would stop the kernel for
-            print(f"\n   the kernel was stopped: {exc}")
+            print("\n" + textwrap.fill(f"the kernel was stopped: {exc}", 95, initial_indent="   ",
+                                        subsequent_indent="   "))
             checks.append(False)
     if args.device == "cuda":
         checks.append(on_the_gpu())
     failed = not all(checks)
     print("\nMISMATCH: see the sections above" if failed else
-          f"\nThe tiled kernel computes the product with {2 * BN * BM // (BN + BM)}x fewer loads than the naive "
+          f"\nThe tiled kernel computes the product with {2 * BN * BM // (BN + BM)}x fewer loads than the naive\n"
           "one, and both barriers are needed.")
     return int(failed)
 

@@ -57,13 +57,19 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
     def problems(args):
         # a lesson without --device runs on NumPy, but a MINIPAR_DEVICE it cannot honour is refused
         unusable = None if training else backend.environment_problem()
+        if training:
+            # taken here, among the flags, so that a missing CuPy or GPU is one line from one rank
+            # before the ranks agree, not a traceback from every rank after (as train_checks does)
+            try:
+                use_device(args.device)
+            except (ImportError, RuntimeError, ValueError) as exc:
+                unusable = f"--device {args.device}: {exc}"
         return [unusable] * bool(unusable) + (check(args, comm.size) if check is not None else [])
 
     args = parse(p, comm, problems)
     if training:
         minipar.set_default_dtype(args.dtype)
-        use_device(args.device)
-        comm = world()
+        comm = world()  # on GPUs, NCCL's communicator now that the device is chosen
     return args, comm
 
 

@@ -1,6 +1,7 @@
 """Lessons are programs a reader runs: each must pass as shipped and fail when its subject breaks."""
 
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -10,6 +11,8 @@ import pytest
 
 from mpi_run import check_mpi, run_mpi
 
+NEEDS_NO_CUPY = pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
+                                   reason="CuPy is installed: --device cuda is not an error here")
 LESSONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons")
 
 
@@ -91,6 +94,12 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("08_context_parallel.py", ["--block-size", "30"], "--block-size 30 is not divisible by 4", 1),
     ("08_context_parallel.py", ["--cp-comm-type", "a2a", "--n-head", "3", "--n-embd", "48"],
      "--n-head 3 is not divisible by TP x CP = 2", 1),
+    ("04_pipeline_parallel.py", ["--schedule", "zb"], "--schedule zb is not a pipeline schedule", 1),
+    ("06_3d_parallel.py", ["--n-layer", "3"], "--n-layer 3 is not divisible by --pp x --virtual-stages", 1),
+    ("06_3d_parallel.py", ["--schedule", "interleaved", "--micro-batches", "3"],
+     "the interleaved schedule runs micro-batches in groups of --pp", 2),
+    pytest.param("02_data_parallel.py", ["--device", "cuda"], "--device cuda: the cuda device needs CuPy", 1,
+                 marks=NEEDS_NO_CUPY),  # once a traceback from every rank, after the flags were agreed
 ])
 def test_bad_flags_are_one_line_each_from_one_rank_before_any_message(lesson, args, message, lines):
     """Every lesson validates its flags through minipar.parallel.validate and minipar.cli: each
@@ -99,3 +108,10 @@ def test_bad_flags_are_one_line_each_from_one_rank_before_any_message(lesson, ar
     errors = [line for line in out.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == lines == len(set(errors)) and "Traceback" not in out, out
     assert sum(message in e for e in errors) == 1 and "usage:" not in out, out
+
+
+@NEEDS_NO_CUPY
+def test_gemm_lesson_refuses_a_missing_gpu_in_one_line():
+    run = run_lesson("07_gemm_kernel.py", "--device", "cuda")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stdout + run.stderr
+    assert run.stderr.count("error: --device cuda:") == 1 and run.stdout == "", run.stdout + run.stderr

@@ -124,7 +124,9 @@ LESSON_6 = os.path.join(ROOT, "lessons", "06_3d_parallel.py")
 
 def test_3d_lesson():
     out = check_mpi(8, LESSON_6, timeout=180)
-    assert "equals the single-device run" in out and "Adam m, v: piece 1 of 2" in out
+    # rank 3 = tp 1 + dp 1 x 2: the second half of every matrix, the second piece of the Adam state
+    row = r"^\s+3\s+1\s+1\s+0\s+h\.0-1\s+wte\+wpe\s+heads 2-3, cols 128-255, vocab 128-255\s+1/2: [\d,]+$"
+    assert "equals the single-device run" in out and re.search(row, out, re.M), out
 
 
 def test_3d_lesson_fails_on_a_planted_bug():
