@@ -38,6 +38,8 @@ if "--plant-bug" in sys.argv:
 minipar.set_default_dtype("float64")
 comm = world()
 N, r = comm.size, comm.rank
+if N < 2:
+    sys.exit("experts.py needs 2 or more ranks: one rank holds every expert and starves none")
 H, E, K, B, T = 8, 2 * N, 2, 2, 5  # each rank: B x T tokens
 CONFIG = SimpleNamespace(n_embd=H, bias=True, n_layer=2)
 TOL = 1e-10
