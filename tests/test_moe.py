@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import numpy
 import pytest
 
-import minipar
 import minipar.functional as F
 from minipar import Tensor
 from minipar.gradcheck import gradcheck
@@ -19,13 +18,7 @@ from mpi_run import check_mpi, run_mpi
 CONFIG = SimpleNamespace(n_embd=4, bias=True, n_layer=2, dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = minipar.get_default_dtype()
-    minipar.set_default_dtype("float64")
-    minipar.manual_seed(0)
-    yield
-    minipar.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest's; it also seeds the generator
 
 
 def rows(n, h=4, seed=0):
