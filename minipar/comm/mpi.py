@@ -23,6 +23,7 @@ import os
 
 import numpy
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.backend import xp
 from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
@@ -170,7 +171,7 @@ class MPICommunicator(Communicator):
         if self.size == 1:
             out[...] = x
         buf, then = _stage(out, "all_to_all_v", copy_back=True)
-        kind = MPI._typedict[x.dtype.char]
+        kind = from_numpy_dtype(x.dtype)  # Alltoallv's counts are in elements of this type
         send, recv = [x_buf, (sc.tolist(), sd.tolist()), kind], [buf, (rc.tolist(), rd.tolist()), kind]
         return self._run("all_to_all_v", x.nbytes, out, lambda: self.comm.Alltoallv(send, recv),
                          lambda: self.comm.Ialltoallv(send, recv), wait, then=then, charged=charged)
