@@ -122,7 +122,10 @@ class MoEMLP(Module):
         self.router = Router(config.n_embd, n_experts, top_k, normalize)
         mine = range(n_experts) if ep is None else ep_parallel.local_experts(n_experts, ep)
         std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2's scaled init of residual projections
-        self.experts = ModuleList([Expert(config.n_embd, config.bias, std) for _ in mine], names=list(mine))
+        # every expert drawn as on one device, the others' then dropped: the same generator calls
+        # as the single-device model (as the TP layers cut whole weights), E/EP experts kept
+        every = [Expert(config.n_embd, config.bias, std) for _ in range(n_experts)]
+        self.experts = ModuleList([every[e] for e in mine], names=list(mine))
         self.dispatcher = None if ep is None else ep_parallel.AllToAllDispatcher(ep, n_experts)
         if ep is not None:
             for p in self.experts.parameters():

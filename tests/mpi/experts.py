@@ -66,12 +66,15 @@ def inputs(seed, starve):
 def case(name, seed, capacity_factor=None, starve=False):
     minipar.manual_seed(1)
     ref = MoEMLP(CONFIG, E, K, capacity_factor, groups=N)
-    if starve:
-        ref.router.weight.data[:, 0] = 0.0
-        ref.router.weight.data[-(E // N):, 0] = -10.0
+    minipar.manual_seed(1)
     ep = MoEMLP(CONFIG, E, K, capacity_factor, ep=comm)
     state = ref.state_dict()
-    ep.load_state_dict({n: state[n] for n, _ in ep.named_parameters()})
+    for pname, p in ep.named_parameters():  # initialised as one device: same values, same names
+        check(f"{name}: initial {pname}", rel_err(p.data, state[pname]), 0)
+    if starve:
+        for model in (ref, ep):
+            model.router.weight.data[:, 0] = 0.0
+            model.router.weight.data[-(E // N):, 0] = -10.0
     x_all, g_all = inputs(seed, starve)
 
     x_ref = Tensor(x_all.reshape(N * B, T, H), requires_grad=True)  # the union: rank 0's rows first
