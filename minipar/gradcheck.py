@@ -100,6 +100,9 @@ def op_cases(seed=0):
     causal = numpy.triu(numpy.ones((5, 5), dtype=bool), k=1)
     repeated_ids = numpy.array([[1, 3, 1, 0], [3, 3, 2, 1]])  # ids 1 and 3 occur several times
     targets = numpy.array([[4, -1, 0], [2, 6, -1]])  # -1 is ignored
+    # 4 tokens routed to k = 2 of 4 experts; their slots n k + j sorted by expert, 3 and 6 dropped
+    experts = numpy.array([[2, 0], [1, 0], [2, 3], [0, 1]])
+    slots = numpy.array([1, 2, 7, 0, 4, 5])
     return [
         ("add (broadcast)", F.add, [t(2, 3, 4), t(3, 1)]),
         ("sub (broadcast)", F.sub, [t(3, 4), t(4)]),
@@ -134,6 +137,11 @@ def op_cases(seed=0):
         ("embedding (repeated ids)", lambda w: F.embedding(repeated_ids, w), [t(5, 3)]),
         ("cross_entropy (ignore_index=-1)", lambda x: F.cross_entropy(x, targets), [t(2, 3, 7)]),
         ("cross_entropy (sum)", lambda x: F.cross_entropy(x, targets, reduction="sum"), [t(2, 3, 7)]),
+        ("permute (k=2, 2 slots dropped)", lambda x: F.permute(x, slots, 2), [t(4, 3)]),
+        ("unpermute (weighted combine)", lambda y, w: F.unpermute(y, w, slots),
+         [t(6, 3), t(4, 2)]),
+        ("load-balancing loss", lambda p: F.load_balancing_loss(p, experts, 0.3), [t(4, 5)]),
+        ("router z-loss", lambda z: F.z_loss(z, 0.7), [t(4, 5)]),
         ("dropout (p=0.3, seeded)", lambda a: F.dropout(a, 0.3, key=(7, 0)), [t(4, 5)]),
         ("causal_attention (fused)", lambda qkv: F.causal_attention(qkv, 2), [t(2, 5, 12)]),
         ("causal_attention (3 query blocks)",

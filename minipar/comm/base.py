@@ -9,6 +9,9 @@ group) with the operations parallel training needs, on contiguous xp arrays:
     all_to_all(x)         x is split in ``size`` chunks along axis 0; chunk i goes to rank i, and
                           rank r's result holds, as its chunk j, rank j's chunk r (a transpose of
                           the ranks x chunks matrix, so it is its own inverse)
+    all_to_all_v(x, s, r) the same with uneven chunks (MPI's Alltoallv): the first s[0] rows of x
+                          go to rank 0, the next s[1] to rank 1, ...; r[j] rows arrive from rank j,
+                          in rank order (every rank's r[j] equals rank j's s[rank]; any may be 0)
     broadcast(x, root)    every rank ends with root's x, in place
     send / recv           point to point; the i- forms return a Request
     barrier()
@@ -23,6 +26,8 @@ buffer and N ranks:
     all_gather        (N-1)/N S                     (S = the output, all N chunks)
     all_to_all        (N-1)/N S                     (S = the input: every chunk but one's own
                                                      leaves, and as many arrive)
+    all_to_all_v    what actually leaves and arrives: the rows sent to (received from) the
+                    other ranks times the bytes of a row (its own rows stay; no ring model)
     broadcast       S received by every rank but the root, S sent by every rank but the last
                     of the chain (a pipelined chain from the root: N-1 links carry S each)
     send / recv     the message itself
@@ -142,6 +147,28 @@ def ring_bytes(op, nbytes, size, is_root=False, is_last=False):
     raise ValueError(f"no byte model for {op!r}")
 
 
+def all_to_all_v_plan(x, send_counts, recv_counts, rank, size):
+    """(send counts, send offsets, receive counts, receive offsets) in elements, the shape of
+    the result, and the (sent, received) bytes charged: only rows that cross to another rank."""
+    send, recv = numpy.asarray(send_counts, numpy.int64), numpy.asarray(recv_counts, numpy.int64)
+    if send.shape != (size,) or recv.shape != (size,) or (send < 0).any() or (recv < 0).any():
+        raise ValueError(f"all_to_all_v: need {size} non-negative send and receive counts, got "
+                         f"{send.tolist()} and {recv.tolist()}")
+    if x.ndim == 0 or int(send.sum()) != x.shape[0]:
+        raise ValueError(f"all_to_all_v: send counts {send.tolist()} do not add up to axis 0 of shape {x.shape}")
+    if send[rank] != recv[rank]:
+        raise ValueError(f"all_to_all_v: rank {rank} sends itself {send[rank]} rows but expects {recv[rank]}")
+    row = int(numpy.prod(x.shape[1:], dtype=numpy.int64))  # elements per row
+
+    def offsets(counts):
+        return numpy.concatenate([[0], numpy.cumsum(counts)[:-1]]).astype(numpy.int64) * row
+
+    shape = (int(recv.sum()),) + x.shape[1:]
+    row_bytes = row * x.itemsize
+    charged = (int(send.sum() - send[rank]) * row_bytes, int(recv.sum() - recv[rank]) * row_bytes)
+    return (send * row, offsets(send), recv * row, offsets(recv)), shape, charged
+
+
 class Communicator:
     """The interface; ``mpi.MPICommunicator`` implements it over mpi4py, ``nccl.NCCLCommunicator``
     over NCCL. The i- forms start the operation and return a ``Request``; the plain forms return
@@ -184,6 +211,15 @@ class Communicator:
 
     def iall_to_all(self, x, out=None):
         return self._all_to_all(x, out, wait=False)
+
+    def all_to_all_v(self, x, send_counts, recv_counts):
+        """Rows of ``x`` (axis 0) in consecutive runs of ``send_counts[i]`` go to rank i; the
+        result holds ``recv_counts[j]`` rows from each rank j, in rank order. The counts are host
+        integer sequences that the peers agreed on beforehand (exchange them with all_to_all)."""
+        return self._all_to_all_v(x, send_counts, recv_counts, wait=True)
+
+    def iall_to_all_v(self, x, send_counts, recv_counts):
+        return self._all_to_all_v(x, send_counts, recv_counts, wait=False)
 
     def broadcast(self, x, root=0):
         """Every rank's ``x`` becomes root's, in place."""

@@ -23,9 +23,10 @@ import os
 
 import numpy
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.backend import xp
-from minipar.comm.base import CommStats, Communicator, Request, ring_bytes
+from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
 from minipar.comm.start import abort_on_uncaught_exception
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
@@ -96,11 +97,13 @@ class MPICommunicator(Communicator):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stats = CommStats()
 
-    def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None, then=None):
-        """Charge ``op`` to the byte account and run it: to completion if ``wait`` (blocking in MPI
-        unless this rank must be polite), else return a Request. ``then``: run once it is done."""
+    def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None, then=None, charged=None):
+        """Charge ``op`` to the byte account (the ring model's bytes for ``nbytes``, or
+        ``charged``, the (sent, received) of an uneven exchange) and run it: to completion if
+        ``wait`` (blocking in MPI unless this rank must be polite), else return a Request.
+        ``then``: run once it is done."""
         is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
-        self.stats.record(op, *ring_bytes(op, nbytes, self.size, is_root, is_last))
+        self.stats.record(op, *(charged or ring_bytes(op, nbytes, self.size, is_root, is_last)))
         if self.size == 1:
             return result if wait else Request(_done, result)
         if wait and not self.polite:
@@ -160,6 +163,18 @@ class MPICommunicator(Communicator):
         buf, then = _stage(out, "all_to_all", copy_back=True)
         return self._run("all_to_all", x.nbytes, out, lambda: self.comm.Alltoall(x_buf, buf),
                          lambda: self.comm.Ialltoall(x_buf, buf), wait, then=then)
+
+    def _all_to_all_v(self, x, send_counts, recv_counts, wait):
+        x_buf, _ = _stage(x, "all_to_all_v", copy_back=False)
+        (sc, sd, rc, rd), shape, charged = all_to_all_v_plan(x, send_counts, recv_counts, self.rank, self.size)
+        out = self._out(None, shape, x.dtype, "all_to_all_v", x)
+        if self.size == 1:
+            out[...] = x
+        buf, then = _stage(out, "all_to_all_v", copy_back=True)
+        kind = from_numpy_dtype(x.dtype)  # Alltoallv's counts are in elements of this type
+        send, recv = [x_buf, (sc.tolist(), sd.tolist()), kind], [buf, (rc.tolist(), rd.tolist()), kind]
+        return self._run("all_to_all_v", x.nbytes, out, lambda: self.comm.Alltoallv(send, recv),
+                         lambda: self.comm.Ialltoallv(send, recv), wait, then=then, charged=charged)
 
     def _broadcast(self, x, root, wait):
         buf, then = _stage(x, "broadcast", copy_back=True)

@@ -22,7 +22,7 @@ import sys
 
 import numpy
 
-from minipar.comm.base import Communicator, Request, ring_bytes
+from minipar.comm.base import Communicator, Request, all_to_all_v_plan, ring_bytes
 
 _ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 
@@ -93,13 +93,14 @@ class NCCLCommunicator(Communicator):
     def _on_host(self, x):
         return isinstance(x, numpy.ndarray)
 
-    def _launch(self, op, nbytes, result, call, keep, wait, root=None):
-        """Charge ``op``, run ``call(stream)`` on the communication stream after the compute
-        stream's queued work, and return a Request (or, if ``wait``, its result)."""
+    def _launch(self, op, nbytes, result, call, keep, wait, root=None, charged=None):
+        """Charge ``op`` (the ring model's bytes, or ``charged``: (sent, received)), run
+        ``call(stream)`` on the communication stream after the compute stream's queued work, and
+        return a Request (or, if ``wait``, its result)."""
         import cupy
 
         is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
-        self.stats.record(op, *ring_bytes(op, nbytes, self.size, is_root, is_last))
+        self.stats.record(op, *(charged or ring_bytes(op, nbytes, self.size, is_root, is_last)))
         compute = cupy.cuda.get_current_stream()
         self.stream.wait_event(compute.record())
         call(self.stream.ptr)
@@ -172,6 +173,28 @@ class NCCLCommunicator(Communicator):
             nccl.groupEnd()
 
         return self._launch("all_to_all", x.nbytes, out, call, (x, out), wait)
+
+    def _all_to_all_v(self, x, send_counts, recv_counts, wait):
+        """As ``_all_to_all``, with each peer's own count and offset. A peer with nothing to
+        send or receive is left out of the group on both sides (rank j's receive count from i is
+        rank i's send count to j, so the two sides agree)."""
+        if self._on_host(x):
+            return self.mpi._all_to_all_v(x, send_counts, recv_counts, wait)
+        _contiguous(x, "all_to_all_v")
+        (sc, sd, rc, rd), shape, charged = all_to_all_v_plan(x, send_counts, recv_counts, self.rank, self.size)
+        out = self._out(None, shape, x, "all_to_all_v")
+        nccl, dtype, item = _nccl(), _dtype(x), x.itemsize
+
+        def call(stream):
+            nccl.groupStart()
+            for peer in range(self.size):
+                if sc[peer]:
+                    self.comm.send(x.data.ptr + int(sd[peer]) * item, int(sc[peer]), dtype, peer, stream)
+                if rc[peer]:
+                    self.comm.recv(out.data.ptr + int(rd[peer]) * item, int(rc[peer]), dtype, peer, stream)
+            nccl.groupEnd()
+
+        return self._launch("all_to_all_v", x.nbytes, out, call, (x, out), wait, charged=charged)
 
     def _broadcast(self, x, root, wait):
         if self._on_host(x):
