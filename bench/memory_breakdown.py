@@ -117,14 +117,14 @@ class MeasuringExecutor(PipelineExecutor):
 
 
 def measure(layout, args, comm, batch):
-    """This rank's {kind: bytes} after one training step of ``layout``, and its peak state bytes."""
+    """This rank's {kind: bytes} after one training step of ``layout``, and the optimizer."""
     _, tp, cp, pp, stage, sp = layout
     minipar.manual_seed(0)
     grid = ProcessGrid(tp, pp, comm.size // (tp * cp * pp), comm, cp=cp)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                        dropout=0.1)
     model = GPT(config, grid, sequence_parallel=sp)
-    opt = make_optimizer(model, grid, stage, **HYPER)
+    opt = make_optimizer(model, grid, stage, bucket_bytes=args.bucket_kb << 10, **HYPER)
     run = MeasuringExecutor(model, grid, "1f1b", args.micro_batches, optimizer=opt)
 
     def update():
@@ -136,7 +136,7 @@ def measure(layout, args, comm, batch):
     run.step(*batch, optimizer_step=update)
     opt.zero_grad()
     held = opt.state_bytes()
-    return {**{k: held.get(k, 0) for k in KINDS[:3]}, "activations": run.peak}, opt.peak_state_bytes()
+    return {**{k: held.get(k, 0) for k in KINDS[:3]}, "activations": run.peak}, opt
 
 
 def fullest(comm, numbers):
@@ -180,6 +180,9 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32, help="the global batch of the step")
     p.add_argument("--micro-batches", type=int, default=4)
+    # the trainer's 4 MiB would hold this 0.9 MB model in one bucket (one ZeRO-2 group): nothing
+    # could be sent, or dropped, before the whole backward is done
+    p.add_argument("--bucket-kb", type=int, default=64, help="gradient bucket (stage 0) / ZeRO group size (1-2)")
     p.add_argument("--plot", help="write the stacked bars here (PNG)")
     args = p.parse_args(argv)
     comm = world()
@@ -194,8 +197,8 @@ def main(argv=None):
     batch = Dataset(load_corpus()).batch("train", 0, args.batch_size, args.block_size, 0)
     rows = []
     for name in names:
-        numbers, peak_state = measure(chosen[name], args, comm, batch)
-        found = fullest(comm, [numbers[k] for k in KINDS] + [peak_state])
+        numbers, opt = measure(chosen[name], args, comm, batch)
+        found = fullest(comm, [numbers[k] for k in KINDS] + [opt.peak_state_bytes()])
         if found is not None:
             rows.append((chosen[name][0], *found))
     if comm.rank != 0:
