@@ -208,10 +208,10 @@ def main(argv=None):
              f"batch {args.batch_size} in {args.micro_batches} micro-batches, float32, 1 step")
     print(title)
     print("MB (1e6 bytes) held by the fullest rank; the last columns: the most over all ranks\n")
-    print(f"{'layout':<18}{'rank':>5}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}"
+    print(f"{'layout':<16}{'rank':>5}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}"
           f" |{'max param':>10}{'max activ':>10}{'peak state':>11}")
     for label, rank, numbers, most in rows:
-        print(f"{label:<18}{rank:>5}" + "".join(mb(v) for v in numbers[:4]) + mb(numbers[:4].sum())
+        print(f"{label:<16}{rank:>5}" + "".join(mb(v) for v in numbers[:4]) + mb(numbers[:4].sum())
               + f" |{mb(most[0]):>10}{mb(most[3]):>10}{mb(most[4]):>11}")
     if args.plot:
         plot(rows, args.plot, title)
