@@ -53,7 +53,7 @@ Exercises (predict first, then run the command and read the row named):
    ./run_mpi.sh -n 4 lessons/06_3d_parallel.py --plant-bug
    ./run_mpi.sh -n 2 lessons/06_3d_parallel.py --tp 2 --pp 1 --plant-bug
 4. MFU on 2 ranks and on 8 (the same model and batch; check `nproc`). Predict which is higher when
-   the ranks outnumber the cores, and why a bigger model (--n-layer 8) raises it:
+   the ranks outnumber the cores, and whether a deeper model (--n-layer 8) raises it:
    ./run_mpi.sh -n 2 lessons/06_3d_parallel.py; ./run_mpi.sh -n 8 lessons/06_3d_parallel.py
 """
 
