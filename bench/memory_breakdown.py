@@ -139,6 +139,10 @@ def measure(layout, args, comm, batch):
     return {**{k: held.get(k, 0) for k in KINDS[:3]}, "activations": run.peak}, opt
 
 
+def mb(nbytes):
+    return f"{nbytes / 1e6:>8.3f}"
+
+
 def fullest(comm, numbers):
     """On rank 0: (rank, its numbers) of the rank whose numbers add up to the most, and the most
     of each number over the ranks; None elsewhere."""
@@ -203,7 +207,6 @@ def main(argv=None):
             rows.append((chosen[name][0], *found))
     if comm.rank != 0:
         return 0
-    mb = lambda b: f"{b / 1e6:>8.3f}"  # noqa: E731
     title = (f"{comm.size} ranks, GPT {args.n_layer} layers, h {args.n_embd}, {args.n_head} heads, T {args.block_size}, "
              f"batch {args.batch_size} in {args.micro_batches} micro-batches, float32, 1 step")
     print(title)
