@@ -65,7 +65,6 @@ import numpy as np
 import lesson
 import minipar
 from minipar.checkpoint.full import gather_full_state
-from minipar.mfu import flops_per_token
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.pipeline.executor import PipelineExecutor
@@ -187,9 +186,7 @@ def main():
         compare.parameters(state)
     errors = compare.worst_over(comm)
     tol = lesson.TOLERANCE[args.dtype]
-    # the steps after the first (which also compares the gradients); the slowest rank's time
-    step_s = comm.all_reduce(np.array([np.mean(seconds[1:] or seconds)]), op="max")[0]
-    flops = args.batch_size * BLOCK_SIZE * flops_per_token(args.n_layer, N_EMBD, BLOCK_SIZE, config.vocab_size)
+    mfu = lesson.mfu(comm, config, args.batch_size * BLOCK_SIZE, seconds, peak)
 
     def report():
         print(grid.describe())
@@ -201,8 +198,7 @@ def main():
         print(f"\n{args.steps} AdamW steps (ZeRO-1, clipped at {MAX_NORM}), {args.schedule}, {args.micro_batches} "
               f"micro-batches per step, {args.dtype}, dropout 0.1")
         lesson.print_errors({None: errors}, tol)
-        print(f"\nMFU {flops / step_s / peak:.1%}: {flops / 1e9:.3f} GFLOP per step in {1e3 * step_s:.0f} ms, "
-              f"peak {peak / 1e9:.1f} GFLOP/s (all ranks at once)")
+        print(f"\n{mfu}")
 
     return lesson.finish(comm, not lesson.within(tol, errors), report,
                          "The 3D-parallel run equals the single-device run.")

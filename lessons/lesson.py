@@ -26,7 +26,7 @@ from minipar.backend import add_device_flag, use_device
 from minipar.cli import Parser, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
-from minipar.mfu import measured_peak
+from minipar.mfu import flops_per_token, measured_peak
 from minipar.models import GPT
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.verify import as_one_vector, rel_err, worst_tensor
@@ -182,6 +182,16 @@ def machine_peak(comm, dtype):
         return peak
     cores = -comm.all_reduce(np.array([-len(os.sched_getaffinity(0))]), op="max")[0]  # the fewest
     return peak * min(1.0, cores / comm.size)
+
+
+def mfu(comm, config, tokens, seconds, peak):
+    """The line reporting model FLOPs utilisation (a collective): the GPT's training FLOPs for
+    ``tokens`` per step over the steps' ``seconds`` (the slowest rank's mean, the first step left
+    out when there are more: it warms up and compares gradients) and ``peak`` (``machine_peak``)."""
+    step_s = comm.all_reduce(np.array([np.mean(seconds[1:] or seconds)]), op="max")[0]
+    flops = tokens * flops_per_token(config.n_layer, config.n_embd, config.block_size, config.vocab_size)
+    return (f"MFU {flops / step_s / peak:.1%}: {flops / 1e9:.3f} GFLOP per step in {1e3 * step_s:.0f} ms, "
+            f"peak {peak / 1e9:.1f} GFLOP/s (all ranks at once)")
 
 
 def finish(comm, failed, report, passed, mismatch=MISMATCH):
