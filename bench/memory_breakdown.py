@@ -25,8 +25,8 @@ byte where only the graph is alive. The chart shows the rank whose four columns 
 most ("the fullest rank"): that is the one that must fit.
 
 Layout names: DP (all ranks data-parallel), ZeRO-1/2/3 (the same with ZeRO), TPxDP (TP 2),
-3D (TP 2 x PP 2, ZeRO-1), PPxDP (PP 4, or PP 2 below 8 ranks), CPxDP (CP 2, ring attention),
-TP-SP (TP over every rank, sequence parallel).
+3D (TP 2 x PP 2, ZeRO-1), PPxDP (PP 4 where 8 divides the ranks, else 2), CPxDP (CP 2, ring
+attention), TP-SP (TP over every rank, sequence parallel).
 """
 
 import argparse
