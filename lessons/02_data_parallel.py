@@ -15,7 +15,8 @@ k micro-batches inside ``no_sync()`` and sends only once.
 
 What to look for: the same loss, gradients and parameters as one device (float32 rounding), buckets
 started before backward ended, and 2 (N-1)/N x 4P bytes sent per rank per step, the ring
-all-reduce's cost for P float32 gradients. Read next: docs/data_parallel.md.
+all-reduce's cost for P float32 gradients; last, the steps' model FLOPs utilisation (MFU,
+docs/benchmarks.md). Read next: docs/data_parallel.md.
 
 Exercises (predict first, then run the command and read the line named):
 1. The lesson prints P = 834,304. Predict the bytes each rank sends per step at 8 ranks, and the
@@ -31,6 +32,7 @@ Exercises (predict first, then run the command and read the line named):
 
 import contextlib
 import sys
+import time
 
 import numpy as np
 
@@ -73,7 +75,10 @@ def main():
     opt = DataParallelAdamW(model, dp, bucket_bytes=args.bucket_kb << 10, **lesson.HYPER)
     compare = lesson.Comparison(reference)
     overlap, sent = [], []
+    # MFU of these steps alone (the reference run above shares the cores on every rank)
+    peak, seconds = lesson.machine_peak(comm, model.parameters()[0].dtype), []
     for step, (x, y) in enumerate(batches):
+        start = time.perf_counter()
         model.rng.iteration = step  # dropout masks: keyed by step and position
         dp.stats.reset()
         losses, total = [], token_count(y)  # every rank has the global batch: it can count it
@@ -96,11 +101,13 @@ def main():
         opt.clip_grad_norm(1.0)
         opt.step()
         opt.zero_grad()
+        seconds.append(time.perf_counter() - start)
     compare.parameters(model.state_dict())
     opt.check_replicas()  # every rank holds bit-identical weights
 
     # what it sends and holds, beside the formulas
     tol = lesson.TOLERANCE[args.dtype]
+    mfu = lesson.mfu(comm, config, args.batch_size * config.block_size, seconds, peak)
     P = sum(v.size for v in reference.params.values())
     item = np.dtype(args.dtype).itemsize
     held = opt.state_bytes()
@@ -118,6 +125,7 @@ def main():
         print(f"bytes held per rank: parameters {held['parameters']:,} + gradients {held['gradients']:,} "
               f"+ optimizer {held['optimizer']:,}\n  = {sum(held.values()):,} = {4 * item}P "
               f"(every rank holds everything: ZeRO, lesson 5, shards it)")
+        print(mfu)
 
     return lesson.finish(comm, not (lesson.within(tol, compare.errors) and agrees), report,
                          "The data-parallel run equals the single-device run, and holds and sends what the "

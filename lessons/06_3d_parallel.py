@@ -37,7 +37,9 @@ Read next: docs/3d_parallel.md.
 
 What to look at: the grid and its groups, then "who holds what": each rank's blocks, its half (or
 share) of the heads, MLP columns and vocabulary, and its piece of the Adam state; the error table
-last. --schedule picks gpipe, 1f1b or interleaved (--virtual-stages, default 2) and --n-layer the
+last, and under it the parallel steps' model FLOPs utilisation (MFU: the model's FLOPs per step
+over the step time and the machine's measured peak, minipar/mfu.py; the first step, which also
+compares the gradients, and the reference run are not timed). --schedule picks gpipe, 1f1b or interleaved (--virtual-stages, default 2) and --n-layer the
 depth, checked like the other flags.
 
 Exercises (predict first, then run the command and read the row named):
@@ -50,9 +52,13 @@ Exercises (predict first, then run the command and read the row named):
    fails with no pipeline at all:
    ./run_mpi.sh -n 4 lessons/06_3d_parallel.py --plant-bug
    ./run_mpi.sh -n 2 lessons/06_3d_parallel.py --tp 2 --pp 1 --plant-bug
+4. MFU on 2 ranks and on 8 (the same model and batch; check `nproc`). Predict which is higher when
+   the ranks outnumber the cores, and whether a deeper model (--n-layer 8) raises it:
+   ./run_mpi.sh -n 2 lessons/06_3d_parallel.py; ./run_mpi.sh -n 8 lessons/06_3d_parallel.py
 """
 
 import sys
+import time
 
 import numpy as np
 
@@ -151,7 +157,11 @@ def main():
     run = PipelineExecutor(model, grid, args.schedule, args.micro_batches, optimizer=opt)
     lines = gather_text(comm, who_holds_what(grid, model, opt))
     compare = lesson.Comparison(reference, loss="loss (worst step)")
+    # MFU of the parallel steps alone: the reference run above, which every rank repeats on the
+    # cores they share, is not timed; the peak is timed by all ranks at once (a collective)
+    peak, seconds = lesson.machine_peak(comm, model.parameters()[0].dtype), []
     for step, (x, y) in enumerate(batches):
+        start = time.perf_counter()
         model.rng.iteration = step  # keys the dropout masks (with each token's place)
 
         def update():
@@ -168,6 +178,7 @@ def main():
 
         record = run.step(x, y, optimizer_step=update)
         opt.zero_grad()
+        seconds.append(time.perf_counter() - start)
         share = record.loss if record.loss is not None and grid.tp_rank == 0 else 0.0
         compare.loss(step, comm.all_reduce(np.array([share]))[0])  # the shares of the DP ranks' last stages
     state = gather_full_state(model, opt, grid)  # on rank 0
@@ -175,6 +186,7 @@ def main():
         compare.parameters(state)
     errors = compare.worst_over(comm)
     tol = lesson.TOLERANCE[args.dtype]
+    mfu = lesson.mfu(comm, config, args.batch_size * BLOCK_SIZE, seconds, peak)
 
     def report():
         print(grid.describe())
@@ -186,6 +198,7 @@ def main():
         print(f"\n{args.steps} AdamW steps (ZeRO-1, clipped at {MAX_NORM}), {args.schedule}, {args.micro_batches} "
               f"micro-batches per step, {args.dtype}, dropout 0.1")
         lesson.print_errors({None: errors}, tol)
+        print(f"\n{mfu}")
 
     return lesson.finish(comm, not lesson.within(tol, errors), report,
                          "The 3D-parallel run equals the single-device run.")

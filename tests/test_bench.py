@@ -55,3 +55,42 @@ def test_gpu_check_runs_from_the_checkout_and_stops_at_the_first_missing_piece(t
     assert len(failed) == 1 and ("FAILED: MPI" in failed[0] or "FAILED: CuPy" in failed[0]), run.stdout
     results = (tmp_path / "out" / "results.md").read_text()
     assert "stopped at the preflight" in results and "| check |" not in results  # no step ran
+
+
+def test_memory_breakdown_counts_a_layer_as_the_activation_benchmark_does():
+    """The breakdown's graph walk, on one layer: minipar's formula (bench/activation_memory.py,
+    which tracemalloc confirms) plus the layer's input, which the breakdown counts as held."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    from activation_memory import formula
+    from memory_breakdown import graph_bytes
+
+    import numpy as np
+
+    import minipar
+    from minipar.autograd import Tensor
+    from minipar.models import GPT, GPTConfig
+
+    s, b, h, a = 70, 2, 16, 2  # a full and a partial query block
+    minipar.set_default_dtype("float32")
+    minipar.manual_seed(0)
+    block = GPT(GPTConfig(n_layer=1, n_head=a, n_embd=h, block_size=s, dropout=0.1)).transformer.h[0]
+    x = Tensor(np.random.default_rng(0).standard_normal((b, s, h)).astype(np.float32), requires_grad=True)
+    out = block(x)
+    assert graph_bytes([out], block.parameters()) == sum(formula(s, b, h, a, 4, True).values()) + x.data.nbytes
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_memory_breakdown_accounting_adds_up(n):
+    from mpi_run import check_mpi
+
+    assert f"memory breakdown accounting OK on {n} ranks" in check_mpi(n, "memory_breakdown.py")
+
+
+def test_memory_breakdown_prints_its_table_and_draws_it(tmp_path):
+    from mpi_run import check_mpi
+
+    figure = tmp_path / "breakdown.png"
+    out = check_mpi(4, BENCH.replace("step_time", "memory_breakdown"), "--layouts", "DP", "ZeRO-3", "3D",
+                    "--n-layer", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
+                    "--micro-batches", "2", "--plot", figure)
+    assert "DP4 ZeRO-3" in out and "TP2 PP2 DP1 Z1" in out and figure.stat().st_size > 0

@@ -1,6 +1,7 @@
 """Communicators, the process grid and region collectives, each under mpiexec on several ranks."""
 
 import os
+import re
 import subprocess
 import sysconfig
 
@@ -159,7 +160,10 @@ LESSON_5 = os.path.join(ROOT, "lessons", "05_zero.py")
 @pytest.mark.parametrize("n,args", [(4, []), (4, ["--micro-batches", "2", "--bucket-kb", "16"]),
                                     (2, ["--dtype", "float64"])])
 def test_data_parallel_lesson(n, args):
-    assert "holds and sends what the formulas say" in check_mpi(n, LESSON_2, *args, timeout=300)
+    out = check_mpi(n, LESSON_2, *args, timeout=300)
+    assert "holds and sends what the formulas say" in out
+    # the MFU line is there (its value is a timing: never checked)
+    assert re.search(r"^MFU \d+\.\d%: [\d.]+ GFLOP per step in \d+ ms", out, re.M), out
 
 
 @pytest.mark.parametrize("n,args", [(4, []), (2, ["--dtype", "float64"]),
