@@ -38,6 +38,7 @@ import numpy as np
 
 import lesson
 import minipar
+from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import DataParallelAdamW, token_count
@@ -76,7 +77,7 @@ def main():
     compare = lesson.Comparison(reference)
     overlap, sent = [], []
     # MFU of these steps alone (the reference run above shares the cores on every rank)
-    peak, seconds = lesson.machine_peak(comm, model.parameters()[0].dtype), []
+    peak, seconds = measured_peak(comm, model.parameters()[0].dtype), []
     for step, (x, y) in enumerate(batches):
         start = time.perf_counter()
         model.rng.iteration = step  # dropout masks: keyed by step and position

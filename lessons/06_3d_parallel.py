@@ -65,6 +65,7 @@ import numpy as np
 import lesson
 import minipar
 from minipar.checkpoint.full import gather_full_state
+from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.pipeline.executor import PipelineExecutor
@@ -159,7 +160,7 @@ def main():
     compare = lesson.Comparison(reference, loss="loss (worst step)")
     # MFU of the parallel steps alone: the reference run above, which every rank repeats on the
     # cores they share, is not timed; the peak is timed by all ranks at once (a collective)
-    peak, seconds = lesson.machine_peak(comm, model.parameters()[0].dtype), []
+    peak, seconds = measured_peak(comm, model.parameters()[0].dtype), []
     for step, (x, y) in enumerate(batches):
         start = time.perf_counter()
         model.rng.iteration = step  # keys the dropout masks (with each token's place)

@@ -15,7 +15,6 @@ This module belongs to the lessons: minipar never imports it. A lesson finds it 
 script's folder comes first on ``sys.path`` (``python -m mpi4py`` keeps that rule).
 """
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +25,7 @@ from minipar.backend import add_device_flag, use_device
 from minipar.cli import Parser, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
-from minipar.mfu import flops_per_token, measured_peak
+from minipar.mfu import flops_per_token
 from minipar.models import GPT
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.verify import as_one_vector, rel_err, worst_tensor
@@ -172,22 +171,10 @@ def print_errors(runs, tolerance, width=10, title="relative error against the si
         print(f"  {row:<28}" + "".join(f"{errors[row]:>{width}.1e}" for errors in runs.values()))
 
 
-def machine_peak(comm, dtype):
-    """The machine's FLOP/s for MFU: ``minipar.mfu.measured_peak``, whose sum of each rank's best
-    product counts a core once per rank sharing it (each rank finds a moment with the core to
-    itself: 8 ranks on 2 cores measure four times the cores' rate), scaled down to the cores the
-    ranks have. The lessons run on one machine; on a GPU the cores do not matter."""
-    peak = measured_peak(comm, dtype)
-    if backend.on_gpu():
-        return peak
-    cores = -comm.all_reduce(np.array([-len(os.sched_getaffinity(0))]), op="max")[0]  # the fewest
-    return peak * min(1.0, cores / comm.size)
-
-
 def mfu(comm, config, tokens, seconds, peak):
     """The line reporting model FLOPs utilisation (a collective): the GPT's training FLOPs for
     ``tokens`` per step over the steps' ``seconds`` (the slowest rank's mean, the first step left
-    out when there are more: it warms up and compares gradients) and ``peak`` (``machine_peak``)."""
+    out when there are more: it warms up and compares gradients) and ``peak`` (``minipar.mfu.measured_peak``)."""
     step_s = comm.all_reduce(np.array([np.mean(seconds[1:] or seconds)]), op="max")[0]
     flops = tokens * flops_per_token(config.n_layer, config.n_embd, config.block_size, config.vocab_size)
     return (f"MFU {flops / step_s / peak:.1%}: {flops / 1e9:.3f} GFLOP per step in {1e3 * step_s:.0f} ms, "

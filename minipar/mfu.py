@@ -12,10 +12,13 @@ skipped). Backward costs twice the forward, so per token of training
 which is Narayanan et al. (2021)'s formula without recomputation (with it, 96 instead of 72: the
 recomputed forward is hardware work, not model work, so it raises HFU but not MFU).
 
-The peak is measured, not looked up: every rank times the same matrix product with the kernel the
-model uses (``backend.matmul``: BLAS, or minipar's GEMM on a GPU), all ranks at once, so ranks
-that share cores share them here too; the machine's peak is the sum. MFU is then
-(FLOPs per token x tokens per second) / that sum.
+The peak is measured, not looked up: every rank runs the same matrix products with the kernel the
+model uses (``backend.matmul``: BLAS, or minipar's GEMM on a GPU), all ranks at once between two
+barriers, and the peak is all of that work over the time it took. Timing the block as a whole
+matters when ranks share cores: a rank's fastest single product comes when the others happen to
+be idle, so adding each rank's best would count a shared core once per rank (8 ranks on 2 cores
+measured four times the cores' rate that way). MFU is then (FLOPs per token x tokens per second)
+/ that peak.
 """
 
 import time
@@ -36,21 +39,24 @@ def _synchronize():
         xp.cuda.get_current_stream().synchronize()
 
 
-def measured_peak(world, dtype, n=None, repeats=5):
-    """FLOP/s of this machine's matrix products, the sum over ``world``'s ranks of each one's best
-    of ``repeats`` n x n x n products, timed together (a collective). ``n``: 512 on a CPU core,
-    which that size already keeps busy; 4096 on a GPU, where a 512 product fills few of the SMs
-    and would understate the peak (and so overstate MFU) about twentyfold."""
+def measured_peak(world, dtype, n=None, repeats=3, rounds=3):
+    """FLOP/s of this machine's matrix products: every rank of ``world`` runs ``repeats`` n x n x n
+    products between two barriers, and the fastest of ``rounds`` such blocks (by its slowest
+    rank) gives world.size x repeats x 2 n^3 FLOPs over its time (a collective). ``n``: 512 on a
+    CPU core, which that size already keeps busy; 4096 on a GPU, where a 512 product fills few of
+    the SMs and would understate the peak (and so overstate MFU) about twentyfold."""
     n = n or (4096 if on_gpu() else 512)
     a = xp.asarray(numpy.random.default_rng(0).standard_normal((n, n)), dtype)
     out = xp.empty_like(a)
     matmul(a, a, out=out)  # the first call compiles or warms up
-    world.barrier()
     best = float("inf")
-    for _ in range(repeats):
-        _synchronize()
+    for _ in range(rounds):
+        world.barrier()
         start = time.perf_counter()
-        matmul(a, a, out=out)
+        for _ in range(repeats):
+            matmul(a, a, out=out)
         _synchronize()
+        world.barrier()  # the block ends when the last rank is done
         best = min(best, time.perf_counter() - start)
-    return float(world.all_reduce(numpy.array([2.0 * n**3 / best]))[0])
+    slowest = float(world.all_reduce(numpy.array([best]), op="max")[0])
+    return world.size * repeats * 2.0 * n**3 / slowest
