@@ -19,10 +19,9 @@ Each schedule trains a few AdamW steps from the same seed as the single-device r
 with and without activation recompute, and we compare the loss, every gradient and the parameters.
 Then the costs, each next to its formula:
 
-* the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved,
-  exact in a simulation with unit costs, simulated again with each stage's forward, backward and
-  recompute as measured in this run, and as measured (near the simulation when every rank has a
-  core of its own; above it, and hardly moving with m, when ranks share cores);
+* the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved:
+  exact in a simulation with unit costs, simulated with each stage's costs measured in this run,
+  and measured (near that when each rank has a core; stuck well above when ranks share cores);
 * memory: how many micro-batches' activations a rank holds at once (m for GPipe, p - rank for
   1F1B), and the bytes measured with and without recompute;
 * the bytes each rank sends per step.
@@ -30,11 +29,11 @@ Then the costs, each next to its formula:
 The timelines are drawn in --out: one Gantt picture per schedule as measured, one simulated, and a
 Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
 
-What to look at: the bubble table (theory and "sim, unit" must be equal; "sim, costs" and measured
-are this machine), the measured costs (backward is not 2 forwards on this engine),
-the activations held (m for GPipe, p - rank for 1F1B) and the bytes sent. With --show-schedules
-each rank's instructions are printed in order: F3 is the forward of micro-batch 3, B3 its
-backward, and in the interleaved table F3.1 is the forward of micro-batch 3 on the rank's chunk 1.
+What to look at: the bubble table (theory = "sim, unit"; "sim, costs" and measured are this
+machine), the costs (backward is not 2 forwards here), the activations held (m for GPipe, p - rank
+for 1F1B) and the bytes sent. With --show-schedules each rank's instructions are printed in
+order: F3 is the forward of micro-batch 3, B3 its backward, and in the interleaved table F3.1 is
+the forward of micro-batch 3 on the rank's chunk 1.
 
 Exercises (predict first, then run the command and read the table named):
 1. Micro-batches against the bubble on 4 stages: predict the "theory" column of gpipe/1f1b and of
@@ -217,10 +216,9 @@ def costs_beside_formulas(comm, args, grid, results, runs):
         plan = schedules.build(name, p, m, vv)
         theory, units = theoretical_bubble(p, m, vv), [simulate(plan, m, vv), simulate(plan, m, vv, recompute=1)]
         ok &= all(b == theory for sim in units for b in sim.bubble.values())
-        sim = units[0]
         costs, costs_r = results[name, False][1], results[name, True][1]
         alive = [int(costs["peak_alive"][g]) for g in stage_ranks]
-        ok &= alive == [sim.peak_alive[r] for r in range(p)]
+        ok &= alive == [units[0].peak_alive[r] for r in range(p)]
         ok &= list(costs_r["peak_alive"]) == list(costs["peak_alive"])  # recompute holds as many
         formula = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)]}.get(
             name, [min((p - r - 1) * 2 + (vv - 1) * p + 1, vv * m) for r in range(p)])
@@ -238,15 +236,14 @@ def costs_beside_formulas(comm, args, grid, results, runs):
         on_costs = [simulate(plan, m, vv, forward=fwd, backward=bwd),
                     simulate(plan, m, vv, forward=op_r[schedules.FORWARD], backward=bwd, recompute=extra)]
         measured = [trace.bubble(costs["timelines"]), trace.bubble(costs_r["timelines"])]
-        stage_costs = {k: (fwd[k], bwd[k], extra[k]) for k in sorted(fwd)}
-        mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
-        mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks]
+        mem, mem_r = ([int(c["activation bytes"][g]) for g in stage_ranks] for c in (costs, costs_r))
         ok &= all(b < a for a, b in zip(mem, mem_r))
         lines.append(SimpleNamespace(name=name, v=vv, theory=theory, units=units, on_costs=on_costs, measured=measured,
-                                     alive=alive, mem=mem, mem_r=mem_r, per_rank=per_rank, stage_costs=stage_costs))
+                                     alive=alive, mem=mem, mem_r=mem_r, per_rank=per_rank,
+                                     stage_costs={k: (fwd[k], bwd[k], extra[k]) for k in sorted(fwd)}))
         if comm.rank == 0:
             tag = f"{name}, p={p}, m={m}" + (f", v={vv}" if vv > 1 else "")
-            trace.gantt(sim.timeline, os.path.join(args.out, f"{name}_simulated.png"),
+            trace.gantt(units[0].timeline, os.path.join(args.out, f"{name}_simulated.png"),
                         f"{tag}: unit costs, bubble {float(theory):.3f}", chunks=vv, unit="units")
             trace.gantt(costs["timelines"], os.path.join(args.out, f"{name}_measured.png"),
                         f"{tag}: measured on this machine", chunks=vv)
@@ -271,9 +268,9 @@ def report(args, grid, results, runs, lines, tol):
             print(f"  {ln.name + tag:<15}{formula:<17}{float(ln.theory):>6.3f}{float(unit.bubble[0]):>11.3f}"
                   f"{float(np.mean(list(sim.bubble.values()))):>12.3f}{np.mean(b):>10.3f}   "
                   + (" ".join(f"{x:.2f}" for x in b) if p <= 4 else f"{min(b):.2f} to {max(b):.2f}"))
-    print("  +r: with recompute. sim, unit: forward 1, backward 2 (+1 recompute), equal stages: the")
-    print("  formula, as is any cost equal on every stage. sim, costs: each rank's costs measured in")
-    print("  the run (below), unequal stages. Neither counts the messages. measured: the last step.")
+    print("  +r: with recompute. sim, unit: forward 1, backward 2 (+1 recompute) on equal stages, the\n"
+          "  formula (as any costs equal on every stage give); sim, costs: each stage's, measured in\n"
+          "  the run (below). Neither counts the messages. measured: the last step.")
     vv = lines[0].v
     print(f"\nmeasured costs of a {'chunk' if vv > 1 else 'stage'} (ms, median over the micro-batches "
           f"of {lines[0].name}'s last step)")
@@ -282,9 +279,8 @@ def report(args, grid, results, runs, lines, tol):
     for (r, c), (f, b, extra) in lines[0].stage_costs.items():
         print(f"  {str(r) + (f'.{c}' if vv > 1 else ''):<12}{f * 1e3:>9.2f}{b * 1e3:>10.2f}{extra * 1e3:>11.2f}"
               f"{b / f:>18.2f}")
-    print("  (the unit model says backward 2 and recompute 1. Here the matrix products are under half")
-    print("  of a forward: the rest, the elementwise ops, dropout masks and Python per op, backward")
-    print("  does less of. Why, measured: docs/pipeline_parallel.md)")
+    print("  (the unit model: backward 2, recompute 1. Here products are under half of a forward, and\n"
+          "  backward skips much of the rest: masks, checks. Measured why: docs/pipeline_parallel.md)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if grid.layout.world_size > cores:
         print(f"\n{grid.layout.world_size} ranks on {cores} cores: ranks that compute at once share a core (the costs\n"
