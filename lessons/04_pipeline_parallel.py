@@ -286,7 +286,7 @@ def report(args, grid, results, runs, lines, tol):
         print(f"\n{grid.layout.world_size} ranks on {cores} cores: ranks that compute at once share a core (the costs\n"
               "above stretch), and a waiting rank lends its core to the others, so the measured bubble\n"
               "hardly moves with m here (try --micro-batches 4 and 16). With a core per rank it follows\n"
-              '"sim, costs" (-n 2 on 2 cores; the table in docs/pipeline_parallel.md).')
+              f'"sim, costs" (-n {cores} here; the table in docs/pipeline_parallel.md).')
     print("\nactivations held: the most micro-batches a rank had run forward but not yet backward")
     print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>9}" for r in range(p)) + "   formula")
     for ln in lines:
