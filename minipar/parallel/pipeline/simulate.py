@@ -25,7 +25,8 @@ measured timeline (``trace.op_costs``), in any one unit. Replaying all ranks thi
 
   (the fill and drain take p - 1 chunk-times of forward plus backward; the work, m (or v*m) of
   them), whatever backward / forward is: that ratio changes the step's length, not the fraction.
-  Stages of unequal cost (the first embeds, the last runs the head and the loss) make it larger.
+  Stages of unequal cost (the first embeds, the last runs the head and the loss) change it,
+  mostly upward: the slowest sets the pace and the others wait for it.
   Some papers quote the bubble relative to the work instead, (p - 1)/m and (p - 1)/(v*m).
 * counts the peak number of micro-batches whose activations a rank holds (forwards done, their
   backwards not yet): m for GPipe, p - rank for 1F1B.
