@@ -258,8 +258,8 @@ def report(args, grid, results, runs, lines, tol):
     short = {"interleaved": "interl"}
     lesson.print_errors({short.get(n, n) + ("+r" if r else ""): errors for (n, r), (errors, _) in results.items()},
                         tol, width=11, note=";\n+r: with recompute, interl: interleaved")
-    print("\nbubble: the idle fraction of a step (convention: idle time / makespan), mean over the ranks")
-    print(f"  {'schedule':<15}{'formula':<17}{'theory':>6}{'sim, unit':>11}{'sim, costs':>12}{'measured':>10}"
+    print("\nbubble: the idle fraction of a step (convention: idle time / makespan), mean over the ranks\n"
+          f"  {'schedule':<15}{'formula':<17}{'theory':>6}{'sim, unit':>11}{'sim, costs':>12}{'measured':>10}"
           "   measured per rank")
     for ln in lines:
         formula = f"(p-1)/({'v*' if ln.v > 1 else ''}m+p-1)"
@@ -272,10 +272,9 @@ def report(args, grid, results, runs, lines, tol):
           "  formula (as any costs equal on every stage give); sim, costs: each stage's, measured in\n"
           "  the run (below). Neither counts the messages. measured: the last step.")
     vv = lines[0].v
-    print(f"\nmeasured costs of a {'chunk' if vv > 1 else 'stage'} (ms, median over the micro-batches "
-          f"of {lines[0].name}'s last step)")
-    print(f"  {'rank' + ('.chunk' if vv > 1 else ''):<12}{'forward':>9}{'backward':>10}{'recompute':>11}"
-          f"{'backward/forward':>18}")
+    print(f"\nmeasured costs of a {'chunk' if vv > 1 else 'stage'} (ms, median over the micro-batches of "
+          f"{lines[0].name}'s last step)\n  {'rank' + ('.chunk' if vv > 1 else ''):<12}{'forward':>9}"
+          f"{'backward':>10}{'recompute':>11}{'backward/forward':>18}")
     for (r, c), (f, b, extra) in lines[0].stage_costs.items():
         print(f"  {str(r) + (f'.{c}' if vv > 1 else ''):<12}{f * 1e3:>9.2f}{b * 1e3:>10.2f}{extra * 1e3:>11.2f}"
               f"{b / f:>18.2f}")
