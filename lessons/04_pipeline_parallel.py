@@ -19,9 +19,9 @@ Each schedule trains a few AdamW steps from the same seed as the single-device r
 with and without activation recompute, and we compare the loss, every gradient and the parameters.
 Then the costs, each next to its formula:
 
-* the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved,
-  exact in a simulation with unit costs, and as measured on this machine (close to the formula
-  when every rank has a core of its own; well above it when ranks share cores);
+* the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved:
+  exact in a simulation with unit costs, simulated with each stage's costs measured in this run,
+  and measured (near that when each rank has a core; stuck well above when ranks share cores);
 * memory: how many micro-batches' activations a rank holds at once (m for GPipe, p - rank for
   1F1B), and the bytes measured with and without recompute;
 * the bytes each rank sends per step.
@@ -29,16 +29,18 @@ Then the costs, each next to its formula:
 The timelines are drawn in --out: one Gantt picture per schedule as measured, one simulated, and a
 Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
 
-What to look at: the bubble table (theory and simulated must be equal; measured is this machine),
-the activations held (m for GPipe, p - rank for 1F1B) and the bytes sent. With --show-schedules
-each rank's instructions are printed in order: F3 is the forward of micro-batch 3, B3 its
-backward, and in the interleaved table F3.1 is the forward of micro-batch 3 on the rank's chunk 1.
+What to look at: the bubble table (theory = "sim, unit"; "sim, costs" and measured are this
+machine), the costs (backward is not 2 forwards here), the activations held (m for GPipe, p - rank
+for 1F1B) and the bytes sent. With --show-schedules each rank's instructions are printed in
+order: F3 is the forward of micro-batch 3, B3 its backward, and in the interleaved table F3.1 is
+the forward of micro-batch 3 on the rank's chunk 1.
 
 Exercises (predict first, then run the command and read the table named):
 1. Micro-batches against the bubble on 4 stages: predict the "theory" column of gpipe/1f1b and of
    interleaved (v = 2) for m = 4, 8 and 16, then run
    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --micro-batches 4   (then 8, then 16)
-   and see whether "measured" follows it on this machine (2 cores for 4 ranks: see the note).
+   and see whether "measured" follows it (on 2 cores it hardly moves: see the note). Then with
+   a core per rank, -n 2 --schedule 1f1b --micro-batches 2 (4, 8, 16): does it follow "sim, costs"?
 2. Predict the "activations held" rows for --micro-batches 16 on 4 ranks, GPipe and 1F1B, and why
    only one of them grows with m. The bytes table below it shows the same in megabytes.
 3. Write down 1F1B's order for 2 stages and 4 micro-batches (rank 0 runs two forwards before its
@@ -52,6 +54,7 @@ Exercises (predict first, then run the command and read the table named):
 import os
 import sys
 import tracemalloc
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -210,12 +213,12 @@ def costs_beside_formulas(comm, args, grid, results, runs):
     stage_ranks = [grid.layout.rank(pp=r) for r in range(p)]
     lines, ok = [], True
     for name, vv in runs:
-        sim = simulate(schedules.build(name, p, m, vv), m, vv)
-        theory = theoretical_bubble(p, m, vv)
-        ok &= all(b == theory for b in sim.bubble.values())
+        plan = schedules.build(name, p, m, vv)
+        theory, units = theoretical_bubble(p, m, vv), [simulate(plan, m, vv), simulate(plan, m, vv, recompute=1)]
+        ok &= all(b == theory for sim in units for b in sim.bubble.values())
         costs, costs_r = results[name, False][1], results[name, True][1]
         alive = [int(costs["peak_alive"][g]) for g in stage_ranks]
-        ok &= alive == [sim.peak_alive[r] for r in range(p)]
+        ok &= alive == [units[0].peak_alive[r] for r in range(p)]
         ok &= list(costs_r["peak_alive"]) == list(costs["peak_alive"])  # recompute holds as many
         formula = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)]}.get(
             name, [min((p - r - 1) * 2 + (vv - 1) * p + 1, vv * m) for r in range(p)])
@@ -225,14 +228,22 @@ def costs_beside_formulas(comm, args, grid, results, runs):
         n_chunks = p * vv
         per_rank = [sum((g < n_chunks - 1) + (g > 0) for g in range(r, n_chunks, p)) * m * act_bytes for r in range(p)]
         ok &= costs["sent"] == per_rank[grid.pp_rank]  # every rank checks its own
-        measured = trace.bubble(costs["timelines"])
-        mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
-        mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks]
+        # the schedule again with this run's costs: each chunk's median forward and backward on
+        # each rank, and with recompute what its backward took beyond the plain run's
+        op, op_r = trace.op_costs(costs["timelines"]), trace.op_costs(costs_r["timelines"])
+        fwd, bwd = op[schedules.FORWARD], op[schedules.BACKWARD]
+        extra = {k: max(b - bwd[k], 0.0) for k, b in op_r[schedules.BACKWARD].items()}  # noise: >= 0
+        on_costs = [simulate(plan, m, vv, forward=fwd, backward=bwd),
+                    simulate(plan, m, vv, forward=op_r[schedules.FORWARD], backward=bwd, recompute=extra)]
+        measured = [trace.bubble(costs["timelines"]), trace.bubble(costs_r["timelines"])]
+        mem, mem_r = ([int(c["activation bytes"][g]) for g in stage_ranks] for c in (costs, costs_r))
         ok &= all(b < a for a, b in zip(mem, mem_r))
-        lines.append((name, vv, theory, sim, measured, alive, mem, mem_r, per_rank))
+        lines.append(SimpleNamespace(name=name, v=vv, theory=theory, units=units, on_costs=on_costs, measured=measured,
+                                     alive=alive, mem=mem, mem_r=mem_r, per_rank=per_rank,
+                                     stage_costs={k: (fwd[k], bwd[k], extra[k]) for k in sorted(fwd)}))
         if comm.rank == 0:
             tag = f"{name}, p={p}, m={m}" + (f", v={vv}" if vv > 1 else "")
-            trace.gantt(sim.timeline, os.path.join(args.out, f"{name}_simulated.png"),
+            trace.gantt(units[0].timeline, os.path.join(args.out, f"{name}_simulated.png"),
                         f"{tag}: unit costs, bubble {float(theory):.3f}", chunks=vv, unit="units")
             trace.gantt(costs["timelines"], os.path.join(args.out, f"{name}_measured.png"),
                         f"{tag}: measured on this machine", chunks=vv)
@@ -247,29 +258,46 @@ def report(args, grid, results, runs, lines, tol):
     short = {"interleaved": "interl"}
     lesson.print_errors({short.get(n, n) + ("+r" if r else ""): errors for (n, r), (errors, _) in results.items()},
                         tol, width=11, note=";\n+r: with recompute, interl: interleaved")
-    print("\nbubble: the idle fraction of a step (convention: idle time / makespan)")
-    print(f"  {'schedule':<13}{'formula':<22}{'theory':>8}{'simulated':>11}{'measured':>10}   measured per rank")
-    for name, vv, theory, sim, measured, *_ in lines:
-        formula = f"(p-1)/({'v*' if vv > 1 else ''}m+p-1)"
-        sims = {float(b) for b in sim.bubble.values()}
-        print(f"  {name:<13}{formula:<22}{float(theory):>8.3f}{max(sims):>11.3f}"
-              f"{np.mean(list(measured.values())):>10.3f}   " + " ".join(f"{b:.2f}" for b in measured.values()))
-    print("  (simulated: forward 1, backward 2 time units, no communication cost; measured: this run's")
-    print("  last step. With more ranks than cores, ranks that compute at once share a core, which the")
-    print("  simulation does not model: the measured bubble is only roughly the formula here.)")
+    print("\nbubble: the idle fraction of a step (convention: idle time / makespan), mean over the ranks\n"
+          f"  {'schedule':<15}{'formula':<17}{'theory':>6}{'sim, unit':>11}{'sim, costs':>12}{'measured':>10}"
+          "   measured per rank")
+    for ln in lines:
+        formula = f"(p-1)/({'v*' if ln.v > 1 else ''}m+p-1)"
+        for tag, unit, sim, bubbles in zip(("", "+r"), ln.units, ln.on_costs, ln.measured):
+            b = list(bubbles.values())
+            print(f"  {ln.name + tag:<15}{formula:<17}{float(ln.theory):>6.3f}{float(unit.bubble[0]):>11.3f}"
+                  f"{float(np.mean(list(sim.bubble.values()))):>12.3f}{np.mean(b):>10.3f}   "
+                  + (" ".join(f"{x:.2f}" for x in b) if p <= 4 else f"{min(b):.2f} to {max(b):.2f}"))
+    print("  +r: with recompute. sim, unit: forward 1, backward 2 (+1 recompute) on equal stages, the\n"
+          "  formula (as any costs equal on every stage give); sim, costs: each stage's, measured in\n"
+          "  the run (below). Neither counts the messages. measured: the last step.")
+    vv = lines[0].v
+    print(f"\nmeasured costs of a {'chunk' if vv > 1 else 'stage'} (ms, median over the micro-batches of "
+          f"{lines[0].name}'s last step)\n  {'rank' + ('.chunk' if vv > 1 else ''):<12}{'forward':>9}"
+          f"{'backward':>10}{'recompute':>11}{'backward/forward':>18}")
+    for (r, c), (f, b, extra) in lines[0].stage_costs.items():
+        print(f"  {str(r) + (f'.{c}' if vv > 1 else ''):<12}{f * 1e3:>9.2f}{b * 1e3:>10.2f}{extra * 1e3:>11.2f}"
+              f"{b / f:>18.2f}")
+    print("  (the unit model: backward 2, recompute 1. Here products are under half of a forward, and\n"
+          "  backward skips much of the rest: masks, checks. Measured why: docs/pipeline_parallel.md)")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if grid.layout.world_size > cores:
+        print(f"\n{grid.layout.world_size} ranks on {cores} cores: ranks that compute at once share a core (the costs\n"
+              "above stretch), and a waiting rank lends its core to the others, so the measured bubble\n"
+              "hardly moves with m here (try --micro-batches 4 and 16). With a core per rank it follows\n"
+              f'"sim, costs" (-n {cores} here; the table in docs/pipeline_parallel.md).')
     print("\nactivations held: the most micro-batches a rank had run forward but not yet backward")
     print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>9}" for r in range(p)) + "   formula")
-    for name, vv, _, _, _, alive, *_ in lines:
-        formula = {"gpipe": "m", "1f1b": "p - rank"}.get(
-            name, f"(p-rank-1)*2+(v-1)*p+1 chunks of 1/{vv} stage")
-        print(f"  {name:<13}" + "".join(f"{a:>9}" for a in alive) + f"   {formula}")
+    for ln in lines:
+        formula = {"gpipe": "m", "1f1b": "p - rank"}.get(ln.name, f"(p-rank-1)*2+(v-1)*p+1 chunks of 1/{ln.v} stage")
+        print(f"  {ln.name:<13}" + "".join(f"{a:>9}" for a in ln.alive) + f"   {formula}")
     print("\npeak bytes of the step's arrays per rank (activations and temporaries), without | with recompute")
     print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>17}" for r in range(p)))
-    for name, _, _, _, _, _, mem, mem_r, _ in lines:
-        print(f"  {name:<13}" + "".join(f"{a / 1e6:>7.1f} |{b / 1e6:>5.1f} MB " for a, b in zip(mem, mem_r)))
+    for ln in lines:
+        print(f"  {ln.name:<13}" + "".join(f"{a / 1e6:>7.1f} |{b / 1e6:>5.1f} MB " for a, b in zip(ln.mem, ln.mem_r)))
     print("\nbytes sent per rank per step (activations forward, gradients back): measured = formula")
-    for name, *_, per_rank in lines:
-        print(f"  {name:<13}" + "".join(f"{b:>12,}" for b in per_rank))
+    for ln in lines:
+        print(f"  {ln.name:<13}" + "".join(f"{b:>12,}" for b in ln.per_rank))
     print(f"\ntimelines: {args.out}/<schedule>_measured.png, _simulated.png, _trace.json")
 
 

@@ -45,6 +45,42 @@ def test_forward_only_schedules_run_every_micro_batch_through_every_chunk(p, m, 
     assert sim.messages == m * (p * v - 1)
 
 
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 3, 6, 1), ("interleaved", 4, 8, 2)])
+def test_the_costs_are_inputs_and_the_unit_costs_the_default(name, p, m, v):
+    plans = S.build(name, p, m, v)
+    unit = simulate(plans, m, v)
+    assert simulate(plans, m, v, forward=1, backward=2, recompute=0).timeline == unit.timeline
+    every = [(r, c) for r in range(p) for c in range(v)]
+    as_dicts = simulate(plans, m, v, forward=dict.fromkeys(every, 1), backward=dict.fromkeys(every, 2))
+    assert as_dicts.timeline == unit.timeline
+    # backward = forward (about what this engine measures): the same fraction, a shorter step
+    equal = simulate(plans, m, v, forward=1, backward=1)
+    assert all(b == theoretical_bubble(p, m, v) for b in equal.bubble.values())
+    assert equal.makespan == 2 * (v * m + p - 1)
+    # recompute: one more forward in each backward, a third more time, the same fraction
+    again = simulate(plans, m, v, recompute=1)
+    assert all(b == theoretical_bubble(p, m, v) for b in again.bubble.values())
+    assert again.makespan == 4 * (v * m + p - 1)
+    # measured costs come back from a timeline exactly
+    odd = {k: Fraction(3 + k[0], 2 + k[1]) for k in every}
+    sim = simulate(plans, m, v, forward=odd, backward={k: 2 * c for k, c in odd.items()}, recompute=Fraction(1, 7))
+    costs = trace.op_costs(sim.timeline)
+    assert costs[S.FORWARD] == odd and costs[S.BACKWARD] == {k: 2 * c + Fraction(1, 7) for k, c in odd.items()}
+
+
+def test_a_slower_last_stage_makes_the_bubble_larger_than_the_formula():
+    # GPipe, 2 stages, 2 micro-batches; rank 1's chunk costs twice rank 0's. By hand: rank 0 runs
+    # F0 0-1, F1 1-2; rank 1 F0 1-3, F1 3-5, B0 5-9, B1 9-13; rank 0 B0 9-11, B1 13-15.
+    sim = simulate(S.build("gpipe", 2, 2), 2, forward={(0, 0): 1, (1, 0): 2}, backward={(0, 0): 2, (1, 0): 4})
+    assert sim.makespan == 15
+    assert sim.bubble == {0: Fraction(9, 15), 1: Fraction(3, 15)}
+    assert sum(sim.bubble.values()) / 2 == Fraction(2, 5) > theoretical_bubble(2, 2) == Fraction(1, 3)
+    with pytest.raises(ValueError, match="no cost given"):
+        simulate(S.build("gpipe", 2, 2), 2, forward={(0, 0): 1})
+    with pytest.raises(ValueError, match=">= 0"):
+        simulate(S.build("gpipe", 2, 2), 2, recompute=-1)
+
+
 def test_bubble_formulas_by_hand():
     assert theoretical_bubble(4, 8) == Fraction(3, 11)
     assert theoretical_bubble(4, 8, 2) == Fraction(3, 19)

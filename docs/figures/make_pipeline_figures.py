@@ -1,9 +1,11 @@
 """Draw docs/figures/pipeline_{gpipe,1f1b,interleaved}.png: python docs/figures/make_pipeline_figures.py
 
 The three schedules for p = 4 ranks and m = 8 micro-batches (v = 2 chunks per rank interleaved),
-as the unit-cost simulator runs them: a stage's forward 1, its backward 2, messages free. An
-interleaved rank runs v chunks of 1/v of a stage each, so a chunk's forward costs 1/v and its
-backward 2/v: the three share one time axis. The gaps are the bubble.
+as the simulator runs them with the textbook unit costs: a stage's forward 1, its backward 2,
+messages free. An interleaved rank runs v chunks of 1/v of a stage each, so a chunk's forward
+costs 1/v and its backward 2/v: the three share one time axis. The gaps are the bubble. (This
+engine's backward measures about 1.2 forwards: the bars would be shorter, the bubble's share of
+the step the same, since every stage costs alike. docs/pipeline_parallel.md measures it.)
 """
 
 import os

@@ -1,23 +1,33 @@
-"""Run a schedule on paper: unit costs, no data, exact arithmetic.
+"""Run a schedule on paper: given costs (unit costs by default), no data, exact arithmetic.
 
-Each rank executes its instruction list in order with its own clock. A forward costs ``forward``
-time units and a backward ``backward`` (1 and 2 by default: a backward computes two products per
-forward one, the gradients of the input and of the weights); sends take no time and never wait;
-a receive waits until the matching send has happened. Replaying all ranks this way
+Each rank executes its instruction list in order with its own clock. A forward of a chunk costs
+``forward`` time units and a backward ``backward``, plus ``recompute`` when the backward first runs
+the chunk's forward again (activation recompute). Sends take no time and never wait; a receive
+waits until the matching send has happened.
+
+The costs are inputs. The default is the textbook unit model: forward 1, backward 2 (a backward
+computes two products per forward one, the gradients of the input and of the weights), recompute 0
+(none; with recompute the model's cost is one more forward, 1, a third more compute). This engine
+measures otherwise at the lesson's sizes (backward about 1.2 forwards: docs/pipeline_parallel.md
+says why), so each cost may also be a dict {(rank, local chunk): cost}, e.g. the medians of a
+measured timeline (``trace.op_costs``), in any one unit. Replaying all ranks this way
 
 * proves the schedule free of deadlock (if at some point no rank can move, it raises and names the
   receives everyone is stuck on),
 * checks that every receive has exactly one matching send and every send is received, and that
   each chunk's backward of a micro-batch comes after its forward,
 * gives the timeline of the ideal run, from which the bubble: the fraction of the step a rank is
-  idle, (makespan - its busy time) / makespan. With p ranks, m micro-batches and v chunks of
-  equal cost, the formulas are
+  idle, (makespan - its busy time) / makespan. With p ranks, m micro-batches and v chunks whose
+  costs are the same on every rank, the formulas are
 
       GPipe, 1F1B:      (p - 1) / (m + p - 1)
       interleaved:      (p - 1) / (v*m + p - 1)
 
   (the fill and drain take p - 1 chunk-times of forward plus backward; the work, m (or v*m) of
-  them). Some papers quote the bubble relative to the work instead, (p - 1)/m and (p - 1)/(v*m).
+  them), whatever backward / forward is: that ratio changes the step's length, not the fraction.
+  Stages of unequal cost (the first embeds, the last runs the head and the loss) change it,
+  mostly upward: the slowest sets the pace and the others wait for it.
+  Some papers quote the bubble relative to the work instead, (p - 1)/m and (p - 1)/(v*m).
 * counts the peak number of micro-batches whose activations a rank holds (forwards done, their
   backwards not yet): m for GPipe, p - rank for 1F1B.
 """
@@ -62,12 +72,30 @@ def peer(pipe, rank, ins):
     return pipe.place(other)[0]
 
 
-def simulate(schedules, m, v=1, forward=1, backward=2, forward_only=False):
+def per_chunk(cost, schedules, v):
+    """A cost as {(rank, local chunk): Fraction}: ``cost`` is one number for every chunk or such a
+    dict already (floats are taken exactly, as the binary fractions they are)."""
+    chunks = [(r, c) for r in schedules for c in range(v)]
+    if not isinstance(cost, dict):
+        cost = dict.fromkeys(chunks, cost)
+    missing = [k for k in chunks if k not in cost]
+    if missing:
+        raise ValueError(f"no cost given for (rank, chunk) {missing[:5]}")
+    if any(cost[k] < 0 for k in chunks):
+        raise ValueError(f"costs must be >= 0, got {cost}")
+    return {k: Fraction(cost[k]) for k in chunks}
+
+
+def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, forward_only=False):
     """Replay ``schedules`` ({rank: [Instruction]}) and return a Simulation; raises RuntimeError on
-    a deadlock or a broken schedule (``forward_only``: an evaluation schedule, no backwards)."""
+    a deadlock or a broken schedule (``forward_only``: an evaluation schedule, no backwards).
+    ``forward``, ``backward`` and ``recompute`` (added to each backward): a number for every chunk
+    or {(rank, local chunk): number}; the defaults are the unit model, 1, 2 and 0."""
     p = len(schedules)
     pipe = Pipeline(p, m, v)
-    forward, backward = Fraction(forward), Fraction(backward)
+    cost = {FORWARD: per_chunk(forward, schedules, v), BACKWARD: per_chunk(backward, schedules, v)}
+    extra = per_chunk(recompute, schedules, v)
+    cost[BACKWARD] = {k: b + extra[k] for k, b in cost[BACKWARD].items()}
     clock = {r: Fraction(0) for r in schedules}
     at = {r: 0 for r in schedules}  # next instruction per rank
     sent = {}  # message key -> time it was sent
@@ -103,10 +131,10 @@ def simulate(schedules, m, v=1, forward=1, backward=2, forward_only=False):
                         raise RuntimeError(f"rank {r} runs backward {unit} before its forward")
                     else:
                         alive[r].remove(unit)
-                    cost = forward if ins.op == FORWARD else backward
-                    timeline[r].append((ins.op, ins.mb, ins.chunk, clock[r], clock[r] + cost))
-                    clock[r] += cost
-                    busy[r] += cost
+                    took = cost[ins.op][r, ins.chunk]
+                    timeline[r].append((ins.op, ins.mb, ins.chunk, clock[r], clock[r] + took))
+                    clock[r] += took
+                    busy[r] += took
                 at[r] += 1
                 moved = True
         if not moved:

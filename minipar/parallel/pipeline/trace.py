@@ -8,6 +8,7 @@ first need a common origin.
 
 import json
 import os
+import statistics
 
 from minipar.parallel.pipeline.schedules import BACKWARD, FORWARD
 
@@ -28,6 +29,18 @@ def bubble(timelines):
     span = end - t0
     return {r: 1 - sum(e - s for op, _, _, s, e in events if op in (FORWARD, BACKWARD)) / span
             for r, events in timelines.items()}
+
+
+def op_costs(timelines):
+    """{op: {(rank, chunk): seconds}}: each chunk's median forward and backward on each rank, the
+    measured costs ``simulate`` takes. The median, so that one instruction that lost its core to
+    another process for a while does not stretch the rest."""
+    times = {}
+    for r, events in timelines.items():
+        for op, _, chunk, start, end in events:
+            if op in (FORWARD, BACKWARD):
+                times.setdefault(op, {}).setdefault((r, chunk), []).append(end - start)
+    return {op: {k: statistics.median(d) for k, d in by_chunk.items()} for op, by_chunk in times.items()}
 
 
 def label(op, mb, chunk, chunks=1):
