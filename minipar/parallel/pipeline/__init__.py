@@ -1,1 +1,1 @@
-"""Pipeline parallelism: schedules as data, a unit-cost simulator, and an executor on MPI."""
+"""Pipeline parallelism: schedules as data, a simulator (unit or measured costs), and an executor on MPI."""
