@@ -38,11 +38,13 @@ Exercises (predict first, then run the command and read the line named):
 """
 
 import sys
+import time
 
 import numpy as np
 
 import lesson
 import minipar
+from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.models.layers import Block
 from minipar.optim import AdamW
@@ -93,16 +95,18 @@ def count_per_layer(grid):
     return per_block, inputs, lambda: setattr(Block, "forward", original)
 
 
-def run(args, config, grid, batches, reference, sp):
+def run(args, config, grid, batches, reference, sp, peak):
     """Train the tensor-parallel GPT (with sequence parallelism if ``sp``) on the reference's
-    batches; its errors against the reference, and its traffic."""
+    batches; its errors against the reference, its traffic and its MFU (``peak``: the machine's)."""
     minipar.manual_seed(args.seed)
     model = GPT(config, grid, sequence_parallel=sp)
     opt = AdamW(model.parameters(), **lesson.HYPER)
     dp, tp = grid.dp_group, grid.tp_group
     rows = slice(grid.dp_rank * args.batch_size // dp.size, (grid.dp_rank + 1) * args.batch_size // dp.size)
     compare = lesson.Comparison(reference, order=("logits", "gradients", "loss", "parameters"))
+    seconds = []
     for step, (x, y) in enumerate(batches):
+        start = time.perf_counter()
         model.rng.iteration = step  # keys the dropout masks
         tp.stats.reset()
         per_block, block_inputs, restore = count_per_layer(grid)
@@ -125,7 +129,9 @@ def run(args, config, grid, batches, reference, sp):
         compare.loss(step, dp.all_reduce(np.array([loss.item()]))[0] / dp.size)
         opt.step()
         opt.zero_grad()
+        seconds.append(time.perf_counter() - start)
     compare.parameters(model.full_state_dict())
+    traffic["mfu"] = lesson.mfu(grid.world, config, args.batch_size * config.block_size, seconds, peak)
     return compare.errors, traffic
 
 
@@ -180,7 +186,8 @@ def main():
     batches = lesson.batches(args, config.block_size)
     reference = lesson.reference_run(config, batches, args.seed)
     variants = [False] + ([True] if args.tp > 1 else [])
-    results = {sp: run(args, config, grid, batches, reference, sp) for sp in variants}
+    peak = measured_peak(comm, minipar.get_default_dtype())  # all ranks at once (a collective)
+    results = {sp: run(args, config, grid, batches, reference, sp, peak) for sp in variants}
 
     tol = lesson.TOLERANCE[args.dtype]
     B, T, C = args.batch_size // grid.dp, args.block_size, args.n_embd
@@ -194,6 +201,9 @@ def main():
         lesson.print_errors({f"SP {'on' if sp else 'off'}": results[sp][0] for sp in variants}, tol, width=12)
         for sp in variants:
             print_traffic(sp, results[sp][1], args.n_layer, activation, grid.tp)
+        print("\nmodel FLOPs utilisation of the tensor-parallel steps (the first, which compares, left out)")
+        for sp in variants:
+            print(f"  SP {'on ' if sp else 'off'}  {results[sp][1]['mfu']}")
 
     return lesson.finish(comm, not ok, report,
                          "The tensor-parallel GPT equals the single-device GPT, and moves what Megatron's design says.")

@@ -39,6 +39,7 @@ docs/context_parallel.md.
 """
 
 import sys
+import time
 
 import numpy as np
 
@@ -47,6 +48,7 @@ import minipar
 import minipar.functional as F
 from minipar.backend import to_numpy, xp
 from minipar.functional import blockwise
+from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.models.layers import Block
 from minipar.parallel import ProcessGrid
@@ -133,8 +135,9 @@ def traffic(group):
     return {op: (t.calls, t.bytes_sent) for op, t in group.stats.by_op.items()}
 
 
-def run(args, config, layout, batches, reference):
-    """Train the GPT on a grid with CP (and TP) through the executor; its errors and its costs."""
+def run(args, config, layout, batches, reference, peak):
+    """Train the GPT on a grid with CP (and TP) through the executor; its errors and its costs
+    (``peak``: the machine's FLOP/s, for the steps' MFU)."""
     cp, tp, comm_type = layout
     minipar.manual_seed(args.seed)
     grid = ProcessGrid(tp=tp, pp=1, cp=cp)
@@ -160,7 +163,9 @@ def run(args, config, layout, batches, reference):
     positions = model.context_positions(T)
     compare.record("logits", rel_err(model.gather_logits(logits).data, reference.logits[rows][:, positions]))
 
+    seconds = []
     for step, (x, y) in enumerate(batches):
+        start = time.perf_counter()
         model.rng.iteration = step  # keys the dropout masks (with each token's global place)
 
         def update():
@@ -177,11 +182,13 @@ def run(args, config, layout, batches, reference):
             backward = {op: (c - forward.get(op, (0, 0))[0], b - forward.get(op, (0, 0))[1])
                         for op, (c, b) in traffic(cp_group).items()}
         opt.zero_grad()
+        seconds.append(time.perf_counter() - start)
         share = record.loss if grid.tp_rank == 0 else 0.0  # each DP x CP rank's share of the mean
         compare.loss(step, grid.world.all_reduce(np.array([share]))[0])
     compare.parameters(model.full_state_dict())
     costs = dict(forward=forward, backward=backward if cp_group else {}, block_input=inputs[0],
-                 local_tokens=len(positions), rows=len(rows))
+                 local_tokens=len(positions), rows=len(rows),
+                 mfu=lesson.mfu(grid.world, config, args.batch_size * T, seconds, peak))
     return compare.worst_over(grid.world), costs
 
 
@@ -232,7 +239,8 @@ def main():
                        block_size=args.block_size, dropout=args.dropout)
     batches = lesson.batches(args, config.block_size)
     reference = lesson.reference_run(config, batches, args.seed)
-    results = {layout: run(args, config, layout, batches, reference) for layout in layouts(args, comm.size)}
+    peak = measured_peak(comm, minipar.get_default_dtype())  # all ranks at once (a collective)
+    results = {layout: run(args, config, layout, batches, reference, peak) for layout in layouts(args, comm.size)}
 
     tol = lesson.TOLERANCE[args.dtype]
     itemsize = np.dtype(args.dtype).itemsize
@@ -274,6 +282,9 @@ def main():
               f"{'formula':>9}   contiguous: fewest..most")
         print("\n".join(work_table(args.block_size, cps) + work_table(1 << 17, [4])))
         print("  formula (contiguous): (T(2CP-1) + CP) / (CP(T+1)) -> (2CP-1)/CP; balanced: exactly 1")
+        print("\n4. model FLOPs utilisation of the parallel steps (the first one, which compares, left out)")
+        for layout, (_, costs) in results.items():
+            print(f"  {name(*layout):<12} {costs['mfu']}")
 
     return lesson.finish(comm, not ok, report, "Context parallelism equals the single-device run, and "
                          "sends what the formulas say.")
