@@ -56,6 +56,7 @@ import numpy
 import minipar
 from minipar.autograd import Tensor
 from minipar.models import GPT, GPTConfig
+from minipar.nn import Parameter
 from minipar.parallel.recompute import checkpoint
 
 GRANULARITIES = (None, "selective", "full")
@@ -99,15 +100,19 @@ def korthikanti(s, b, h, a, granularity=None):
 
 
 def _root(array):
+    """The array that owns the memory a view looks into (two views of one buffer count once)."""
     while isinstance(array.base, numpy.ndarray):
         array = array.base
     return array
 
 
 def _arrays(value):
-    """The arrays inside a context attribute (lists, tuples and dicts opened; other objects not)."""
+    """The arrays inside a context attribute: arrays, tensors (not parameters), and lists, tuples
+    and dicts of them (other objects not opened)."""
     if isinstance(value, numpy.ndarray):
         yield value
+    elif isinstance(value, Tensor) and not isinstance(value, Parameter):
+        yield value.data
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _arrays(v)
@@ -116,13 +121,13 @@ def _arrays(value):
             yield from _arrays(v)
 
 
-def graph_bytes(out, inp, params):
-    """Bytes of the distinct arrays the graph of ``out`` keeps, and ``out`` itself, less the
-    parameters and the layer's input ``inp`` (the previous layer's)."""
-    skip = {id(_root(p.data)) for p in params} | {id(_root(inp.data))}
-    held, nodes, seen = {}, [out._node], set()
-    for array in _arrays(out.data):
-        held[id(_root(array))] = _root(array)
+def held_buffers(outputs):
+    """{id: buffer} of the distinct buffers the graphs of the tensors ``outputs`` keep for their
+    backward, the outputs' own included: each node's context and its inputs."""
+    held, nodes, seen = {}, [], set()
+    for out in outputs:
+        held[id(_root(out.data))] = _root(out.data)
+        nodes.append(out._node)
     while nodes:
         node = nodes.pop()
         if node is None or id(node) in seen:
@@ -133,6 +138,14 @@ def graph_bytes(out, inp, params):
         for array in found:
             held[id(_root(array))] = _root(array)
         nodes += [t._node for t in node.inputs if t is not None]
+    return held
+
+
+def graph_bytes(out, inp, params):
+    """Bytes of the distinct arrays the graph of ``out`` keeps, and ``out`` itself, less the
+    parameters and the layer's input ``inp`` (the previous layer's)."""
+    skip = {id(_root(p.data)) for p in params} | {id(_root(inp.data))}
+    held = held_buffers([out])
     return sum(max(a.nbytes, 1) for key, a in held.items() if key not in skip)  # NumPy allocates 1 byte for none
 
 

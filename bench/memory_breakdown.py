@@ -35,11 +35,10 @@ import sys
 import numpy as np
 
 import minipar
-from minipar.autograd import Tensor
+from activation_memory import _root, held_buffers  # the graph walk: a script beside this one
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.models import GPT, GPTConfig
-from minipar.nn import Parameter
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
@@ -62,46 +61,11 @@ def layouts(n):
             "TP-SP": (f"TP{n} SP", n, 1, 1, 0, True)}
 
 
-def _arrays(value):
-    """The arrays in a node's context attribute: arrays, tensors (not parameters), and lists,
-    tuples and dicts of them."""
-    if isinstance(value, np.ndarray):
-        yield value
-    elif isinstance(value, Tensor) and not isinstance(value, Parameter):
-        yield value.data
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _arrays(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _arrays(v)
-
-
-def _root(array):
-    """The array that owns the memory a view looks into (two views of one buffer count once)."""
-    while isinstance(array.base, np.ndarray):
-        array = array.base
-    return array
-
-
 def graph_bytes(outputs, params):
     """Bytes of the distinct arrays the graphs of ``outputs`` keep (outputs included), less the
     parameters' (whose memory the optimizer's columns count)."""
     skip = {id(_root(p.data)) for p in params}
-    held, nodes, seen = {}, [], set()
-    for out in outputs:
-        held[id(_root(out.data))] = _root(out.data)
-        nodes.append(out._node)
-    while nodes:
-        node = nodes.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        inputs = [t for t in node.inputs if t is not None and not isinstance(t, Parameter)]
-        for array in [a for value in vars(node.ctx).values() for a in _arrays(value)] + [t.data for t in inputs]:
-            held[id(_root(array))] = _root(array)
-        nodes += [t._node for t in node.inputs if t is not None]
-    return sum(a.nbytes for key, a in held.items() if key not in skip)
+    return sum(a.nbytes for key, a in held_buffers(outputs).items() if key not in skip)
 
 
 class MeasuringExecutor(PipelineExecutor):
