@@ -21,14 +21,12 @@ a run does not write into a directory of checkpoints that it does not continue u
 import hashlib
 import json
 import os
-import re
 
 import numpy
 
+from minipar.checkpoint.index import ITER_NAME
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
 from minipar.cli import FlagError
-
-_CHECKPOINT = re.compile(r"iter_\d{7}")
 
 
 def broadcast_text(comm, text, root=0):
@@ -82,7 +80,7 @@ def same_inputs(comm, args, data):
 def _checkpoints_in(directory):
     if not os.path.isdir(directory):
         return []
-    return sorted(name for name in os.listdir(directory) if _CHECKPOINT.fullmatch(name))
+    return sorted(name for name in os.listdir(directory) if ITER_NAME.fullmatch(name))
 
 
 def claim_save_directory(args, rank):
