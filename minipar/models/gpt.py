@@ -197,10 +197,8 @@ class GPT(WholeModel, Module):
         T, V = idx.shape[1], self.config.vocab_size
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        self.context_positions(T)  # raises if context parallelism cannot cut T
         cp = self.cp.size if self.cp is not None else 1
-        if cp > 1 and T % (2 * cp):
-            raise ValueError(f"context parallelism cuts the sequence into 2 x CP chunks: length {T} is not "
-                             f"divisible by {2 * cp}")
         if self.sequence_parallel and T % (cp * self.tp.size):
             raise ValueError(f"sequence parallelism splits the sequence: length {T} is not divisible by "
                              f"{'CP x ' if cp > 1 else ''}TP={cp * self.tp.size}")
