@@ -32,7 +32,7 @@ def layout(comm, cp, comm_type, args):
     minipar.manual_seed(0)
     grid = ProcessGrid(cp=cp, world=comm)
     model = GPT(config, grid, cp_comm_type=comm_type)
-    opt = make_optimizer(model, grid, **dict(lr=1e-3))
+    opt = make_optimizer(model, grid, lr=1e-3)
     executor = PipelineExecutor(model, grid, optimizer=opt)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (args.batch_size, args.block_size))
