@@ -3,7 +3,7 @@
 Every technique that cuts or copies a parameter says so here, and everything that must know reads
 it: the gradient norm (each element counted once), ZeRO (which of its pieces count), checkpoints
 (who writes what; where a local array lies in the whole tensor), resharding. A placement names
-groups, not communicators: "tp", "cp", "dp", "pp", "embedding" (later "ep"), which the grid
+groups, not communicators: "tp", "cp", "dp", "pp", "embedding", "ep", "edp", which the grid
 resolves (``ProcessGrid.group``, ``Layout.ranks``), so this layer knows nothing of MPI.
 
     split     how the local array is cut from the whole tensor: along ``axis``, which holds
@@ -13,12 +13,14 @@ resolves (``ProcessGrid.group``, ``Layout.ranks``), so this layer knows nothing 
     copies    the groups across whose ranks the local arrays are equal copies: every data-parallel
               replica ("dp") and every context-parallel rank ("cp": they hold other positions of
               the same sequences); every TP rank, for a weight not split over TP ("tp"); the first
-              and the last pipeline stage, for the tied token embedding ("embedding").
+              and the last pipeline stage, for the tied token embedding ("embedding"); the ranks
+              that hold the same experts ("edp", expert data parallel, in place of "dp").
     grad_sum  the groups over which the gradient is summed before the step: "dp" always (the
               optimizer sums over DP x CP, the "dp_cp" group, when there is context parallelism); "tp" for
               the partial sums sequence parallelism leaves (each rank saw only its positions);
               "embedding" for the tied embedding's two uses (input on the first stage, output head
-              on the last).
+              on the last); "edp" in place of "dp" for an expert's weights (its EP group's
+              tokens already came to it by all-to-all; see ``parallel/experts.py``).
 
 Of the equal copies, one is counted in a norm and written in a checkpoint: the copy on index 0 of
 every group in ``copies``. ``is_primary`` is that rule, the only place it is written.

@@ -33,7 +33,7 @@ def test_context_parallel_ranks_sit_between_tensor_and_data_parallel_ones():
     assert lay.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert lay.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert lay.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # the ranks that sum one weight's gradient
-    assert lay.ranks(6) == {"tp": 0, "cp": 1, "dp": 1, "pp": 0, "dp_cp": 3, "embedding": 0}
+    assert lay.ranks(6) == {"tp": 0, "cp": 1, "dp": 1, "pp": 0, "dp_cp": 3, "ep": 0, "edp": 3, "embedding": 0}
     assert "cp groups        [0, 2] [1, 3]" in lay.table()
 
 
@@ -90,3 +90,22 @@ def test_sequence_collectives_need_batch_sequence_hidden():
 def test_grid_sizes_are_checked_for_type():
     with pytest.raises(ValueError, match="ProcessGrid: TP must be a positive integer, got '1'"):
         ProcessGrid(tp="1", pp=1)
+
+
+def test_expert_parallel_groups_are_carved_out_of_data_parallel_ones():
+    """EP fastest within DP (Megatron-core): an EP group is EP consecutive DP ranks, and the ranks
+    with the same EP rank across DP x CP hold the same experts (the edp group)."""
+    lay = Layout(tp=2, pp=1, dp=4, ep=2)
+    assert lay.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert lay.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.ranks(6)["ep"] == 1 and lay.ranks(6)["edp"] == 1
+    with_cp = Layout(tp=1, pp=1, dp=4, cp=2, ep=2)  # the edp group spans CP too: other positions
+    assert with_cp.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert with_cp.groups("edp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    for r in range(8):  # every rank's index in its groups is its place in the group's list
+        for kind in ("ep", "edp"):
+            assert getattr(with_cp, f"{kind}_group")(r).index(r) == with_cp.ranks(r)[kind]
+    assert Layout(1, 1, 4).groups("edp") == Layout(1, 1, 4).groups("dp_cp")
+    with pytest.raises(ValueError, match="EP=3 does not divide DP=4"):
+        Layout(1, 1, 4, ep=3)

@@ -18,9 +18,19 @@ kind, made with ``Comm.Split``:
                                                     other tokens of the same weights)
     embedding     first and last stage of a pp group: both hold the tied token embedding
 
+Expert parallelism is carved out of DP (Megatron-core's rule), EP fastest within it:
+
+    dp_rank = ep_rank + EP * (dp_rank // EP)
+    ep group      same (tp, cp, pp, dp // EP), the EP consecutive DP ranks around it: each holds
+                  E/EP experts, and the group's tokens travel to them by all-to-all
+    edp group     same (tp, pp, ep_rank): the DP x CP / EP ranks that hold the same experts, over
+                  which an expert's gradient is summed ("expert data parallel"); without expert
+                  parallelism it is the dp_cp group
+
 With TP=2, PP=4 on 16 ranks (DP=2): tp groups [0,1] [2,3] ..., dp groups [0,2] [1,3] [4,6] ...,
 pp groups [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]. With CP=2 too on 8 ranks (TP=2, DP=2):
 cp groups [0,2] [1,3] [4,6] [5,7], dp groups [0,4] [1,5] [2,6] [3,7], dp_cp groups [0,2,4,6] [1,3,5,7].
+With DP=4, EP=2 on 4 ranks: ep groups [0,1] [2,3], edp groups [0,2] [1,3].
 """
 
 from dataclasses import dataclass
@@ -28,7 +38,7 @@ from typing import NamedTuple
 
 from minipar.parallel.validate import RunConfig, check
 
-KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "embedding")
+KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp", "embedding")
 
 
 class Coords(NamedTuple):
@@ -47,12 +57,16 @@ class Layout:
     pp: int
     dp: int
     cp: int = 1
+    ep: int = 1  # expert parallel, carved out of DP
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in ("tp", "pp", "dp", "cp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name.upper()} size must be an integer >= 1, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"expert parallelism is carved out of data parallelism: EP={self.ep} does not "
+                             f"divide DP={self.dp}")
 
     @property
     def world_size(self):
@@ -89,6 +103,14 @@ class Layout:
     def dp_cp_group(self, rank):
         return self._along(rank, "cp", "dp")
 
+    def ep_group(self, rank):
+        """The EP consecutive DP ranks of ``rank``'s block (DP rank // EP the same)."""
+        return [r for r in self.dp_group(rank) if self.coords(r).dp // self.ep == self.coords(rank).dp // self.ep]
+
+    def edp_group(self, rank):
+        """The DP x CP ranks with ``rank``'s EP rank: they hold the same experts."""
+        return [r for r in self.dp_cp_group(rank) if self.coords(r).dp % self.ep == self.coords(rank).dp % self.ep]
+
     def embedding_group(self, rank):
         """The first and last stage of this rank's pipeline (one rank when PP = 1); None for a
         rank in a middle stage."""
@@ -100,7 +122,8 @@ class Layout:
         """{group name: index of ``rank`` in that group}: how a parameter's ``Placement`` (which
         names groups) resolves on this rank. "embedding" only on the first and last stage."""
         c = self.coords(rank)
-        out = {"tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp, "dp_cp": c.cp + self.cp * c.dp}
+        out = {"tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp, "dp_cp": c.cp + self.cp * c.dp,
+               "ep": c.dp % self.ep, "edp": c.cp + self.cp * (c.dp // self.ep)}
         embedding = self.embedding_group(rank)
         if embedding is not None:
             out["embedding"] = embedding.index(rank)
@@ -122,7 +145,10 @@ class Layout:
         sizes = " x ".join(f"{k.upper()}={getattr(self, k)}" for k in kinds)
         lines = [f"{self.world_size} ranks as {sizes}", f"{'rank':>6}" + "".join(f"{k:>5}" for k in kinds)]
         lines += [f"{r:>6}" + "".join(f"{getattr(self.coords(r), k):>5}" for k in kinds) for r in range(self.world_size)]
-        for kind in kinds + (["dp_cp"] if self.cp > 1 else []) + ["embedding"]:
+        extra = (["dp_cp"] if self.cp > 1 else []) + (["ep", "edp"] if self.ep > 1 else [])
+        if self.ep > 1:
+            lines[0] += f" (EP={self.ep} within DP)"
+        for kind in kinds + extra + ["embedding"]:
             lines.append(f"{kind + ' groups':<17}" + " ".join(str(g) for g in self.groups(kind)))
         return "\n".join(lines)
 
@@ -132,27 +158,32 @@ class ProcessGrid:
 
     ``ProcessGrid(tp, pp, dp)`` checks the sizes against the world on every rank before it makes
     any group, so a bad layout is an error everywhere, not a hang. ``dp=None`` infers DP from the
-    world size. A 1 x 1 x 1 grid is the single-device run and needs no launcher.
+    world size. A 1 x 1 x 1 grid is the single-device run and needs no launcher. ``ep``: the
+    expert-parallel size, a divisor of DP.
     """
 
-    def __init__(self, tp=1, pp=1, dp=None, world=None, cp=1):
+    def __init__(self, tp=1, pp=1, dp=None, world=None, cp=1, ep=1):
         if world is None:
             from minipar.comm import world as world_communicator
 
             world = world_communicator()
         # the sizes against the world, on every rank before any group is made (the run's rules)
-        dp = check(RunConfig(world_size=world.size, tp=tp, pp=pp, dp=dp, cp=cp), what="ProcessGrid").dp
-        self.layout = lay = Layout(tp, pp, dp, cp)
+        dp = check(RunConfig(world_size=world.size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), what="ProcessGrid").dp
+        self.layout = lay = Layout(tp, pp, dp, cp, ep)
         self.world = world
         self.rank = world.rank
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = lay.coords(world.rank)
         # Split's colour names the group (any number its members share: here its first rank); the
         # key orders it (this rank's index in it).
         index = lay.ranks(world.rank)
-        for kind in ("tp", "cp", "dp", "pp", "dp_cp"):
+        self.ep_rank = index["ep"]
+        for kind in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp"):
             members = getattr(lay, f"{kind}_group")(world.rank)
             if kind == "dp_cp" and cp == 1:  # the DP group itself: no second communicator of it
                 self.dp_cp_group = self.dp_group
+                continue
+            if kind == "edp" and ep == 1:  # without expert parallelism, experts sum like the rest
+                self.edp_group = self.dp_cp_group
                 continue
             setattr(self, f"{kind}_group", world.split(members[0], index[kind], kind))
         embedding = lay.embedding_group(world.rank)
@@ -162,6 +193,7 @@ class ProcessGrid:
     pp = property(lambda self: self.layout.pp)
     dp = property(lambda self: self.layout.dp)
     cp = property(lambda self: self.layout.cp)
+    ep = property(lambda self: self.layout.ep)
 
     @property
     def is_first_stage(self):

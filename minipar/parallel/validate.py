@@ -27,7 +27,7 @@ MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the names pipeline/schedules.py builds
 DTYPES = ("float32", "float64")
 CP_COMM_TYPES = ("p2p", "a2a")  # ring attention, DeepSpeed-Ulysses (parallel/context.py)
-NAMES = {"tp": "TP", "pp": "PP", "dp": "DP", "cp": "CP"}  # a field's name in a message when the caller gives none
+NAMES = {"tp": "TP", "pp": "PP", "dp": "DP", "cp": "CP", "ep": "EP"}  # a field's name in a message when the caller gives none
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class RunConfig:
     dp: Optional[int] = None  # None: world_size / (tp x cp x pp)
     cp: int = 1  # context parallel: ranks that split each sequence
     cp_comm_type: Optional[str] = None  # how they attend across it: "p2p" (the default) or "a2a"
+    ep: int = 1  # expert parallel: ranks of DP that split the experts
+    num_experts: Optional[int] = None  # None: dense MLPs
+    moe_topk: Optional[int] = None  # experts per token
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     schedule: Optional[str] = None  # "gpipe", "1f1b" or "interleaved"
     global_batch: Optional[int] = None  # sequences per step, over all data-parallel ranks
@@ -55,7 +58,7 @@ class RunConfig:
     dtype: str = "float32"
 
 
-POSITIVE = ("world_size", "tp", "pp", "dp", "cp", "virtual_stages", "global_batch", "micro_batch_size",
+POSITIVE = ("world_size", "tp", "pp", "dp", "cp", "ep", "num_experts", "moe_topk", "virtual_stages", "global_batch", "micro_batch_size",
             "micro_batches", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
@@ -158,6 +161,7 @@ def resolve(cfg, names=None):
         needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved")] * other
         out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
     _context(cfg, say, known, out)
+    _experts(cfg, say, known, dp, out)
     m, mbs = _batch(cfg, say, known, dp, out)
     _schedule(cfg, say, known, dp, m, out)
     # sequence parallelism and ZeRO
@@ -194,6 +198,25 @@ def _context(cfg, say, known, out):
     if cfg.cp_comm_type == "a2a" and known("n_head") and cfg.n_head % (tp * cp):
         out.append(f"{say('cp_comm_type')} (Ulysses) gives each rank whole heads: {say('n_head')} is not "
                    f"divisible by TP x CP = {tp * cp}; use {say.name('cp_comm_type')} p2p or change the sizes")
+
+
+def _experts(cfg, say, known, dp, out):
+    """Expert parallelism is carved out of DP and gives each EP rank E/EP whole experts."""
+    if not known("ep"):
+        return
+    ep, experts = cfg.ep, cfg.num_experts if known("num_experts") else None
+    if dp is not None and dp % ep:
+        given = say("dp") if cfg.dp is not None else f"DP={dp}"
+        out.append(f"expert parallelism is carved out of data parallelism: {say('ep')} does not divide "
+                   f"{given}; choose {say.name('ep')} among the divisors of DP")
+    if experts is not None and experts % ep:
+        out.append(f"{say('num_experts')} is not divisible by {say('ep')}: each EP rank holds "
+                   f"num_experts / EP whole experts")
+    if experts is not None and known("moe_topk") and cfg.moe_topk > experts:
+        out.append(f"{say('moe_topk')} exceeds {say('num_experts')}: a token can choose at most every expert")
+    if experts is not None and known("zero_stage") and cfg.zero_stage >= 2:
+        out.append(f"ZeRO stages 2 and 3 do not shard expert parameters (summed over another group than "
+                   f"the dense ones): use {say('zero_stage', 1)} (or 0) with {say.name('num_experts')}")
 
 
 def _batch(cfg, say, known, dp, out):
