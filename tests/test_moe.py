@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import numpy
 import pytest
 
+import minipar
 import minipar.functional as F
 from minipar import Tensor
 from minipar.gradcheck import gradcheck
 from minipar.models.layers import MLP, _Layers
-from minipar.models.moe import MoEMLP, Router, capacity_keep, top_k
+from minipar.models.moe import MoEMLP, MoEStep, Router, RoutingGroups, capacity_keep, top_k
 from mpi_run import check_mpi, run_mpi
 
 CONFIG = SimpleNamespace(n_embd=4, bias=True, n_layer=2, dropout=0.0)
@@ -79,8 +80,13 @@ def test_capacity_keeps_the_most_probable_slots_ties_by_token_order():
     keep = capacity_keep(route.indices, slot_probs, 2, 0.8)
     assert keep[:, 0].tolist() == [False, True, False, True, False]
     # two groups of 2 tokens (the 5th is left out: groups must be equal), capacity ceil(0.8*2/2) = 1 each
-    keep = capacity_keep(route.indices[:4], slot_probs[:4], 2, 0.8, groups=2)
+    keep = capacity_keep(route.indices[:4], slot_probs[:4], 2, 0.8, group_ids=numpy.array([0, 0, 1, 1]))
     assert keep[:, 0].tolist() == [False, True, False, True]
+    # groups need not be consecutive tokens (context parallelism: a rank's two chunks)
+    keep = capacity_keep(route.indices[:4], slot_probs[:4], 2, 0.8, group_ids=numpy.array([0, 1, 0, 1]))
+    assert keep[:, 0].tolist() == [False, True, True, False]
+    with pytest.raises(ValueError, match="routing groups must be equal"):
+        capacity_keep(route.indices, slot_probs, 2, 0.8, group_ids=numpy.array([0, 0, 0, 1, 1]))
 
 
 def test_moe_drops_over_capacity_and_reports_the_loads():
@@ -132,6 +138,10 @@ def test_load_balancing_and_z_loss_by_hand():
     moe = MoEMLP(CONFIG, 3, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
     moe(Tensor(rows(5)))
     assert moe.aux_loss.item() > 0 and moe.z_loss.item() > 0
+    # two groups (token 0 | token 1 of the first case): the mean of each group's loss, not the union's
+    route = routed_by(logits, 2, 1)
+    aux = F.load_balancing_loss(route.probs, route.indices, coeff=1.0, group_ids=numpy.array([1, 0]))
+    assert aux.item() == pytest.approx((2 * 0.75 + 2 * 0.8) / 2, rel=1e-14)
 
 
 def test_one_expert_top_one_is_the_dense_mlp():
@@ -153,14 +163,65 @@ def test_one_expert_top_one_is_the_dense_mlp():
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.8])
 def test_the_whole_layer_against_central_differences(capacity_factor):
-    moe = MoEMLP(CONFIG, 3, 2, capacity_factor, aux_loss_coeff=0.3, z_loss_coeff=0.2)
+    moe = MoEMLP(CONFIG, 3, 2, capacity_factor)
     x = Tensor(rows(6).reshape(2, 3, 4), requires_grad=True)
     names, params = zip(*moe.named_parameters())
-    reports = gradcheck(lambda *_: (moe(x) * 1.0).sum(axis=-1) + moe.aux_loss + moe.z_loss,
-                        [x, *params], names=["x", *names], max_entries=24)
+    reports = gradcheck(lambda *_: (moe(x) * 1.0).sum(axis=-1), [x, *params], names=["x", *names], max_entries=24)
     assert capacity_factor is None or moe.dropped > 0
     for report in reports:
         assert report.ok, report
+
+
+@pytest.mark.parametrize("groups", [None, numpy.array([0, 1, 1, 0, 2, 2])])
+def test_the_router_losses_against_central_differences(groups):
+    router = Router(4, 3, 2)
+    x = Tensor(rows(6), requires_grad=True)
+
+    def losses(*_):
+        route = router(x)
+        return F.load_balancing_loss(route.probs, route.indices, 0.3, groups) + F.z_loss(route.logits, 0.2)
+
+    for report in gradcheck(losses, [x, router.weight], names=["x", "router"]):
+        assert report.ok, report
+
+
+def test_the_auxiliary_losses_join_the_gradient_scaled_by_their_share():
+    """A layer's output carries its auxiliary losses into backward (each with gradient = its share
+    of the step): backward from the output alone equals the output's backward plus the losses'."""
+    g = rows(6, seed=3).reshape(2, 3, 4)
+
+    def grads(attached, share):
+        minipar.manual_seed(0)
+        moe = MoEMLP(CONFIG, 3, 2, aux_loss_coeff=0.3 * attached, z_loss_coeff=0.2 * attached, step=MoEStep())
+        moe.step.tokens = 6 / share  # this forward's 6 tokens are ``share`` of the step's
+        x = Tensor(rows(6).reshape(2, 3, 4), requires_grad=True)
+        moe(x).backward(g)
+        if not attached:  # the same losses, added by hand
+            lb = MoEMLP(CONFIG, 3, 2, aux_loss_coeff=0.3, z_loss_coeff=0.2)
+            lb.load_state_dict(moe.state_dict())
+            lb(x)
+            ((lb.aux_loss + lb.z_loss) * share).backward()
+            moe.router.weight.grad = moe.router.weight.grad + lb.router.weight.grad
+            assert moe.step.aux == {0: 0.0}
+        else:
+            assert moe.step.aux[0] == pytest.approx(share * moe.aux_loss.item(), rel=1e-15) and moe.step.aux[0] > 0
+        return x.grad, moe.router.weight.grad
+
+    for share in (1.0, 0.25):
+        (xa, ra), (xb, rb) = grads(True, share), grads(False, share)
+        numpy.testing.assert_allclose(ra, rb, rtol=1e-13, atol=1e-15)
+        numpy.testing.assert_allclose(xa, xb, rtol=1e-13, atol=1e-15)
+
+
+def test_routing_groups_name_the_tokens_each_rank_routes():
+    # DP: 2 rows per forward; CP = 2 (chunks 0 and 3 on rank 0, 1 and 2 on rank 1, of 2 positions each)
+    ids = RoutingGroups(rows=2, cp=2).ids(numpy.arange(4), numpy.arange(8)).reshape(4, 8)
+    assert ids[0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0] and (ids[1] == ids[0]).all()
+    assert ids[2].tolist() == [2, 2, 3, 3, 3, 3, 2, 2]
+    # and SP = 2 within each CP rank's 4 positions: rank 0's (0, 1, 6, 7) as (0, 1) and (6, 7)
+    ids = RoutingGroups(rows=4, cp=2, sp=2).ids(numpy.arange(4), numpy.arange(8)).reshape(4, 8)
+    assert ids[0].tolist() == [0, 0, 2, 2, 3, 3, 1, 1]  # rank 1: (2, 3) and (4, 5)
+    assert RoutingGroups(rows=1).ids(numpy.arange(3), numpy.arange(2)).tolist() == [0, 0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("n", [2, 4])

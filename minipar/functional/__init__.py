@@ -10,7 +10,7 @@ Each op is a ``Function`` (see ``minipar.autograd``) in one of these files:
 * ``attention``: causal_attention (one op for mask, softmax, dropout and both products)
 * ``routing``: permute, unpermute (token-slots to their experts and back, combined by the router's
   weights), with sort_by_expert, the order they use
-* ``router_losses``: load_balancing_loss, z_loss (a mixture of experts' router)
+* ``router_losses``: load_balancing_loss, z_loss, attach_loss (a mixture of experts' router)
 * ``blockwise``: blockwise_attention (the same, one block of keys at a time, merged by the online
   softmax: the arithmetic of ring attention)
 """
@@ -36,7 +36,7 @@ from minipar.functional.elementwise import (
 from minipar.functional.linalg import embedding, linear, matmul
 from minipar.functional.loss import cross_entropy
 from minipar.functional.reduction import layer_norm, log_softmax, mean, softmax, sum
-from minipar.functional.router_losses import load_balancing_loss, z_loss
+from minipar.functional.router_losses import attach_loss, load_balancing_loss, z_loss
 from minipar.functional.routing import permute, sort_by_expert, unpermute
 from minipar.functional.shape import concat, getitem, reshape, split, transpose
 
@@ -45,5 +45,5 @@ __all__ = [
     "dropout", "sum", "mean", "softmax", "log_softmax", "layer_norm", "reshape", "transpose",
     "getitem", "split", "concat", "matmul", "linear", "embedding", "cross_entropy",
     "causal_attention", "blockwise_attention", "apply_mask", "fresh_key", "permute", "unpermute",
-    "sort_by_expert", "load_balancing_loss", "z_loss",
+    "sort_by_expert", "load_balancing_loss", "z_loss", "attach_loss",
 ]

@@ -8,16 +8,24 @@ Transformer, Fedus et al. 2021):
     w_j = p[e_j]  (/ sum_i p[e_i] if normalize)
     y = sum_j w_j expert_{e_j}(x)
 
+The weights are renormalised over the k chosen experts by default when k > 1 (Megatron-core's
+softmax over the top-k, Mixtral); with k = 1 that weight would always be 1 and the router would
+learn from the balancing loss alone, so k = 1 keeps p[e_1] (Switch).
+
 Capacity (GShard, Switch): with a capacity factor c, expert e takes at most ceil(c N k / E) of the
 token-slots routed to it, those with the highest router probability p[e] (ties: token order); a
 dropped slot adds 0, and the block's residual connection carries its token unchanged. Without c
-the layer is dropless. ``groups`` G cuts the N tokens into G equal consecutive groups, each with
-its own capacity ceil(c (N/G) k / E): what expert parallelism does when each of G ranks routes its
-own tokens, so one device with ``groups=G`` drops exactly the slots the G ranks drop.
+the layer is dropless.
+
+Routing groups. A parallel run routes each rank's tokens of each micro-batch on their own: each
+such group has its own capacity ceil(c N_g k / E) and its own balancing loss (the step's is their
+mean). ``RoutingGroups`` tells a single-device model which tokens a parallel layout routes
+together, so that one device drops exactly the slots the ranks drop and computes their loss.
 
 Two auxiliary losses (``functional.router_losses``: Switch/GShard's load balancing, E sum_e f_e
-P_e, and ST-MoE's router z-loss), each kept with its coefficient applied, to add to the loss and
-report.
+P_e, and ST-MoE's router z-loss), each with its coefficient applied, join the training loss by
+``attach_loss`` (each forward's share of the step's: its tokens / the step's tokens, as the
+training loss's micro-batch shares) and are reported through ``MoEStep``.
 
 Expert parallelism (``ep=``, a communicator): this rank builds only its experts, under their
 global names, and the rows travel by ``parallel.experts.AllToAllDispatcher``.
@@ -25,12 +33,17 @@ global names, and the rows travel by ``parallel.experts.AllToAllDispatcher``.
 
 import math
 from collections import namedtuple
+from dataclasses import dataclass
+
+import numpy
 
 import minipar.functional as F
 from minipar.backend import to_numpy, xp
+from minipar.functional.router_losses import equal_groups
 from minipar.functional.routing import sort_by_expert
 from minipar.nn import Linear, Module, ModuleList, Parameter, normal_
 from minipar.parallel import experts as ep_parallel
+from minipar.parallel.recompute import recomputing
 
 Routing = namedtuple("Routing", "indices weights probs logits")
 
@@ -48,10 +61,11 @@ class Router(Module):
     engine; a narrower one is refused rather than rounded here (Switch computes the router in
     float32 for stability)."""
 
-    def __init__(self, n_embd, n_experts, top_k, normalize=True):
+    def __init__(self, n_embd, n_experts, top_k, normalize=None):
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top-k must lie in [1, {n_experts}] (the number of experts), got {top_k}")
-        self.n_experts, self.top_k, self.normalize = n_experts, top_k, normalize
+        self.n_experts, self.top_k = n_experts, top_k
+        self.normalize = top_k > 1 if normalize is None else bool(normalize)
         self.weight = Parameter(normal_((n_experts, n_embd), 0.02))
 
     def forward(self, x):
@@ -73,16 +87,15 @@ def capacity(capacity_factor, n_tokens, top_k, n_experts):
     return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
 
 
-def capacity_keep(indices, slot_probs, n_experts, capacity_factor, groups=1):
-    """(N, k) bool: which token-slots their experts take. Within each group of N/G consecutive
-    tokens, expert e keeps its ``capacity`` slots of highest ``slot_probs`` (the router's p[e],
-    not the renormalised weight); equal probabilities go by token order."""
+def capacity_keep(indices, slot_probs, n_experts, capacity_factor, group_ids=None):
+    """(N, k) bool: which token-slots their experts take. Within each routing group (``group_ids``
+    (N,), equal groups; None: one), expert e keeps its ``capacity`` slots of highest ``slot_probs``
+    (the router's p[e], not the renormalised weight); equal probabilities go by token order."""
     n, k = indices.shape
-    if n % groups:
-        raise ValueError(f"{n} tokens do not form {groups} equal capacity groups")
-    limit = capacity(capacity_factor, n // groups, k, n_experts)
+    ids, groups, per_group = equal_groups(group_ids, n)
+    limit = capacity(capacity_factor, per_group, k, n_experts)
     expert, prob = indices.reshape(-1), slot_probs.reshape(-1)  # (N k,) by slot, token-major
-    group = xp.arange(n * k) // (k * (n // groups))
+    group = xp.repeat(ids, k)
     # stable sorts from the last key to the first: (group, expert, -probability, slot)
     order = xp.argsort(-prob, kind="stable")
     order = order[xp.argsort(expert[order], kind="stable")]
@@ -93,6 +106,58 @@ def capacity_keep(indices, slot_probs, n_experts, capacity_factor, groups=1):
     keep = xp.zeros(n * k, bool)
     keep[order] = place < limit
     return keep.reshape(n, k)
+
+
+@dataclass(frozen=True)
+class RoutingGroups:
+    """The tokens a parallel run routes together, for a single-device model to route the same:
+    ``rows`` sequences per forward on one rank (a micro-batch's rows / DP); ``cp`` context-parallel
+    ranks, rank r holding chunks r and 2CP-1-r of every sequence; ``sp`` sequence-parallel ranks,
+    each holding a consecutive part of those positions."""
+
+    rows: int
+    cp: int = 1
+    sp: int = 1
+
+    def ids(self, rows, positions):
+        """(B T,) group of each token of global ``rows`` (B,) x ``positions`` (T,), row-major,
+        numbered 0..G-1 in order of appearance."""
+        rows, positions = xp.asarray(rows), xp.asarray(positions)
+        per_position = xp.zeros(len(positions), xp.int64)
+        if self.cp * self.sp > 1:
+            chunk_len = len(positions) // (2 * self.cp)
+            if chunk_len * 2 * self.cp != len(positions) or (2 * chunk_len) % self.sp:
+                raise ValueError(f"{len(positions)} positions do not cut into CP={self.cp} x SP={self.sp} parts")
+            chunk = positions // chunk_len
+            second = chunk >= self.cp  # the rank's later chunk, 2CP-1-r
+            cp_rank = xp.where(second, 2 * self.cp - 1 - chunk, chunk)
+            local = positions - chunk * chunk_len + second * chunk_len  # index among the rank's 2 chunks
+            per_position = cp_rank * self.sp + local // (2 * chunk_len // self.sp)
+        ids = (rows // self.rows)[:, None] * (self.cp * self.sp) + per_position[None, :]
+        return xp.unique(ids.reshape(-1), return_inverse=True)[1].reshape(-1)
+
+
+class MoEStep:
+    """What a model's MoE layers share over a training step: the step's token count (each
+    forward's auxiliary losses count as its share of them: its tokens / ``tokens``; None: every
+    forward is a whole step) and what routing did, per layer, summed over the step's forwards:
+    ``loads`` slots each expert took, ``dropped`` slots, ``aux`` and ``z`` the losses (scaled by
+    their shares). A recomputed forward (in backward) is not counted again."""
+
+    def __init__(self):
+        self.tokens = None
+        self.reset()
+
+    def reset(self):
+        self.loads, self.dropped, self.aux, self.z = {}, {}, {}, {}
+
+    def share(self, n_tokens):
+        return 1.0 if self.tokens is None else n_tokens / self.tokens
+
+    def record(self, layer, loads, dropped, aux, z):
+        self.loads[layer] = self.loads.get(layer, 0) + loads
+        for table, value in ((self.dropped, dropped), (self.aux, aux), (self.z, z)):
+            table[layer] = table.get(layer, 0) + value
 
 
 class Expert(Module):
@@ -111,14 +176,18 @@ class MoEMLP(Module):
 
     After each forward: ``aux_loss`` and ``z_loss`` (Tensors, coefficients applied),
     ``tokens_per_expert`` (E,) host ints of the slots each expert took from this forward's tokens,
-    and ``dropped``, the slots over capacity."""
+    and ``dropped``, the slots over capacity. ``routing``: a ``RoutingGroups`` (a single-device
+    reference of a parallel run), whose rows and positions come from ``rng`` (the model's
+    DropoutRNG; without one, the input's own). ``step``: the model's ``MoEStep``; ``layer`` the
+    key this layer's statistics are recorded under."""
 
-    def __init__(self, config, n_experts, top_k, capacity_factor=None, normalize=True,
-                 aux_loss_coeff=0.0, z_loss_coeff=0.0, groups=1, ep=None):
+    def __init__(self, config, n_experts, top_k, capacity_factor=None, normalize=None,
+                 aux_loss_coeff=0.0, z_loss_coeff=0.0, routing=None, ep=None, rng=None, step=None, layer=0):
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"the capacity factor must be positive (or None: dropless), got {capacity_factor}")
-        self.n_experts, self.top_k, self.capacity_factor, self.groups = n_experts, top_k, capacity_factor, groups
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.routing, self.rng, self.step, self.layer = routing, rng, step, layer
         self.router = Router(config.n_embd, n_experts, top_k, normalize)
         mine = range(n_experts) if ep is None else ep_parallel.local_experts(n_experts, ep)
         std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2's scaled init of residual projections
@@ -131,14 +200,22 @@ class MoEMLP(Module):
             for p in self.experts.parameters():
                 p.placement = ep_parallel.EXPERT_PLACEMENT
 
+    def group_ids(self, shape):
+        """The routing group of each of the input's tokens (None: they are one group)."""
+        if self.routing is None:
+            return None
+        batch, length = shape[0], (shape[1] if len(shape) > 2 else 1)
+        rows, positions = self.rng.where(batch, length) if self.rng is not None else (xp.arange(batch), xp.arange(length))
+        return self.routing.ids(rows, positions)
+
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, h)
         route = self.router(x)
-        keep = None
+        keep, ids = None, self.group_ids(shape)
         if self.capacity_factor is not None:
             slot_probs = xp.take_along_axis(route.probs.data, route.indices, axis=-1)  # (N, k)
-            keep = capacity_keep(route.indices, slot_probs, self.n_experts, self.capacity_factor, self.groups)
+            keep = capacity_keep(route.indices, slot_probs, self.n_experts, self.capacity_factor, ids)
         slots, counts = sort_by_expert(route.indices, self.n_experts, keep)  # (S,), (E,)
         rows = F.permute(x, slots, self.top_k)  # (S, h) in one run per expert
         if self.dispatcher is None:
@@ -149,8 +226,14 @@ class MoEMLP(Module):
         y = F.unpermute(out, route.weights, slots)  # (N, h)
         self.tokens_per_expert = to_numpy(counts)
         self.dropped = int(route.indices.size - len(slots))
-        self.aux_loss = F.load_balancing_loss(route.probs, route.indices, self.aux_loss_coeff)
+        self.aux_loss = F.load_balancing_loss(route.probs, route.indices, self.aux_loss_coeff, ids)
         self.z_loss = F.z_loss(route.logits, self.z_loss_coeff)
+        share = self.step.share(len(x)) if self.step is not None else 1.0
+        if self.aux_loss_coeff or self.z_loss_coeff:  # the training loss's gradient reaches them
+            y = F.attach_loss(y, self.aux_loss + self.z_loss, share)
+        if self.step is not None and self.training and not recomputing():
+            self.step.record(self.layer, self.tokens_per_expert.astype(numpy.int64), self.dropped,
+                             share * self.aux_loss.item(), share * self.z_loss.item())
         return y.reshape(shape)
 
     def apply_experts(self, rows, counts):

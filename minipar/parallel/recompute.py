@@ -30,6 +30,15 @@ def _nothing():
     return None
 
 
+_RERUNS = [0]  # how many recomputations are running now
+
+
+def recomputing():
+    """Whether a layer's forward is the second run of a recomputation (in backward): what it
+    counts as happening once per step (routing statistics) it must not count again."""
+    return _RERUNS[0] > 0
+
+
 class Checkpoint(Function):
     @staticmethod
     def forward(ctx, x, anchor, fn, rng, before, after, before_backward, after_backward, *params):
@@ -55,7 +64,11 @@ class Checkpoint(Function):
             if ctx.rng is not None:  # draw the same dropout masks as the first run
                 now = ctx.rng.state()
                 ctx.rng.set_state(ctx.rng_state)
-            y = ctx.fn(x)
+            _RERUNS[0] += 1
+            try:
+                y = ctx.fn(x)
+            finally:
+                _RERUNS[0] -= 1
             if ctx.rng is not None:
                 ctx.rng.set_state(now)
             with hold_hooks():

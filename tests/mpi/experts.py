@@ -9,7 +9,7 @@ sum over every token routed to it, which its one holder already has (the expert-
 group is a single rank here), so it equals the reference's with no sum.
 
 With a capacity factor each rank drops slots among its own T tokens; the reference routes the same
-groups: ``groups=N`` gives each block of T tokens (one rank's) its own capacity ceil(c T k / E).
+groups: ``RoutingGroups(rows=B)`` gives each block of B rows (one rank's) its own capacity ceil(c B T k / E).
 
 Bytes: all-to-all-v per rank over forward and backward = 2 (rows out + rows in) h 8, with rows out
 the rank's kept slots routed to other ranks' experts and rows in the slots other ranks route to
@@ -28,7 +28,7 @@ import minipar
 from minipar import Tensor
 from minipar.autograd import no_grad
 from minipar.comm import world
-from minipar.models.moe import MoEMLP
+from minipar.models.moe import MoEMLP, RoutingGroups
 from minipar.parallel import experts as ep_module
 from minipar.verify import rel_err
 
@@ -65,7 +65,7 @@ def inputs(seed, starve):
 
 def case(name, seed, capacity_factor=None, starve=False):
     minipar.manual_seed(1)
-    ref = MoEMLP(CONFIG, E, K, capacity_factor, groups=N)
+    ref = MoEMLP(CONFIG, E, K, capacity_factor, routing=RoutingGroups(rows=B))
     minipar.manual_seed(1)
     ep = MoEMLP(CONFIG, E, K, capacity_factor, ep=comm)
     state = ref.state_dict()
@@ -81,7 +81,7 @@ def case(name, seed, capacity_factor=None, starve=False):
     y_ref = ref(x_ref)
     y_ref.backward(g_all.reshape(N * B, T, H))
     per_rank = []  # each rank's block alone on one device (one capacity group): its slots per expert
-    ref.groups = 1
+    ref.routing = None
     with no_grad():
         for s in range(N):
             ref(Tensor(x_all[s]))
