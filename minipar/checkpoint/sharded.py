@@ -192,7 +192,12 @@ def check_model(index, config, dtype):
     """Raise CheckpointError unless the checkpoint holds this model, listing every difference."""
     saved = index["model"]
     mine = dataclasses.asdict(config)
-    diffs = [f"{k} {saved.get(k)} (flags: {mine[k]})" for k in mine if k != "dropout" and saved.get(k) != mine[k]]
+    # a field a checkpoint predates has its default (a checkpoint from before experts is dense);
+    # dropout, capacity and the auxiliary losses' weights change the training, not the weights
+    default = {f.name: f.default for f in dataclasses.fields(config)}
+    free = ("dropout", "moe_expert_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+    diffs = [f"{k} {saved.get(k, default[k])} (flags: {mine[k]})" for k in mine
+             if k not in free and saved.get(k, default[k]) != mine[k]]
     if index["dtype"] != str(numpy.dtype(dtype)):
         diffs.append(f"dtype {index['dtype']} (flags: {numpy.dtype(dtype)})")
     if diffs:

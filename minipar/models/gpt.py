@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import minipar.functional as F
 from minipar.backend import array_of, xp
 from minipar.models.layers import Block, Site, _Layers
+from minipar.models.moe import MoEStep
 from minipar.models.whole import WholeModel
 from minipar.nn import Embedding, Module, ModuleDict, ModuleList
 from minipar.parallel import tensor
@@ -50,19 +51,35 @@ class GPTConfig:
     vocab_size: int = 256
     dropout: float = 0.0
     bias: bool = True
+    # a mixture of experts in place of the MLP of every moe_layer_freq-th block (0: dense); names
+    # as Megatron-core's flags (models/moe.py)
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_layer_freq: int = 1
+    moe_expert_capacity_factor: float = None  # None: dropless
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
     def __post_init__(self):
         # the shape rules are the run's (minipar.parallel.validate), asked about the model alone
+        moe = self.num_experts != 0
         check(RunConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
-                        vocab_size=self.vocab_size, dropout=self.dropout), what="GPTConfig")
+                        vocab_size=self.vocab_size, dropout=self.dropout,
+                        num_experts=self.num_experts if moe else None, moe_router_topk=self.moe_router_topk if moe else None,
+                        moe_layer_freq=self.moe_layer_freq, moe_expert_capacity_factor=self.moe_expert_capacity_factor,
+                        moe_loss_coeffs=(self.moe_aux_loss_coeff, self.moe_z_loss_coeff)), what="GPTConfig")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             setattr(self, name, int(getattr(self, name)))  # a NumPy integer becomes a plain one
         self.dropout = float(self.dropout)
 
+    def is_moe(self, layer):
+        """Whether block ``layer`` has a mixture of experts (Megatron-core: every moe_layer_freq-th)."""
+        return self.num_experts > 0 and layer % self.moe_layer_freq == 0
+
 
 class GPT(WholeModel, Module):
     def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1, cp_comm_type="p2p",
-                 recompute_granularity=None):
+                 recompute_granularity=None, moe_routing=None):
         self.config = config
         self.grid = grid  # resolves the group names of the parameters' placements
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
@@ -72,16 +89,23 @@ class GPT(WholeModel, Module):
         # the model on its grid (whole heads per TP rank, whole blocks per chunk, SP needs TP > 1),
         # before any group communicates. Not block_size: a sequence parallel model may run shorter
         # sequences, and refuses a length TP does not divide when it sees one (``_positions``).
-        n, tp, pp, dp, cp = (grid.layout.world_size, grid.tp, grid.pp, grid.dp, grid.cp) if grid is not None else (1,) * 5
-        check(RunConfig(world_size=n, tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type,
-                        virtual_stages=virtual_stages, n_layer=config.n_layer, n_head=config.n_head,
-                        n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel)), what="GPT")
+        n, tp, pp, dp, cp, ep = (grid.layout.world_size, grid.tp, grid.pp, grid.dp, grid.cp, grid.ep) if grid is not None else (1,) * 6
+        check(RunConfig(world_size=n, tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type, ep=ep,
+                        num_experts=config.num_experts or None, virtual_stages=virtual_stages, n_layer=config.n_layer,
+                        n_head=config.n_head, n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel)), what="GPT")
+        if ep > 1 and not config.num_experts:
+            raise ValueError(f"GPT: the grid has EP={ep}, but the model has no experts: set num_experts")
         self.sequence_parallel = bool(sequence_parallel)
         # dropout: by default this model holds its data-parallel rank's slice of the batch's rows
         # and, with context parallelism, its rank's two chunks of every sequence
         self.rng = DropoutRNG(replica=(self.dp.rank, self.dp.size) if self.dp is not None else (0, 1),
                               context=(self.cp.rank, self.cp.size) if self.cp is not None else (0, 1))
-        layers = _Layers(self.tp, self.sequence_parallel, self.rng, self.cp, cp_comm_type)
+        # what its MoE layers share: the step's token count and routing statistics (the executor
+        # sets and the trainer reads them); ``moe_routing``: a single-device reference's RoutingGroups
+        self.moe = MoEStep()
+        ep_group = grid.ep_group if grid is not None and grid.ep > 1 else None
+        layers = _Layers(self.tp, self.sequence_parallel, self.rng, self.cp, cp_comm_type,
+                         ep=ep_group, moe_step=self.moe, moe_routing=moe_routing)
         pipe = Pipeline(grid.pp if grid is not None else 1, 1, virtual_stages)
         r = grid.pp_rank if grid is not None else 0
         self.n_chunks = pipe.n_chunks

@@ -10,6 +10,7 @@ import math
 
 import minipar.functional as F
 from minipar.nn import Dropout, Embedding, LayerNorm, Linear, Module
+from minipar.models.moe import MoEMLP
 from minipar.parallel import context, tensor
 
 
@@ -30,9 +31,11 @@ class _Layers:
     (None without), whose ranks attend across it by ``cp_comm_type``: "p2p" (ring attention) or
     "a2a" (Ulysses)."""
 
-    def __init__(self, tp, sequence_parallel, rng, cp=None, cp_comm_type="p2p"):
+    def __init__(self, tp, sequence_parallel, rng, cp=None, cp_comm_type="p2p", ep=None, moe_step=None,
+                 moe_routing=None):
         self.tp, self.sp, self.rng, self.cp = tp, sequence_parallel, rng, cp
         self.context_attention = {"p2p": context.ring_attention, "a2a": context.ulysses_attention}[cp_comm_type]
+        self.ep, self.moe_step, self.moe_routing = ep, moe_step, moe_routing
 
     def column(self, n_in, n_out, bias, chunks=1):
         if self.tp is None:
@@ -57,6 +60,21 @@ class _Layers:
             for p in ln.parameters():
                 p.placement = p.placement.also(grad_sum="tp")
         return ln
+
+    def mixture_of_experts(self, config, layer):
+        """Block ``layer``'s MoE in place of its MLP. Its tokens are this rank's: with tensor
+        parallelism and no sequence parallelism every TP rank routes the same tokens through
+        whole experts (the same work, the same gradients); with sequence parallelism each routes
+        its own positions, so the router's and experts' gradients are partial sums over TP. The
+        MLP's dropout follows the combined output."""
+        moe = MoEMLP(config, config.num_experts, config.moe_router_topk, config.moe_expert_capacity_factor,
+                     aux_loss_coeff=config.moe_aux_loss_coeff, z_loss_coeff=config.moe_z_loss_coeff,
+                     routing=self.moe_routing, ep=self.ep, rng=self.rng, step=self.moe_step, layer=layer,
+                     dropout=self.dropout(config.dropout, layer, Site.MLP_OUTPUT))
+        if self.sp:
+            for p in moe.parameters():
+                p.placement = p.placement.also(grad_sum="tp")
+        return moe
 
     def dropout(self, p, layer, site):
         """The dropout at ``site`` of layer ``layer``. Each rank drops its part of the whole
@@ -132,7 +150,7 @@ class Block(Module):
         self.ln_1 = layers.layer_norm(config.n_embd, config.bias)
         self.attn = CausalSelfAttention(config, layers, layer)
         self.ln_2 = layers.layer_norm(config.n_embd, config.bias)
-        self.mlp = MLP(config, layers, layer)
+        self.mlp = layers.mixture_of_experts(config, layer) if config.is_moe(layer) else MLP(config, layers, layer)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

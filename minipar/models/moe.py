@@ -179,15 +179,15 @@ class MoEMLP(Module):
     and ``dropped``, the slots over capacity. ``routing``: a ``RoutingGroups`` (a single-device
     reference of a parallel run), whose rows and positions come from ``rng`` (the model's
     DropoutRNG; without one, the input's own). ``step``: the model's ``MoEStep``; ``layer`` the
-    key this layer's statistics are recorded under."""
+    key this layer's statistics are recorded under; ``dropout``: a module run on the output."""
 
-    def __init__(self, config, n_experts, top_k, capacity_factor=None, normalize=None,
-                 aux_loss_coeff=0.0, z_loss_coeff=0.0, routing=None, ep=None, rng=None, step=None, layer=0):
+    def __init__(self, config, n_experts, top_k, capacity_factor=None, normalize=None, aux_loss_coeff=0.0,
+                 z_loss_coeff=0.0, routing=None, ep=None, rng=None, step=None, layer=0, dropout=None):
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"the capacity factor must be positive (or None: dropless), got {capacity_factor}")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
-        self.routing, self.rng, self.step, self.layer = routing, rng, step, layer
+        self.routing, self.rng, self.step, self.layer, self.dropout = routing, rng, step, layer, dropout
         self.router = Router(config.n_embd, n_experts, top_k, normalize)
         mine = range(n_experts) if ep is None else ep_parallel.local_experts(n_experts, ep)
         std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2's scaled init of residual projections
@@ -234,10 +234,32 @@ class MoEMLP(Module):
         if self.step is not None and self.training and not recomputing():
             self.step.record(self.layer, self.tokens_per_expert.astype(numpy.int64), self.dropped,
                              share * self.aux_loss.item(), share * self.z_loss.item())
-        return y.reshape(shape)
+        y = y.reshape(shape)
+        return self.dropout(y) if self.dropout is not None else y
 
     def apply_experts(self, rows, counts):
         """This rank's experts on ``rows`` (R, h), in consecutive runs of ``counts`` (host ints,
         one per local expert, any of them 0) -> (R, h)."""
         pieces = F.split(rows, [int(c) for c in counts], axis=0)
         return F.concat([expert(piece) for expert, piece in zip(self.experts, pieces)], axis=0)
+
+
+def step_statistics(model, world=None):
+    """The routing of the step just run, over every rank of ``world`` (a collective; None: this
+    model alone): {"layers"
+    (the MoE blocks), "tokens_per_expert" (L, E), "dropped" (L,) slots, "aux_loss" and "z_loss"
+    (their sums over the layers, as the step's loss holds them)}. Ranks that route the same tokens
+    (TP ranks without sequence parallelism) are counted once."""
+    config, step = model.config, model.moe
+    layers = [i for i in range(config.n_layer) if config.is_moe(i)]
+    E = config.num_experts
+    table = numpy.zeros((len(layers), E + 3))  # per layer: loads, dropped, aux, z
+    for row, layer in enumerate(layers):
+        if layer in step.loads:
+            table[row] = [*step.loads[layer], step.dropped[layer], step.aux[layer], step.z[layer]]
+    repeated = model.tp is not None and not model.sequence_parallel and model.tp.rank > 0
+    table *= 0.0 if repeated else 1.0
+    total = world.all_reduce(table) if world is not None else table
+    return {"layers": layers, "tokens_per_expert": total[:, :E].round().astype(numpy.int64),
+            "dropped": total[:, E].round().astype(numpy.int64),
+            "aux_loss": float(total[:, E + 1].sum()), "z_loss": float(total[:, E + 2].sum())}

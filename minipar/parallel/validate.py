@@ -40,7 +40,10 @@ class RunConfig:
     cp_comm_type: Optional[str] = None  # how they attend across it: "p2p" (the default) or "a2a"
     ep: int = 1  # expert parallel: ranks of DP that split the experts
     num_experts: Optional[int] = None  # None: dense MLPs
-    moe_topk: Optional[int] = None  # experts per token
+    moe_router_topk: Optional[int] = None  # experts per token
+    moe_layer_freq: Optional[int] = None  # every moe_layer_freq-th block has experts
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_loss_coeffs: tuple = ()  # the auxiliary losses' coefficients
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     schedule: Optional[str] = None  # "gpipe", "1f1b" or "interleaved"
     global_batch: Optional[int] = None  # sequences per step, over all data-parallel ranks
@@ -58,7 +61,7 @@ class RunConfig:
     dtype: str = "float32"
 
 
-POSITIVE = ("world_size", "tp", "pp", "dp", "cp", "ep", "num_experts", "moe_topk", "virtual_stages", "global_batch", "micro_batch_size",
+POSITIVE = ("world_size", "tp", "pp", "dp", "cp", "ep", "num_experts", "moe_router_topk", "moe_layer_freq", "virtual_stages", "global_batch", "micro_batch_size",
             "micro_batches", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
@@ -212,8 +215,14 @@ def _experts(cfg, say, known, dp, out):
     if experts is not None and experts % ep:
         out.append(f"{say('num_experts')} is not divisible by {say('ep')}: each EP rank holds "
                    f"num_experts / EP whole experts")
-    if experts is not None and known("moe_topk") and cfg.moe_topk > experts:
-        out.append(f"{say('moe_topk')} exceeds {say('num_experts')}: a token can choose at most every expert")
+    if experts is not None and known("moe_router_topk") and cfg.moe_router_topk > experts:
+        out.append(f"{say('moe_router_topk')} exceeds {say('num_experts')}: a token can choose at most every expert")
+    c = cfg.moe_expert_capacity_factor
+    if c is not None and (isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c <= 0):
+        out.append(f"{say.name('moe_expert_capacity_factor')} must be a positive number (or none: dropless), got {c!r}")
+    for coeff in cfg.moe_loss_coeffs:
+        if isinstance(coeff, bool) or not isinstance(coeff, numbers.Real) or not math.isfinite(coeff) or coeff < 0:
+            out.append(f"the auxiliary losses' coefficients must be numbers >= 0, got {coeff!r}")
     if experts is not None and known("zero_stage") and cfg.zero_stage >= 2:
         out.append(f"ZeRO stages 2 and 3 do not shard expert parameters (summed over another group than "
                    f"the dense ones): use {say('zero_stage', 1)} (or 0) with {say.name('num_experts')}")

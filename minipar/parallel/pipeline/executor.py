@@ -35,6 +35,8 @@ What makes the pipelined run equal to one device:
   the model's dropout keys): masks are keyed by layer and by the tokens' global rows
   (see minipar.rng), so each forward runs inside ``model.rng.at(rows=...)`` with its micro-batch's
   rows on this data-parallel rank, and the iteration is the caller's (``model.rng.iteration``).
+* A mixture of experts' auxiliary losses join backward on whatever stage they are made, each
+  forward's as its share of the step's tokens (``model.moe.tokens``, set here to the batch's).
 * The tied embedding's two gradient parts (first and last stage) are added by
   ``model.finalize_grads()``, which the optimizer's ``finish_gradients()`` runs in the caller's
   step, in the order its data-parallel sum needs (see ``parallel/protocol.py``). Only the last
@@ -133,6 +135,8 @@ class PipelineExecutor:
         state = StepState(micro=micro, rows=len(x), tokens=token_count(y),  # the whole batch's: no message
                           shape=self.model.activation_shape(len(micro[0][0]), x.shape[1]),
                           optimizer_step=optimizer_step)
+        # a mixture of experts' auxiliary losses: each forward's tokens are its share of all of them
+        self.model.moe.tokens = x.size
         for ins in instructions:
             start = self._clock()
             self._handlers[ins.op](state, ins)
