@@ -12,6 +12,10 @@ skipped). Backward costs twice the forward, so per token of training
 which is Narayanan et al. (2021)'s formula without recomputation (with it, 96 instead of 72: the
 recomputed forward is hardware work, not model work, so it raises HFU but not MFU).
 
+A mixture-of-experts block runs each token through k experts shaped like the MLP (2 x 8 h^2 FLOPs
+each forward) and its router (2 h E): per MoE layer 48 (k - 1) h^2 + 6 E h more than a dense block
+in training. The experts a token skips are not its FLOPs: MFU counts the active parameters.
+
 The peak is measured, not looked up: every rank runs the same matrix products with the kernel the
 model uses (``backend.matmul``: BLAS, or minipar's GEMM on a GPU), all ranks at once between two
 barriers, and the peak is all of that work over the time it took. Timing the block as a whole
@@ -28,10 +32,18 @@ import numpy
 from minipar.backend import matmul, on_gpu, xp
 
 
-def flops_per_token(n_layer, n_embd, block_size, vocab_size):
+def flops_per_token(n_layer, n_embd, block_size, vocab_size, moe_layers=0, top_k=1, n_experts=0):
     """Training FLOPs (forward and backward) per token of the GPT's shape; see the module docstring."""
     L, h, T, V = n_layer, n_embd, block_size, vocab_size
-    return 72 * L * h * h + 12 * L * T * h + 6 * V * h
+    experts = moe_layers * (48 * (top_k - 1) * h * h + 6 * n_experts * h)
+    return 72 * L * h * h + 12 * L * T * h + 6 * V * h + experts
+
+
+def model_flops_per_token(config):
+    """``flops_per_token`` of a GPTConfig (its mixture-of-experts blocks included)."""
+    moe_layers = sum(config.is_moe(i) for i in range(config.n_layer))
+    return flops_per_token(config.n_layer, config.n_embd, config.block_size, config.vocab_size, moe_layers,
+                           config.moe_router_topk, config.num_experts)
 
 
 def _synchronize():

@@ -58,12 +58,20 @@ def build_parser():
     m.add_argument("--n-embd", "--hidden-size", type=positive_int, default=DEFAULTS["n_embd"], help="hidden size")
     m.add_argument("--block-size", "--seq-length", type=positive_int, default=DEFAULTS["block_size"], help="context length in bytes")
     m.add_argument("--dropout", type=non_negative_float, default=0.0, help="dropout probability")
+    e = p.add_argument_group("mixture of experts (Megatron-core's flags)")
+    e.add_argument("--num-experts", type=positive_int, help="experts in each MoE layer (default: dense MLPs)")
+    e.add_argument("--moe-router-topk", type=positive_int, default=2, help="experts each token is routed to")
+    e.add_argument("--moe-layer-freq", type=positive_int, default=1, help="every N-th block (from the first) has experts")
+    e.add_argument("--moe-expert-capacity-factor", type=float, help="token-slots an expert takes: factor x tokens x topk / experts, the most probable ones (default: dropless)")
+    e.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=0.0, help="weight of the load-balancing loss (Switch/GShard)")
+    e.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=0.0, help="weight of the router z-loss (ST-MoE)")
     g = p.add_argument_group("parallelism (DP = ranks / (TP x CP x PP))")
     g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=positive_int, default=1, help="tensor-parallel size")
     g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=positive_int, default=1, help="pipeline stages")
     g.add_argument("--context-parallel-size", "--cp", dest="cp", type=positive_int, default=1, help="context-parallel size: ranks that split every sequence (2 x CP chunks, load-balanced)")
     g.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p", help="how context-parallel ranks attend across the sequence: p2p (ring attention) or a2a (Ulysses: whole heads per rank)")
     g.add_argument("--dp", type=positive_int, help="data-parallel size (checked against the number of ranks)")
+    g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1, help="expert-parallel size: DP ranks that split the experts (a divisor of DP)")
     g.add_argument("--num-virtual-stages", "--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b", help="pipeline schedule")
     g.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch per DP rank (default: the global batch / DP / PP)")
@@ -111,7 +119,10 @@ def build(p, args):
 
     try:
         config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                           block_size=args.block_size, dropout=args.dropout)
+                           block_size=args.block_size, dropout=args.dropout, num_experts=args.num_experts or 0,
+                           moe_router_topk=args.moe_router_topk, moe_layer_freq=args.moe_layer_freq,
+                           moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+                           moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff)
     except ValueError as exc:
         p.error(str(exc))
     try:

@@ -16,7 +16,9 @@ from minipar.cli import FlagError
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type": "--cp-comm-type", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
          "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size", "n_layer": "--n-layer",
          "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout",
-         "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype"}
+         "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype",
+         "ep": "--ep", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
+         "moe_layer_freq": "--moe-layer-freq", "moe_expert_capacity_factor": "--moe-expert-capacity-factor"}
 
 
 def run_config(args, world_size):
@@ -28,7 +30,9 @@ def run_config(args, world_size):
                      schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
                      n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                      dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
-                     recompute=args.recompute, dtype=args.dtype)
+                     recompute=args.recompute, dtype=args.dtype, ep=args.ep, num_experts=args.num_experts,
+                     moe_router_topk=args.moe_router_topk if args.num_experts else None,
+                     moe_layer_freq=args.moe_layer_freq, moe_expert_capacity_factor=args.moe_expert_capacity_factor)
 
 
 def _writable(flag, path):
@@ -61,6 +65,8 @@ def check_args(args, world_size):
     if args.recompute and args.recompute_granularity == "selective":
         problems.append("--recompute is --recompute-granularity full: give one of them")
     args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
+    if args.ep > 1 and not args.num_experts:
+        problems.append(f"--ep {args.ep} splits the experts of mixture-of-experts layers: give --num-experts")
     if args.seed < 0:
         problems.append(f"--seed must be >= 0, got {args.seed}")
     if args.data is not None and not os.path.exists(args.data):

@@ -31,8 +31,9 @@ import minipar
 from minipar.checkpoint import full, sharded
 from minipar.checkpoint.boxes import volume
 from minipar.checkpoint.pieces import pieces
-from minipar.mfu import flops_per_token, measured_peak
+from minipar.mfu import measured_peak, model_flops_per_token
 from minipar.models import GPT
+from minipar.models.moe import step_statistics
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
@@ -65,7 +66,7 @@ class Trainer:
         self.args, self.config, self.data, self.world = args, config, data, world
         minipar.set_default_dtype(args.dtype)
         minipar.manual_seed(args.seed)
-        self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp)
+        self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp, ep=args.ep)
         self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp,
                                  cp_comm_type=args.cp_comm_type,
                                  recompute_granularity="full" if args.recompute else args.recompute_granularity)
@@ -105,8 +106,11 @@ class Trainer:
         x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
         for _, group in self._groups():
             group.stats.reset()
+        self.model.moe.reset()
         record = self.executor.step(x, y, optimizer_step=self._update)
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
+        # routing over the whole step (a collective of a few numbers per layer)
+        self.routing = step_statistics(self.model, self.world) if self.config.num_experts else None
         bad = [] if math.isfinite(self.norm) else self._nonfinite()
         self.opt.zero_grad()
         loss = record.loss if self.reports_loss else 0.0
@@ -115,8 +119,9 @@ class Trainer:
 
     def _groups(self):
         g = self.grid
+        experts = (("ep", g.ep_group), ("edp", g.edp_group)) if g.ep > 1 else ()
         return [(name, group) for name, group in (("tp", g.tp_group), ("cp", g.cp_group), ("dp", g.dp_group), ("pp", g.pp_group),
-                                                  ("embedding", g.embedding_group)) if group is not None]
+                                                  ("embedding", g.embedding_group), *experts) if group is not None]
 
     def _nonfinite(self):
         """Names of this rank's parameters whose gradient has a NaN or an infinity."""
@@ -152,8 +157,7 @@ class Trainer:
         end = min(args.max_iters, stop)
         history, val_history, val_loss = [], [], None
         tokens_per_step = args.batch_size * args.block_size
-        model_flops = tokens_per_step * flops_per_token(args.n_layer, args.n_embd, args.block_size,
-                                                        self.config.vocab_size)
+        model_flops = tokens_per_step * model_flops_per_token(self.config)
         peak = measured_peak(self.world, self.model.parameters()[0].dtype)  # a collective, before the clock
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "a" if self.start else "w") as log:
             clock = time.perf_counter()
@@ -166,6 +170,10 @@ class Trainer:
                 mfu = model_flops / (ms / 1e3) / peak
                 record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
                           "mfu": mfu}
+                if self.routing is not None:  # per MoE layer, over the whole step
+                    r = self.routing
+                    record.update(aux_loss=r["aux_loss"], z_loss=r["z_loss"], moe_layers=r["layers"],
+                                  tokens_per_expert=r["tokens_per_expert"].tolist(), dropped=r["dropped"].tolist())
                 last = it == end - 1
                 if (it + 1) % args.eval_interval == 0 or it == args.max_iters - 1:
                     val_loss = record["val_loss"] = self.evaluate()
@@ -180,7 +188,8 @@ class Trainer:
                     val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
                     print(f"iter {it:>5} | loss {loss:.4f} | val {val} | lr {record['lr']:.2e} | "
                           f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter | "
-                          f"bubble {bubble:.2f} | MFU {100 * mfu:4.1f}%", flush=True)
+                          f"bubble {bubble:.2f} | MFU {100 * mfu:4.1f}%"
+                          + (f" | aux {self.routing['aux_loss']:.4f}" if self.routing is not None else ""), flush=True)
         if args.report:
             self._report()
         if end < args.max_iters:
@@ -198,11 +207,20 @@ class Trainer:
         print(f"model: {n_params:,} parameters, {a.n_layer} layers, {a.n_head} heads, "
               f"{a.n_embd} hidden, context {a.block_size}, {a.dtype}")
         cp = f" x CP {g.cp} ({a.cp_comm_type})" if g.cp > 1 else ""
-        print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}; {a.micro_batches} "
+        ep = f" (EP {g.ep})" if g.ep > 1 else ""
+        print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}{ep}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
               + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
               + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else "")
               + (", selective recompute" if a.recompute_granularity == "selective" else ""))
+        c = self.config
+        if c.num_experts:
+            layers = sum(c.is_moe(i) for i in range(c.n_layer))
+            capacity = (f"capacity factor {c.moe_expert_capacity_factor}" if c.moe_expert_capacity_factor
+                        else "dropless")
+            print(f"experts: {layers} MoE layers of {c.num_experts} experts, top-{c.moe_router_topk}, {capacity}; "
+                  f"EP {g.ep} ({c.num_experts // g.ep} experts per rank); aux loss x {c.moe_aux_loss_coeff}, "
+                  f"z-loss x {c.moe_z_loss_coeff}")
         print(f"data: {sum(len(s) for s in self.data.splits.values()):,} bytes "
               f"({a.data or 'Python standard library'}), {a.batch_size * a.block_size:,} tokens per step"
               + (f"; resuming at iteration {self.start} from {a.load}" if a.load else ""))
@@ -239,6 +257,16 @@ class Trainer:
             print("\nper rank: bytes held (parameters, gradients, optimizer state) and bytes sent in the last step")
             print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}  sent")
             print("\n".join(lines))
+            if self.routing is not None:
+                self._report_routing()
+
+    def _report_routing(self):
+        r = self.routing
+        slots = r["tokens_per_expert"].sum(axis=1) + r["dropped"]
+        print(f"\nrouting in the last step (token-slots per expert; aux loss {r['aux_loss']:.5f}, "
+              f"z-loss {r['z_loss']:.5f})")
+        for layer, loads, dropped, total in zip(r["layers"], r["tokens_per_expert"], r["dropped"], slots):
+            print(f"  layer {layer:>3}: {' '.join(f'{n:>6}' for n in loads)}   dropped {dropped} of {total}")
 
     def _finish(self, history, val_history):
         args = self.args

@@ -121,6 +121,21 @@ def test_the_parameter_count_is_the_models(n_layer, n_embd, block_size):
     assert parameter_count(n_layer, n_embd, block_size) == sum(p.data.size for p in model.parameters())
 
 
+def test_the_parameter_count_of_a_mixture_of_experts_is_the_models():
+    from minipar.models import GPT, GPTConfig
+    from minipar.parallel.memory import mlp_parameters, state_bytes, total_parameters
+    from minipar.parallel.validate import RunConfig
+
+    config = GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, num_experts=4, moe_layer_freq=2)
+    run = RunConfig(n_layer=3, n_embd=16, block_size=16, vocab_size=256, num_experts=4, moe_layer_freq=2)
+    assert total_parameters(run) == sum(p.data.size for p in GPT(config).parameters())
+    # EP = 2 over DP = 4, ZeRO-1: each rank holds half the experts, their moments over DP / EP = 2 ranks
+    experts = 2 * 4 * mlp_parameters(16)
+    sharded = replace(run, dp=4, ep=2, zero_stage=1, dtype="float64")
+    dense = total_parameters(run) - experts
+    assert state_bytes(sharded) == pytest.approx((dense * (2 + 2 / 4) + experts / 2 * (2 + 2 / 2)) * 8)
+
+
 def test_zero_shards_the_moments_then_the_gradients_then_the_parameters():
     from minipar.parallel.memory import parameter_count, state_bytes
     from minipar.parallel.validate import RunConfig

@@ -94,6 +94,8 @@ def test_export_then_init_weights(tmp_path, corpus):
     (["--dropout", "1.5"], "in [0, 1)"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--data", "/dev/null"], "neither a regular file nor a directory"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor must be a positive number"),
+    (["--num-experts", "4", "--moe-router-topk", "0"], "--moe-router-topk: must be >= 1"),
 ])
 def test_bad_values_get_a_one_line_error(args, message, tmp_path, corpus):
     args = [corpus if a == "CORPUS" else a for a in args]
@@ -114,6 +116,34 @@ def test_every_bad_size_is_reported_at_once_one_line_each(tmp_path):
                     "--sequence-parallel splits along the tensor-parallel group: it needs --tp > 1",
                     "use --zero-stage 1 (or 0) with --sequence-parallel"):
         assert sum(message in line for line in lines) == 1, (message, run.stderr)
+
+
+def test_every_bad_expert_size_is_reported_at_once_one_line_each(tmp_path):
+    run = train("--num-experts", "3", "--ep", "2", "--moe-router-topk", "4", "--zero-stage", "2",
+                "--max-iters", "1", cwd=tmp_path)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 4, run.stderr
+    for message in ("expert parallelism is carved out of data parallelism: --ep 2 does not divide DP=1",
+                    "--num-experts 3 is not divisible by --ep 2",
+                    "--moe-router-topk 4 exceeds --num-experts 3",
+                    "ZeRO stages 2 and 3 do not shard expert parameters"):
+        assert sum(message in line for line in lines) == 1, (message, run.stderr)
+    run = train("--ep", "2", "--max-iters", "1", cwd=tmp_path)
+    assert run.returncode == 2 and "--ep 2 splits the experts of mixture-of-experts layers: give --num-experts" in run.stderr
+
+
+def test_a_mixture_of_experts_run_logs_its_routing(tmp_path, corpus):
+    log = str(tmp_path / "log.jsonl")
+    run = train(*TINY, "--data", corpus, "--max-iters", "2", "--num-experts", "4", "--moe-layer-freq", "2",
+                "--moe-aux-loss-coeff", "0.01", "--moe-expert-capacity-factor", "1.0", "--log-json", log, "--report")
+    assert run.returncode == 0, run.stderr
+    record = json.loads(open(log).readline())
+    assert record["moe_layers"] == [0] and len(record["tokens_per_expert"][0]) == 4
+    # every token-slot is taken or dropped: batch 4 x 16 tokens, top-2
+    assert sum(record["tokens_per_expert"][0]) + record["dropped"][0] == 4 * 16 * 2
+    assert record["aux_loss"] == pytest.approx(0.01, rel=0.5) and record["z_loss"] == 0.0
+    assert "experts: 1 MoE layers of 4 experts, top-2, capacity factor 1.0" in run.stdout
+    assert "routing in the last step" in run.stdout and "layer   0:" in run.stdout
 
 
 def test_help_describes_every_flag():

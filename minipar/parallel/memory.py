@@ -6,6 +6,10 @@ arrays of the parameters' size. ZeRO shards them over the DP (x CP) group stage 
 (stage 1), then the gradients (2), then the parameters (3). Activations are not counted: they
 depend on the batch, the schedule and recomputation, and for the models this refuses they are the
 smaller part. It imports nothing from minipar, like ``validate``, which resolves the sizes it reads.
+
+A mixture-of-experts block holds a router (E h) and E experts of the MLP's 8 h^2 + 5 h in place of
+its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of its stage, and
+ZeRO shards them over their own group, the DP x CP / EP ranks that hold the same experts.
 """
 
 BYTES = {"float32": 4, "float64": 8}
@@ -19,13 +23,35 @@ def parameter_count(n_layer, n_embd, block_size, vocab_size=256):
     return (vocab_size + block_size) * h + n_layer * (12 * h * h + 13 * h) + 2 * h
 
 
+def mlp_parameters(h):
+    return 8 * h * h + 5 * h
+
+
+def moe_layers(cfg):
+    """Blocks with experts: every moe_layer_freq-th from the first."""
+    return len(range(0, cfg.n_layer, cfg.moe_layer_freq or 1)) if cfg.num_experts else 0
+
+
+def total_parameters(cfg):
+    """``parameter_count`` with each MoE block's MLP replaced by its router and E experts."""
+    h, E = cfg.n_embd, cfg.num_experts or 0
+    dense = parameter_count(cfg.n_layer, h, cfg.block_size, cfg.vocab_size or 256)
+    return dense + moe_layers(cfg) * ((E - 1) * mlp_parameters(h) + E * h)
+
+
 def state_bytes(cfg):
     """Bytes of parameters, gradients and AdamW's moments on one rank of ``cfg`` (a resolved
     ``validate.RunConfig``: its DP known)."""
-    per_rank = parameter_count(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size or 256) / (cfg.tp * cfg.pp)
-    dp, stage = (cfg.dp or 1) * (cfg.cp or 1), cfg.zero_stage  # ZeRO shards over DP x CP
-    arrays = (1 / dp if stage >= 3 else 1) + (1 / dp if stage >= 2 else 1) + (2 / dp if stage >= 1 else 2)
-    return per_rank * arrays * BYTES[cfg.dtype]
+    h, E, ep = cfg.n_embd, cfg.num_experts or 0, cfg.ep or 1
+    experts = moe_layers(cfg) * E * mlp_parameters(h)
+    per_rank = (total_parameters(cfg) - experts) / (cfg.tp * cfg.pp)  # dense: split over TP and PP
+    stage = cfg.zero_stage
+
+    def arrays(n):  # parameter, gradient and two moments, ZeRO-sharded over n ranks
+        return (1 / n if stage >= 3 else 1) + (1 / n if stage >= 2 else 1) + (2 / n if stage >= 1 else 2)
+
+    dp = (cfg.dp or 1) * (cfg.cp or 1)  # ZeRO shards dense state over DP x CP, experts' over DP x CP / EP
+    return (per_rank * arrays(dp) + experts / ep / cfg.pp * arrays(dp / ep)) * BYTES[cfg.dtype]
 
 
 def gb(n):
@@ -49,7 +75,7 @@ def problem(cfg, free, names):
         fixes.append(f"more ranks with {name('zero_stage', 'ZeRO')} (it shards over DP)")
     elif cfg.zero_stage < 3:
         fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over DP={cfg.dp})")
-    n = parameter_count(cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size or 256)
+    n = total_parameters(cfg)
     return (f"a model of {n:,} parameters needs about {gb(need)} on each rank ({cfg.dtype} parameters, "
             f"gradients and AdamW's two moments on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
             f"stage {cfg.zero_stage}; activations not counted), but {gb(available)} is available to each "
