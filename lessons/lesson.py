@@ -25,8 +25,9 @@ from minipar.backend import add_device_flag, use_device
 from minipar.cli import Parser, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
-from minipar.mfu import flops_per_token
+from minipar.mfu import model_flops_per_token
 from minipar.models import GPT
+from minipar.models.moe import step_statistics
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
@@ -93,27 +94,31 @@ class Reference:
     grads: dict    # the first step's gradients by name (before clipping)
     logits: object  # the first step's logits, (B, T, vocab)
     params: dict   # the parameters after the last step
+    routing: dict = None  # a mixture of experts': the first step's ``step_statistics``
 
 
-def reference_run(config, batches, seed, max_norm=None):
+def reference_run(config, batches, seed, max_norm=None, routing=None):
     """The single-device run, on every rank (the GPT is small): AdamW (``HYPER``) from ``seed``
-    over ``batches``, each whole batch at once, the gradients clipped to ``max_norm`` if given."""
+    over ``batches``, each whole batch at once, the gradients clipped to ``max_norm`` if given.
+    ``routing``: the RoutingGroups a parallel mixture of experts routes (``models/moe.py``)."""
     minipar.manual_seed(seed)
-    model = GPT(config)
+    model = GPT(config, moe_routing=routing)
     opt = AdamW(model.parameters(), **HYPER)
     losses = []
     for step, (x, y) in enumerate(batches):
         model.rng.iteration = step  # keys the dropout masks (with each token's place)
+        model.moe.reset()
         logits, loss = model(x, y)
         loss.backward()
         if step == 0:
             first = logits.data, {n: p.grad.copy() for n, p in model.named_parameters()}
+            moe = step_statistics(model) if config.num_experts else None
         if max_norm is not None:
             clip_grad_norm(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return Reference(losses, first[1], first[0], model.state_dict())
+    return Reference(losses, first[1], first[0], model.state_dict(), moe)
 
 
 class Comparison:
@@ -123,7 +128,8 @@ class Comparison:
     def __init__(self, reference, order=("loss", "gradients", "parameters"), loss="loss"):
         self.reference = reference
         names = {"logits": "logits", "loss": loss, "gradients": "gradients (worst tensor)",
-                 "parameters": f"parameters after {len(reference.losses)} steps"}
+                 "parameters": f"parameters after {len(reference.losses)} steps",
+                 "aux": "balancing + z-loss", "routing": "slots per expert (diff)"}
         self.names = {row: names[row] for row in order}
         self.errors = {name: 0.0 for name in self.names.values()}
 
@@ -146,9 +152,11 @@ class Comparison:
             reference = {n: self.reference.grads[n] for n in grads}
         self.record("gradients", worst_tensor(grads, reference))
 
-    def parameters(self, params):
-        """All parameters after the last step, as one vector."""
-        self.record("parameters", as_one_vector(params, self.reference.params))
+    def parameters(self, params, some=False):
+        """All parameters after the last step, as one vector; ``some``: only those ``params`` names
+        (the experts an expert-parallel rank holds), else every parameter of the model."""
+        reference = {n: self.reference.params[n] for n in params} if some else self.reference.params
+        self.record("parameters", as_one_vector(params, reference))
 
     def worst_over(self, comm):
         """Each row's worst over the ranks, on every rank (each rank compared what it holds)."""
@@ -176,7 +184,7 @@ def mfu(comm, config, tokens, seconds, peak):
     ``tokens`` per step over the steps' ``seconds`` (the slowest rank's mean, the first step left
     out when there are more: it warms up and compares gradients) and ``peak`` (``minipar.mfu.measured_peak``)."""
     step_s = comm.all_reduce(np.array([np.mean(seconds[1:] or seconds)]), op="max")[0]
-    flops = tokens * flops_per_token(config.n_layer, config.n_embd, config.block_size, config.vocab_size)
+    flops = tokens * model_flops_per_token(config)
     return (f"MFU {flops / step_s / peak:.1%}: {flops / 1e9:.3f} GFLOP per step in {1e3 * step_s:.0f} ms, "
             f"peak {peak / 1e9:.1f} GFLOP/s (all ranks at once)")
 
