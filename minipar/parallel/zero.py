@@ -32,7 +32,7 @@ the parameters: ``zero3.py`` gathers each layer's just in time.
 The classes follow the step protocol (``protocol.py``). ``ShardedAdamW`` (here) holds what the
 stages share: the layout, the sharded AdamW, the pending reduce-scatters, the norm, the step's
 all-gather. Each stage's own communication is one method: ``ZeRO1.reduce_scatter_gradients``
-(here, after backward), ``ZeRO2.reduce_scatter_group`` (``zero2.py``, from the gradient hook during
+(``zero1.py``, after backward), ``ZeRO2.reduce_scatter_group`` (``zero2.py``, from the gradient hook during
 backward), and ``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_scatter_unit``
 (``zero3.py``, around each unit of the model).
 """
@@ -252,46 +252,3 @@ class ShardedAdamW(DistributedOptimizer):
                                 (a - g.offsets[i], b - g.offsets[i])))
         return out
 
-
-class ZeRO1(ShardedAdamW):
-    """ZeRO stage 1: optimizer state sharded. Backward accumulates into whole gradient buffers
-    (one per group, the engine writing into them); after it, ``reduce_scatter_gradients``."""
-
-    stage = 1
-
-    def _gradient_storage(self):
-        """Whole gradient buffers the engine accumulates into; this rank's piece of each is where
-        the reduce-scatter leaves the sum."""
-        self.flat_grads = []
-        for g in self.groups:
-            grads = xp.zeros(g.padded, self.dtype)
-            for p, part in zip(g.params, g.unflatten(grads)):
-                p.grad = part.reshape(p.shape)
-            self.flat_grads.append(grads)
-            self.ledger.add("gradients", grads.nbytes)
-        return [flat[slice(*g.own())] for g, flat in zip(self.groups, self.flat_grads)]
-
-    def finish_gradients(self):
-        """The model's own sums first (the tied embedding's parts on the first and last stage,
-        sequence parallelism's partial sums), into the whole buffers; then the reduce-scatter, after
-        which only this rank's piece is summed."""
-        if self._summed:
-            return
-        self.model.finalize_grads()
-        self.reduce_scatter_gradients()
-        self._summed = True
-
-    def reduce_scatter_gradients(self):
-        """ZeRO-1's communication: each whole buffer goes out once; the sum of this rank's piece
-        comes back (an all-reduce would move 2x for values this rank never uses)."""
-        for g, flat in zip(self.groups, self.flat_grads):
-            piece = xp.empty(g.piece, self.dtype)
-            self.ledger.add("gradients", piece.nbytes)
-            self.comm.reduce_scatter(flat, out=piece)
-            flat[slice(*g.own())] = piece
-            self.ledger.remove("gradients", piece.nbytes)
-
-    def zero_grad(self):
-        for flat in self.flat_grads:
-            flat[...] = 0
-        super().zero_grad()
