@@ -40,12 +40,13 @@ class ZeRO1(ShardedAdamW):
         self._summed = True
 
     def reduce_scatter_gradients(self):
-        """ZeRO-1's communication: each whole buffer goes out once; the sum of this rank's piece
-        comes back (an all-reduce would move 2x for values this rank never uses)."""
+        """ZeRO-1's communication: each whole buffer goes out once, over its group (DP x CP, or
+        an expert's edp); the sum of this rank's piece comes back (an all-reduce would move 2x for
+        values this rank never uses)."""
         for g, flat in zip(self.groups, self.flat_grads):
             piece = xp.empty(g.piece, self.dtype)
             self.ledger.add("gradients", piece.nbytes)
-            self.comm.reduce_scatter(flat, out=piece)
+            g.comm.reduce_scatter(flat, out=piece)
             flat[slice(*g.own())] = piece
             self.ledger.remove("gradients", piece.nbytes)
 
