@@ -71,7 +71,7 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
 from minipar.parallel.validate import RunConfig, problems
-from minipar.parallel.zero import ZeRO1
+from minipar.parallel.zero1 import ZeRO1
 from minipar.trainer import gather_text
 
 MAX_NORM = 1.0

@@ -15,7 +15,7 @@ from minipar.parallel.data import DataParallelAdamW
 from minipar.parallel.optimizers import BY_STAGE, make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.protocol import DistributedOptimizer
-from minipar.parallel.zero import ZeRO1
+from minipar.parallel.zero1 import ZeRO1
 from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
 

@@ -13,8 +13,11 @@ its local shape, the parameter's split and which part of it this rank holds, and
 piece, its range of the flattened local array. ``write`` says whether this rank is the one that
 saves it: every element of the whole state is saved exactly once, by the primary copy
 (``placement.is_primary``: DP rank 0 for state every replica holds, TP rank 0 for a weight every
-TP rank holds whole, the first stage for the tied embedding). ZeRO's flat pieces differ across
-the DP group, so there no DP rank holds a copy of another's. Every rank loads all of its pieces.
+TP rank holds whole, the first stage for the tied embedding, the first rank holding the same
+experts for an expert's weights). ZeRO's flat pieces differ across the DP group (an expert's
+across its edp group), so there no DP rank holds a copy of another's. Every rank loads all of its
+pieces. An expert is saved under its global name (``experts.<e>...``), whole, whatever EP holds
+it, so a checkpoint loads onto any EP size.
 """
 
 from dataclasses import dataclass
@@ -77,7 +80,8 @@ def pieces(model, optimizer, grid=None):
     optimizer's ``state_arrays()`` (the step protocol, ``parallel/protocol.py``)."""
     names = {id(p): n for n, p in model.named_parameters()}
     whole = grid.ranks() if grid is not None else {}  # copies over every group, DP included
-    flat = dict(whole, dp=0, cp=0)  # ZeRO's pieces: a different one on every DP x CP rank
+    # ZeRO's pieces: a different one on every DP x CP rank (an expert's, on every rank of its edp group)
+    flat = dict(whole, dp=0, cp=0, edp=0)
     return [Piece(kind, names[id(p)], array, shape, *_cut(p, grid), flat=part,
                   write=is_primary(p.placement, whole if part is None else flat))
             for kind, p, array, shape, part in optimizer.state_arrays()]

@@ -31,7 +31,7 @@ import numpy
 from minipar.backend import array_of, to_numpy, xp
 from minipar.optim import AdamW
 from minipar.parallel.grad_norm import grad_norm
-from minipar.parallel.protocol import STATE_KINDS, DistributedOptimizer
+from minipar.parallel.protocol import STATE_KINDS, DistributedOptimizer, gradient_group
 
 
 def token_count(targets, ignore_index=-1):
@@ -51,9 +51,11 @@ def scale_loss(loss, targets, comm=None, ignore_index=-1, total=None):
 
 
 def sync_replicas(model, comm):
-    """Make every replica start from rank 0's weights and use rank 0's dropout seed."""
+    """Make every replica start from rank 0's weights and use rank 0's dropout seed. A weight's
+    replicas are the ranks its gradient is summed over: an expert comes from the first rank that
+    holds the same experts (rank 0 of ``comm`` holds others)."""
     for p in model.parameters():
-        comm.broadcast(p.data, root=0)
+        gradient_group(p, model.grid, comm).broadcast(p.data, root=0)
     rng = getattr(model, "rng", None)
     if rng is not None:
         state = comm.broadcast(numpy.array([rng.seed, rng.iteration], numpy.int64), root=0)
@@ -72,8 +74,10 @@ def split_batch(x, y, comm):
 
 
 class Bucket:
-    def __init__(self, params, dtype):
-        self.params = params
+    """Gradients summed in one all-reduce over ``comm``: all of them over the same group."""
+
+    def __init__(self, params, dtype, comm):
+        self.params, self.comm = params, comm
         self.flat = xp.zeros(sum(p.size for p in params), dtype)
         self.ready, self.request = 0, None
 
@@ -100,20 +104,24 @@ class DataParallelAdamW(DistributedOptimizer):
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self._adamw = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         sync_replicas(model, comm)
-        self.buckets, current, size = [], [], 0
+        self.buckets, current, size, group = [], [], 0, None
         for p in reversed(params):  # backward meets the last parameters first
+            if current and gradient_group(p, self.grid, comm) is not group:  # one group per all-reduce
+                self.buckets.append(Bucket(current, current[0].dtype, group))
+                current, size = [], 0
+            group = gradient_group(p, self.grid, comm)
             current.append(p)
             size += p.data.nbytes
             if size >= bucket_bytes:
-                self.buckets.append(Bucket(current, p.dtype))
+                self.buckets.append(Bucket(current, p.dtype, group))
                 current, size = [], 0
         if current:
-            self.buckets.append(Bucket(current, current[0].dtype))
+            self.buckets.append(Bucket(current, current[0].dtype, group))
         self._bucket_of = {}
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[p] = bucket
-                if comm.size > 1:  # one rank alone sends nothing: spare the engine counting uses for hooks
+                if bucket.comm.size > 1:  # one rank alone sends nothing: spare the engine counting uses for hooks
                     p.register_grad_hook(self._gradient_ready)
         self._views()
         self._sync, self._finished = True, False
@@ -149,10 +157,11 @@ class DataParallelAdamW(DistributedOptimizer):
                 b.request.test()
 
     def all_reduce_bucket(self, bucket):
-        """Data parallelism's communication: start summing one bucket over the DP group
-        (non-blocking; one rank alone has nothing to sum)."""
-        if self.comm.size > 1:
-            bucket.request = self.comm.iall_reduce(bucket.flat)
+        """Data parallelism's communication: start summing one bucket over its group, DP (x CP)
+        or, for experts, the ranks holding the same ones (non-blocking; one rank alone has
+        nothing to sum)."""
+        if bucket.comm.size > 1:
+            bucket.request = bucket.comm.iall_reduce(bucket.flat)
 
     def finish_gradients(self):
         """Wait for every bucket's all-reduce (starting those no hook started), then let the model
@@ -223,11 +232,14 @@ class DataParallelAdamW(DistributedOptimizer):
         return split_batch(x, y, self.comm)
 
     def check_replicas(self):
-        """Raise unless every rank holds bit-identical parameters (a digest of all of them)."""
-        h = hashlib.sha256()
-        for p in self.model.parameters():
-            h.update(numpy.ascontiguousarray(to_numpy(p.data)).tobytes())
-        mine = numpy.frombuffer(h.digest()[:8], numpy.int64).copy()
-        everyone = self.comm.all_gather(mine)
-        if not (everyone == mine).all():
-            raise RuntimeError("data-parallel replicas have diverged: their parameters differ")
+        """Raise unless the replicas of every parameter hold bit-identical values: a digest of
+        the parameters each group sums (DP, or for experts edp), compared over that group."""
+        digests = {}  # by group, in the order of the buckets: the same on every rank
+        for bucket in self.buckets:
+            group, h = digests.setdefault(id(bucket.comm), (bucket.comm, hashlib.sha256()))
+            for p in bucket.params:
+                h.update(numpy.ascontiguousarray(to_numpy(p.data)).tobytes())
+        for group, h in digests.values():
+            mine = numpy.frombuffer(h.digest()[:8], numpy.int64).copy()
+            if not (group.all_gather(mine) == mine).all():
+                raise RuntimeError("data-parallel replicas have diverged: their parameters differ")

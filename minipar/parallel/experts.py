@@ -24,7 +24,9 @@ global name (``experts.<e>.c_fc.weight``), so it is *not* a ``Split`` of one sta
 copies are on the ranks that hold the same experts: the expert-data-parallel group "edp" (the DP
 ranks with the same EP index; EP is carved out of DP, Megatron-core's rule), and its gradient is
 summed over "edp" alone, where a dense parameter's is summed over all of "dp": an expert on one EP
-rank already received the rows of every rank of its EP group.
+rank already received the rows of every rank of its EP group. The optimizers read that from the
+placement (``protocol.gradient_group``): the sums, broadcasts and ZeRO-1's shards of experts are
+over the edp group.
 """
 
 import numpy

@@ -6,14 +6,18 @@ rank adds up the squares of the copies it holds that are counted here (``placeme
 the rule checkpoints write by), and the sums are added over the groups that hold different
 parameters:
 
+* data and context parallelism: after the all-reduce over DP x CP every rank holds the same dense
+  gradients and adds up their whole norm itself; nothing to add.
+* expert parallelism: an expert's gradient is summed over the ranks holding the same experts (the
+  edp group), after which every one of them holds it whole and counts it; the ranks of an EP group
+  hold different experts. The experts' squares are summed over the EP group, then added to the
+  dense ones.
 * tensor parallelism: a split weight adds its part's squares on every TP rank; a weight every TP
-  rank holds whole (LayerNorm, a row-parallel bias: "tp" in its copies) is counted on TP rank 0
-  only. Sum over the TP group.
+  rank holds whole (LayerNorm, a row-parallel bias, an expert: "tp" in its copies) is counted on
+  TP rank 0 only. Sum over the TP group.
 * pipeline parallelism: each stage holds different blocks. Sum over the PP group. The tied
   embedding's copy on the last stage ("embedding" in its copies) is the first stage's parameter
   again: not counted.
-* data and context parallelism: after the all-reduce over DP x CP every rank holds the same
-  gradients and adds up the whole norm itself; nothing to add.
 
 Every rank then has the same norm, and takes the same step as one device would.
 """
@@ -25,10 +29,15 @@ from minipar.placement import is_primary
 
 
 def grad_norm(params, grid=None):
-    """||g|| of the whole model from this rank's ``params`` (a collective over TP and PP)."""
-    ranks = dict(grid.ranks(), dp=0, cp=0) if grid is not None else {}  # each DP x CP rank counts everything
-    local = sum_of_squares([p.grad for p in params if p.grad is not None and is_primary(p.placement, ranks)])
-    return norm_over_groups(local, grid)
+    """||g|| of the whole model from this rank's ``params`` (a collective over EP, TP and PP)."""
+    # each DP x CP rank counts the dense weights, each edp rank its experts: all hold the sums
+    ranks = dict(grid.ranks(), dp=0, cp=0, edp=0) if grid is not None else {}
+    counted = [p for p in params if p.grad is not None and is_primary(p.placement, ranks)]
+    experts = xp.asarray([sum_of_squares([p.grad for p in counted if "edp" in p.placement.grad_sum])])
+    if grid is not None and grid.ep_group.size > 1:
+        grid.ep_group.all_reduce(experts)
+    dense = sum_of_squares([p.grad for p in counted if "edp" not in p.placement.grad_sum])
+    return norm_over_groups(dense + float(experts[0]), grid)
 
 
 def norm_over_groups(local, grid, first=()):
@@ -40,4 +49,3 @@ def norm_over_groups(local, grid, first=()):
         if group is not None and group.size > 1:
             group.all_reduce(total)
     return math.sqrt(float(total[0]))
-

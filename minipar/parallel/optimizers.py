@@ -11,7 +11,7 @@ reads the stage number (DeepSpeed's ``zero_optimization.stage``, Megatron's
 """
 
 from minipar.parallel.data import DataParallelAdamW
-from minipar.parallel.zero import ZeRO1
+from minipar.parallel.zero1 import ZeRO1
 from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
 

@@ -27,6 +27,11 @@ What the protocol asks of the model: ``parameters()``, ``named_parameters()``, `
 ProcessGrid its parameters' placements name groups of, for the norm over TP and PP; ``Module``'s is
 None, one device), ``finalize_grads()`` (``Module``'s does nothing) and, for ZeRO-3, ``units()``
 and ``wrap_units(runner)`` (see ``zero3.py``).
+
+Which group sums a gradient is the parameter's placement: "edp" in its ``grad_sum`` (an expert's
+weights, ``parallel/experts.py``) means the grid's expert-data-parallel group, anything else the
+optimizer's ``comm``; ``gradient_group`` is that rule, which every stage's sums, broadcasts and
+gathers follow.
 """
 
 import contextlib
@@ -35,6 +40,20 @@ from abc import ABC, abstractmethod
 from minipar.backend import xp
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter and AdamW's m and v (PyTorch's names)
+
+
+def gradient_group(p, grid, comm):
+    """The communicator ``p``'s gradient is summed over, for an optimizer over ``comm``: the grid's
+    edp group for an expert's weights (the ranks holding the same experts), ``comm`` for the rest.
+    The edp groups cut the DP x CP group by EP rank, so ``comm`` must be that group: its sums
+    and the experts' then cover the same ranks, and a norm over it counts every piece once."""
+    if "edp" not in p.placement.grad_sum:
+        return comm
+    if grid is None or comm is not grid.dp_cp_group:
+        raise ValueError("an expert parameter's gradient is summed over its grid's edp group, a part of "
+                         "the DP x CP group: build the model on a grid and run the optimizer over "
+                         "grid.dp_cp_group (make_optimizer does)")
+    return grid.edp_group
 
 
 class DistributedOptimizer(ABC):

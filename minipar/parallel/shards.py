@@ -2,8 +2,10 @@
 
 A group's parameters are laid out one after another in a flat buffer, padded to a multiple of N so
 that it cuts into N equal pieces; rank r owns piece r of every group. Its shard, its pieces one
-after another, is a contiguous buffer for its gradients and Adam moments. ``Ledger`` keeps count of
-the bytes a ZeRO optimizer holds, now and at the peak.
+after another, is a contiguous buffer for its gradients and Adam moments. N is the size of the
+group's communicator, the one that sums its gradients: the DP (x CP) group, or for experts' weights
+the edp group (the ranks holding the same experts). ``Ledger`` keeps count of the bytes a ZeRO
+optimizer holds, now and at the peak.
 """
 
 from minipar.backend import xp
@@ -67,16 +69,23 @@ class Group:
         return [flat[o : o + n] for o, n in zip(self.offsets, self.sizes)]
 
 
-def group_parameters(params, comm, bucket_bytes):
-    """Consecutive parameters in groups of about ``bucket_bytes`` (a bigger one alone)."""
+def group_parameters(params, comm_of, bucket_bytes):
+    """Consecutive parameters in groups of about ``bucket_bytes`` (a bigger one alone), each
+    sharded over ``comm_of(p)`` of its parameters (the group that sums their gradients: a group
+    never mixes two)."""
     groups, current, size, offset = [], [], 0, 0
+
+    def close():
+        groups.append(Group(current, comm_of(current[0]), offset))
+        return offset + groups[-1].piece, [], 0
+
     for p in params:
+        if current and comm_of(p) is not comm_of(current[0]):
+            offset, current, size = close()
         current.append(p)
         size += p.data.nbytes
         if size >= bucket_bytes:
-            groups.append(Group(current, comm, offset))
-            offset += groups[-1].piece
-            current, size = [], 0
+            offset, current, size = close()
     if current:
-        groups.append(Group(current, comm, offset))
+        close()
     return groups

@@ -32,7 +32,7 @@ the parameters: ``zero3.py`` gathers each layer's just in time.
 The classes follow the step protocol (``protocol.py``). ``ShardedAdamW`` (here) holds what the
 stages share: the layout, the sharded AdamW, the pending reduce-scatters, the norm, the step's
 all-gather. Each stage's own communication is one method: ``ZeRO1.reduce_scatter_gradients``
-(here, after backward), ``ZeRO2.reduce_scatter_group`` (``zero2.py``, from the gradient hook during
+(``zero1.py``, after backward), ``ZeRO2.reduce_scatter_group`` (``zero2.py``, from the gradient hook during
 backward), and ``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_scatter_unit``
 (``zero3.py``, around each unit of the model).
 """
@@ -43,7 +43,7 @@ from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel import validate
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.grad_norm import norm_over_groups
-from minipar.parallel.protocol import DistributedOptimizer
+from minipar.parallel.protocol import DistributedOptimizer, gradient_group
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
 
@@ -51,11 +51,16 @@ from minipar.placement import is_primary
 def refuse_unsupported(model, stage, what):
     """The run's one validation (``validate``) asked about this stage on this model: stages 2 and 3
     send gradients during backward, before the sums a pipeline (the tied embedding's two parts)
-    or sequence parallelism (partial sums over TP, declared in the placements) still has to add."""
+    or sequence parallelism (partial sums over TP, declared in the placements) still has to add;
+    nor do they shard experts' weights, summed over the edp group (validate's rule, in its words:
+    it needs the number of experts, which the placements do not tell)."""
     tp, pp = (model.grid.tp, model.grid.pp) if model.grid is not None else (1, 1)
     sequence_parallel = any("tp" in p.placement.grad_sum for p in model.parameters())
     validate.check(validate.RunConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel, zero_stage=stage),
                    names={"zero_stage": "stage"}, what=what)
+    if stage >= 2 and any("edp" in p.placement.grad_sum for p in model.parameters()):
+        raise ValueError(f"{what}: ZeRO stages 2 and 3 do not shard expert parameters (summed over another "
+                         "group than the dense ones): use ZeRO stage 1 or 0 (--zero-stage 1) with experts")
 
 
 class ShardedAdamW(DistributedOptimizer):
@@ -75,13 +80,14 @@ class ShardedAdamW(DistributedOptimizer):
         refuse_unsupported(model, stage, type(self).__name__)
         super().__init__(model, comm)
         # which copies this rank counts in the norm (see placement.is_primary); its pieces differ
-        # across the DP (x CP) group, so none is a copy there
-        self.ranks = dict(self.ranks, dp=0, cp=0)
+        # across the DP (x CP) group, and an expert's across its edp group, so none is a copy there
+        self.ranks = dict(self.ranks, dp=0, cp=0, edp=0)
         self.ledger = Ledger()
         self.dtype = params[0].dtype
         if stage < 3:
             sync_replicas(model, comm)
-        self.groups = groups or group_parameters(params, comm, bucket_bytes)
+        self.groups = groups or group_parameters(params, lambda p: gradient_group(p, model.grid, comm),
+                                                 bucket_bytes)
         self.pending, self._summed = [], False
         if stage < 3:
             self._flat_parameters()
@@ -150,8 +156,8 @@ class ShardedAdamW(DistributedOptimizer):
         ledger if ``counted``). Finished sends are summed into the shard and their buffers
         dropped as we go; beyond ``IN_FLIGHT`` pending groups we wait for the oldest, so that
         backward never holds them all."""
-        self.ledger.add("gradients", (0 if counted else flat.nbytes) + flat.nbytes // self.comm.size)
-        self.pending.append((self.groups.index(g), self.comm.ireduce_scatter(flat), flat.nbytes))
+        self.ledger.add("gradients", (0 if counted else flat.nbytes) + flat.nbytes // g.comm.size)
+        self.pending.append((self.groups.index(g), g.comm.ireduce_scatter(flat), flat.nbytes))
         self._collect(keep=self.IN_FLIGHT)
 
     def _collect(self, keep=0):
@@ -160,7 +166,7 @@ class ShardedAdamW(DistributedOptimizer):
         for i, (index, request, nbytes) in enumerate(self.pending):
             if request.test() or len(self.pending) - i > keep:
                 self.grad_pieces[index] += request.wait()
-                self.ledger.remove("gradients", nbytes + nbytes // self.comm.size)
+                self.ledger.remove("gradients", nbytes + nbytes // self.groups[index].comm.size)
             else:
                 still.append((index, request, nbytes))
         self.pending = still
@@ -184,7 +190,7 @@ class ShardedAdamW(DistributedOptimizer):
         self.finish_gradients()
         out = {}
         for g, piece in zip(self.groups, self.grad_pieces):
-            whole = self.comm.all_gather(piece.copy()).reshape(-1)
+            whole = g.comm.all_gather(piece.copy()).reshape(-1)
             out.update({id(p): a for p, a in zip(g.params, g.unflatten(whole))})
         return out
 
@@ -204,7 +210,9 @@ class ShardedAdamW(DistributedOptimizer):
         """The global gradient norm: every rank's sum of squares over its pieces, summed over the
         data-parallel group and, for a model split over TP and PP groups, over those (a parameter
         every TP rank holds whole, and the last stage's copy of the tied embedding, counted once;
-        see ``minipar.parallel.grad_norm``)."""
+        see ``minipar.parallel.grad_norm``). An expert's pieces cut it over its edp group, and the
+        edp groups of the EP ranks (which hold different experts) make up the DP (x CP) group:
+        that one sum counts every expert once too."""
         self.finish_gradients()
         counted = [piece[at : at + b - a] for g, piece in zip(self.groups, self.grad_pieces)
                    for i, a, b, at in g.segments() if is_primary(g.params[i].placement, self.ranks)]
@@ -219,7 +227,7 @@ class ShardedAdamW(DistributedOptimizer):
         """Stages 1 and 2: every rank gets everyone's updated pieces of the whole parameters."""
         for g, flat in zip(self.groups, self.flat_params):
             mine = flat[slice(*g.own())].copy()
-            self.comm.all_gather(mine, out=flat.reshape(self.comm.size, g.piece))
+            g.comm.all_gather(mine, out=flat.reshape(g.comm.size, g.piece))
 
     def zero_grad(self):
         for piece in self.grad_pieces:
@@ -251,47 +259,3 @@ class ShardedAdamW(DistributedOptimizer):
                     out.append((kind, p, store[start : start + b - a], self.shape_of(p),
                                 (a - g.offsets[i], b - g.offsets[i])))
         return out
-
-
-class ZeRO1(ShardedAdamW):
-    """ZeRO stage 1: optimizer state sharded. Backward accumulates into whole gradient buffers
-    (one per group, the engine writing into them); after it, ``reduce_scatter_gradients``."""
-
-    stage = 1
-
-    def _gradient_storage(self):
-        """Whole gradient buffers the engine accumulates into; this rank's piece of each is where
-        the reduce-scatter leaves the sum."""
-        self.flat_grads = []
-        for g in self.groups:
-            grads = xp.zeros(g.padded, self.dtype)
-            for p, part in zip(g.params, g.unflatten(grads)):
-                p.grad = part.reshape(p.shape)
-            self.flat_grads.append(grads)
-            self.ledger.add("gradients", grads.nbytes)
-        return [flat[slice(*g.own())] for g, flat in zip(self.groups, self.flat_grads)]
-
-    def finish_gradients(self):
-        """The model's own sums first (the tied embedding's parts on the first and last stage,
-        sequence parallelism's partial sums), into the whole buffers; then the reduce-scatter, after
-        which only this rank's piece is summed."""
-        if self._summed:
-            return
-        self.model.finalize_grads()
-        self.reduce_scatter_gradients()
-        self._summed = True
-
-    def reduce_scatter_gradients(self):
-        """ZeRO-1's communication: each whole buffer goes out once; the sum of this rank's piece
-        comes back (an all-reduce would move 2x for values this rank never uses)."""
-        for g, flat in zip(self.groups, self.flat_grads):
-            piece = xp.empty(g.piece, self.dtype)
-            self.ledger.add("gradients", piece.nbytes)
-            self.comm.reduce_scatter(flat, out=piece)
-            flat[slice(*g.own())] = piece
-            self.ledger.remove("gradients", piece.nbytes)
-
-    def zero_grad(self):
-        for flat in self.flat_grads:
-            flat[...] = 0
-        super().zero_grad()

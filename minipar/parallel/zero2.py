@@ -1,6 +1,6 @@
 """ZeRO stage 2: the gradients sharded too, reduce-scattered while backward runs.
 
-Stage 1 (``zero.py``) lets backward accumulate whole gradients, 4P bytes, and reduce-scatters them
+Stage 1 (``zero1.py``) lets backward accumulate whole gradients, 4P bytes, and reduce-scatters them
 afterwards. Stage 2 sends each group of parameters as soon as backward has finished all of its
 gradients (the same gradient hooks as data parallelism's buckets), sums what comes back into this
 rank's piece, and drops the whole gradients at once: a rank holds its 4P/N shard plus a group or

@@ -102,8 +102,8 @@ class ZeRO3(ShardedAdamW):
             if id(g) in self._gathered:
                 raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
             self._gathered.add(id(g))
-            whole = xp.empty((self.comm.size, g.piece), self.master.dtype)
-            self.comm.all_gather(self.master[g.shard].copy(), out=whole)
+            whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
+            g.comm.all_gather(self.master[g.shard].copy(), out=whole)
             flat = whole.reshape(-1)
             for p, part in zip(g.params, g.unflatten(flat)):
                 p.data = part.reshape(self.shapes[id(p)])

@@ -15,7 +15,7 @@ from minipar.nn import Linear, Module
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import scale_loss, split_batch, token_count
-from minipar.parallel.zero import ZeRO1
+from minipar.parallel.zero1 import ZeRO1
 from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
 from minipar.rng import rows_of
