@@ -95,6 +95,8 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("08_context_parallel.py", ["--cp-comm-type", "a2a", "--n-head", "3", "--n-embd", "48"],
      "--n-head 3 is not divisible by TP x CP = 2", 1),
     ("04_pipeline_parallel.py", ["--schedule", "zb"], "--schedule zb is not a pipeline schedule", 1),
+    ("09_mixture_of_experts.py", ["--topk", "9"], "--topk 9 exceeds --num-experts 8", 1),
+    ("09_mixture_of_experts.py", ["--ep", "4"], "--ep 4 does not divide DP=2", 1),
     ("06_3d_parallel.py", ["--n-layer", "3"], "--n-layer 3 is not divisible by --pp x --virtual-stages", 1),
     ("06_3d_parallel.py", ["--schedule", "interleaved", "--micro-batches", "3"],
      "the interleaved schedule runs micro-batches in groups of --pp", 2),
