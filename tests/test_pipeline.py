@@ -201,7 +201,7 @@ class FakeGrid:
 
     tp_group = cp_group = dp_group = embedding_group = None
     pp_group = object()
-    tp = cp = dp = 1
+    tp = cp = dp = ep = 1
     tp_rank = cp_rank = dp_rank = 0
 
     def __init__(self, pp, pp_rank):
