@@ -41,11 +41,13 @@ functional/router_losses.py, docs/moe.md.
 """
 
 import sys
+import time
 
 import numpy as np
 
 import lesson
 import minipar
+from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.models.moe import MoEMLP, RoutingGroups, step_statistics
 from minipar.parallel import ProcessGrid
@@ -105,7 +107,7 @@ def uneven_split():
     return bool((rows[order][back] == rows).all()) and order.tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def run(args, config, ep, batches, reference):
+def run(args, config, ep, batches, reference, peak):
     """Train the MoE GPT on DP = ranks with EP = ``ep``; its errors, routing and costs."""
     minipar.manual_seed(args.seed)
     grid = ProcessGrid(tp=1, pp=1, ep=ep)
@@ -115,7 +117,9 @@ def run(args, config, ep, batches, reference):
     named = dict(model.named_parameters())
     compare = lesson.Comparison(reference, order=("loss", "aux", "routing", "gradients", "parameters"))
     layers = [b.mlp for b in model.transformer.h if isinstance(b.mlp, MoEMLP)]
+    seconds = []
     for step, (x, y) in enumerate(batches):
+        start = time.perf_counter()
         model.rng.iteration = step
         model.moe.reset()
 
@@ -138,6 +142,7 @@ def run(args, config, ep, batches, reference):
             compare.record("routing", float(np.abs(routing["tokens_per_expert"] - ref["tokens_per_expert"]).max()
                                             + np.abs(routing["dropped"] - ref["dropped"]).max()))
         opt.zero_grad()
+        seconds.append(time.perf_counter() - start)
         compare.loss(step, grid.world.all_reduce(np.array([record.loss]))[0])
     compare.parameters(model.full_state_dict(), some=True)  # this rank's experts and every dense one
     expert_bytes = sum(p.data.nbytes for p in model.parameters() if "edp" in p.placement.grad_sum)
@@ -150,7 +155,8 @@ def run(args, config, ep, batches, reference):
                  expert_bytes=expert_bytes)
     worst = {k: grid.world.all_reduce(np.array([v]), op="max")[0] for k, v in costs.items()}
     wrong = grid.world.all_reduce(np.array([int(costs["sent"] != costs["exact"])]), op="max")[0]
-    return compare.worst_over(grid.world), dict(worst, ok=not wrong, rows=args.batch_size // grid.dp)
+    mfu = lesson.mfu(grid.world, config, args.batch_size * args.block_size, seconds, peak)
+    return compare.worst_over(grid.world), dict(worst, ok=not wrong, rows=args.batch_size // grid.dp, mfu=mfu)
 
 
 def main():
@@ -166,7 +172,8 @@ def main():
     batches = lesson.batches(args, config.block_size)
     # every rank routes its batch / DP rows: the reference routes those groups (DP = the ranks)
     reference = lesson.reference_run(config, batches, args.seed, routing=RoutingGroups(rows=args.batch_size // comm.size))
-    results = {ep: run(args, config, ep, batches, reference) for ep in expert_sizes(args, comm.size)}
+    peak = measured_peak(comm, minipar.get_default_dtype())  # all ranks at once (a collective)
+    results = {ep: run(args, config, ep, batches, reference, peak) for ep in expert_sizes(args, comm.size)}
     split_ok = uneven_split()
 
     tol = lesson.TOLERANCE[args.dtype]
@@ -205,6 +212,10 @@ def main():
         for ep, (_, costs) in results.items():
             print(f"  EP={ep:<2} {costs['expert_bytes']:>10,.0f} bytes = 1/{expert_whole / costs['expert_bytes']:.0f} "
                   f"of them (1/EP)")
+        print(f"\n4. model FLOPs utilisation of the parallel steps (k = {k} experts' FLOPs per token; the first step, "
+              "which compares, left out)")
+        for ep, (_, costs) in results.items():
+            print(f"  EP={ep:<2} {costs['mfu']}")
 
     return lesson.finish(comm, not ok, report, "Expert parallelism equals the single-device mixture of experts, "
                          "and sends what the routing says.")

@@ -61,6 +61,7 @@ def build_parser():
     e = p.add_argument_group("mixture of experts (Megatron-core's flags)")
     e.add_argument("--num-experts", type=positive_int, help="experts in each MoE layer (default: dense MLPs)")
     e.add_argument("--moe-router-topk", type=positive_int, default=2, help="experts each token is routed to")
+    e.add_argument("--moe-router-pre-softmax", action="store_true", help="weigh each chosen expert by its softmax probability over all experts, not renormalised over the top-k (the default for top-k > 1)")
     e.add_argument("--moe-layer-freq", type=positive_int, default=1, help="every N-th block (from the first) has experts")
     e.add_argument("--moe-expert-capacity-factor", type=float, help="token-slots an expert takes: factor x tokens x topk / experts, the most probable ones (default: dropless)")
     e.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=0.0, help="weight of the load-balancing loss (Switch/GShard)")
@@ -122,7 +123,8 @@ def build(p, args):
                            block_size=args.block_size, dropout=args.dropout, num_experts=args.num_experts or 0,
                            moe_router_topk=args.moe_router_topk, moe_layer_freq=args.moe_layer_freq,
                            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-                           moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff)
+                           moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+                           moe_router_pre_softmax=args.moe_router_pre_softmax)
     except ValueError as exc:
         p.error(str(exc))
     try:

@@ -70,6 +70,13 @@ def test_router_weights_renormalised_or_not():
         numpy.testing.assert_allclose(route.weights.data, expect, rtol=1e-14)
     with pytest.raises(ValueError, match="top-k must lie in"):
         Router(4, 3, 4)
+    # the GPT's default: renormalised for k > 1, p[e_1] for k = 1 (Switch); pre-softmax: never
+    from minipar.models import GPT, GPTConfig
+
+    for k, pre, normalized in ((2, False, True), (1, False, False), (2, True, False)):
+        config = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16, num_experts=2,
+                           moe_router_topk=k, moe_router_pre_softmax=pre)
+        assert GPT(config).transformer.h[0].mlp.router.normalize is normalized
 
 
 def test_capacity_keeps_the_most_probable_slots_ties_by_token_order():

@@ -59,6 +59,7 @@ class GPTConfig:
     moe_expert_capacity_factor: float = None  # None: dropless
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
+    moe_router_pre_softmax: bool = False  # True: the weights are p[e_j] (no renormalisation over the k)
 
     def __post_init__(self):
         # the shape rules are the run's (minipar.parallel.validate), asked about the model alone

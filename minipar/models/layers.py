@@ -68,6 +68,7 @@ class _Layers:
         its own positions, so the router's and experts' gradients are partial sums over TP. The
         MLP's dropout follows the combined output."""
         moe = MoEMLP(config, config.num_experts, config.moe_router_topk, config.moe_expert_capacity_factor,
+                     normalize=False if config.moe_router_pre_softmax else None,
                      aux_loss_coeff=config.moe_aux_loss_coeff, z_loss_coeff=config.moe_z_loss_coeff,
                      routing=self.moe_routing, ep=self.ep, rng=self.rng, step=self.moe_step, layer=layer,
                      dropout=self.dropout(config.dropout, layer, Site.MLP_OUTPUT))

@@ -10,7 +10,8 @@ Transformer, Fedus et al. 2021):
 
 The weights are renormalised over the k chosen experts by default when k > 1 (Megatron-core's
 softmax over the top-k, Mixtral); with k = 1 that weight would always be 1 and the router would
-learn from the balancing loss alone, so k = 1 keeps p[e_1] (Switch).
+learn from the balancing loss alone, so k = 1 keeps p[e_1] (Switch). ``normalize=False`` keeps p[e_j]
+for any k (Megatron-core's ``--moe-router-pre-softmax``).
 
 Capacity (GShard, Switch): with a capacity factor c, expert e takes at most ceil(c N k / E) of the
 token-slots routed to it, those with the highest router probability p[e] (ties: token order); a
