@@ -105,13 +105,16 @@ step "lesson 08, context parallelism, 2 ranks on one GPU" 90 lesson08.log \
     ./run_mpi.sh -n 2 lessons/08_context_parallel.py --device cuda
 step "training, 2 ranks, CP=2 ring attention on one GPU" 90 train_cp.log \
     ./run_mpi.sh -n 2 -m minipar.train --device cuda --cp 2 --max-iters 20 --sample 0 --plot ""
+step "training, 2 ranks, 4 experts over EP=2 on one GPU" 90 train_ep.log \
+    ./run_mpi.sh -n 2 -m minipar.train --device cuda --num-experts 4 --ep 2 --moe-aux-loss-coeff 0.01 \
+    --max-iters 20 --sample 0 --plot ""
 say ""
 for part in gemm.md step.md; do
     [ -f "$out/$part" ] && cat "$out/$part" >>"$results" && echo >>"$results"
 done
 {
     echo '```'
-    tail -n 3 "$out/train.log" "$out/train2.log" "$out/train_cp.log" 2>/dev/null
+    tail -n 3 "$out/train.log" "$out/train2.log" "$out/train_cp.log" "$out/train_ep.log" 2>/dev/null
     echo '```'
     echo
     echo '```'
