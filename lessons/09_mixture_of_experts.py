@@ -195,8 +195,10 @@ def main():
         for layer, loads, dropped in zip(ref["layers"], ref["tokens_per_expert"], ref["dropped"]):
             print(f"  layer {layer}: slots per expert {' '.join(f'{n:>4}' for n in loads)}   dropped {dropped} of "
                   f"{args.batch_size * args.block_size * k}")
-        print(f"  balancing loss (x {args.aux_loss_coeff}) {ref['aux_loss']:.6f}, z-loss (x {args.z_loss_coeff}) "
-              f"{ref['z_loss']:.6f} (1 x coefficient for each layer when the load is even)")
+        print(f"  balancing loss (x {args.aux_loss_coeff}) {ref['aux_loss']:.6f}: an even load gives 1 x the coefficient "
+              f"per layer, {args.n_layer * args.aux_loss_coeff:g}")
+        print(f"  z-loss (x {args.z_loss_coeff}) {ref['z_loss']:.6f}: equal logits give (ln E)^2 x the coefficient per "
+              f"layer, {args.n_layer * np.log(E) ** 2 * args.z_loss_coeff:.6f}")
         print(f"  an expert with no rows and an uneven all-to-all-v: slots come back to their places: "
               f"{'yes' if split_ok else 'NO'}")
         lesson.print_errors({f"EP={ep}": errors for ep, (errors, _) in results.items()}, tol,

@@ -35,6 +35,19 @@ def run_mpi(n, script, *args, timeout=120, command=None):
     return proc.returncode, out, time.monotonic() - start
 
 
+def run_train(n, *args, timeout=180):
+    """``python -m minipar.train`` with ``args`` on ``n`` ranks through run_mpi.sh: (exit code, output, seconds)."""
+    return run_mpi(n, None, timeout=timeout, command=[LAUNCHER, "-n", str(n), "-m", "minipar.train", *map(str, args)])
+
+
+def logged_losses(path):
+    """The losses of a --log-json file, in order."""
+    import json
+
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
 def _kill_session(sid):
     """Kill every process of the launcher's session. Killing its process group is not enough:
     Open MPI's launcher puts each rank in a process group of its own (the session stays)."""

@@ -2,11 +2,10 @@
 (``tests/mpi/context_gpt.py``), and through ``python -m minipar.train``: the same losses, and
 checkpoints that reshard across CP sizes."""
 
-import json
 import os
 
 import pytest
-from mpi_run import ROOT, check_mpi, run_mpi
+from mpi_run import check_mpi, logged_losses as losses, run_train
 
 
 @pytest.mark.parametrize("n,args", [
@@ -26,14 +25,8 @@ SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "3
          "--dtype", "float64"]
 
 
-def train(n, *args, timeout=180):
-    command = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(n), "-m", "minipar.train", *SMALL, *map(str, args)]
-    return run_mpi(n, "", timeout=timeout, command=command)
-
-
-def losses(path):
-    with open(path) as f:
-        return [json.loads(line)["loss"] for line in f]
+def train(n, *args):
+    return run_train(n, *SMALL, *args)
 
 
 def test_training_with_cp_follows_one_device_and_its_checkpoints_reshard(tmp_path):

@@ -3,11 +3,10 @@ DP, ZeRO-1, TP (with sequence parallelism), CP and PP (``tests/mpi/moe_gpt.py``,
 lesson, and ``python -m minipar.train`` with experts: the same losses at every EP size, and
 checkpoints that reshard across EP sizes."""
 
-import json
 import os
 
 import pytest
-from mpi_run import ROOT, check_mpi, run_mpi
+from mpi_run import ROOT, check_mpi, logged_losses as losses, run_mpi, run_train
 
 LESSON_9 = os.path.join(ROOT, "lessons", "09_mixture_of_experts.py")
 
@@ -44,14 +43,8 @@ SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "3
          "--dtype", "float64", "--num-experts", "4", "--moe-z-loss-coeff", "0.01"]
 
 
-def train(n, *args, timeout=180):
-    command = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(n), "-m", "minipar.train", *SMALL, *map(str, args)]
-    return run_mpi(n, "", timeout=timeout, command=command)
-
-
-def losses(path):
-    with open(path) as f:
-        return [json.loads(line)["loss"] for line in f]
+def train(n, *args):
+    return run_train(n, *SMALL, *args)
 
 
 def test_training_with_experts_follows_one_device_and_its_checkpoints_reshard(tmp_path):

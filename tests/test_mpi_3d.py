@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from mpi_run import ROOT, check_mpi, run_mpi
+from mpi_run import ROOT, check_mpi, run_mpi, run_train
 
 from minipar.checkpoint.sharded import read_index
 
@@ -18,8 +18,7 @@ SMALL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "32", "--block-size", "1
 
 
 def train(n, *args, timeout=180):
-    command = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(n), "-m", "minipar.train", *SMALL, *map(str, args)]
-    return run_mpi(n, None, timeout=timeout, command=command)
+    return run_train(n, *SMALL, *args, timeout=timeout)
 
 
 def losses(path):
