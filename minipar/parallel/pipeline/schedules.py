@@ -13,6 +13,8 @@ An instruction is one of
     recv_grad (mb, chunk)    receive the gradient of that output
     backward  (mb, chunk)    backpropagate it through the chunk
     send_grad (mb, chunk)    send the gradient of the chunk's input back (non-blocking)
+    backward_input  (mb, chunk)   B: the backward's half that computes the input's gradient only
+    backward_weight (mb, chunk)   W: the other half, the weights' gradients (no message)
     step                     the optimizer step, after everything
 
 The three schedules differ only in the order of forwards and backwards (the communication is put
@@ -37,6 +39,10 @@ from minipar.parallel import validate
 
 NAMES = {"pp": "p", "micro_batches": "m", "virtual_stages": "v"}  # a message's words for the sizes
 FORWARD, BACKWARD = "forward", "backward"
+# the zero-bubble split of BACKWARD (Qi et al. 2024): B, the input's gradient, and W, the weights'
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
+BACKWARDS = (BACKWARD, BACKWARD_INPUT)  # what receives an output's gradient and sends its input's
+COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, STEP = "recv_act", "send_act", "recv_grad", "send_grad", "step"
 
 
@@ -92,12 +98,14 @@ def _with_communication(pipe, rank, compute):
             out.append(Instruction(FORWARD, mb, c))
             if g < last:
                 out.append(Instruction(SEND_ACT, mb, c))
-        else:
+        elif op in BACKWARDS:
             if g < last:
                 out.append(Instruction(RECV_GRAD, mb, c))
-            out.append(Instruction(BACKWARD, mb, c))
+            out.append(Instruction(op, mb, c))
             if g > 0:
                 out.append(Instruction(SEND_GRAD, mb, c))
+        else:  # W: the weights' gradients, local
+            out.append(Instruction(op, mb, c))
     out.append(Instruction(STEP))
     return out
 
@@ -116,6 +124,51 @@ def one_f_one_b(p, m, rank):
         compute += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
     compute += [(BACKWARD, i, 0) for i in range(m - warmup, m)]
     return _with_communication(Pipeline(p, m), rank, compute)
+
+
+def _zero_bubble(p, m, rank, warmup, kept_w):
+    """One chunk per rank, the backward split (Qi et al. 2024): ``warmup`` forwards, then one
+    forward and the oldest B in turn, then the remaining B's. After each B the oldest W's run
+    until at most ``kept_w`` are left waiting (those fill the drain's bubble); the rest run last."""
+    warmup = min(warmup, m)
+    compute, waiting = [(FORWARD, i, 0) for i in range(warmup)], []
+
+    def backward_input(i):
+        compute.append((BACKWARD_INPUT, i, 0))
+        waiting.append(i)
+        while len(waiting) > kept_w:
+            compute.append((BACKWARD_WEIGHT, waiting.pop(0), 0))
+
+    for i in range(m - warmup):
+        compute.append((FORWARD, warmup + i, 0))
+        backward_input(i)
+    for i in range(m - warmup, m):
+        backward_input(i)
+    compute += [(BACKWARD_WEIGHT, i, 0) for i in waiting]
+    return compute
+
+
+def zb_h1(p, m, rank):
+    """ZB-H1 (Qi et al. 2024): 1F1B's order and warm-up (p - rank - 1 forwards) with B in the
+    backward's place, and rank r keeping its last r W's waiting. They fill the drain, where 1F1B
+    waits for gradients: each rank then holds the activations of at most p micro-batches (1F1B's
+    first stage: the same peak memory), and the bubble shrinks from 1F1B's (p - 1)(T_F + T_B + T_W)
+    to (p - 1)(T_F + T_B - T_W)."""
+    check(p, m)
+    return _with_communication(Pipeline(p, m), rank, _zero_bubble(p, m, rank, p - rank - 1, rank))
+
+
+def zb_h2(p, m, rank):
+    """ZB-H2 (Qi et al. 2024): twice 1F1B's warm-up, 2(p - rank - 1) forwards, so that forwards
+    fill the wait for the first gradient, and rank r keeping its last 2r W's for the drain. Every
+    rank holds the activations of at most 2p - 1 micro-batches, and for m >= 2p - 1 each rank
+    idles (p - 1)(T_F + T_B - 2 T_W) within its own span, first instruction to last: none when
+    T_F + T_B = 2 T_W. The spans form a parallelogram (rank r starts r T_F late), so consecutive
+    steps interlock only if the optimizer step does not synchronise the ranks (the paper's
+    post-validation); with the step synchronised, as here, a rank idles (p - 1) max(T_F, T_F + T_B
+    - 2 T_W) per step."""
+    check(p, m)
+    return _with_communication(Pipeline(p, m), rank, _zero_bubble(p, m, rank, 2 * (p - rank - 1), 2 * rank))
 
 
 def _mb(k, p, v):
@@ -159,7 +212,7 @@ def forward_only(p, m, v, rank):
     return _with_communication(Pipeline(p, m, v), rank, [(FORWARD, mb, c) for mb, c in order])[:-1]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2}
 
 
 def build(name, p, m, v=1):
@@ -173,15 +226,19 @@ def build(name, p, m, v=1):
     return {r: SCHEDULES[name](p, m, r) for r in range(p)}
 
 
+LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
+
+
 def table(schedules, compute_only=True):
     """The schedule as text, one column per rank: F3.1 is the forward of micro-batch 3 on local
-    chunk 1 (the chunk is left out when v = 1), B the backward."""
+    chunk 1 (the chunk is left out when v = 1), B the backward (or, split, its input half) and W
+    the weights' half."""
     def cell(ins):
-        tag = "F" if ins.op == FORWARD else "B" if ins.op == BACKWARD else ins.op
+        tag = LETTERS.get(ins.op, ins.op)
         return tag if ins.op == STEP else f"{tag}{ins.mb}" + (f".{ins.chunk}" if interleaved else "")
 
     interleaved = any(i.chunk for s in schedules.values() for i in s)
-    cols = {r: [cell(i) for i in s if not compute_only or i.op in (FORWARD, BACKWARD)]
+    cols = {r: [cell(i) for i in s if not compute_only or i.op in COMPUTE]
             for r, s in schedules.items()}
     width = max([len(c) for col in cols.values() for c in col] + [len(f"rank {r}") for r in cols]) + 2
     rows = [" " * 5 + "".join(f"rank {r}".ljust(width) for r in cols)]
