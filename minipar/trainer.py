@@ -36,7 +36,7 @@ from minipar.models import GPT
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
-from minipar.parallel.pipeline.schedules import BACKWARD, FORWARD
+from minipar.parallel.pipeline.schedules import COMPUTE
 
 
 def learning_rate(it, args):
@@ -54,8 +54,8 @@ def gather_text(world, text):
 
 
 def local_bubble(timeline):
-    """The idle fraction of this rank's step: 1 - (forwards and backwards) / (first start to last end)."""
-    work = [(s, e) for op, _, _, s, e in timeline if op in (FORWARD, BACKWARD)]
+    """The idle fraction of this rank's step: 1 - (forwards, backwards, B's and W's) / (first start to last end)."""
+    work = [(s, e) for op, _, _, s, e in timeline if op in COMPUTE]
     span = work[-1][1] - timeline[0][3]
     return 1.0 - sum(e - s for s, e in work) / span if span > 0 else 0.0
 
