@@ -36,7 +36,7 @@ from minipar.models import GPT
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
-from minipar.parallel.pipeline.schedules import COMPUTE
+from minipar.parallel.pipeline.schedules import COMPUTE, shape_of
 
 
 def learning_rate(it, args):
@@ -67,7 +67,7 @@ class Trainer:
         minipar.manual_seed(args.seed)
         self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp)
         self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp,
-                                 cp_comm_type=args.cp_comm_type,
+                                 cp_comm_type=args.cp_comm_type, pipeline_shape=shape_of(args.schedule),
                                  recompute_granularity="full" if args.recompute else args.recompute_granularity)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the only place the stage is read
@@ -87,7 +87,8 @@ class Trainer:
         self.speaks = world.rank == 0
         if args.save and self.speaks:  # the save directory's lock is ours (run_inputs.claim_save_directory)
             sharded.remove_stale_partials(args.save)
-        self.reports_loss = grid.is_last_stage and grid.tp_rank == 0  # one copy of each loss share
+        # one copy of each loss share: the rank holding the last chunk (pipeline rank 0 in a V)
+        self.reports_loss = model.chunks[-1] == model.n_chunks - 1 and grid.tp_rank == 0
 
     # ---- one step ---------------------------------------------------------------------------
     def _update(self):

@@ -138,3 +138,50 @@ def test_executor_on_one_stage_splits_the_backward_bit_for_bit(schedule, recompu
         assert ops.count(S.BACKWARD_WEIGHT) == 3 and S.BACKWARD not in ops
     finally:
         minipar.set_default_dtype("float32")
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_v_runs_to_the_end_in_a_v(p, m):
+    """ZB-V: rank r holds chunks r and 2p - 1 - r; every micro-batch's F, B, W once per chunk and
+    in that order, messages both ways (an activation and a gradient per chunk boundary, rank p - 1
+    handing its own chunk 1 its chunk 0's output), at most 2p half-size chunk activations (1F1B's
+    memory), for equal and unequal costs."""
+    plans = S.build("zb-v", p, m, 2)
+    pipe = S.Pipeline(p, m, 2, "v")
+    assert [pipe.global_chunk(r, c) for r in range(p) for c in (0, 1)] == [g for r in range(p) for g in (r, 2 * p - 1 - r)]
+    for f, b, w in [(1, 1, 1)] + COSTS[1:4]:
+        sim = simulate(plans, m, 2, forward=f, backward=b, weight=w, shape="v")
+        assert sim.messages == 2 * m * (2 * p - 1)
+        assert all(n <= 2 * p for n in sim.peak_alive.values())
+        if m >= 2 * p - 1:
+            assert sim.peak_alive == {r: 2 * p for r in range(p)}
+    for r, plan in plans.items():
+        for c in (0, 1):
+            for mb in range(m):
+                assert [i.op for i in plan if i.op in S.COMPUTE and (i.mb, i.chunk) == (mb, c)] == \
+                    [S.FORWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT]
+        peers = {S.Pipeline(p, m, 2, "v").place(pipe.global_chunk(r, i.chunk) + 1)[0]
+                 for i in plan if i.op == S.SEND_ACT}
+        assert peers == ({r + 1, r - 1} & set(range(p)) if r < p - 1 else {r, r - 1} & set(range(p)))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("t", [1, 2, Fraction(1, 3)])
+def test_zb_v_has_no_bubble_in_steady_state_with_equal_costs(p, t):
+    for m in (2 * p - 1, 2 * p, 3 * p + 1):
+        sim = simulate(S.build("zb-v", p, m, 2), m, 2, forward=t, backward=t, weight=t, shape="v")
+        work = 2 * m * 3 * t
+        assert all(sim.busy[r] == work for r in range(p))
+        assert sim.period - work == zero_bubble_idle("zb-v", p, m, t, t, t) == 0
+        assert sim.makespan - work == (p - 1) * t  # the slant, with the step synchronised
+    with pytest.raises(ValueError, match="T_F = T_B = T_W"):
+        zero_bubble_idle("zb-v", p, 2 * p, 2, 1, 1)
+
+
+def test_zb_v_needs_two_chunks_per_rank():
+    for v in (1, 3):
+        with pytest.raises(ValueError, match="places two chunks per rank in a V"):
+            S.build("zb-v", 2, 4, v)
+    assert "F0.1" in S.table(S.build("zb-v", 2, 4, 2)) and "W3.0" in S.table(S.build("zb-v", 2, 4, 2))
+    plans = {r: S.forward_only(3, 4, 2, r, shape="v") for r in range(3)}
+    assert simulate(plans, 4, 2, forward_only=True, shape="v").messages == 4 * 5

@@ -64,7 +64,7 @@ __all__ = ["MAX_TAG", "PipelineExecutor", "StepRecord"]
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` ("gpipe", "1f1b", "interleaved", "zb-h1" or "zb-h2") with ``micro_batches`` per step on this
+    """Runs ``schedule`` (one of ``schedules.SCHEDULES``) with ``micro_batches`` per step on this
     rank's stage of ``model`` (a GPT built on ``grid``). ``optimizer``: the step-protocol object
     (``parallel/protocol.py``) that sums the gradients over the data-parallel group; its
     ``no_sync()`` covers all but each chunk's last backward (or W). It may be left out when DP = 1 and the
@@ -82,10 +82,15 @@ class PipelineExecutor:
         self.model, self.grid, self.optimizer, self.recompute = model, grid, optimizer, recompute
         self.m, self.v, self.name = micro_batches, v, schedule
         self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
-        self.pipe = S.Pipeline(grid.pp, micro_batches, v)
+        shape = S.shape_of(schedule)
+        self.pipe = S.Pipeline(grid.pp, micro_batches, v, shape)
+        placed = [self.pipe.global_chunk(grid.pp_rank, c) for c in range(v)]
+        if list(model.chunks) != placed:  # the same on every rank: refused before any message
+            raise ValueError(f"the {schedule!r} schedule places chunks {placed} on pipeline rank {grid.pp_rank}, "
+                             f"the model holds {list(model.chunks)}: build the GPT with pipeline_shape={shape!r}")
         plans = S.build(schedule, grid.pp, micro_batches, v)  # every rank's, to check them all alike
         self.instructions = plans[grid.pp_rank]
-        self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank)
+        self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank, shape)
         self.comm = grid.pp_group  # None when PP = 1: then nothing is sent
         self._handlers = {
             S.RECV_ACT: self._recv_act,
@@ -103,8 +108,15 @@ class PipelineExecutor:
             raise ValueError(f"the {schedule!r} schedule has instructions {unknown} that the executor "
                              "has no method for: add one to PipelineExecutor._handlers")
         # the backward (or, split, the W) after which a chunk's gradients are complete for the step
-        self.last_backward = {ins.chunk: ins.mb for ins in self.instructions
-                              if ins.op in (S.BACKWARD, S.BACKWARD_WEIGHT)}
+        last = {ins.chunk: (k, ins.mb) for k, ins in enumerate(self.instructions)
+                if ins.op in (S.BACKWARD, S.BACKWARD_WEIGHT)}
+        # The tied embedding is used by the first global chunk and by the last. Where one rank holds
+        # both (rank 0 of a V), its gradient is complete only after the later of their last
+        # backwards: the earlier chunk stays quiet throughout (``finish_gradients`` sends its part).
+        ends = [c for c, g in enumerate(model.chunks) if g in (0, self.pipe.n_chunks - 1)]
+        if len(ends) == 2:
+            last[min(ends, key=lambda c: last[c][0])] = (None, None)
+        self.last_backward = {c: mb for c, (_, mb) in last.items()}
         self.weights = model.parameters()  # whose gradients a split backward leaves to W
 
     def step(self, x, y, optimizer_step=None):

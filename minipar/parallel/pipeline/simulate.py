@@ -91,16 +91,18 @@ def per_chunk(cost, schedules, v):
     return {k: Fraction(cost[k]) for k in chunks}
 
 
-def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None, forward_only=False):
+def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None, forward_only=False,
+             shape="round-robin"):
     """Replay ``schedules`` ({rank: [Instruction]}) and return a Simulation; raises RuntimeError on
     a deadlock or a broken schedule (``forward_only``: an evaluation schedule, no backwards).
     ``forward``, ``backward``, ``weight`` and ``recompute`` (added to each backward's first half):
     a number for every chunk or {(rank, local chunk): number}; the defaults are the unit model, 1,
     2 and 0. With the backward split (zero-bubble schedules), ``backward`` is B's cost and
     ``weight`` W's, which such a schedule must be given; a fused backward costs backward + weight
-    (weight 0 when None), so one set of costs (F, B, W) compares every schedule."""
+    (weight 0 when None), so one set of costs (F, B, W) compares every schedule. ``shape``: how
+    the chunks are placed (``Pipeline``), "v" for ZB-V."""
     p = len(schedules)
-    pipe = Pipeline(p, m, v)
+    pipe = Pipeline(p, m, v, shape)
     split = any(ins.op == BACKWARD_WEIGHT for s in schedules.values() for ins in s)
     if split and weight is None:
         raise ValueError("the schedule splits the backward into B and W: give W's cost as weight=")
@@ -189,23 +191,31 @@ def _account(r, ins, alive, split_done):
 
 def zero_bubble_idle(name, p, m, forward, backward, weight):
     """The idle time of each rank per step that Qi et al. (2024) give for the zero-bubble schedules,
-    with B costing ``backward`` and W ``weight`` on every rank (1F1B's is (p - 1)(T_F + T_B + T_W)):
+    with F costing ``forward``, B ``backward`` and W ``weight`` on every rank and chunk (1F1B's is
+    (p - 1)(T_F + T_B + T_W)):
 
         zb-h1:   (p - 1)(T_F + T_B - T_W)      over the step, every rank alike
-        zb-h2:   (p - 1)(T_F + T_B - 2 T_W)    within each rank's span (``Simulation.period``)
+        zb-h2:   (p - 1)(T_F + T_B - 2 T_W)    within the longest rank's span (``Simulation.period``)
+        zb-v:    0 when T_F = T_B = T_W        within the longest rank's span
 
-    ZB-H2's spans form a parallelogram whose slant (p - 1) T_F is idle too when the optimizer step
-    synchronises the ranks: the step then takes m (T_F + T_B + T_W) + (p - 1) max(T_F, T_F + T_B
-    - 2 T_W). The formulas hold for T_W <= T_F (with a longer W the drain's W's cannot shorten the
-    fill) and enough micro-batches to reach the steady state: m >= p for ZB-H1, 2p - 1 for ZB-H2."""
+    ZB-H2's and ZB-V's spans form a parallelogram whose slant is idle too when the optimizer step
+    synchronises the ranks: ZB-H2's step then takes m (T_F + T_B + T_W) + (p - 1) max(T_F, T_F +
+    T_B - 2 T_W), ZB-V's 2m (T_F + T_B + T_W) + (p - 1) T_F (its costs are a chunk's, half a
+    stage's). The formulas hold for T_W <= T_F (with a longer W the drain's W's cannot shorten the
+    fill; ZB-V's for equal costs only, the case its order is built for) and enough micro-batches
+    to reach the steady state: m >= p for ZB-H1, 2p - 1 for ZB-H2 and ZB-V."""
     f, b, w = Fraction(forward), Fraction(backward), Fraction(weight)
     if w > f:
         raise ValueError(f"the zero-bubble formulas assume T_W <= T_F, got T_W = {w} > T_F = {f}")
-    need = {"zb-h1": p, "zb-h2": 2 * p - 1}
+    need = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p - 1}
     if name not in need:
         raise ValueError(f"no zero-bubble formula for {name!r}: choose one of {', '.join(need)}")
     if m < need[name]:
         raise ValueError(f"the {name} formula needs m >= {need[name]} micro-batches, got {m}")
+    if name == "zb-v":
+        if not f == b == w:
+            raise ValueError(f"the zb-v formula is for T_F = T_B = T_W, got {f}, {b}, {w}")
+        return Fraction(0)
     return (p - 1) * (f + b - (w if name == "zb-h1" else 2 * w))
 
 
