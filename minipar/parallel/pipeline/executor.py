@@ -20,6 +20,9 @@ schedules. The zero-bubble schedules (Qi et al. 2024: ZB-H1, ZB-H2) split the ba
     _backward_weight  W: runs the parked half where the schedule puts it, in what was the bubble
 
 so a chunk's gradients are complete after its last W, not its last backward (``last_backward``).
+ZB-V places the chunks in a V (``instructions.Pipeline``): the model must be built in the same
+shape (checked), and rank p - 1 hands its chunk 0's output to its own chunk 1 by a message to
+itself, like any other.
 
 Shapes are agreed, not sent: every rank computes (micro-batch rows, positions, n_embd) from the
 batch it is given and the model, so a message is only its bytes. Each message has its own tag,
