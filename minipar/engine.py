@@ -152,9 +152,9 @@ def backward(tensor, grad=None):
         ]
         deferred = _split.deferred(node) if _split is not None else ()
         if deferred:  # B now, W later: the weights' part of this node waits in the split
-            needs = node.ctx.needs_input_grad
             _split.defer(node, out_grads, deferred)
-            node.ctx.needs_input_grad = tuple(n and i not in deferred for i, n in enumerate(needs))
+            node.ctx.needs_input_grad = tuple(n and i not in deferred
+                                              for i, n in enumerate(node.ctx.needs_input_grad))
         if not deferred or any(node.ctx.needs_input_grad):
             in_grads = call_backward(node.fn, node.ctx, out_grads, node.inputs)
             in_grads = [None if i in deferred else g for i, g in enumerate(in_grads)]
@@ -164,8 +164,8 @@ def backward(tensor, grad=None):
 
 
 def call_backward(fn, ctx, out_grads, inputs):
-    """``fn.backward`` on the node's output gradients: one gradient per input, each summed down
-    to its input's shape (None where the input needs none)."""
+    """``fn.backward`` on the node's output gradients: one gradient per input (None where the
+    input needs none), possibly in a broadcast shape that ``deliver`` sums down."""
     in_grads = fn.backward(ctx, *out_grads)
     if not isinstance(in_grads, tuple):
         in_grads = (in_grads,)

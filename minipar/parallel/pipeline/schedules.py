@@ -142,7 +142,7 @@ def forward_only(p, m, v, rank, shape="round-robin"):
     forward order (for v = 1 simply micro-batch 0, 1, ...), no backward and no step. In a V, all
     of chunk 0 then all of chunk 1: chunk 1 waits only on the ranks after this one, never on
     this rank's chunk 0 beyond what it has done."""
-    check(p, m, v, interleaved=v > 1 and shape != "v", schedule="zb-v" if shape == "v" else None)
+    check(p, m, v, schedule="zb-v" if shape == "v" else "interleaved" if v > 1 else "1f1b")
     if shape == "v":
         order = [(i, c) for c in range(2) for i in range(m)]
     else:
