@@ -48,7 +48,15 @@ class Function:
 
     ``forward(ctx, *args, **kwargs) -> array | tuple of arrays`` and
     ``backward(ctx, *grads) -> grad | tuple of grads`` (one per positional arg).
+
+    A split backward (``minipar.weight_grad``) calls ``backward`` twice on a node with weight
+    inputs, B with the weights' ``needs_input_grad`` cleared and W with only theirs set: such an op
+    computes a gradient only when asked and leaves ``ctx`` as it found it. ``defers_weights`` is
+    False for an op whose weight inputs only anchor the graph (activation recompute, whose inner
+    backward splits itself).
     """
+
+    defers_weights = True
 
     @classmethod
     def apply(cls, *args, **kwargs):

@@ -12,6 +12,14 @@ gradient in its ``.grad``. Two rules keep the engine simple and the ops short:
   those that share no memory with the node's other gradients. It accumulates into owned arrays in
   place and copies the others only when it has to.
 
+The backward can also be split in two (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): B,
+the gradients of everything but the weights (what the previous pipeline stage waits for), now, and
+W, the weights' gradients, later. Inside ``splitting(split)`` a node that consumes a weight runs
+its backward with ``needs_input_grad`` cleared for the weights and parks (node, output gradients)
+in ``split``; W (``minipar.weight_grad``) calls the same backward again with only the weights
+asked for, and ``deliver``s them as here. Both halves run the fused backward's arithmetic on the
+same arrays, and W keeps the nodes' order, so B then W equals the fused backward bit for bit.
+
 The engine knows tensors only by their attributes (``data``, ``requires_grad``, ``_node``,
 ``_index``, ``_accumulate``), so it sits below ``autograd`` and imports nothing from it.
 """
@@ -119,7 +127,7 @@ def backward(tensor, grad=None):
         )
     if tensor._node is None:  # a leaf: its gradient with respect to itself
         tensor._accumulate(grad, owned=False)
-        _fire_hooks(tensor)
+        fire_hooks(tensor)
         return
 
     root = tensor._node
@@ -142,53 +150,71 @@ def backward(tensor, grad=None):
             s.grad if s is not None else xp.zeros(shape, dtype)
             for s, (shape, dtype) in zip(node_slots, node.out_meta)
         ]
-        in_grads = node.fn.backward(node.ctx, *out_grads)
-        if not isinstance(in_grads, tuple):
-            in_grads = (in_grads,)
-        if len(in_grads) != len(node.inputs):
-            raise RuntimeError(
-                f"{node.fn.__name__}.backward returned {len(in_grads)} gradients for "
-                f"{len(node.inputs)} inputs"
-            )
-        in_grads = [
-            None if t is None or g is None else _unbroadcast(g, shape)
-            for t, g, shape in zip(node.inputs, in_grads, node.in_shapes)
-        ]
-        for i, (t, g) in enumerate(zip(node.inputs, in_grads)):
-            if g is None:
-                continue
-            if g.shape != t.data.shape:
-                raise RuntimeError(
-                    f"{node.fn.__name__}.backward produced a gradient of shape {g.shape} for an "
-                    f"input of shape {t.data.shape}"
-                )
-            if g.dtype != t.data.dtype:
-                raise TypeError(
-                    f"{node.fn.__name__}.backward produced a {g.dtype} gradient for a "
-                    f"{t.data.dtype} input (a silent upcast): keep every constant in the input dtype"
-                )
-            others = out_grads + [o for j, o in enumerate(in_grads) if j != i and o is not None]
-            owned = not any(xp.may_share_memory(g, o) for o in others)
-            if t._node is None:
-                t._accumulate(g, owned)
-            else:
-                parent_slots = slots.setdefault(t._node, [None] * len(t._node.out_meta))
-                slot = parent_slots[t._index]
-                if slot is None:
-                    parent_slots[t._index] = _GradSlot(g, owned)
-                else:
-                    slot.add(g)
+        deferred = _split.deferred(node) if _split is not None else ()
+        if deferred:  # B now, W later: the weights' part of this node waits in the split
+            _split.defer(node, out_grads, deferred)
+            node.ctx.needs_input_grad = tuple(n and i not in deferred
+                                              for i, n in enumerate(node.ctx.needs_input_grad))
+        if not deferred or any(node.ctx.needs_input_grad):
+            in_grads = call_backward(node.fn, node.ctx, out_grads, node.inputs)
+            in_grads = [None if i in deferred else g for i, g in enumerate(in_grads)]
+            deliver(node.fn, node.inputs, node.in_shapes, in_grads, out_grads, slots)
         _count_down(node, waiting)
         node.free()
 
 
+def call_backward(fn, ctx, out_grads, inputs):
+    """``fn.backward`` on the node's output gradients: one gradient per input (None where the
+    input needs none), possibly in a broadcast shape that ``deliver`` sums down."""
+    in_grads = fn.backward(ctx, *out_grads)
+    if not isinstance(in_grads, tuple):
+        in_grads = (in_grads,)
+    if len(in_grads) != len(inputs):
+        raise RuntimeError(f"{fn.__name__}.backward returned {len(in_grads)} gradients for {len(inputs)} inputs")
+    return in_grads
+
+
+def deliver(fn, inputs, in_shapes, in_grads, out_grads, slots):
+    """Hand each input its gradient: a leaf accumulates it in ``.grad``, a computed tensor in the
+    slot of the node that made it (``slots``; None when every input receiving one is a leaf, as
+    for the weights of a split backward's W)."""
+    in_grads = [None if t is None or g is None else _unbroadcast(g, shape)
+                for t, g, shape in zip(inputs, in_grads, in_shapes)]
+    for i, (t, g) in enumerate(zip(inputs, in_grads)):
+        if g is None:
+            continue
+        if g.shape != t.data.shape:
+            raise RuntimeError(
+                f"{fn.__name__}.backward produced a gradient of shape {g.shape} for an "
+                f"input of shape {t.data.shape}"
+            )
+        if g.dtype != t.data.dtype:
+            raise TypeError(
+                f"{fn.__name__}.backward produced a {g.dtype} gradient for a "
+                f"{t.data.dtype} input (a silent upcast): keep every constant in the input dtype"
+            )
+        others = out_grads + [o for j, o in enumerate(in_grads) if j != i and o is not None]
+        owned = not any(xp.may_share_memory(g, o) for o in others)
+        if t._node is None:
+            t._accumulate(g, owned)
+        else:
+            parent_slots = slots.setdefault(t._node, [None] * len(t._node.out_meta))
+            slot = parent_slots[t._index]
+            if slot is None:
+                parent_slots[t._index] = _GradSlot(g, owned)
+            else:
+                slot.add(g)
+
+
 def _leaves_with_hooks(order):
     """{leaf: number of uses in this graph} for the leaves that asked to hear when their gradient
-    is complete (data parallelism starts a bucket's all-reduce then, while backward goes on)."""
+    is complete (data parallelism starts a bucket's all-reduce then, while backward goes on). In a
+    split backward the deferred weights are left out: their gradients are complete only after W."""
     waiting = {}
     for node in order:
         for t in node.inputs:
-            if t is not None and t._node is None and getattr(t, "_grad_hooks", None):
+            if t is not None and t._node is None and getattr(t, "_grad_hooks", None) \
+                    and not (_split is not None and _split.holds(t)):  # a deferred weight's hooks fire in W
                 waiting[t] = waiting.get(t, 0) + 1
     return waiting
 
@@ -202,10 +228,24 @@ def _count_down(node, waiting):
             waiting[t] -= 1
             if waiting[t] == 0:
                 del waiting[t]
-                _fire_hooks(t)
+                fire_hooks(t)
 
 
 _hooks_held = 0
+_split = None  # the WeightGradients collecting W while a split backward runs (minipar.weight_grad)
+
+
+@contextlib.contextmanager
+def splitting(split):
+    """Inside, every ``backward`` (also one nested in another op's backward, as activation
+    recompute's) computes B only: a node that consumes one of ``split``'s weights runs its backward
+    for its other inputs now and hands (node, output gradients) to ``split.defer`` for W."""
+    global _split
+    previous, _split = _split, split
+    try:
+        yield split
+    finally:
+        _split = previous
 
 
 @contextlib.contextmanager
@@ -221,7 +261,7 @@ def hold_hooks():
         _hooks_held -= 1
 
 
-def _fire_hooks(tensor):
+def fire_hooks(tensor):
     if _hooks_held:
         return
     for hook in getattr(tensor, "_grad_hooks", ()):

@@ -20,6 +20,7 @@ import math
 import sys
 
 from minipar.cli import FlagError, Parser, agree
+from minipar.parallel.validate import SCHEDULES
 from minipar.train_checks import check_args, check_files
 
 DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
@@ -73,8 +74,8 @@ def build_parser():
     g.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p", help="how context-parallel ranks attend across the sequence: p2p (ring attention) or a2a (Ulysses: whole heads per rank)")
     g.add_argument("--dp", type=positive_int, help="data-parallel size (checked against the number of ranks)")
     g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1, help="expert-parallel size: DP ranks that split the experts (a divisor of DP)")
-    g.add_argument("--num-virtual-stages", "--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b", help="pipeline schedule")
+    g.add_argument("--num-virtual-stages", "--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule; 2 for zb-v)")
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (zb-h1, zb-h2, zb-v: zero bubble, the backward split into B and W; zb-v places --num-virtual-stages 2 in a V)")
     g.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch per DP rank (default: the global batch / DP / PP)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of the data-parallel optimizer")
     g.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm and dropout along the sequence (TP > 1)")

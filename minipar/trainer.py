@@ -37,7 +37,7 @@ from minipar.models.moe import step_statistics
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
-from minipar.parallel.pipeline.schedules import BACKWARD, FORWARD
+from minipar.parallel.pipeline.schedules import COMPUTE, shape_of
 
 
 def learning_rate(it, args):
@@ -55,8 +55,8 @@ def gather_text(world, text):
 
 
 def local_bubble(timeline):
-    """The idle fraction of this rank's step: 1 - (forwards and backwards) / (first start to last end)."""
-    work = [(s, e) for op, _, _, s, e in timeline if op in (FORWARD, BACKWARD)]
+    """The idle fraction of this rank's step: 1 - (forwards, backwards, B's and W's) / (first start to last end)."""
+    work = [(s, e) for op, _, _, s, e in timeline if op in COMPUTE]
     span = work[-1][1] - timeline[0][3]
     return 1.0 - sum(e - s for s, e in work) / span if span > 0 else 0.0
 
@@ -68,7 +68,7 @@ class Trainer:
         minipar.manual_seed(args.seed)
         self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp, ep=args.ep)
         self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp,
-                                 cp_comm_type=args.cp_comm_type,
+                                 cp_comm_type=args.cp_comm_type, pipeline_shape=shape_of(args.schedule),
                                  recompute_granularity="full" if args.recompute else args.recompute_granularity)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the only place the stage is read
@@ -88,7 +88,8 @@ class Trainer:
         self.speaks = world.rank == 0
         if args.save and self.speaks:  # the save directory's lock is ours (run_inputs.claim_save_directory)
             sharded.remove_stale_partials(args.save)
-        self.reports_loss = grid.is_last_stage and grid.tp_rank == 0  # one copy of each loss share
+        # one copy of each loss share: the rank holding the last chunk (pipeline rank 0 in a V)
+        self.reports_loss = model.chunks[-1] == model.n_chunks - 1 and grid.tp_rank == 0
 
     # ---- one step ---------------------------------------------------------------------------
     def _update(self):

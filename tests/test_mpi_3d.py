@@ -48,6 +48,16 @@ def test_3d_layout_trains_the_single_device_model(single, tmp_path):
     assert len(losses(log)) == 20 and close(losses(log), single)
 
 
+@pytest.mark.parametrize("schedule", [["zb-h2"], ["zb-v", "--num-virtual-stages", "2"]])
+def test_zero_bubble_schedule_from_the_command_line(single, tmp_path, schedule):
+    """A zero-bubble schedule on PP 2 x DP 2: the backward split into B and W (in ZB-V's V, the
+    loss on pipeline rank 0) trains the single-device model."""
+    log = str(tmp_path / "log.jsonl")
+    code, out, _ = train(4, "--max-iters", "20", "--pp", "2", "--schedule", *schedule, "--log-json", log)
+    assert code == 0 and f"schedule {schedule[0]}" in out, out
+    assert len(losses(log)) == 20 and close(losses(log), single)
+
+
 def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):
     save = str(tmp_path / "ckpt")
     code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
@@ -99,6 +109,9 @@ def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
     (2, ["--pp", "2", "--zero-stage", "2"], "use --zero-stage 1"),
     (2, ["--num-virtual-stages", "2"], "needs --pp > 1 and --schedule interleaved"),
     (2, ["--sequence-parallel"], "needs --tp > 1"),
+    (2, ["--pp", "2", "--schedule", "zb-h1", "--num-virtual-stages", "2"], "needs --schedule interleaved"),
+    (2, ["--schedule", "zb-h2", "--zero-stage", "2"], "--schedule zb-h2 computes the weights' gradients later (W)"),
+    (2, ["--pp", "2", "--schedule", "zb-v"], "--schedule zb-v places two chunks per rank in a V: it needs --num-virtual-stages 2"),
     (4, ["--pp", "2", "--schedule", "interleaved", "--micro-batch-size", "4"], "is not divisible by --pp 2"),
 ])
 def test_bad_layouts_get_one_line(n, args, message):

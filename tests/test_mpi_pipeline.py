@@ -25,9 +25,36 @@ def test_pipeline_matches_the_single_device_run(n, args):
     assert out.count("OK (layers") == n
 
 
+@pytest.mark.parametrize("n,args", [
+    (2, ["--pp", "2", "--schedule", "zb-h1", "--m", "4"]),
+    (4, ["--pp", "4", "--schedule", "zb-h1", "--m", "6", "--recompute"]),
+    (4, ["--pp", "4", "--schedule", "zb-h2", "--m", "8"]),
+    (4, ["--pp", "2", "--schedule", "zb-h2", "--m", "4", "--zero-stage", "1", "--recompute"]),  # PP 2 x DP 2
+    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1", "--m", "3", "--recompute"]),
+    (2, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "4"]),
+    (4, ["--pp", "4", "--schedule", "zb-v", "--v", "2", "--m", "8", "--recompute"]),
+    (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "3", "--zero-stage", "1"]),  # PP 2 x DP 2
+    (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "4"]),  # DP's sums start from W's hooks
+    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-v", "--v", "2", "--m", "4"]),
+])
+def test_zero_bubble_pipeline_matches_the_single_device_run(n, args):
+    """B and W apart (Qi et al. 2024): the same loss, gradients and parameters as one device, with
+    data parallelism and ZeRO-1, tensor and sequence parallelism, and recompute; W's memory counted.
+    ZB-V's V puts the first and the last chunk (the tied embedding's two uses) on rank 0."""
+    out = check_mpi(n, "pipeline.py", *args, timeout=180)
+    assert out.count("OK (layers") == n and "W held 0 bytes" not in out
+
+
+@pytest.mark.parametrize("args", [["--schedule", "zb-h1"], ["--schedule", "zb-v", "--v", "2"]])
+def test_a_skipped_w_is_caught(args):
+    code, out, _ = run_mpi(2, "pipeline.py", "--pp", "2", "--m", "4", "--plant-bug", *args, timeout=60)
+    assert code != 0 and "gradient of" in out and "off by" in out, out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--schedule", "interleaved", "--v", "2", "--m", "3"], "micro_batches=3 is not divisible by PP=2"),
     (["--schedule", "1f1b", "--v", "2"], "virtual_stages=2 needs schedule='interleaved'"),
+    (["--schedule", "zb-v", "--v", "3", "--m", "2"], "'v' (with virtual_stages=2), got 'v' with virtual_stages=3"),
 ])
 def test_bad_pipeline_sizes_end_the_job_with_the_reason(args, message):
     code, out, _ = run_mpi(2, "pipeline.py", "--pp", "2", *args, timeout=60)

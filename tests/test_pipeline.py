@@ -185,13 +185,13 @@ def test_executor_on_one_stage_equals_the_whole_batch(schedule, recompute):
 
 def test_an_instruction_without_a_method_is_refused_before_any_message(monkeypatch):
     """The executor dispatches by instruction kind, one method each: a schedule naming a kind it
-    has no method for (a zero-bubble W before its method exists) is refused at construction."""
+    has no method for (a kind a schedule might add before its method exists) is refused at construction."""
     minipar.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32), ProcessGrid(1, 1))
     plain = S.build("1f1b", 1, 2)
-    ahead = {0: plain[0][:-1] + [S.Instruction("backward_weight", 1, 0), plain[0][-1]]}
+    ahead = {0: plain[0][:-1] + [S.Instruction("forward_backward", 1, 0), plain[0][-1]]}
     monkeypatch.setattr(S, "build", lambda *args: ahead)
-    with pytest.raises(ValueError, match=r"instructions \['backward_weight'\] that the executor has no method"):
+    with pytest.raises(ValueError, match=r"instructions \['forward_backward'\] that the executor has no method"):
         PipelineExecutor(model, ProcessGrid(1, 1), "1f1b", micro_batches=2)
 
 

@@ -119,9 +119,12 @@ class LayerNorm(Function):
     @staticmethod
     def backward(ctx, grad):
         xhat, rstd = ctx.xhat, ctx.rstd
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
         g = grad.reshape(xhat.shape)
-        grad_w = dot_along(g, xhat, 0)
-        grad_b = g.sum(axis=0) if ctx.has_bias else None
+        grad_w = dot_along(g, xhat, 0) if need_w else None
+        grad_b = g.sum(axis=0) if need_b else None
+        if not need_x:
+            return None, grad_w, grad_b, None
         dx = g * ctx.weight  # dxhat, turned into dx in place
         proj = (_row_dots(dx, xhat) * (1.0 / xhat.shape[1]))[:, None]
         dx -= _row_means(dx)[:, None]

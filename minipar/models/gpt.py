@@ -80,7 +80,7 @@ class GPTConfig:
 
 class GPT(WholeModel, Module):
     def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1, cp_comm_type="p2p",
-                 recompute_granularity=None, moe_routing=None):
+                 recompute_granularity=None, pipeline_shape="round-robin", moe_routing=None):
         self.config = config
         self.grid = grid  # resolves the group names of the parameters' placements
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
@@ -107,11 +107,15 @@ class GPT(WholeModel, Module):
         ep_group = grid.ep_group if grid is not None and grid.ep > 1 else None
         layers = _Layers(self.tp, self.sequence_parallel, self.rng, self.cp, cp_comm_type,
                          ep=ep_group, moe_step=self.moe, moe_routing=moe_routing)
-        pipe = Pipeline(grid.pp if grid is not None else 1, 1, virtual_stages)
+        if pipeline_shape not in ("round-robin", "v") or (pipeline_shape == "v" and virtual_stages != 2):
+            raise ValueError(f"pipeline_shape is 'round-robin' or 'v' (with virtual_stages=2), got "
+                             f"{pipeline_shape!r} with virtual_stages={virtual_stages}")
+        pipe = Pipeline(grid.pp if grid is not None else 1, 1, virtual_stages, pipeline_shape)
         r = grid.pp_rank if grid is not None else 0
         self.n_chunks = pipe.n_chunks
-        # local chunk c is global chunk c*p + r (Megatron's round-robin); chunk g has layers
-        # g*per .. (g+1)*per - 1. The first global chunk embeds, the last one ends with the head.
+        # local chunk c is global chunk c*p + r (Megatron's round-robin) or, in ZB-V's V, chunks r
+        # and 2p - 1 - r; chunk g has layers g*per .. (g+1)*per - 1. The first global chunk embeds,
+        # the last one ends with the head (in a V both are on rank 0).
         self.chunks = [pipe.global_chunk(r, c) for c in range(virtual_stages)]
         per = config.n_layer // self.n_chunks
         self.chunk_layers = [list(range(g * per, (g + 1) * per)) for g in self.chunks]
@@ -144,7 +148,8 @@ class GPT(WholeModel, Module):
         # broadcast, as Megatron-LM does, so they agree even if the ranks were seeded differently)
         # and take equal steps: finalize_grads adds the two gradient parts. The first stage's copy
         # is the one counted in a norm and written in a checkpoint (placement.is_primary).
-        self.embedding_group = grid.embedding_group if self.pp is not None else None
+        # In a V the first and the last chunk are both on rank 0: one copy, used twice, as on one device.
+        self.embedding_group = grid.embedding_group if self.pp is not None and pipeline_shape != "v" else None
         if self.embedding_group is not None and self.embedding_group.size > 1:
             self.embedding_group.broadcast(wte.weight.data, root=0)
             wte.weight.placement = wte.weight.placement.also(copies="embedding", grad_sum="embedding")

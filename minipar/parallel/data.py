@@ -149,6 +149,9 @@ class DataParallelAdamW(DistributedOptimizer):
             return
         bucket = self._bucket_of[p]
         bucket.ready += 1
+        if bucket.ready > len(bucket.params):  # its sum would have been started without it
+            raise RuntimeError("a gradient was reported complete twice in one step: run every backward "
+                               "but each parameter's last under no_sync()")
         if bucket.ready == len(bucket.params):
             self.all_reduce_bucket(bucket)
             self.started_in_backward += bucket.request is not None

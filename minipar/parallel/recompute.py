@@ -40,6 +40,8 @@ def recomputing():
 
 
 class Checkpoint(Function):
+    defers_weights = False  # its parameter inputs are anchors; the inner backward splits B and W itself
+
     @staticmethod
     def forward(ctx, x, anchor, fn, rng, before, after, before_backward, after_backward, *params):
         ctx.x, ctx.fn, ctx.rng, ctx.n_params = x, fn, rng, len(params)

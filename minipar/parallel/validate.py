@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the names pipeline/schedules.py builds
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # the names pipeline/schedules.py builds
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules that run the weights' gradients (W) apart from B
 DTYPES = ("float32", "float64")
 CP_COMM_TYPES = ("p2p", "a2a")  # ring attention, DeepSpeed-Ulysses (parallel/context.py)
 NAMES = {"tp": "TP", "pp": "PP", "dp": "DP", "cp": "CP", "ep": "EP"}  # a field's name in a message when the caller gives none
@@ -45,7 +46,7 @@ class RunConfig:
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless
     moe_loss_coeffs: tuple = ()  # the auxiliary losses' coefficients
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    schedule: Optional[str] = None  # "gpipe", "1f1b" or "interleaved"
+    schedule: Optional[str] = None  # one of SCHEDULES
     global_batch: Optional[int] = None  # sequences per step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # None: rows per DP rank / micro_batches
     micro_batches: Optional[int] = None  # None: rows per DP rank / micro_batch_size, or PP if neither
@@ -159,10 +160,13 @@ def resolve(cfg, names=None):
     # One rank can run its chunks in turn, so the schedules allow v > 1 with p = 1; a job that asks
     # for virtual stages without a pipeline is a mistake, so a run (its world size given) may not.
     one_rank = known("world_size") and pp == 1
-    other = known("schedule") and cfg.schedule != "interleaved"
+    other = known("schedule") and cfg.schedule not in ("interleaved", "zb-v")
     if known("pp", "virtual_stages") and v > 1 and (one_rank or other):
         needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved")] * other
         out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
+    if known("schedule", "virtual_stages") and cfg.schedule == "zb-v" and v != 2:
+        out.append(f"{say('schedule', 'zb-v')} places two chunks per rank in a V: it needs "
+                   f"{say('virtual_stages', 2)}, got {v}")
     _context(cfg, say, known, out)
     _experts(cfg, say, known, dp, out)
     m, mbs = _batch(cfg, say, known, dp, out)
@@ -183,6 +187,9 @@ def resolve(cfg, names=None):
             out.append("ZeRO stages 2 and 3 send gradients during backward, before the tied "
                        "embedding's two parts on the first and last pipeline stage are added: with "
                        f"pipeline parallelism use {stage_1}")
+        elif known("schedule") and cfg.schedule in SPLIT_BACKWARD:
+            out.append(f"ZeRO stages 2 and 3 handle a unit's gradients as its backward ends, but "
+                       f"{say('schedule', cfg.schedule)} computes the weights' gradients later (W): use {stage_1}")
     return replace(cfg, dp=dp, micro_batches=m, micro_batch_size=mbs), out
 
 

@@ -1,8 +1,12 @@
 """A pipelined GPT against the single-device GPT (float64, dropout on): the loss, every gradient
 the rank holds (the tied embedding's on the first and the last stage), the gradient norm and the
-parameters after two clipped AdamW steps, and the evaluation loss, for one schedule.
+parameters after two clipped AdamW steps, and the evaluation loss, for one schedule; the most
+activations the executor held, against the simulator's count for the same schedule.
 
     run_mpi.sh -n 4 tests/mpi/pipeline.py --pp 4 --schedule interleaved --v 2 --m 4 [--recompute]
+
+``--plant-bug`` (zero-bubble schedules) skips W, the weights' gradients, of micro-batch 1: the
+gradients must then be found wrong.
 """
 
 import argparse
@@ -17,7 +21,9 @@ from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
+from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.pipeline.simulate import simulate
 from minipar.parallel.tensor import local_shard
 from minipar.verify import rel_err
 
@@ -29,6 +35,8 @@ p.add_argument("--v", type=int, default=1)
 p.add_argument("--m", type=int, default=4)
 p.add_argument("--recompute", action="store_true")
 p.add_argument("--sequence-parallel", action="store_true")
+p.add_argument("--zero-stage", type=int, default=0)
+p.add_argument("--plant-bug", action="store_true")
 args = p.parse_args()
 
 minipar.set_default_dtype("float64")
@@ -38,20 +46,26 @@ config = GPTConfig(n_layer=2 * args.pp * args.v, n_head=4, n_embd=32, block_size
 minipar.manual_seed(3)
 serial = GPT(config)
 minipar.manual_seed(3)
-model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.v)
 hyper = dict(lr=1e-2, weight_decay=0.1)
-opt = make_optimizer(model, grid, 0, **hyper)  # the step protocol: data parallelism + AdamW
 try:
+    model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.v,
+                pipeline_shape=schedules.shape_of(args.schedule))
+    opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the step protocol: data parallelism + AdamW
     run = PipelineExecutor(model, grid, args.schedule, args.m, optimizer=opt, recompute=args.recompute)
 except ValueError as e:  # bad sizes: every rank must refuse, before any message (then all meet here)
     print(f"rank {world().rank} refused: {e}", flush=True)
     world().barrier()
     sys.exit(3)
+if args.plant_bug:  # W of micro-batch 1 dropped: its weights' gradients never reach .grad
+    def skip_w(state, ins, keep=run._handlers[schedules.BACKWARD_WEIGHT]):
+        state.weight_grads.pop((ins.mb, ins.chunk)) if ins.mb == 1 else keep(state, ins)
+    run._handlers[schedules.BACKWARD_WEIGHT] = skip_w
 opt_s = AdamW(serial.parameters(), **hyper)
 rank = world().rank
 batch = 2 * args.m * grid.dp
 data = np.random.default_rng(0)
 mine = dict(model.named_parameters())
+worst = {"gradient": 0.0, "parameter": 0.0}  # the largest relative errors against one device
 MAX_NORM = 0.05  # below the gradient norm: clipping is active
 
 
@@ -70,10 +84,12 @@ for step in range(2):
     norm_s = clip_grad_norm(serial.parameters(), MAX_NORM)
 
     def check_grads_then_step():
-        opt.finish_gradients()  # the DP all-reduce, then model.finalize_grads()
+        opt.finish_gradients()  # the DP all-reduce (ZeRO-1: reduce-scatter), then model.finalize_grads()
+        full = opt.full_gradients() if args.zero_stage else None  # ZeRO-1 sums only this rank's piece
         for n, g in grads.items():
-            got = mine[n].grad
+            got = mine[n].grad if full is None else full[id(mine[n])].reshape(mine[n].shape)
             err = rel_err(got, shard(n, g))
+            worst["gradient"] = max(worst["gradient"], err)
             assert err < 1e-10, f"rank {rank} step {step}: gradient of {n} off by {err:.1e}"
         try:
             model.finalize_grads()
@@ -85,7 +101,7 @@ for step in range(2):
         opt.step()
 
     record = trained = run.step(x, y, optimizer_step=check_grads_then_step)
-    if grid.is_last_stage:
+    if record.loss is not None:  # the rank holding the last chunk (rank 0 in a V)
         loss = grid.dp_group.all_reduce(np.array([record.loss]))[0] if grid.dp > 1 else record.loss
         assert rel_err(loss, loss_s.item()) < 1e-12, f"rank {rank}: loss {loss} vs {loss_s.item()}"
     opt_s.step()
@@ -98,13 +114,20 @@ x = data.integers(0, config.vocab_size, (batch, config.block_size))
 with no_grad():
     loss_s = serial(x, x)[1].item()
 record = run.evaluate(x, x)
-if grid.is_last_stage:
+if record.loss is not None:  # the rank holding the last chunk (rank 0 in a V)
     loss = grid.dp_group.all_reduce(np.array([record.loss]))[0] if grid.dp > 1 else record.loss
     assert rel_err(loss, loss_s) < 1e-12, f"rank {rank}: evaluation loss {loss} vs {loss_s}"
 
 reference = serial.state_dict()
 for n, p in mine.items():
     err = rel_err(p.data, shard(n, reference[n]))
+    worst["parameter"] = max(worst["parameter"], err)
     assert err < 1e-10, f"rank {rank}: parameter {n} off by {err:.1e} after 2 steps"
+plans = schedules.build(args.schedule, grid.pp, args.m, args.v)
+held = simulate(plans, args.m, args.v, weight=1, shape=schedules.shape_of(args.schedule)).peak_alive[grid.pp_rank]
+assert trained.peak_alive == held, f"rank {rank}: held {trained.peak_alive} activations, the simulator {held}"
+assert (trained.peak_weight_bytes > 0) == args.schedule.startswith("zb-"), trained.peak_weight_bytes
 layers = sorted(int(n.split(".")[2]) for n in mine if n.startswith("transformer.h."))
-print(f"rank {rank}: pipeline {args.schedule} OK (layers {sorted(set(layers))}, peak alive {trained.peak_alive})")
+print(f"rank {rank}: pipeline {args.schedule} OK (layers {sorted(set(layers))}, peak alive {trained.peak_alive}, "
+      f"W held {trained.peak_weight_bytes} bytes, max error gradient {worst['gradient']:.1e} "
+      f"parameter {worst['parameter']:.1e})")

@@ -13,14 +13,16 @@ instructions lives in one ``StepState`` (``state.py``). The methods:
     _step       wait for the sends still in flight, then the caller's optimizer step
 
 A new instruction is one method and one entry in ``self._handlers``, plus its place in the
-schedules. Zero-bubble pipelines (Qi et al. 2023, ZB-H1) split the backward into B, the input's
-gradient (on the critical path: the previous stage waits for it), and W, the weights' gradient
-(filling the bubble later). For them: ``schedules.py`` gains ``BACKWARD_WEIGHT`` and the ZB-H1
-order; ``_backward`` computes the input's gradient only and parks the weight half of the graph
-in the state (a new ``StepState`` field, keyed by (mb, chunk) like the others); a new
-``_backward_weight(state, ins)`` pops it and runs it; ``self.last_backward`` then names each
-chunk's last W, after which its gradients are complete; ``simulate`` gives W its cost, and
-``trace`` and ``schedules.table`` its letter.
+schedules. The zero-bubble schedules (Qi et al. 2024: ZB-H1, ZB-H2) split the backward in two:
+
+    _backward_input   B: the input's gradient only (``minipar.weight_grad.backward_input``), which
+                      the previous stage waits for; the weights' half is parked in the state
+    _backward_weight  W: runs the parked half where the schedule puts it, in what was the bubble
+
+so a chunk's gradients are complete after its last W, not its last backward (``last_backward``).
+ZB-V places the chunks in a V (``instructions.Pipeline``): the model must be built in the same
+shape (checked), and rank p - 1 hands its chunk 0's output to its own chunk 1 by a message to
+itself, like any other.
 
 Shapes are agreed, not sent: every rank computes (micro-batch rows, positions, n_embd) from the
 batch it is given and the model, so a message is only its bytes. Each message has its own tag,
@@ -60,16 +62,17 @@ from minipar.parallel.pipeline.simulate import message_key, peer
 from minipar.parallel.pipeline.state import StepRecord, StepState
 from minipar.parallel.validate import MAX_TAG  # re-exported: the tag limit is one of the run's rules
 from minipar.rng import rows_of
+from minipar.weight_grad import backward_input
 
 __all__ = ["MAX_TAG", "PipelineExecutor", "StepRecord"]
 
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` ("gpipe", "1f1b" or "interleaved") with ``micro_batches`` per step on this
+    """Runs ``schedule`` (one of ``schedules.SCHEDULES``) with ``micro_batches`` per step on this
     rank's stage of ``model`` (a GPT built on ``grid``). ``optimizer``: the step-protocol object
     (``parallel/protocol.py``) that sums the gradients over the data-parallel group; its
-    ``no_sync()`` covers all but each chunk's last backward. It may be left out when DP = 1 and the
+    ``no_sync()`` covers all but each chunk's last backward (or W). It may be left out when DP = 1 and the
     caller sums nothing. ``recompute``: keep only each block's input during forward."""
 
     def __init__(self, model, grid, schedule="1f1b", micro_batches=1, optimizer=None, recompute=False):
@@ -84,10 +87,15 @@ class PipelineExecutor:
         self.model, self.grid, self.optimizer, self.recompute = model, grid, optimizer, recompute
         self.m, self.v, self.name = micro_batches, v, schedule
         self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
-        self.pipe = S.Pipeline(grid.pp, micro_batches, v)
+        shape = S.shape_of(schedule)
+        self.pipe = S.Pipeline(grid.pp, micro_batches, v, shape)
+        placed = [self.pipe.global_chunk(grid.pp_rank, c) for c in range(v)]
+        if list(model.chunks) != placed:  # the same on every rank: refused before any message
+            raise ValueError(f"the {schedule!r} schedule places chunks {placed} on pipeline rank {grid.pp_rank}, "
+                             f"the model holds {list(model.chunks)}: build the GPT with pipeline_shape={shape!r}")
         plans = S.build(schedule, grid.pp, micro_batches, v)  # every rank's, to check them all alike
         self.instructions = plans[grid.pp_rank]
-        self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank)
+        self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank, shape)
         self.comm = grid.pp_group  # None when PP = 1: then nothing is sent
         self._handlers = {
             S.RECV_ACT: self._recv_act,
@@ -95,6 +103,8 @@ class PipelineExecutor:
             S.SEND_ACT: self._send_act,
             S.RECV_GRAD: self._recv_grad,
             S.BACKWARD: self._backward,
+            S.BACKWARD_INPUT: self._backward_input,
+            S.BACKWARD_WEIGHT: self._backward_weight,
             S.SEND_GRAD: self._send_grad,
             S.STEP: self._step,
         }
@@ -102,8 +112,17 @@ class PipelineExecutor:
         if unknown:  # a schedule ahead of its executor: every rank says so, before any message
             raise ValueError(f"the {schedule!r} schedule has instructions {unknown} that the executor "
                              "has no method for: add one to PipelineExecutor._handlers")
-        # the backward after which a chunk's gradients are complete for the step
-        self.last_backward = {ins.chunk: ins.mb for ins in self.instructions if ins.op == S.BACKWARD}
+        # the backward (or, split, the W) after which a chunk's gradients are complete for the step
+        last = {ins.chunk: (k, ins.mb) for k, ins in enumerate(self.instructions)
+                if ins.op in (S.BACKWARD, S.BACKWARD_WEIGHT)}
+        # The tied embedding is used by the first global chunk and by the last. Where one rank holds
+        # both (rank 0 of a V), its gradient is complete only after the later of their last
+        # backwards: the earlier chunk stays quiet throughout (``finish_gradients`` sends its part).
+        ends = [c for c, g in enumerate(model.chunks) if g in (0, self.pipe.n_chunks - 1)]
+        if len(ends) == 2:
+            last[min(ends, key=lambda c: last[c][0])] = (None, None)
+        self.last_backward = {c: mb for c, (_, mb) in last.items()}
+        self.weights = model.parameters()  # whose gradients a split backward leaves to W
 
     def step(self, x, y, optimizer_step=None):
         """One training step on the global batch (x, y) (every rank passes the same one): run the
@@ -167,7 +186,8 @@ class PipelineExecutor:
             out = scale_loss(out, self.model.local_targets(targets), total=state.tokens)
             state.loss += out.item()
         state.kept[unit] = (inp, out)
-        state.record.peak_alive = max(state.record.peak_alive, len(state.kept))
+        # a micro-batch's activations are held until its backward, or, split, until its W
+        state.record.peak_alive = max(state.record.peak_alive, len(state.kept) + len(state.weight_grads))
 
     def _send_act(self, state, ins):
         unit = (ins.mb, ins.chunk)
@@ -187,6 +207,22 @@ class PipelineExecutor:
             out.backward(state.output_grads.pop(unit, None))  # None: the loss, on the last chunk
         if inp is not None:
             state.input_grads[unit] = inp.grad
+
+    def _backward_input(self, state, ins):
+        unit = (ins.mb, ins.chunk)
+        inp, out = state.kept.pop(unit)  # the graph's arrays that only B needed are freed
+        # no hooks fire in B: every parameter's gradient waits for W
+        state.weight_grads[unit] = backward_input(out, self.weights, state.output_grads.pop(unit, None))
+        if inp is not None:
+            state.input_grads[unit] = inp.grad
+        held = sum(w.nbytes() for w in state.weight_grads.values())
+        state.record.peak_weight_bytes = max(state.record.peak_weight_bytes, held)
+
+    def _backward_weight(self, state, ins):
+        pending = state.weight_grads.pop((ins.mb, ins.chunk))
+        quiet = self.optimizer is not None and ins.mb != self.last_backward[ins.chunk]
+        with self.optimizer.no_sync() if quiet else contextlib.nullcontext():
+            pending.run()
 
     def _send_grad(self, state, ins):
         grad = state.input_grads.pop((ins.mb, ins.chunk))

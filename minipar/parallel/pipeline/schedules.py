@@ -3,20 +3,11 @@
 A pipeline of p ranks runs m micro-batches. With ``v`` virtual stages (model chunks) per rank, the
 model's layers are cut into p*v chunks placed round-robin (Megatron-LM): rank r holds global chunks
 r, p + r, 2p + r, ... so a micro-batch visits ranks 0, 1, ..., p-1, 0, 1, ... v times. Local chunk c
-of rank r is global chunk ``c*p + r``.
+of rank r is global chunk ``c*p + r`` (in ZB-V's V, chunks r and 2p - 1 - r).
 
-An instruction is one of
-
-    recv_act  (mb, chunk)    receive the input activation of micro-batch mb for this chunk
-    forward   (mb, chunk)    run the chunk; keep what backward needs
-    send_act  (mb, chunk)    send its output to the rank holding the next chunk (non-blocking)
-    recv_grad (mb, chunk)    receive the gradient of that output
-    backward  (mb, chunk)    backpropagate it through the chunk
-    send_grad (mb, chunk)    send the gradient of the chunk's input back (non-blocking)
-    step                     the optimizer step, after everything
-
-The three schedules differ only in the order of forwards and backwards (the communication is put
-around them by the same rule):
+The schedules differ only in the order of forwards and backwards (the communication is put
+around them by the same rule); what an instruction is, and which rank holds which chunk, is
+``instructions.py``:
 
 * ``gpipe`` (Huang et al. 2019): every forward, then every backward. All m micro-batches'
   activations are alive at once.
@@ -25,56 +16,28 @@ around them by the same rule):
   p - r micro-batches are alive: the memory of p micro-batches, whatever m is. Same bubble as GPipe.
 * ``interleaved_one_f_one_b`` (Narayanan et al. 2021, Megatron-LM): 1F1B over v chunks per rank;
   each step of the pipeline is 1/v as long, so the fill and drain shrink v-fold.
+* ``zb_h1``, ``zb_h2``, ``zb_v`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward
+  split into B and W, W moved into the bubble; their orders are ``zero_bubble.py``.
 
 Sends never block (a send only starts) and receives do, so a schedule is free of deadlock exactly
 when replaying the sends and receives in order always lets some rank move on: ``simulate.py``
 checks that, and measures each schedule's bubble with unit costs.
 """
 
-from dataclasses import dataclass
-
 from minipar.parallel import validate
+from minipar.parallel.pipeline import zero_bubble
+from minipar.parallel.pipeline.instructions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT,  # noqa: F401 (re-exported)
+                                                    BACKWARDS, COMPUTE, FORWARD, LETTERS, RECV_ACT, RECV_GRAD,
+                                                    SEND_ACT, SEND_GRAD, STEP, Instruction, Pipeline)
 
 NAMES = {"pp": "p", "micro_batches": "m", "virtual_stages": "v"}  # a message's words for the sizes
-FORWARD, BACKWARD = "forward", "backward"
-RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, STEP = "recv_act", "send_act", "recv_grad", "send_grad", "step"
 
 
-@dataclass(frozen=True)
-class Instruction:
-    op: str
-    mb: int = -1
-    chunk: int = 0
-
-    def __str__(self):
-        return self.op if self.op == STEP else f"{self.op}({self.mb},{self.chunk})"
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """The shape of a pipeline: p ranks, v chunks per rank, m micro-batches per step."""
-
-    p: int
-    m: int
-    v: int = 1
-
-    def global_chunk(self, rank, chunk):
-        return chunk * self.p + rank
-
-    def place(self, global_chunk):
-        """(rank, local chunk) holding a global chunk."""
-        return global_chunk % self.p, global_chunk // self.p
-
-    @property
-    def n_chunks(self):
-        return self.p * self.v
-
-
-def check(p, m, v=1, n_layer=None, interleaved=False):
+def check(p, m, v=1, n_layer=None, interleaved=False, schedule=None):
     """Raise a ValueError naming every requirement the sizes break (call it on every rank before
     any communication). The rules are the run's (``minipar.parallel.validate``), asked in this
     module's letters: p ranks, m micro-batches, v chunks per rank."""
-    schedule = "interleaved" if interleaved else "1f1b"
+    schedule = schedule or ("interleaved" if interleaved else "1f1b")
     validate.check(validate.RunConfig(pp=p, micro_batches=m, virtual_stages=v, n_layer=n_layer, schedule=schedule),
                    names=NAMES, what="pipeline schedule")
 
@@ -92,12 +55,14 @@ def _with_communication(pipe, rank, compute):
             out.append(Instruction(FORWARD, mb, c))
             if g < last:
                 out.append(Instruction(SEND_ACT, mb, c))
-        else:
+        elif op in BACKWARDS:
             if g < last:
                 out.append(Instruction(RECV_GRAD, mb, c))
-            out.append(Instruction(BACKWARD, mb, c))
+            out.append(Instruction(op, mb, c))
             if g > 0:
                 out.append(Instruction(SEND_GRAD, mb, c))
+        else:  # W: the weights' gradients, local
+            out.append(Instruction(op, mb, c))
     out.append(Instruction(STEP))
     return out
 
@@ -116,6 +81,27 @@ def one_f_one_b(p, m, rank):
         compute += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
     compute += [(BACKWARD, i, 0) for i in range(m - warmup, m)]
     return _with_communication(Pipeline(p, m), rank, compute)
+
+
+def zb_h1(p, m, rank):
+    """ZB-H1 (Qi et al. 2024): 1F1B with the backward split, rank r holding back its last r W's
+    (``zero_bubble.h1``): 1F1B's memory, the bubble (p - 1)(T_F + T_B - T_W)."""
+    check(p, m, schedule="zb-h1")
+    return _with_communication(Pipeline(p, m), rank, zero_bubble.h1(p, m, rank))
+
+
+def zb_h2(p, m, rank):
+    """ZB-H2 (Qi et al. 2024): twice 1F1B's warm-up, rank r holding back its last 2r W's
+    (``zero_bubble.h2``): 2p - 1 micro-batches held, no bubble in steady state when T_F + T_B = 2 T_W."""
+    check(p, m, schedule="zb-h2")
+    return _with_communication(Pipeline(p, m), rank, zero_bubble.h2(p, m, rank))
+
+
+def zb_v(p, m, rank):
+    """ZB-V (Qi et al. 2024): two chunks per rank in a V (``zero_bubble.v``): 1F1B's memory and,
+    when T_F = T_B = T_W, no bubble in steady state; messages go both ways."""
+    check(p, m, 2, schedule="zb-v")
+    return _with_communication(Pipeline(p, m, 2, "v"), rank, zero_bubble.v(p, m, rank))
 
 
 def _mb(k, p, v):
@@ -151,15 +137,27 @@ def interleaved_one_f_one_b(p, m, v, rank):
     return _with_communication(Pipeline(p, m, v), rank, compute)
 
 
-def forward_only(p, m, v, rank):
+def forward_only(p, m, v, rank, shape="round-robin"):
     """Forwards alone, for evaluation: every micro-batch through every chunk, in the interleaved
-    forward order (for v = 1 simply micro-batch 0, 1, ...), no backward and no step."""
-    check(p, m, v, interleaved=v > 1)
-    order = [(_mb(k, p, v), (k % (p * v)) // p) for k in range(v * m)] if v > 1 else [(i, 0) for i in range(m)]
-    return _with_communication(Pipeline(p, m, v), rank, [(FORWARD, mb, c) for mb, c in order])[:-1]
+    forward order (for v = 1 simply micro-batch 0, 1, ...), no backward and no step. In a V, all
+    of chunk 0 then all of chunk 1: chunk 1 waits only on the ranks after this one, never on
+    this rank's chunk 0 beyond what it has done."""
+    check(p, m, v, schedule="zb-v" if shape == "v" else "interleaved" if v > 1 else "1f1b")
+    if shape == "v":
+        order = [(i, c) for c in range(2) for i in range(m)]
+    else:
+        order = [(_mb(k, p, v), (k % (p * v)) // p) for k in range(v * m)] if v > 1 else [(i, 0) for i in range(m)]
+    return _with_communication(Pipeline(p, m, v, shape), rank, [(FORWARD, mb, c) for mb, c in order])[:-1]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b,
+             "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v}
+SHAPES = {"zb-v": "v"}  # how a schedule places the chunks, when not round-robin
+
+
+def shape_of(name):
+    """How the ``name`` schedule places the chunks on the ranks (``Pipeline.shape``)."""
+    return SHAPES.get(name, "round-robin")
 
 
 def build(name, p, m, v=1):
@@ -168,6 +166,9 @@ def build(name, p, m, v=1):
         raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         return {r: interleaved_one_f_one_b(p, m, v, r) for r in range(p)}
+    if name == "zb-v":
+        check(p, m, v, schedule=name)  # raises unless v = 2
+        return {r: zb_v(p, m, r) for r in range(p)}
     if v != 1:
         check(p, m, v)  # raises: virtual stages need the interleaved schedule
     return {r: SCHEDULES[name](p, m, r) for r in range(p)}
@@ -175,13 +176,14 @@ def build(name, p, m, v=1):
 
 def table(schedules, compute_only=True):
     """The schedule as text, one column per rank: F3.1 is the forward of micro-batch 3 on local
-    chunk 1 (the chunk is left out when v = 1), B the backward."""
+    chunk 1 (the chunk is left out when v = 1), B the backward (or, split, its input half) and W
+    the weights' half."""
     def cell(ins):
-        tag = "F" if ins.op == FORWARD else "B" if ins.op == BACKWARD else ins.op
+        tag = LETTERS.get(ins.op, ins.op)
         return tag if ins.op == STEP else f"{tag}{ins.mb}" + (f".{ins.chunk}" if interleaved else "")
 
     interleaved = any(i.chunk for s in schedules.values() for i in s)
-    cols = {r: [cell(i) for i in s if not compute_only or i.op in (FORWARD, BACKWARD)]
+    cols = {r: [cell(i) for i in s if not compute_only or i.op in COMPUTE]
             for r, s in schedules.items()}
     width = max([len(c) for col in cols.values() for c in col] + [len(f"rank {r}") for r in cols]) + 2
     rows = [" " * 5 + "".join(f"rank {r}".ljust(width) for r in cols)]

@@ -30,14 +30,18 @@ measured timeline (``trace.op_costs``), in any one unit. Replaying all ranks thi
   Some papers quote the bubble relative to the work instead, (p - 1)/m and (p - 1)/(v*m).
 * counts the peak number of micro-batches whose activations a rank holds (forwards done, their
   backwards not yet): m for GPipe, p - rank for 1F1B.
+
+Zero-bubble schedules split each backward into B (input gradient) and W (weights' gradients):
+``backward`` is then B's cost and ``weight`` W's, and a micro-batch's activations stay held until
+its W, which needs the layers' inputs. Their idle times are ``zero_bubble_idle``'s formulas.
 """
 
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from minipar.parallel.pipeline.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT,
-                                                 SEND_GRAD, Pipeline)
+from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD,
+                                                 RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Pipeline)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Simulation:
     peak_alive: dict  # rank -> most micro-batch activations held at once (chunk activations)
     messages: int = 0
     bubble: dict = field(default_factory=dict)  # rank -> idle fraction of the makespan
+    period: Fraction = Fraction(0)  # the longest span of a rank, its first instruction's start to its last's end
 
 
 def message_key(pipe, rank, ins):
@@ -86,21 +91,33 @@ def per_chunk(cost, schedules, v):
     return {k: Fraction(cost[k]) for k in chunks}
 
 
-def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, forward_only=False):
+def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None, forward_only=False,
+             shape="round-robin"):
     """Replay ``schedules`` ({rank: [Instruction]}) and return a Simulation; raises RuntimeError on
     a deadlock or a broken schedule (``forward_only``: an evaluation schedule, no backwards).
-    ``forward``, ``backward`` and ``recompute`` (added to each backward): a number for every chunk
-    or {(rank, local chunk): number}; the defaults are the unit model, 1, 2 and 0."""
+    ``forward``, ``backward``, ``weight`` and ``recompute`` (added to each backward's first half):
+    a number for every chunk or {(rank, local chunk): number}; the defaults are the unit model, 1,
+    2 and 0. With the backward split (zero-bubble schedules), ``backward`` is B's cost and
+    ``weight`` W's, which such a schedule must be given; a fused backward costs backward + weight
+    (weight 0 when None), so one set of costs (F, B, W) compares every schedule. ``shape``: how
+    the chunks are placed (``Pipeline``), "v" for ZB-V."""
     p = len(schedules)
-    pipe = Pipeline(p, m, v)
-    cost = {FORWARD: per_chunk(forward, schedules, v), BACKWARD: per_chunk(backward, schedules, v)}
+    pipe = Pipeline(p, m, v, shape)
+    split = any(ins.op == BACKWARD_WEIGHT for s in schedules.values() for ins in s)
+    if split and weight is None:
+        raise ValueError("the schedule splits the backward into B and W: give W's cost as weight=")
+    w = per_chunk(0 if weight is None else weight, schedules, v)
+    b = per_chunk(backward, schedules, v)
     extra = per_chunk(recompute, schedules, v)
-    cost[BACKWARD] = {k: b + extra[k] for k, b in cost[BACKWARD].items()}
+    cost = {FORWARD: per_chunk(forward, schedules, v), BACKWARD_WEIGHT: w,
+            BACKWARD_INPUT: {k: b[k] + extra[k] for k in b},
+            BACKWARD: {k: b[k] + extra[k] + w[k] for k in b}}
     clock = {r: Fraction(0) for r in schedules}
     at = {r: 0 for r in schedules}  # next instruction per rank
     sent = {}  # message key -> time it was sent
     received = Counter()
-    alive = {r: set() for r in schedules}
+    alive = {r: set() for r in schedules}  # (mb, chunk) forwarded, its backward (or W) not yet run
+    split_done = {r: set() for r in schedules}  # (mb, chunk) whose B has run, waiting for its W
     peak = {r: 0 for r in schedules}
     busy = {r: Fraction(0) for r in schedules}
     timeline = {r: [] for r in schedules}
@@ -120,17 +137,9 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, forward_only
                     if key in sent:
                         raise RuntimeError(f"rank {r} sends {key} twice")
                     sent[key] = clock[r]
-                elif ins.op in (FORWARD, BACKWARD):
-                    unit = (ins.mb, ins.chunk)
-                    if ins.op == FORWARD:
-                        if unit in alive[r]:
-                            raise RuntimeError(f"rank {r} runs forward {unit} twice")
-                        alive[r].add(unit)
-                        peak[r] = max(peak[r], len(alive[r]))
-                    elif unit not in alive[r]:
-                        raise RuntimeError(f"rank {r} runs backward {unit} before its forward")
-                    else:
-                        alive[r].remove(unit)
+                elif ins.op in COMPUTE:
+                    _account(r, ins, alive, split_done)
+                    peak[r] = max(peak[r], len(alive[r]))
                     took = cost[ins.op][r, ins.chunk]
                     timeline[r].append((ins.op, ins.mb, ins.chunk, clock[r], clock[r] + took))
                     clock[r] += took
@@ -144,15 +153,70 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, forward_only
     if unmatched or any(v != 1 for v in received.values()):
         raise RuntimeError(f"sends and receives do not pair up: {unmatched[:5]}")
     for r in schedules:
+        if split_done[r]:
+            raise RuntimeError(f"rank {r} ends with B's whose W never ran: {sorted(split_done[r])}")
         if alive[r] and not forward_only:
             raise RuntimeError(f"rank {r} ends with forwards never backpropagated: {sorted(alive[r])}")
         done = Counter((op, c) for op, _, c, _, _ in timeline[r])
-        if any(n != m for n in done.values()) or len(done) != (1 if forward_only else 2) * v:
+        kinds = 1 if forward_only else 3 if split else 2
+        if any(n != m for n in done.values()) or len(done) != kinds * v:
             raise RuntimeError(f"rank {r} does not run every micro-batch once through each chunk")
     makespan = max(clock.values())
     sim = Simulation(makespan, busy, timeline, peak, messages=len(sent))
     sim.bubble = {r: (makespan - busy[r]) / makespan for r in schedules}
+    sim.period = max(t[-1][4] - t[0][3] for t in timeline.values() if t)
     return sim
+
+
+def _account(r, ins, alive, split_done):
+    """Track the micro-batches whose activations rank r holds (a forward's, until its backward or,
+    split, its W: W needs the layer inputs), and check the order F, then B, then W."""
+    unit = (ins.mb, ins.chunk)
+    if ins.op == FORWARD:
+        if unit in alive[r]:
+            raise RuntimeError(f"rank {r} runs forward {unit} twice")
+        alive[r].add(unit)
+    elif unit not in alive[r] or unit in split_done[r] and ins.op != BACKWARD_WEIGHT:
+        raise RuntimeError(f"rank {r} runs {ins.op} {unit} before its forward (or twice)")
+    elif ins.op == BACKWARD_INPUT:
+        split_done[r].add(unit)
+    elif ins.op == BACKWARD_WEIGHT:
+        if unit not in split_done[r]:
+            raise RuntimeError(f"rank {r} runs W {unit} before its B")
+        split_done[r].remove(unit)
+        alive[r].remove(unit)
+    else:
+        alive[r].remove(unit)
+
+
+def zero_bubble_idle(name, p, m, forward, backward, weight):
+    """The idle time of each rank per step that Qi et al. (2024) give for the zero-bubble schedules,
+    with F costing ``forward``, B ``backward`` and W ``weight`` on every rank and chunk (1F1B's is
+    (p - 1)(T_F + T_B + T_W)):
+
+        zb-h1:   (p - 1)(T_F + T_B - T_W)      over the step, every rank alike
+        zb-h2:   (p - 1)(T_F + T_B - 2 T_W)    within the longest rank's span (``Simulation.period``)
+        zb-v:    0 when T_F = T_B = T_W        within the longest rank's span
+
+    ZB-H2's and ZB-V's spans form a parallelogram whose slant is idle too when the optimizer step
+    synchronises the ranks: ZB-H2's step then takes m (T_F + T_B + T_W) + (p - 1) max(T_F, T_F +
+    T_B - 2 T_W), ZB-V's 2m (T_F + T_B + T_W) + (p - 1) T_F (its costs are a chunk's, half a
+    stage's). The formulas hold for T_W <= T_F (with a longer W the drain's W's cannot shorten the
+    fill; ZB-V's for equal costs only, the case its order is built for) and enough micro-batches
+    to reach the steady state: m >= p for ZB-H1, 2p - 1 for ZB-H2 and ZB-V."""
+    f, b, w = Fraction(forward), Fraction(backward), Fraction(weight)
+    if w > f:
+        raise ValueError(f"the zero-bubble formulas assume T_W <= T_F, got T_W = {w} > T_F = {f}")
+    need = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p - 1}
+    if name not in need:
+        raise ValueError(f"no zero-bubble formula for {name!r}: choose one of {', '.join(need)}")
+    if m < need[name]:
+        raise ValueError(f"the {name} formula needs m >= {need[name]} micro-batches, got {m}")
+    if name == "zb-v":
+        if not f == b == w:
+            raise ValueError(f"the zb-v formula is for T_F = T_B = T_W, got {f}, {b}, {w}")
+        return Fraction(0)
+    return (p - 1) * (f + b - (w if name == "zb-h1" else 2 * w))
 
 
 def theoretical_bubble(p, m, v=1):

@@ -15,11 +15,13 @@ class StepRecord:
     """What one step did on this rank. ``timeline``: (op, mb, chunk, start, end) for every
     instruction, in seconds of ``time.perf_counter``; ``loss``: the sum of this rank's scaled
     micro-batch losses (the last stage; None elsewhere); ``peak_alive``: the most chunk
-    activations held at once."""
+    activations held at once (until the backward, or, split, until its W); ``peak_weight_bytes``:
+    the most bytes the parked W's kept alive at once (0 without the split)."""
 
     timeline: list = field(default_factory=list)
     loss: float = None
     peak_alive: int = 0
+    peak_weight_bytes: int = 0
 
 
 @dataclass
@@ -35,6 +37,7 @@ class StepState:
     kept            (input, output) of each forward, its graph kept for the backward
     output_grads    received gradients of chunk outputs, each waiting for its backward
     input_grads     gradients of chunk inputs, each waiting to be sent back
+    weight_grads    the W half of each split backward (``WeightGradients``), waiting for its W
     sends           requests of the sends still in flight
     loss            the sum of the scaled micro-batch losses computed here so far
     record          the StepRecord returned: timeline and peak activations
@@ -49,6 +52,7 @@ class StepState:
     kept: dict = field(default_factory=dict)
     output_grads: dict = field(default_factory=dict)
     input_grads: dict = field(default_factory=dict)
+    weight_grads: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     loss: float = 0.0
     record: StepRecord = field(default_factory=StepRecord)

@@ -10,9 +10,10 @@ import json
 import os
 import statistics
 
-from minipar.parallel.pipeline.schedules import BACKWARD, FORWARD
+from minipar.parallel.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, LETTERS
 
-COLORS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452"}
+# forward blue, backward (or its input half B) orange, the weights' half W green
+COLORS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", BACKWARD_INPUT: "#dd8452", BACKWARD_WEIGHT: "#55a868"}
 
 
 def origin(timelines):
@@ -25,26 +26,26 @@ def bubble(timelines):
     makespan running from the first rank's start to the end of the last backward anywhere (the
     optimizer step after it, and the gradient all-reduces it waits for, are not pipeline idle)."""
     t0 = origin(timelines)
-    end = max(t[4] for events in timelines.values() for t in events if t[0] in (FORWARD, BACKWARD))
+    end = max(t[4] for events in timelines.values() for t in events if t[0] in COMPUTE)
     span = end - t0
-    return {r: 1 - sum(e - s for op, _, _, s, e in events if op in (FORWARD, BACKWARD)) / span
+    return {r: 1 - sum(e - s for op, _, _, s, e in events if op in COMPUTE) / span
             for r, events in timelines.items()}
 
 
 def op_costs(timelines):
-    """{op: {(rank, chunk): seconds}}: each chunk's median forward and backward on each rank, the
+    """{op: {(rank, chunk): seconds}}: each chunk's median forward and backward (or B and W) on each rank, the
     measured costs ``simulate`` takes. The median, so that one instruction that lost its core to
     another process for a while does not stretch the rest."""
     times = {}
     for r, events in timelines.items():
         for op, _, chunk, start, end in events:
-            if op in (FORWARD, BACKWARD):
+            if op in COMPUTE:
                 times.setdefault(op, {}).setdefault((r, chunk), []).append(end - start)
     return {op: {k: statistics.median(d) for k, d in by_chunk.items()} for op, by_chunk in times.items()}
 
 
 def label(op, mb, chunk, chunks=1):
-    short = {FORWARD: "F", BACKWARD: "B"}.get(op, op)
+    short = LETTERS.get(op, op)
     return f"{short}{mb}" + (f".{chunk}" if chunks > 1 else "")
 
 
@@ -65,7 +66,7 @@ def chrome_trace(timelines, path, chunks=1):
 
 
 def gantt(timelines, path, title, chunks=1, unit="ms"):
-    """A Gantt picture: one row per rank, forwards blue, backwards orange, each labelled with its
+    """A Gantt picture: one row per rank, forwards blue, backwards (B) orange, W green, each labelled with its
     micro-batch (and chunk), the gaps between them the bubble."""
     import matplotlib
 
@@ -89,7 +90,9 @@ def gantt(timelines, path, title, chunks=1, unit="ms"):
                     fontsize=6 if w > span / 45 else 4, color="white", clip_on=True)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time (unit costs: forward 1, backward 2)" if unit == "units" else "time (ms)")
+    split = any(t[0] == BACKWARD_WEIGHT for events in timelines.values() for t in events)
+    units = "time (unit costs: F, B and W as given)" if split else "time (unit costs: forward 1, backward 2)"
+    ax.set_xlabel(units if unit == "units" else "time (ms)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

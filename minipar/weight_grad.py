@@ -1,0 +1,98 @@
+"""The backward split in two: B (input gradients) now, W (weight gradients) later.
+
+Zero-bubble pipelines (Qi et al. 2024, "Zero Bubble Pipeline Parallelism") observe that of a
+layer's two backward products, y = x W^T giving dx = g W and dW = g^T x, only dx is on the critical
+path: the previous stage waits for it. dW can run whenever the stage would otherwise idle, as long
+as it runs before the optimizer step. So
+
+    pending = backward_input(out, weights, grad)   # B: every gradient but the weights'
+    ...                                            # other work (forwards, other B's)
+    pending.run()                                  # W: the weights' gradients, into .grad
+
+B walks the graph as ``engine.backward`` does, but a node consuming one of ``weights`` computes
+only its other inputs' gradients and is parked here with its output gradients; W calls the same
+backward on each parked node, in the order B met them, asking for the weights' gradients only.
+Each half is the fused backward's arithmetic on the same arrays, and each weight accumulates its
+parts in the same order, so B then W equals the fused backward bit for bit.
+
+The price is memory: until W runs, each parked node keeps what its weight gradient needs (a
+linear layer's input x and its output gradient g; a LayerNorm's normalised input) where the fused
+backward would have freed it. ``nbytes`` counts it, every buffer once, leaving out the weights
+themselves (parameters, held anyway). Gradient hooks (data parallelism's buckets) of a deferred
+weight fire in W, when its last parked use has run.
+"""
+
+from collections import Counter
+
+from minipar import engine
+from minipar.backend import xp
+
+
+class WeightGradients:
+    """The W half of one or more split backwards over ``weights`` (the tensors whose gradients
+    wait): the parked nodes, their output gradients, and what they keep alive."""
+
+    def __init__(self, weights):
+        self._weights = {id(w): w for w in weights}
+        self._parked = []  # (fn, ctx, out_grads, inputs, in_shapes, needs of W), in B's order
+
+    def __len__(self):
+        return len(self._parked)
+
+    def holds(self, tensor):
+        return id(tensor) in self._weights
+
+    def deferred(self, node):
+        """The indices of ``node``'s inputs whose gradients W computes."""
+        if not node.fn.defers_weights:
+            return ()
+        return tuple(i for i, t in enumerate(node.inputs) if t is not None and self.holds(t))
+
+    def defer(self, node, out_grads, indices):
+        """Called by the engine during B: park ``node`` for W with the gradients of its outputs."""
+        needs = tuple(n and i in indices for i, n in enumerate(node.ctx.needs_input_grad))
+        self._parked.append((node.fn, node.ctx, out_grads, node.inputs, node.in_shapes, needs))
+
+    def nbytes(self):
+        """Bytes kept alive for W: output gradients and saved arrays of the parked nodes, each
+        underlying buffer once, the weights' own arrays left out."""
+        weights = [w.data for w in self._weights.values()]
+        seen, total = set(), 0
+        for _, ctx, out_grads, _, _, _ in self._parked:
+            for a in list(out_grads) + [v for v in vars(ctx).values() if isinstance(v, xp.ndarray)]:
+                while a.base is not None and isinstance(a.base, xp.ndarray):
+                    a = a.base
+                if id(a) in seen or any(xp.may_share_memory(a, w) for w in weights):
+                    continue
+                seen.add(id(a))
+                total += a.nbytes
+        return total
+
+    def run(self):
+        """W: every parked node's weight gradients, accumulated into ``.grad`` in B's order. A
+        weight's gradient hooks fire once its last parked use has run."""
+        uses = Counter(t for _, _, _, inputs, _, needs in self._parked
+                       for t, n in zip(inputs, needs) if n and getattr(t, "_grad_hooks", None))
+        parked, self._parked = self._parked, []
+        for fn, ctx, out_grads, inputs, in_shapes, needs in parked:
+            ctx.needs_input_grad = needs
+            in_grads = engine.call_backward(fn, ctx, out_grads, inputs)
+            in_grads = [g if n else None for g, n in zip(in_grads, needs)]
+            engine.deliver(fn, inputs, in_shapes, in_grads, out_grads, slots=None)
+            for t, n in zip(inputs, needs):
+                if n and t in uses:
+                    uses[t] -= 1
+                    if uses[t] == 0:
+                        engine.fire_hooks(t)
+
+
+def backward_input(tensor, weights, grad=None):
+    """B: backpropagate ``grad`` from ``tensor`` into every leaf but ``weights`` (those left for
+    W). Returns the ``WeightGradients`` whose ``run()`` is W."""
+    weights = list(weights)
+    if any(w._node is not None for w in weights):
+        raise ValueError("backward_input: the weights whose gradients W computes must be leaves (parameters)")
+    pending = WeightGradients(weights)
+    with engine.splitting(pending):
+        engine.backward(tensor, grad)
+    return pending
