@@ -6,7 +6,7 @@ The reference routes the groups of tokens the ranks route (``RoutingGroups``): e
 of each micro-batch, each CP rank's two chunks, each SP rank's positions. So with a capacity
 factor it drops the same slots, and its balancing loss is the same mean over groups.
 
-    run_mpi.sh -n 4 tests/mpi/moe_gpt.py EP TP CP PP [sp] [zero1] [capacity] [recompute] [plant-bug]
+    run_mpi.sh -n 4 tests/mpi/moe_gpt.py EP TP CP PP [sp] [zero1] [capacity] [recompute] [zb-h1] [plant-bug]
 """
 
 import sys
@@ -77,7 +77,7 @@ minipar.manual_seed(1)
 grid = ProcessGrid(tp=tp, pp=pp, cp=cp, ep=ep)
 model = GPT(config, grid, sequence_parallel="sp" in options, recompute_granularity="full" if "recompute" in options else None)
 opt = make_optimizer(model, grid, 1 if "zero1" in options else 0, **HYPER)
-executor = PipelineExecutor(model, grid, "1f1b", micro_batches=M, optimizer=opt)
+executor = PipelineExecutor(model, grid, "zb-h1" if "zb-h1" in options else "1f1b", micro_batches=M, optimizer=opt)
 named = dict(model.named_parameters())
 
 
