@@ -1,0 +1,115 @@
+"""The planner (minipar/plan): its formulas against minipar's own counts, the enumerator, the
+command line and its JSON. The bytes and state of real runs: tests/mpi/plan_counts.py."""
+
+from fractions import Fraction
+
+import pytest
+
+from minipar.comm.base import ring_bytes
+from minipar.models import GPT, GPTConfig
+from minipar.parallel import memory, validate
+from minipar.parallel.pipeline.simulate import theoretical_bubble
+from minipar.plan import activations, bubble, state, traffic
+from minipar.plan.shapes import Layout, Model, run_config
+from tests.mpi_run import check_mpi
+
+SMALL = Model(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16)
+
+
+def test_one_rank_holds_the_whole_model_as_the_gpt_counts_it():
+    for experts in (0, 4):
+        model = Model(4, 16, 4, 16, num_experts=experts, moe_layer_freq=2)
+        gpt = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=16, block_size=16, num_experts=experts, moe_layer_freq=2))
+        assert sum(state.rank_parameters(model, Layout())) == gpt.num_parameters()
+        cfg = validate.RunConfig(n_layer=4, n_embd=16, block_size=16, vocab_size=256, num_experts=experts or None,
+                                 moe_layer_freq=2)
+        assert sum(state.rank_parameters(model, Layout())) == memory.total_parameters(cfg)
+
+
+def test_stages_and_tp_ranks_add_up_to_the_model_and_its_tied_copy():
+    whole = sum(state.rank_parameters(SMALL, Layout()))
+    # PP: the last stage's copy of the tied embedding is held twice
+    pp = sum(sum(state.rank_parameters(SMALL, Layout(pp=4), s)) for s in range(4))
+    assert pp == whole + 256 * 16
+    # TP 2: the split matrices halve, LayerNorms, row-parallel biases and positions stay whole
+    tp = sum(state.rank_parameters(SMALL, Layout(tp=2)))
+    h, L = 16, 4
+    whole_on_each = L * 6 * h + 16 * h + 2 * h
+    assert 2 * tp - whole_on_each == whole
+
+
+def test_zero_shards_each_kind_of_state_stage_by_stage():
+    P = memory.parameter_count(4, 16, 16)
+    base = state.state_bytes(SMALL, Layout(dp=4))
+    assert base == {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * P}
+    for z, sharded in ((1, {"optimizer"}), (2, {"optimizer", "gradients"}), (3, {"optimizer", "gradients", "parameters"})):
+        got = state.state_bytes(SMALL, Layout(dp=4, zero_stage=z))
+        assert got == {k: v // 4 if k in sharded else v for k, v in base.items()}
+    mixed = state.state_bytes(SMALL, Layout(dp=4, zero_stage=1), dtype="bf16")
+    assert mixed == {"parameters": 2 * P, "gradients": 4 * P, "optimizer": 12 * P // 4}
+
+
+def test_data_parallel_bytes_are_the_ring_all_reduce_of_the_gradients():
+    P = sum(state.rank_parameters(SMALL, Layout()))
+    for n in (2, 4, 8):
+        assert traffic.group_bytes(SMALL, Layout(dp=n), 8 * n) == {"dp": 2 * (n - 1) * 4 * P // n}
+        zero1 = traffic.group_bytes(SMALL, Layout(dp=n, zero_stage=1), 8 * n)["dp"]
+        assert zero1 == 2 * ring_bytes("reduce_scatter", 4 * P, n)[0] + ring_bytes("all_reduce", 8, n)[0]
+
+
+def test_tensor_parallel_bytes_follow_megatrons_count_and_sequence_parallelism_moves_the_same():
+    b, s, h, t, L = 2, 16, 16, 2, 4
+    S = b * s * h * 4
+    plain = traffic.group_bytes(SMALL, Layout(tp=t, micro_batch_size=b), b)["tp"]
+    # 4 all-reduces per block, the embedding and the head, the cross-entropy's 3 b s values, the norm
+    assert plain == (4 * L + 2) * S + 3 * b * s * 4 + 8
+    sp = traffic.group_bytes(SMALL, Layout(tp=t, micro_batch_size=b, sequence_parallel=True), b)["tp"]
+    assert sp - plain == 4 * (6 * h * L + s * h + 2 * h)  # only the partial gradients' all-reduce is new
+
+
+def test_pipeline_messages_per_chunk_and_micro_batch():
+    b, m = 1, 8
+    S = b * 16 * 16 * 4
+    for p, v in ((2, 1), (4, 1), (2, 2)):
+        lay = Layout(pp=p, vpp=v, micro_batch_size=b, schedule="interleaved" if v > 1 else "1f1b")
+        sent = [traffic.group_bytes(SMALL, lay, m, stage)["pp"] - ring_bytes("all_reduce", 8, p)[0] for stage in range(p)]
+        assert sum(sent) == 2 * m * (p * v - 1) * S  # every boundary carries an activation and a gradient
+
+
+def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms():
+    for schedule, p, m, v in (("1f1b", 4, 8, 1), ("gpipe", 2, 6, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4)):
+        simulated, alive, source = bubble.pipeline(schedule, p, m, v)
+        assert source == "simulator" and simulated == theoretical_bubble(p, m, v)
+        bubble.pipeline.cache_clear()
+        old, bubble.SIMULATE_UP_TO = bubble.SIMULATE_UP_TO, 0
+        try:
+            closed, closed_alive, source = bubble.pipeline(schedule, p, m, v)
+        finally:
+            bubble.SIMULATE_UP_TO = old
+            bubble.pipeline.cache_clear()
+        assert source == "closed form" and (closed, closed_alive) == (simulated, alive)
+    assert bubble.pipeline("1f1b", 1, 8) == (Fraction(0), (1,), "no pipeline")
+
+
+def test_the_activation_formula_lives_in_minipar_and_the_benchmark_uses_it():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "activation_memory.py")
+    spec = importlib.util.spec_from_file_location("activation_memory_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.formula is activations.formula
+    one = sum(activations.formula(16, 2, 16, 4, 4, False).values())
+    assert activations.layer_bytes(SMALL, Layout(micro_batch_size=2), 4) == one
+    halved = activations.layer_bytes(SMALL, Layout(tp=2, micro_batch_size=2, sequence_parallel=True), 4)
+    assert one // 2 < halved < one  # the LayerNorm outputs stay whole under SP
+
+
+def test_a_plan_asks_validate_why_a_layout_fails():
+    problems = validate.problems(run_config(Model(4, 16, 3, 16), Layout(tp=2, dp=2), 8))
+    assert any("not divisible by TP=2" in p for p in problems)
+
+
+def test_planned_bytes_and_state_equal_a_real_step_on_4_ranks():
+    assert "plan counts OK on 4 ranks" in check_mpi(4, "plan_counts.py", timeout=120)
