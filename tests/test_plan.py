@@ -113,3 +113,99 @@ def test_a_plan_asks_validate_why_a_layout_fails():
 
 def test_planned_bytes_and_state_equal_a_real_step_on_4_ranks():
     assert "plan counts OK on 4 ranks" in check_mpi(4, "plan_counts.py", timeout=120)
+
+
+# ---- the enumerator, the step-time model and the command line ----------------------------------
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from minipar.plan import cost  # noqa: E402
+from minipar.plan.enumerate import as_json, plan  # noqa: E402
+from minipar.plan.shapes import PRESETS, Machine  # noqa: E402
+
+JSON_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size", "recompute", "memory_gb",
+             "step_time_s", "mfu", "bytes_per_group", "bubble"}
+
+
+def test_every_plan_is_valid_fits_and_is_ranked_and_every_other_layout_has_a_reason():
+    model = Model(4, 16, 4, 16)
+    machine = Machine(gpus=6, gpus_per_node=3, gpu_memory_gb=2e-4)
+    result = plan(model, machine, 12)
+    assert result.plans, "some layout fits"
+    for layout, prediction in result.plans:
+        assert validate.problems(run_config(model, layout, 12)) == []
+        assert layout.world_size == 6 and layout.tp <= 3 and prediction.memory_gb <= 2e-4
+    times = [p.step_time_s for _, p in result.plans]
+    assert times == sorted(times)
+    reasons = " | ".join(result.examples.values())
+    for words in ("not divisible by --tensor-model-parallel-size 3", "spans nodes of 3 GPUs", "does not fit"):
+        assert words in reasons, words
+    bigger = plan(model, replace_memory(machine, 1.0), 12)
+    assert len(bigger.plans) > len(result.plans)  # more memory, more layouts fit
+    assert len(bigger.plans) + sum(bigger.failures.values()) == len(result.plans) + sum(result.failures.values())
+
+
+def replace_memory(machine, gb):
+    from dataclasses import replace
+
+    return replace(machine, gpu_memory_gb=gb)
+
+
+def test_a_groups_link_follows_megatrons_rank_order():
+    machine = Machine(gpus=16, gpus_per_node=8)
+    layout = Layout(tp=8, pp=2)
+    assert cost.link(layout, machine, "tp") == "intra" and cost.link(layout, machine, "pp") == "inter"
+    layout = Layout(tp=2, dp=4, pp=2)
+    assert cost.link(layout, machine, "dp") == "intra" and cost.link(layout, machine, "embedding") == "inter"
+    assert cost.link(Layout(tp=2, dp=8), machine, "dp") == "inter"
+
+
+def test_more_bandwidth_or_peak_predicts_a_faster_step():
+    model, batch = PRESETS["gpt2"]
+    layout = Layout(tp=2, pp=2, dp=2, micro_batch_size=4)
+    base = cost.predict(model, layout, Machine(gpus=8, gpus_per_node=4), batch)  # PP across the two nodes
+    for change in (dict(inter_node_gbps=400.0), dict(intra_node_gbps=4800.0), dict(peak_tflops=624.0)):
+        faster = cost.predict(model, layout, Machine(gpus=8, gpus_per_node=4, **change), batch)
+        assert faster.step_time_s < base.step_time_s, change
+
+
+def test_megatrons_flops_per_iteration_with_recomputation():
+    """Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), with full recomputation."""
+    for name in ("megatron-1t", "gpt3-175b", "gpt2"):
+        model, B = PRESETS[name]
+        l, h, s, V = model.num_layers, model.hidden_size, model.seq_length, model.vocab_size
+        paper = 96 * B * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * l * h))
+        model_flops, hardware = cost.flops_per_iteration(model, B, recompute=True)
+        assert hardware == paper, name
+        assert model_flops * 4 == 3 * 96 * B * s * l * h * h + 4 * 12 * B * s * s * l * h + 4 * 6 * B * s * h * V
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-m", "minipar.plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_prints_the_ranked_plans_as_json():
+    run = run_plan("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                   "--global-batch-size", "16", "--gpus", "8", "--json", "--top", "4")
+    assert run.returncode == 0, run.stderr
+    plans = json.loads(run.stdout)
+    assert len(plans) == 4 and all(JSON_KEYS <= set(p) for p in plans)
+    assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
+    first = plans[0]
+    assert first["tp"] * first["pp"] * first["dp"] * first["cp"] == 8
+    layout = Layout(**{k: first[k] for k in ("tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size",
+                                             "recompute", "sequence_parallel", "cp_comm_type", "schedule")})
+    again = as_json(layout, cost.predict(Model(4, 64, 4, 32), layout, Machine(gpus=8), 16))
+    assert json.loads(json.dumps(again)) == first
+
+
+def test_the_command_line_explains_failures_and_the_rules_of_thumb():
+    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "2")
+    assert run.returncode == 0, run.stderr
+    for words in ("layouts tried", "why the rest fail", "not divisible by --tensor-model-parallel-size",
+                  "rules of thumb", "TP inside a node", "ZeRO before PP"):
+        assert words in run.stdout, words
+    bad = run_plan("--hidden-size", "64", "--gpus", "8")
+    assert bad.returncode == 2 and "--num-layers" in bad.stderr
