@@ -13,6 +13,7 @@ import json
 import sys
 from dataclasses import replace
 
+from . import hetero
 from .enumerate import as_json, plan
 from .shapes import PRECISIONS, PRESETS, Machine, Model
 
@@ -36,6 +37,8 @@ def parser():
                         ("--inter-node-gbps", "inter_node_gbps"), ("--efficiency", "efficiency")):
         kind = int if field == "gpus_per_node" else float
         p.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field), help=f"default %(default)s")
+    p.add_argument("--node-speeds", help="each node's relative speed, comma-separated (heterogeneous GPUs): "
+                   "balance the fastest pipelined plan's layers over its stages")
     p.add_argument("--top", type=int, default=5, help="plans to print")
     p.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
     return p
@@ -71,10 +74,13 @@ def rules_of_thumb(result, machine):
         lines.append(f"PP across nodes: {'agrees' if kind == 'inter' else 'the pipeline fits in a node here'} (PP={best.pp}, {kind}-node)")
     else:
         lines.append("PP across nodes: no pipeline needed: the model fits without one")
-    dp_group = "dp_cp" if best.cp > 1 else "dp"
-    kind = prediction.links.get(dp_group)
-    lines.append(f"DP outermost: DP={best.dp}" + (f", its group {kind}-node" if kind else ", nothing to send")
-                 + (": agrees" if kind in (None, "inter") or best.pp == 1 else ""))
+    kind = prediction.links.get("dp_cp" if best.cp > 1 else "dp")  # None: DP = 1 sends nothing
+    if kind is None:
+        lines.append(f"DP outermost (DP scales out across nodes): no data parallelism here (DP={best.dp})")
+    else:
+        verdict = "agrees" if kind == "inter" or machine.gpus <= machine.gpus_per_node else (
+            "disagrees: the model keeps DP inside a node and lets the pipeline cross nodes")
+        lines.append(f"DP outermost (DP scales out across nodes): DP={best.dp}, its group {kind}-node: {verdict}")
     zero = [p for p in result.plans if p[0].pp == 1 and p[0].zero_stage > 0]
     piped = [p for p in result.plans if p[0].pp > 1]
     if zero and piped:
@@ -120,7 +126,33 @@ def main(argv=None):
     print("\nrules of thumb against the model:")
     for line in rules_of_thumb(result, machine):
         print(f"  {line}")
+    if args.node_speeds:
+        heterogeneous(result, machine, model, batch, args.node_speeds, p)
     return 0 if result.plans else 1
+
+
+def heterogeneous(result, machine, model, batch, text, p):
+    """The fastest pipelined plan's layers balanced over its stages' speeds, and the bubble saved."""
+    try:
+        speeds = [float(x) for x in text.split(",")]
+    except ValueError:
+        p.error(f"--node-speeds {text}: give numbers separated by commas")
+    piped = [lp for lp in result.plans if lp[0].pp > 1]
+    if not piped:
+        print("\nheterogeneous GPUs: no plan has a pipeline to balance")
+        return
+    layout = piped[0][0]
+    try:
+        stage = hetero.stage_speeds(layout, machine.gpus_per_node, speeds)
+    except ValueError as exc:
+        p.error(f"--node-speeds: {exc}")
+    m = batch // layout.dp // layout.micro_batch_size
+    out = hetero.compare(model.num_layers, stage, m)
+    print(f"\nheterogeneous GPUs: the fastest pipelined plan (PP={layout.pp}), stage speeds {stage}, {m} micro-batches, 1F1B")
+    for name, (layers, makespan, bub) in out.items():
+        print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
+    saved = float(1 - out["balanced"][1] / out["even"][1])
+    print(f"  balancing saves {saved:.1%} of the step (bubble {float(out['even'][2]):.3f} -> {float(out['balanced'][2]):.3f})")
 
 
 if __name__ == "__main__":
