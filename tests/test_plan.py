@@ -249,3 +249,7 @@ def test_the_command_line_shows_the_balancing_win():
     run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "1", "--gpu-memory-gb", "2", "--node-speeds", "1,0.5")
     assert run.returncode == 0, run.stderr
     assert "balanced  layers per stage [8, 4]" in run.stdout and "balancing saves" in run.stdout
+
+
+def test_planned_activations_are_within_ten_percent_of_the_measured_peaks_on_4_ranks():
+    assert "plan activations within 10% on 4 ranks" in check_mpi(4, "plan_activations.py", timeout=120)

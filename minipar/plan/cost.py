@@ -89,7 +89,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     for s in stages:
         held = sum(state.state_bytes(model, layout, s, dtype).values())
         layers = len(state.stage_layers(model, layout, s))
-        held += activations.rank_bytes(model, layout, layers, alive[s], s == layout.pp - 1, d, query_block)
+        held += activations.rank_bytes(model, layout, layers, alive[s], s == 0, s == layout.pp - 1, d, query_block)
         memory = max(memory, held)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
         for g in b:  # the busier stage's count of each group
