@@ -58,7 +58,7 @@ from minipar.autograd import Tensor
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Parameter
 from minipar.parallel.recompute import checkpoint
-from minipar.plan.activations import formula, kept_pairs, korthikanti  # noqa: F401  (the formula, in minipar)
+from minipar.plan.activations import formula, korthikanti  # the formula lives in minipar (the planner uses it)
 
 GRANULARITIES = (None, "selective", "full")
 

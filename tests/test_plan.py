@@ -1,6 +1,11 @@
 """The planner (minipar/plan): its formulas against minipar's own counts, the enumerator, the
 command line and its JSON. The bytes and state of real runs: tests/mpi/plan_counts.py."""
 
+import itertools
+import json
+import subprocess
+import sys
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -9,9 +14,10 @@ from minipar.comm.base import ring_bytes
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import memory, validate
 from minipar.parallel.pipeline.simulate import theoretical_bubble
-from minipar.plan import activations, bubble, state, traffic
-from minipar.plan.shapes import Layout, Model, run_config
-from tests.mpi_run import check_mpi
+from minipar.plan import activations, bubble, cost, hetero, state, traffic
+from minipar.plan.enumerate import as_json, plan
+from minipar.plan.shapes import PRESETS, Layout, Machine, Model, run_config
+from mpi_run import check_mpi
 
 SMALL = Model(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16)
 
@@ -117,13 +123,6 @@ def test_planned_bytes_and_state_equal_a_real_step_on_4_ranks():
 
 # ---- the enumerator, the step-time model and the command line ----------------------------------
 
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-from minipar.plan import cost  # noqa: E402
-from minipar.plan.enumerate import as_json, plan  # noqa: E402
-from minipar.plan.shapes import PRESETS, Machine  # noqa: E402
 
 JSON_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size", "recompute", "memory_gb",
              "step_time_s", "mfu", "bytes_per_group", "bubble"}
@@ -142,15 +141,9 @@ def test_every_plan_is_valid_fits_and_is_ranked_and_every_other_layout_has_a_rea
     reasons = " | ".join(result.examples.values())
     for words in ("not divisible by --tensor-model-parallel-size 3", "spans nodes of 3 GPUs", "does not fit"):
         assert words in reasons, words
-    bigger = plan(model, replace_memory(machine, 1.0), 12)
+    bigger = plan(model, replace(machine, gpu_memory_gb=1.0), 12)
     assert len(bigger.plans) > len(result.plans)  # more memory, more layouts fit
     assert len(bigger.plans) + sum(bigger.failures.values()) == len(result.plans) + sum(result.failures.values())
-
-
-def replace_memory(machine, gb):
-    from dataclasses import replace
-
-    return replace(machine, gpu_memory_gb=gb)
 
 
 def test_a_groups_link_follows_megatrons_rank_order():
@@ -193,6 +186,9 @@ def test_the_command_line_prints_the_ranked_plans_as_json():
     plans = json.loads(run.stdout)
     assert len(plans) == 4 and all(JSON_KEYS <= set(p) for p in plans)
     assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
+    for p in plans:  # the bubble is the simulator's
+        m = 16 // p["dp"] // p["micro_batch_size"]
+        assert p["bubble"] == float(bubble.pipeline(p["schedule"], p["pp"], m, p["vpp"], p["recompute"])[0])
     first = plans[0]
     assert first["tp"] * first["pp"] * first["dp"] * first["cp"] == 8
     layout = Layout(**{k: first[k] for k in ("tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size",
@@ -213,10 +209,6 @@ def test_the_command_line_explains_failures_and_the_rules_of_thumb():
 
 # ---- heterogeneous GPUs -----------------------------------------------------------------------
 
-import itertools  # noqa: E402
-
-from minipar.plan import hetero  # noqa: E402
-
 
 def test_balance_minimises_the_slowest_stage():
     for L, speeds in ((8, [1, 1, 0.5]), (12, [2, 1, 1, 0.5]), (6, [1, 1])):
@@ -233,7 +225,7 @@ def test_balance_minimises_the_slowest_stage():
 def test_balancing_a_slow_stage_shortens_the_step_and_the_bubble():
     out = hetero.compare(16, [1, 1, 1, 0.5], 8)
     (even, t_even, b_even), (balanced, t_bal, b_bal) = out["even"], out["balanced"]
-    assert even == [4, 4, 4, 4] and t_bal < t_even and b_bal < b_even
+    assert even == [4, 4, 4, 4] and balanced == [5, 5, 4, 2] and t_bal < t_even and b_bal < b_even
     same = hetero.compare(16, [1, 1, 1, 1], 8)  # equal speeds: nothing to gain, the textbook bubble
     assert same["even"][1:] == same["balanced"][1:] and same["even"][2] == theoretical_bubble(4, 8)
 

@@ -36,7 +36,7 @@ def parser():
                         ("--peak-tflops", "peak_tflops"), ("--intra-node-gbps", "intra_node_gbps"),
                         ("--inter-node-gbps", "inter_node_gbps"), ("--efficiency", "efficiency")):
         kind = int if field == "gpus_per_node" else float
-        p.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field), help=f"default %(default)s")
+        p.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field), help="default %(default)s")
     p.add_argument("--node-speeds", help="each node's relative speed, comma-separated (heterogeneous GPUs): "
                    "balance the fastest pipelined plan's layers over its stages")
     p.add_argument("--top", type=int, default=5, help="plans to print")

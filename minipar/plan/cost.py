@@ -25,7 +25,6 @@ from minipar.mfu import flops_per_token
 from . import activations, bubble, state, traffic
 from .shapes import PRECISIONS, micro_batches
 
-STRIDES = ("tp", "cp", "dp", "pp")  # Megatron's rank order: TP fastest, then CP, DP, PP
 
 
 def flops_per_iteration(model, global_batch, recompute=False):
