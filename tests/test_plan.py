@@ -3,6 +3,7 @@ command line and its JSON. The bytes and state of real runs: tests/mpi/plan_coun
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,7 +18,7 @@ from minipar.parallel.pipeline.simulate import theoretical_bubble
 from minipar.plan import activations, bubble, cost, hetero, state, traffic
 from minipar.plan.enumerate import as_json, plan
 from minipar.plan.shapes import PRESETS, Layout, Machine, Model, run_config
-from mpi_run import check_mpi
+from mpi_run import check_mpi, run_mpi
 
 SMALL = Model(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16)
 
@@ -245,3 +246,20 @@ def test_the_command_line_shows_the_balancing_win():
 
 def test_planned_activations_are_within_ten_percent_of_the_measured_peaks_on_4_ranks():
     assert "plan activations within 10% on 4 ranks" in check_mpi(4, "plan_activations.py", timeout=120)
+
+
+# ---- lesson 11 --------------------------------------------------------------------------------
+
+LESSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons", "11_which_parallelism.py")
+
+
+def test_lesson_11_finds_every_layouts_bytes_and_state_as_planned_on_4_ranks():
+    out = check_mpi(4, LESSON, "--steps", "2", timeout=120)
+    assert "Every layout sent exactly the bytes and held exactly the state the planner predicts." in out
+    assert out.count(" ok ") >= 10 and "Spearman's rank correlation" in out
+
+
+def test_lesson_11_fails_with_a_planner_that_forgets_sequence_parallelisms_sums():
+    code, out, _ = run_mpi(4, LESSON, "--steps", "1", "--plant-bug", timeout=120)
+    assert code == 1 and "MISMATCH: see the rows above" in out
+    assert "TP2 DP2 SP Z1     MISMATCH" in out and "DP4 Z1            ok" in out
