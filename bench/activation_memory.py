@@ -14,7 +14,7 @@ dropout's output (2). Selective recomputation keeps everything else (34 s b h); 
 recomputation keeps the layer's input (2 s b h).
 
 minipar's own count, in d-byte values (d = 4 in float32, dropout masks too: ``rng.scaled`` makes
-them floats of the compute dtype), is what its ops keep, term by term (``formula``):
+them floats of the compute dtype), is what its ops keep, term by term (``formula``, in ``minipar/plan/activations.py``):
 
     what backward needs (the ops' contexts)                      22 s b h + 2 s b  (20 without dropout)
       LayerNorms: xhat and 1/sigma                                2 s b h + 2 s b
@@ -58,45 +58,9 @@ from minipar.autograd import Tensor
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Parameter
 from minipar.parallel.recompute import checkpoint
+from minipar.plan.activations import formula, korthikanti  # the formula lives in minipar (the planner uses it)
 
 GRANULARITIES = (None, "selective", "full")
-
-
-def kept_pairs(s, query_block):
-    """K(s): the (key, query) pairs the fused attention keeps per sequence and head."""
-    return sum(min(q0 + query_block, s) * (min(q0 + query_block, s) - q0) for q0 in range(0, s, query_block))
-
-
-def formula(s, b, h, a, d, dropout, granularity=None, query_block=64):
-    """minipar's activation bytes of one layer, {term: bytes} (see the module docstring)."""
-    sbh = s * b * h
-    if granularity == "full":
-        return {"the layer's output (the next layer's kept input)": d * sbh,
-                "checkpoint's anchor, an empty array": 1}
-    masks = 1 if dropout else 0
-    terms = {
-        "LayerNorms: xhat, 1/sigma": d * (2 * sbh + 2 * s * b),
-        "LayerNorm outputs (qkv, c_fc inputs)": d * 2 * sbh,
-        "q, k, v": d * 3 * sbh,
-        "attention output (c_proj input)": d * sbh,
-        "GELU input and tanh": d * 8 * sbh,
-        "GELU output (c_proj input)": d * 4 * sbh,
-        "dropout masks": d * 2 * masks * sbh,
-        "residual stream: output, x + attn": d * 2 * sbh,
-        "c_proj outputs (dropout inputs)": d * 2 * sbh,
-        "dropout outputs (residual inputs)": d * 2 * masks * sbh,
-    }
-    if granularity == "selective":
-        terms["mask coordinates (int64)"] = 8 * (b + a + s) * masks
-    else:
-        terms["T x T: probabilities P"] = d * a * b * kept_pairs(s, query_block)
-        terms["T x T: dropout mask R"] = d * a * b * kept_pairs(s, query_block) * masks
-    return terms
-
-
-def korthikanti(s, b, h, a, granularity=None):
-    """The paper's bytes per layer (16-bit values, 1-byte masks; Table 2)."""
-    return {None: s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}[granularity]
 
 
 def _root(array):

@@ -1,0 +1,15 @@
+"""Which parallelism, when: a planner that predicts a layout's memory, traffic, bubble and step time.
+
+Layer 7, no MPI. One concept per file:
+
+    shapes.py       the model's and the layout's plain numbers (Megatron's names), the presets
+    state.py        parameters a rank holds and their bytes with AdamW and ZeRO (exact)
+    activations.py  one layer's activation bytes (the formula bench/activation_memory.py measures),
+                    times the layers and the schedule's in-flight micro-batches
+    traffic.py      bytes each group sends per rank per step, as the communicators count them
+    bubble.py       the pipeline bubble and the in-flight micro-batches, from the schedule simulator
+    cost.py         step time: compute at peak x efficiency, an alpha-beta model per link
+    enumerate.py    every layout of a machine, why each invalid one fails, ranked by step time
+    hetero.py       layers per stage balanced over stages of unequal speed
+    __main__.py     ``python -m minipar.plan``
+"""

@@ -1,0 +1,120 @@
+"""Activation memory: one layer's bytes (minipar's formula, which ``bench/activation_memory.py``
+measures to the byte; docs/activation_memory.md), and a rank's, from the layers it holds and the
+micro-batches its schedule keeps in flight.
+
+One layer, s positions, b sequences, h hidden, a heads, d bytes per value (``formula`` below):
+
+    d s b h (28 + 2/h) + 2 d a b K(s)    with dropout      (Korthikanti et al.: s b h (34 + 5 a s/h)
+                                                            with 2-byte values and 1-byte masks)
+
+On a rank of a layout (``layer_bytes``): tensor parallelism divides what lives inside attention and
+the MLP (q, k, v, the attention output, GELU's values, the T x T part: the heads and the MLP's
+columns are split); the LayerNorms, the residual stream, the row-parallel layers' outputs and the
+dropouts stay whole (h wide), unless sequence parallelism splits them along s too (the LayerNorm
+outputs, gathered before the column-parallel layers, stay whole). The collectives' autograd nodes
+keep their own inputs: Megatron's f a copy of each LayerNorm output, g the partial sum and the sum
+before the bias, 6 s b h more per layer (with sequence parallelism the partial sums, 2 s b h, and
+the shards before the gathers and after the reduce-scatters, 4 s b h / t). Context parallelism gives each
+rank s = T/CP positions, and its queries see about 1/CP of the causal T x T pairs. Full
+recomputation keeps each layer's input (s b h, split by SP) and, while one layer's backward
+runs, that layer's whole set once more.
+
+Ring attention keeps no T x T part at all (its backward rebuilds the probabilities from the
+log-sum-exp); Ulysses keeps it for all T positions and a/(t CP) heads.
+
+A rank holds (``rank_bytes``): its layers x the chunk activations its schedule keeps alive at the
+peak (``bubble.pipeline``: 1F1B p on the first stage, GPipe m), plus per micro-batch in flight,
+on the first stage the embeddings' 4 s b h, on the last ln_f's and the head's input, 3 s b h, and
+the logits with their softmax, 2 b s V/t d (those two counts read off measured graphs). The
+per-layer formula is exact on one device; the rest is the planner's approximation, within 10% of
+the measured peaks (``tests/mpi/plan_counts.py``'s activation rows).
+"""
+
+
+def kept_pairs(s, query_block):
+    """K(s): the (key, query) pairs the fused attention keeps per sequence and head."""
+    return sum(min(q0 + query_block, s) * (min(q0 + query_block, s) - q0) for q0 in range(0, s, query_block))
+
+
+def formula(s, b, h, a, d, dropout, granularity=None, query_block=64):
+    """minipar's activation bytes of one layer, {term: bytes} (see bench/activation_memory.py)."""
+    sbh = s * b * h
+    if granularity == "full":
+        return {"the layer's output (the next layer's kept input)": d * sbh,
+                "checkpoint's anchor, an empty array": 1}
+    masks = 1 if dropout else 0
+    terms = {
+        "LayerNorms: xhat, 1/sigma": d * (2 * sbh + 2 * s * b),
+        "LayerNorm outputs (qkv, c_fc inputs)": d * 2 * sbh,
+        "q, k, v": d * 3 * sbh,
+        "attention output (c_proj input)": d * sbh,
+        "GELU input and tanh": d * 8 * sbh,
+        "GELU output (c_proj input)": d * 4 * sbh,
+        "dropout masks": d * 2 * masks * sbh,
+        "residual stream: output, x + attn": d * 2 * sbh,
+        "c_proj outputs (dropout inputs)": d * 2 * sbh,
+        "dropout outputs (residual inputs)": d * 2 * masks * sbh,
+    }
+    if granularity == "selective":
+        terms["mask coordinates (int64)"] = 8 * (b + a + s) * masks
+    else:
+        terms["T x T: probabilities P"] = d * a * b * kept_pairs(s, query_block)
+        terms["T x T: dropout mask R"] = d * a * b * kept_pairs(s, query_block) * masks
+    return terms
+
+
+def korthikanti(s, b, h, a, granularity=None):
+    """The paper's bytes per layer (16-bit values, 1-byte masks; Table 2)."""
+    return {None: s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}[granularity]
+
+
+SPLIT_BY_TP = ("q, k, v", "attention output", "GELU", "T x T")  # inside the heads and the MLP's columns
+WHOLE_UNDER_SP = ("LayerNorm outputs",)  # gathered to the full sequence before the column-parallel layers
+
+
+def layer_bytes(model, layout, d, query_block=64):
+    """One layer's activation bytes for one micro-batch on one rank of ``layout`` (no recompute)."""
+    t, c, b = layout.tp, layout.cp, layout.micro_batch_size
+    s = model.seq_length // c
+    terms = formula(s, b, model.hidden_size, model.num_attention_heads, d, model.dropout > 0, None, query_block)
+    total = 0
+    for name, value in terms.items():
+        if name.startswith("T x T") and value and c > 1 and layout.cp_comm_type == "p2p":
+            value = 0  # ring attention keeps no probabilities: backward rebuilds them from the log-sum-exp
+        elif name.startswith("T x T") and value:  # Ulysses: all T positions, a / (t CP) heads
+            value = d * model.num_attention_heads * b * kept_pairs(model.seq_length, query_block) // c
+        if name.startswith(SPLIT_BY_TP) or (layout.sequence_parallel and not name.startswith(WHOLE_UNDER_SP)):
+            value //= t
+        total += value
+    sbh = d * s * b * model.hidden_size
+    if t > 1 and layout.sequence_parallel:  # the LayerNorms' own (sharded) outputs before the gathers,
+        total += 2 * sbh + 4 * sbh // t     # the row-parallel partial sums (whole) and their shards
+    elif t > 1:  # f's copies of the LayerNorm outputs, g's partial sums and their all-reduced sums
+        total += 6 * sbh
+    return total
+
+
+def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, query_block=64, transient=True):
+    """Activation bytes at the peak on a rank holding ``layers`` blocks, with ``in_flight`` chunk
+    activations alive (``layers`` over its v chunks: in_flight x layers / v layer-activations).
+    Full recomputation, and ZeRO-3, which runs every unit (embeddings, blocks, head) under a
+    checkpoint, keep each recomputed unit's input only; ``transient``: add the one layer whose
+    forward is run again inside its backward (a graph walked between forward and backward, as
+    ``bench/memory_breakdown.py`` walks it, does not see it)."""
+    b, s, t = layout.micro_batch_size, model.seq_length // layout.cp, layout.tp
+    sbh = d * s * b * model.hidden_size
+    shard = t if layout.sequence_parallel else 1
+    per_chunk = layers // layout.vpp
+    every_unit = layout.zero_stage == 3
+    recompute = layout.recompute or every_unit
+    per_layer = sbh // shard if recompute else layer_bytes(model, layout, d, query_block)
+    kept = in_flight * per_chunk * per_layer + (layer_bytes(model, layout, d, query_block) if recompute and transient else 0)
+    passes = -(-in_flight // layout.vpp)  # the micro-batches alive in the first (or last) chunk
+    if first_stage and not every_unit:  # the embeddings' rows, their sum, dropout's mask and output (measured: 4 s b h)
+        kept += passes * 4 * sbh // shard
+    logits = 2 * b * s * -(-model.vocab_size // t) * d  # the head's output and the loss's softmax
+    if last_stage and every_unit:  # the head unit's input, and its output the loss keeps
+        kept += passes * (sbh // shard + logits)
+    elif last_stage:  # ln_f's xhat and output, the head's input (3 s b h), the logits and their softmax
+        kept += passes * (3 * sbh // shard + logits)
+    return kept

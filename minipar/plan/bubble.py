@@ -1,0 +1,39 @@
+"""The pipeline's bubble and the micro-batches each stage keeps in flight, from the schedule
+simulator (``parallel/pipeline/simulate.py``) run on the schedule's own instruction lists.
+
+The simulator replays every rank's instructions with unit costs (forward 1, backward 2, plus 1 per
+recomputed forward), so the bubble it returns is the schedule's, not a formula's: for stages of
+equal cost it equals (p - 1)/(v m + p - 1) (GPipe and 1F1B: v = 1), which the tests check. The
+step's bubble is the mean of the ranks' idle fractions (the trainer reports the same mean).
+
+A schedule of p x v x m chunk-passes costs the simulator a few microseconds each; beyond
+``SIMULATE_UP_TO`` of them (the 1T model's 64 stages x 512 micro-batches) the planner takes the
+closed forms instead, and says so (``source``): the bubble above, and the peak in flight of the
+first stage, from the schedules' warm-up rules (``schedules.py``): GPipe m, 1F1B min(p, m),
+interleaved min(2 (p - 1) + (v - 1) p + 1, v m) chunk activations.
+"""
+
+from fractions import Fraction
+from functools import lru_cache
+
+from minipar.parallel.pipeline import schedules
+from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
+
+SIMULATE_UP_TO = 4096  # chunk-passes p x v x m
+
+
+@lru_cache(maxsize=4096)
+def pipeline(schedule, p, m, v=1, recompute=False):
+    """(bubble: Fraction, in flight per rank: tuple of chunk activations, source) of a schedule."""
+    if p == 1:
+        return Fraction(0), (1,), "no pipeline"
+    if p * v * m <= SIMULATE_UP_TO:
+        sim = simulate(schedules.build(schedule, p, m, v), m, v, forward=1, backward=2, recompute=int(recompute))
+        return sum(sim.bubble.values()) / p, tuple(sim.peak_alive[r] for r in range(p)), "simulator"
+    if schedule == "gpipe":
+        alive = [m] * p
+    elif schedule == "interleaved":
+        alive = [min(2 * (p - r - 1) + (v - 1) * p + 1, v * m) for r in range(p)]
+    else:
+        alive = [min(p - r, m) for r in range(p)]
+    return theoretical_bubble(p, m, v), tuple(alive), "closed form"

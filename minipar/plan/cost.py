@@ -1,0 +1,117 @@
+"""A layout's predicted memory, traffic and step time on a machine.
+
+Compute. The FLOPs of a step are minipar's own count (``mfu.flops_per_token``: 72 L h^2 + 12 L T h
++ 6 V h per token, Narayanan et al. 2021) and, with full recomputation, one more forward of the
+blocks (24 L h^2 + 4 L T h): the sum is the paper's 96 B s l h^2 (1 + s/6h + V/16lh) exactly. Every
+rank does 1/(TP CP PP DP) of it, at the peak times an efficiency (the share of peak the kernels
+reach, calibrated by a micro-benchmark), and the pipeline stretches it by 1 / (1 - bubble).
+
+Communication. Each group's bytes (``traffic.group_traffic``) cross one kind of link: inside a
+node (NVLink) or between nodes (InfiniBand), as Megatron's rank order places the group's ranks
+(``link``). A group's time is alpha x its latency steps + bytes / bandwidth (Hockney's model).
+Where the technique overlaps its messages with compute, only the excess shows: data parallelism's
+buckets (and ZeRO-2's reduce-scatters) run during backward (2/3 of the compute), ring attention's
+K,V passes during the attention they feed. Tensor parallelism's collectives, Ulysses' and the
+experts' all-to-alls and the pipeline's messages wait on the compute and are added in full.
+
+Memory: the state (``state.state_bytes``) and the activations (``activations.rank_bytes``) of the
+first and the last stage, the fuller of the two.
+"""
+
+from dataclasses import dataclass, field
+
+from minipar.mfu import flops_per_token
+
+from . import activations, bubble, state, traffic
+from .shapes import PRECISIONS, micro_batches
+
+
+
+def flops_per_iteration(model, global_batch, recompute=False):
+    """(model FLOPs, hardware FLOPs) of one step: recomputation adds a forward of the blocks."""
+    moe = sum(model.is_moe(i) for i in range(model.num_layers))
+    args = (model.hidden_size, model.seq_length, model.vocab_size)
+    per_token = flops_per_token(model.num_layers, *args, moe, model.moe_router_topk, model.num_experts)
+    blocks = per_token - flops_per_token(0, *args)  # the blocks' forward and backward, 3 forwards
+    tokens = global_batch * model.seq_length
+    return tokens * per_token, tokens * (per_token + (blocks // 3 if recompute else 0))
+
+
+def group_span(layout, group):
+    """(stride, size) of a group's ranks in Megatron's order (EP: consecutive DP ranks; edp: the DP
+    ranks EP apart; embedding: the first and last stage)."""
+    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.dp}
+    if group == "dp_cp":
+        return layout.tp, layout.cp * layout.dp
+    if group == "ep":
+        return stride["dp"], layout.ep
+    if group == "edp":
+        return stride["dp"] * layout.ep, layout.dp // layout.ep
+    if group == "embedding":
+        return stride["pp"] * (layout.pp - 1), 2
+    return stride[group], getattr(layout, group)
+
+
+def link(layout, machine, group):
+    """"intra" when the group's ranks share a node, else "inter"."""
+    stride, size = group_span(layout, group)
+    return "intra" if stride * (size - 1) < machine.gpus_per_node else "inter"
+
+
+def seconds(nbytes, steps, kind, machine):
+    """Hockney's alpha-beta model: latency steps x alpha + bytes / bandwidth."""
+    gbps = machine.intra_node_gbps if kind == "intra" else machine.inter_node_gbps
+    alpha = machine.intra_node_latency_us if kind == "intra" else machine.inter_node_latency_us
+    return steps * alpha * 1e-6 + nbytes * 8 / (gbps * 1e9)
+
+
+@dataclass
+class Prediction:
+    memory_gb: float
+    step_time_s: float
+    mfu: float
+    bubble: float
+    bytes_per_group: dict
+    compute_s: float
+    comm_s: dict = field(default_factory=dict)  # exposed seconds per group
+    links: dict = field(default_factory=dict)
+    bubble_source: str = ""
+
+
+def predict(model, layout, machine, global_batch, dtype="float32", query_block=64):
+    """The Prediction of one valid layout (``enumerate`` checks validity first)."""
+    m = micro_batches(layout, global_batch)
+    bub, alive, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
+    d = PRECISIONS[dtype].activation
+    stages = sorted({0, layout.pp - 1})
+    memory, sent, steps = 0, {}, {}
+    for s in stages:
+        held = sum(state.state_bytes(model, layout, s, dtype).values())
+        layers = len(state.stage_layers(model, layout, s))
+        held += activations.rank_bytes(model, layout, layers, alive[s], s == 0, s == layout.pp - 1, d, query_block)
+        memory = max(memory, held)
+        b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
+        for g in b:  # the busier stage's count of each group
+            if b[g] >= sent.get(g, 0):
+                sent[g], steps[g] = b[g], n[g]
+    model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute)
+    rate = machine.peak_tflops * 1e12 * machine.efficiency
+    compute = hardware_flops / layout.world_size / rate
+    links = {g: link(layout, machine, g) for g in sent}
+    raw = {g: seconds(sent[g], steps[g], links[g], machine) for g in sent}
+    exposed = dict(raw)
+    backward = compute * 2 / 3
+    for g in ("dp", "dp_cp", "edp"):
+        if g in raw and layout.zero_stage == 0:
+            exposed[g] = max(0.0, raw[g] - backward)
+        elif g in raw and layout.zero_stage == 2:  # the m reduce-scatters overlap, the all-gather not
+            overlapped = raw[g] * m / (m + 1)
+            exposed[g] = max(0.0, overlapped - backward) + raw[g] - overlapped
+    if "cp" in raw and layout.cp_comm_type == "p2p":
+        per_token = model_flops / (global_batch * model.seq_length)
+        attention = 12 * model.num_layers * model.seq_length * model.hidden_size / per_token
+        exposed["cp"] = max(0.0, raw["cp"] - compute * attention)
+    in_pipeline = compute + sum(exposed.get(g, 0.0) for g in ("tp", "cp", "ep", "pp"))
+    step = in_pipeline / (1 - float(bub)) + sum(v for g, v in exposed.items() if g not in ("tp", "cp", "ep", "pp"))
+    mfu = model_flops / (step * layout.world_size * machine.peak_tflops * 1e12)
+    return Prediction(memory / 1e9, step, mfu, float(bub), sent, compute, exposed, links, source)

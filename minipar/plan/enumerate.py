@@ -1,0 +1,117 @@
+"""Every layout of a model on a machine: the valid ones predicted and ranked by step time, the
+rest counted by the reason they fail.
+
+A layout is TP x CP x PP x DP = the GPUs (DP the rest), with EP a divisor of DP (experts only),
+virtual stages, a ZeRO stage, a micro-batch size, full recomputation or none, sequence parallelism
+(TP > 1) and the CP communication (CP > 1). The schedule is 1F1B, interleaved with virtual stages:
+GPipe has 1F1B's bubble and holds more micro-batches, so it never wins. Why a layout fails is
+said by minipar's own rules (``validate.problems``: heads not divisible by TP, layers by PP x v,
+ZeRO-2/3 with a pipeline, ...), then by the planner's two: TP across nodes (its all-reduces on
+every layer would cross the slow link; refused as Megatron's guide does) and does not fit (the
+fuller stage's state and activations beyond the GPU's memory). Counts are of layouts tried; a grid
+refused before its inner choices counts once. One of validate's rules is not asked: the MPI tag
+limit (2 m p v tags), a bound of minipar's MPI messages, not of the layout (NCCL has no tags; the
+1T model's own layout needs 65,536).
+"""
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from minipar.parallel import validate
+
+from .cost import predict
+from .shapes import Layout, run_config
+
+CP_SIZES = (1, 2, 4, 8, 16)
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+VIRTUAL_STAGES = (1, 2, 4, 8)
+FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "cp": "--context-parallel-size",
+         "ep": "--expert-model-parallel-size", "n_head": "--num-attention-heads", "n_embd": "--hidden-size",
+         "n_layer": "--num-layers", "block_size": "--seq-length", "global_batch": "--global-batch-size",
+         "micro_batch_size": "--micro-batch-size", "virtual_stages": "--virtual-stages", "zero_stage": "ZeRO stage",
+         "sequence_parallel": "--sequence-parallel", "num_experts": "--num-experts"}
+
+
+def divisors(n):
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def reason(problem):
+    """A problem's kind: its words, the numbers left out (the key failures are counted by)."""
+    return re.sub(r"\d+(\.\d+)?", "N", problem)
+
+
+@dataclass
+class Result:
+    plans: list  # (Layout, Prediction), fastest first
+    failures: Counter = field(default_factory=Counter)  # reason -> layouts
+    examples: dict = field(default_factory=dict)  # reason -> one full message
+
+
+def layouts(model, machine, global_batch):
+    """Every candidate grid and its choices: yields (Layout, grid-level problem or None)."""
+    n = machine.gpus
+    for tp in divisors(n):
+        for cp in (c for c in CP_SIZES if (n // tp) % c == 0):
+            for pp in divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                if tp > machine.gpus_per_node:
+                    yield Layout(tp=tp, cp=cp, pp=pp, dp=dp), (
+                        f"TP={tp} spans nodes of {machine.gpus_per_node} GPUs: every layer's all-reduces would "
+                        "cross the inter-node link; keep TP within a node")
+                    continue
+                yield from _choices(model, global_batch, tp, cp, pp, dp)
+
+
+def _choices(model, global_batch, tp, cp, pp, dp):
+    rows = global_batch // dp if global_batch % dp == 0 else 0
+    for ep in (divisors(dp) if model.num_experts else [1]):
+        for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
+            for mbs in (b for b in MICRO_BATCH_SIZES if rows and rows % b == 0) or (1,):
+                for zero in (0, 1, 2, 3):
+                    for recompute in (False, True):
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for comm in (("p2p", "a2a") if cp > 1 else ("p2p",)):
+                                yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero_stage=zero,
+                                             micro_batch_size=mbs, recompute=recompute, sequence_parallel=sp,
+                                             cp_comm_type=comm, schedule="interleaved" if vpp > 1 else "1f1b"), None
+
+
+def plan(model, machine, global_batch, dtype="float32"):
+    """Every layout tried: the valid ones that fit, ranked by predicted step time, and the reasons
+    the rest fail."""
+    result = Result([])
+
+    def fail(why):
+        key = reason(why)
+        result.failures[key] += 1
+        result.examples.setdefault(key, why)
+
+    for layout, problem in layouts(model, machine, global_batch):
+        if problem:
+            fail(problem)
+            continue
+        problems = [p for p in validate.problems(run_config(model, layout, global_batch, dtype), FLAGS)
+                    if "message tags" not in p]  # minipar's MPI bound, not the layout's (docstring)
+        if problems:
+            fail(problems[0])
+            continue
+        prediction = predict(model, layout, machine, global_batch, dtype)
+        if prediction.memory_gb > machine.gpu_memory_gb:
+            fail(f"does not fit: {prediction.memory_gb:.1f} GB per GPU needed, {machine.gpu_memory_gb:g} GB available")
+            continue
+        result.plans.append((layout, prediction))
+    result.plans.sort(key=lambda lp: (lp[1].step_time_s, lp[1].memory_gb))  # a tie: the smaller footprint
+    return result
+
+
+def as_json(layout, prediction):
+    """One plan as the issue's JSON object (Megatron's names where they exist)."""
+    out = {k: v for k, v in asdict(layout).items() if k in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size",
+                                                            "recompute", "sequence_parallel", "cp_comm_type", "schedule")}
+    out["vpp"] = layout.vpp
+    out.update(memory_gb=round(prediction.memory_gb, 3), step_time_s=prediction.step_time_s, mfu=prediction.mfu,
+               bytes_per_group=prediction.bytes_per_group, bubble=prediction.bubble,
+               bubble_source=prediction.bubble_source, links=prediction.links)
+    return out

@@ -1,0 +1,83 @@
+"""Parameters, gradients and AdamW state on one rank: counted exactly, as the optimizer's
+``state_bytes()`` reports them.
+
+A rank of pipeline stage r holds the blocks of its chunks (global chunks c p + r, each L/(p v)
+blocks), the first stage also the embeddings and the last the final LayerNorm and its copy of the
+tied embedding (``GPT.units``). Tensor parallelism splits the matrices and the biases of the
+column-parallel layers; LayerNorms and the row-parallel biases stay whole on every TP rank. Per
+block, with h the hidden size and t the TP size (GPT-2's shapes, ``memory.parameter_count``):
+
+    attention  c_attn 3h^2/t + 3h/t,  c_proj h^2/t + h,  two LayerNorms 4h
+    MLP        c_fc 4h^2/t + 4h/t,    c_proj 4h^2/t + h
+    = 12 h^2/t + 7 h/t + 6 h           (memory.py's 12 h^2 + 13 h when t = 1)
+
+The token embedding holds V'/t rows of h, V' the vocabulary padded to a multiple of t
+(``tensor.padded_vocab``); positions T h; the final LayerNorm 2 h. A mixture-of-experts block
+replaces its MLP by a router (E h, whole on every TP rank) and E/EP whole experts of
+``memory.mlp_parameters`` (8 h^2 + 5 h) each.
+
+AdamW keeps four arrays of the parameters' size: the parameters, their gradients and two moments
+(in mixed precision, ``shapes.PRECISIONS``, 2 + 4 + 12 bytes per parameter).
+ZeRO shards them over the N = DP x CP ranks that sum the dense gradients (experts' over N / EP):
+the moments (stage 1), the gradients too (2), the parameters too (3). ZeRO pads each flat group to
+a multiple of N (``shards.py``); the count here is exact when every parameter's size is a
+multiple of N (h a multiple of N), and under it by less than N values per group otherwise.
+"""
+
+from minipar.parallel.memory import mlp_parameters
+from minipar.parallel.tensor import padded_vocab
+
+from .shapes import PRECISIONS
+
+
+def stage_layers(model, layout, stage):
+    """The blocks pipeline rank ``stage`` holds, in order: its chunks' runs of L/(p v) blocks."""
+    p, v = layout.pp, layout.vpp
+    per_chunk = model.num_layers // (p * v)
+    return [layer for c in range(v) for layer in range((c * p + stage) * per_chunk, (c * p + stage + 1) * per_chunk)]
+
+
+def block_parameters(model, layout, layer):
+    """(dense, experts) parameters block ``layer`` puts on one rank."""
+    h, t = model.hidden_size, layout.tp
+    attention = (3 * h * h + 3 * h) // t + h * h // t + h + 4 * h
+    if not model.is_moe(layer):
+        return attention + (8 * h * h + 4 * h) // t + h, 0
+    E = model.num_experts
+    return attention + E * h, E // layout.ep * mlp_parameters(h)
+
+
+def rank_parameters(model, layout, stage=0):
+    """(dense, experts) parameters a rank of pipeline stage ``stage`` holds."""
+    h, t = model.hidden_size, layout.tp
+    dense = experts = 0
+    for layer in stage_layers(model, layout, stage):
+        d, e = block_parameters(model, layout, layer)
+        dense, experts = dense + d, experts + e
+    wte = padded_vocab(model.vocab_size, t) // t * h
+    if stage == 0:
+        dense += wte + model.seq_length * h
+    if stage == layout.pp - 1:
+        dense += 2 * h + (wte if layout.pp > 1 else 0)  # the last stage's copy of the tied embedding
+    return dense, experts
+
+
+def state_bytes(model, layout, stage=0, dtype="float32"):
+    """{"parameters", "gradients", "optimizer"}: bytes a rank of ``stage`` holds after a step, as
+    ``DistributedOptimizer.state_bytes()`` reports them (AdamW's two moments are "optimizer")."""
+    dense, experts = rank_parameters(model, layout, stage)
+    n = layout.dp * layout.cp  # the ranks ZeRO shards the dense state over
+    z, d = layout.zero_stage, PRECISIONS[dtype]
+
+    def held(count, shards):
+        return {"parameters": d.param * count // (shards if z >= 3 else 1),
+                "gradients": d.grad * count // (shards if z >= 2 else 1),
+                "optimizer": d.optimizer * count // (shards if z >= 1 else 1)}
+
+    a, b = held(dense, n), held(experts, n // layout.ep)
+    return {k: a[k] + b[k] for k in a}
+
+
+def peak_state_bytes(model, layout, dtype="float32"):
+    """The fullest stage's total state bytes (the one that must fit)."""
+    return max(sum(state_bytes(model, layout, s, dtype).values()) for s in range(layout.pp))

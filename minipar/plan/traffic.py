@@ -1,0 +1,147 @@
+"""Bytes each rank sends per step, per group: the numbers the communicators count (``group.stats``).
+
+Every collective is charged as ``comm.base.ring_bytes`` charges it (the ring algorithm's bytes per
+rank, NCCL's "bus bandwidth" convention: an all-reduce of S over N ranks 2 (N-1)/N S, a
+reduce-scatter or all-gather (N-1)/N S, an all-to-all (N-1)/N of its input), so a prediction and
+a measurement are the same arithmetic. Per micro-batch, with b its sequences, s = T/CP the
+positions of a rank, h the hidden size, t the TP size, d the bytes of a value and S = b s h d the
+activation of one micro-batch:
+
+  tp   Megatron's f and g (Shoeybi et al. 2019): per dense block 2 all-reduces of S forward (after
+       attention's and the MLP's row-parallel layer) and 2 backward (before the column-parallel
+       ones), one more of each per recomputed forward; the vocabulary-parallel embedding forward
+       and the head's input backward, one each; the cross-entropy 2 over the tokens (the row
+       maximum, b s values, and the sums with the target logits, 2 b s). Sequence parallelism
+       (Korthikanti et al. 2022) turns each all-reduce into a reduce-scatter and an all-gather of
+       the same S (the same bytes) and adds, once per step, the all-reduce of the partial gradients
+       of what every TP rank holds whole: positions T h, 6 h per block, 2 h for ln_f.
+  dp   DP x CP ranks ("dp_cp" when CP > 1). ZeRO stage 0: each gradient once, all-reduced in
+       buckets (after the last micro-batch); stage 1: one reduce-scatter and one all-gather of the
+       parameters' bytes P d (Rajbhandari et al. 2020); stage 2: the reduce-scatter every
+       micro-batch; stage 3: each unit's parameters all-gathered before its forward and its
+       backward and its gradients reduce-scattered, every micro-batch (the tied embedding is in
+       two units, so counted twice). Experts' gradients go over "edp", the N / EP ranks that hold
+       the same experts.
+  pp   per micro-batch, each chunk sends its output forward (unless it is the model's last) and
+       its input's gradient back (unless it is the first): S, divided by t under sequence
+       parallelism. The tied embedding's two gradients are all-reduced over "embedding" once.
+  cp   ring attention (Liu et al. 2023): per block, CP - 1 passes of the K,V block (2 b s h/t d)
+       forward and, backward, CP - 1 passes of K,V and CP - 1 of the dK,dV accumulators; Ulysses
+       (Jacobs et al. 2023): all-to-alls of qkv (3 S/t) and of the output (S/t), forward and
+       backward. Before any K,V moves, every attention forward all-gathers an 8-number header
+       and the ranks' positions (int64).
+  ep   per MoE block, an all-to-all of the counts per expert (int64) and four all-to-all-vs of the
+       token rows (dispatch and combine, forward and backward). The rows depend on the router:
+       for a uniform one, of the b s k token-slots a rank routes, (EP-1)/EP leave. This term is
+       an expectation, not a count.
+  the gradient norm adds one float64 over TP and PP (and DP for ZeRO, EP for experts) per step.
+"""
+
+from collections import Counter
+
+from minipar.comm.base import ring_bytes
+from minipar.parallel.tensor import padded_vocab
+
+from .shapes import PRECISIONS, micro_batches
+from .state import rank_parameters, stage_layers
+
+NORM = 8  # the gradient norm's partial sum: one float64
+
+
+def group_bytes(model, layout, global_batch, stage=0, dtype="float32"):
+    """{group: bytes one rank of pipeline stage ``stage`` sends in one training step}; groups of
+    one rank send nothing and are left out."""
+    return group_traffic(model, layout, global_batch, stage, dtype)[0]
+
+
+def ring_steps(op, size):
+    """The latency terms (alpha) of one call: a ring all-reduce takes 2 (N-1) steps, a
+    reduce-scatter, all-gather or all-to-all N - 1, a message 1."""
+    return {"all_reduce": 2 * (size - 1), "send": 1}.get(op, size - 1)
+
+
+def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
+    """({group: bytes sent}, {group: latency steps}) of one rank of ``stage`` in one step."""
+    out, steps = Counter(), Counter()
+    precision, lay = PRECISIONS[dtype], layout
+    d, g, w = precision.activation, precision.grad, precision.param  # activations, gradients, weights
+    m, b, h, t = micro_batches(lay, global_batch), lay.micro_batch_size, model.hidden_size, lay.tp
+    s = model.seq_length // lay.cp
+    S = b * s * h * d  # one micro-batch's activation on a rank
+    layers = stage_layers(model, lay, stage)
+    first, last = stage == 0, stage == lay.pp - 1
+
+    def charge(group, op, nbytes, size, times=1):
+        out[group] += times * ring_bytes(op, nbytes, size)[0]
+        steps[group] += times * ring_steps(op, size)
+
+    # tensor parallelism
+    if t > 1:
+        forwards = 2 if lay.recompute else 1
+        per_block = sum(2 + (0 if model.is_moe(i) else 2) for i in layers)  # forward + backward
+        recomputed = sum(1 + (0 if model.is_moe(i) else 1) for i in layers) * (forwards - 1)
+        edges = first + last  # the embedding's forward, the head's input backward
+        ops = ("reduce_scatter", "all_gather") if lay.sequence_parallel else ("all_reduce",)
+        for op in ops:
+            charge("tp", op, S, t, m * (per_block + recomputed + edges))
+        if last:  # the vocabulary-parallel cross-entropy: max, then the sums with the target logits
+            charge("tp", "all_reduce", b * s * d, t, m)
+            charge("tp", "all_reduce", 2 * b * s * d, t, m)
+        if lay.sequence_parallel:  # finalize_grads: what each TP rank holds whole had partial gradients
+            whole = 6 * h * len(layers) + model.seq_length * h * first + 2 * h * last
+            charge("tp", "all_reduce", whole * g, t)
+        charge("tp", "all_reduce", NORM, t)
+    # data parallelism (over DP x CP), ZeRO
+    n, dp = lay.dp * lay.cp, "dp_cp" if lay.cp > 1 else "dp"
+    dense, experts = rank_parameters(model, lay, stage)
+    if n > 1:  # gradients in the gradients' precision, gathered parameters in the weights'
+        z = lay.zero_stage
+        if z == 0:
+            charge(dp, "all_reduce", dense * g, n)
+        elif z in (1, 2):
+            charge(dp, "reduce_scatter", dense * g, n, m if z == 2 else 1)
+            charge(dp, "all_gather", dense * w, n)
+        else:  # ZeRO-3: the tied embedding is a parameter of two units
+            units = dense + (padded_vocab(model.vocab_size, t) // t * h if first and last else 0)
+            charge(dp, "all_gather", units * w, n, 2 * m)
+            charge(dp, "reduce_scatter", units * g, n, m)
+        if z > 0:
+            charge(dp, "all_reduce", NORM, n)
+    if experts and n // lay.ep > 1:
+        charge("edp", "all_reduce", experts * g, n // lay.ep)
+    # pipeline parallelism
+    if lay.pp > 1:
+        p, v = lay.pp, lay.vpp
+        chunks = [c * p + stage for c in range(v)]
+        messages = sum((g < p * v - 1) + (g > 0) for g in chunks)
+        out["pp"] += m * messages * (S // t if lay.sequence_parallel else S)
+        steps["pp"] += m * messages
+        charge("pp", "all_reduce", NORM, p)
+        if first or last:
+            charge("embedding", "all_reduce", padded_vocab(model.vocab_size, t) // t * h * g, 2)
+    # context parallelism
+    if lay.cp > 1:
+        c, forwards = lay.cp, 2 if lay.recompute else 1
+        heads = h // t
+        for _ in layers:
+            if lay.cp_comm_type == "p2p":  # K and V, forward (per forward) and backward; dK, dV backward
+                out["cp"] += m * (c - 1) * 2 * b * s * heads * d * (forwards + 2)
+                steps["cp"] += m * (c - 1) * (forwards + 2)
+            else:  # Ulysses: qkv and the output, forward (per forward) and backward
+                charge("cp", "all_to_all", 4 * b * s * heads * d, c, m * (forwards + 1))
+            charge("cp", "all_gather", c * 8 * 8, c, m * forwards)  # the header
+            charge("cp", "all_gather", c * s * 8, c, m * forwards)  # the positions
+    # expert parallelism (an expectation for a uniform router)
+    if lay.ep > 1 and model.num_experts:
+        e, k = lay.ep, model.moe_router_topk
+        tokens = b * s // (t if lay.sequence_parallel else 1)
+        moe = sum(model.is_moe(i) for i in layers)
+        forwards = 2 if lay.recompute else 1
+        charge("ep", "all_to_all", model.num_experts * 8, e, m * moe * forwards)
+        out["ep"] += m * moe * (2 * forwards + 2) * tokens * k * (e - 1) // e * h * d
+        steps["ep"] += m * moe * (2 * forwards + 2) * (e - 1)
+        charge("ep", "all_reduce", NORM, e)
+    return {g: v for g, v in out.items() if v}, {g: v for g, v in steps.items() if v}
+
+
+EXACT = ("tp", "dp", "dp_cp", "edp", "pp", "embedding", "cp")  # counted; "ep" is an expectation

@@ -1,0 +1,265 @@
+"""The planner (minipar/plan): its formulas against minipar's own counts, the enumerator, the
+command line and its JSON. The bytes and state of real runs: tests/mpi/plan_counts.py."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+
+from minipar.comm.base import ring_bytes
+from minipar.models import GPT, GPTConfig
+from minipar.parallel import memory, validate
+from minipar.parallel.pipeline.simulate import theoretical_bubble
+from minipar.plan import activations, bubble, cost, hetero, state, traffic
+from minipar.plan.enumerate import as_json, plan
+from minipar.plan.shapes import PRESETS, Layout, Machine, Model, run_config
+from mpi_run import check_mpi, run_mpi
+
+SMALL = Model(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16)
+
+
+def test_one_rank_holds_the_whole_model_as_the_gpt_counts_it():
+    for experts in (0, 4):
+        model = Model(4, 16, 4, 16, num_experts=experts, moe_layer_freq=2)
+        gpt = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=16, block_size=16, num_experts=experts, moe_layer_freq=2))
+        assert sum(state.rank_parameters(model, Layout())) == gpt.num_parameters()
+        cfg = validate.RunConfig(n_layer=4, n_embd=16, block_size=16, vocab_size=256, num_experts=experts or None,
+                                 moe_layer_freq=2)
+        assert sum(state.rank_parameters(model, Layout())) == memory.total_parameters(cfg)
+
+
+def test_stages_and_tp_ranks_add_up_to_the_model_and_its_tied_copy():
+    whole = sum(state.rank_parameters(SMALL, Layout()))
+    # PP: the last stage's copy of the tied embedding is held twice
+    pp = sum(sum(state.rank_parameters(SMALL, Layout(pp=4), s)) for s in range(4))
+    assert pp == whole + 256 * 16
+    # TP 2: the split matrices halve, LayerNorms, row-parallel biases and positions stay whole
+    tp = sum(state.rank_parameters(SMALL, Layout(tp=2)))
+    h, L = 16, 4
+    whole_on_each = L * 6 * h + 16 * h + 2 * h
+    assert 2 * tp - whole_on_each == whole
+
+
+def test_zero_shards_each_kind_of_state_stage_by_stage():
+    P = memory.parameter_count(4, 16, 16)
+    base = state.state_bytes(SMALL, Layout(dp=4))
+    assert base == {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * P}
+    for z, sharded in ((1, {"optimizer"}), (2, {"optimizer", "gradients"}), (3, {"optimizer", "gradients", "parameters"})):
+        got = state.state_bytes(SMALL, Layout(dp=4, zero_stage=z))
+        assert got == {k: v // 4 if k in sharded else v for k, v in base.items()}
+    mixed = state.state_bytes(SMALL, Layout(dp=4, zero_stage=1), dtype="bf16")
+    assert mixed == {"parameters": 2 * P, "gradients": 4 * P, "optimizer": 12 * P // 4}
+
+
+def test_data_parallel_bytes_are_the_ring_all_reduce_of_the_gradients():
+    P = sum(state.rank_parameters(SMALL, Layout()))
+    for n in (2, 4, 8):
+        assert traffic.group_bytes(SMALL, Layout(dp=n), 8 * n) == {"dp": 2 * (n - 1) * 4 * P // n}
+        zero1 = traffic.group_bytes(SMALL, Layout(dp=n, zero_stage=1), 8 * n)["dp"]
+        assert zero1 == 2 * ring_bytes("reduce_scatter", 4 * P, n)[0] + ring_bytes("all_reduce", 8, n)[0]
+
+
+def test_tensor_parallel_bytes_follow_megatrons_count_and_sequence_parallelism_moves_the_same():
+    b, s, h, t, L = 2, 16, 16, 2, 4
+    S = b * s * h * 4
+    plain = traffic.group_bytes(SMALL, Layout(tp=t, micro_batch_size=b), b)["tp"]
+    # 4 all-reduces per block, the embedding and the head, the cross-entropy's 3 b s values, the norm
+    assert plain == (4 * L + 2) * S + 3 * b * s * 4 + 8
+    sp = traffic.group_bytes(SMALL, Layout(tp=t, micro_batch_size=b, sequence_parallel=True), b)["tp"]
+    assert sp - plain == 4 * (6 * h * L + s * h + 2 * h)  # only the partial gradients' all-reduce is new
+
+
+def test_pipeline_messages_per_chunk_and_micro_batch():
+    b, m = 1, 8
+    S = b * 16 * 16 * 4
+    for p, v in ((2, 1), (4, 1), (2, 2)):
+        lay = Layout(pp=p, vpp=v, micro_batch_size=b, schedule="interleaved" if v > 1 else "1f1b")
+        sent = [traffic.group_bytes(SMALL, lay, m, stage)["pp"] - ring_bytes("all_reduce", 8, p)[0] for stage in range(p)]
+        assert sum(sent) == 2 * m * (p * v - 1) * S  # every boundary carries an activation and a gradient
+
+
+def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms():
+    for schedule, p, m, v in (("1f1b", 4, 8, 1), ("gpipe", 2, 6, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4)):
+        simulated, alive, source = bubble.pipeline(schedule, p, m, v)
+        assert source == "simulator" and simulated == theoretical_bubble(p, m, v)
+        bubble.pipeline.cache_clear()
+        old, bubble.SIMULATE_UP_TO = bubble.SIMULATE_UP_TO, 0
+        try:
+            closed, closed_alive, source = bubble.pipeline(schedule, p, m, v)
+        finally:
+            bubble.SIMULATE_UP_TO = old
+            bubble.pipeline.cache_clear()
+        assert source == "closed form" and (closed, closed_alive) == (simulated, alive)
+    assert bubble.pipeline("1f1b", 1, 8) == (Fraction(0), (1,), "no pipeline")
+
+
+def test_the_activation_formula_lives_in_minipar_and_the_benchmark_uses_it():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "activation_memory.py")
+    spec = importlib.util.spec_from_file_location("activation_memory_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.formula is activations.formula
+    one = sum(activations.formula(16, 2, 16, 4, 4, False).values())
+    assert activations.layer_bytes(SMALL, Layout(micro_batch_size=2), 4) == one
+    halved = activations.layer_bytes(SMALL, Layout(tp=2, micro_batch_size=2, sequence_parallel=True), 4)
+    assert one // 2 < halved < one  # the LayerNorm outputs stay whole under SP
+
+
+def test_a_plan_asks_validate_why_a_layout_fails():
+    problems = validate.problems(run_config(Model(4, 16, 3, 16), Layout(tp=2, dp=2), 8))
+    assert any("not divisible by TP=2" in p for p in problems)
+
+
+def test_planned_bytes_and_state_equal_a_real_step_on_4_ranks():
+    assert "plan counts OK on 4 ranks" in check_mpi(4, "plan_counts.py", timeout=120)
+
+
+# ---- the enumerator, the step-time model and the command line ----------------------------------
+
+
+JSON_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size", "recompute", "memory_gb",
+             "step_time_s", "mfu", "bytes_per_group", "bubble"}
+
+
+def test_every_plan_is_valid_fits_and_is_ranked_and_every_other_layout_has_a_reason():
+    model = Model(4, 16, 4, 16)
+    machine = Machine(gpus=6, gpus_per_node=3, gpu_memory_gb=2e-4)
+    result = plan(model, machine, 12)
+    assert result.plans, "some layout fits"
+    for layout, prediction in result.plans:
+        assert validate.problems(run_config(model, layout, 12)) == []
+        assert layout.world_size == 6 and layout.tp <= 3 and prediction.memory_gb <= 2e-4
+    times = [p.step_time_s for _, p in result.plans]
+    assert times == sorted(times)
+    reasons = " | ".join(result.examples.values())
+    for words in ("not divisible by --tensor-model-parallel-size 3", "spans nodes of 3 GPUs", "does not fit"):
+        assert words in reasons, words
+    bigger = plan(model, replace(machine, gpu_memory_gb=1.0), 12)
+    assert len(bigger.plans) > len(result.plans)  # more memory, more layouts fit
+    assert len(bigger.plans) + sum(bigger.failures.values()) == len(result.plans) + sum(result.failures.values())
+
+
+def test_a_groups_link_follows_megatrons_rank_order():
+    machine = Machine(gpus=16, gpus_per_node=8)
+    layout = Layout(tp=8, pp=2)
+    assert cost.link(layout, machine, "tp") == "intra" and cost.link(layout, machine, "pp") == "inter"
+    layout = Layout(tp=2, dp=4, pp=2)
+    assert cost.link(layout, machine, "dp") == "intra" and cost.link(layout, machine, "embedding") == "inter"
+    assert cost.link(Layout(tp=2, dp=8), machine, "dp") == "inter"
+
+
+def test_more_bandwidth_or_peak_predicts_a_faster_step():
+    model, batch = PRESETS["gpt2"]
+    layout = Layout(tp=2, pp=2, dp=2, micro_batch_size=4)
+    base = cost.predict(model, layout, Machine(gpus=8, gpus_per_node=4), batch)  # PP across the two nodes
+    for change in (dict(inter_node_gbps=400.0), dict(intra_node_gbps=4800.0), dict(peak_tflops=624.0)):
+        faster = cost.predict(model, layout, Machine(gpus=8, gpus_per_node=4, **change), batch)
+        assert faster.step_time_s < base.step_time_s, change
+
+
+def test_megatrons_flops_per_iteration_with_recomputation():
+    """Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), with full recomputation."""
+    for name in ("megatron-1t", "gpt3-175b", "gpt2"):
+        model, B = PRESETS[name]
+        l, h, s, V = model.num_layers, model.hidden_size, model.seq_length, model.vocab_size
+        paper = 96 * B * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * l * h))
+        model_flops, hardware = cost.flops_per_iteration(model, B, recompute=True)
+        assert hardware == paper, name
+        assert model_flops * 4 == 3 * 96 * B * s * l * h * h + 4 * 12 * B * s * s * l * h + 4 * 6 * B * s * h * V
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-m", "minipar.plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_prints_the_ranked_plans_as_json():
+    run = run_plan("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                   "--global-batch-size", "16", "--gpus", "8", "--json", "--top", "4")
+    assert run.returncode == 0, run.stderr
+    plans = json.loads(run.stdout)
+    assert len(plans) == 4 and all(JSON_KEYS <= set(p) for p in plans)
+    assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
+    for p in plans:  # the bubble is the simulator's
+        m = 16 // p["dp"] // p["micro_batch_size"]
+        assert p["bubble"] == float(bubble.pipeline(p["schedule"], p["pp"], m, p["vpp"], p["recompute"])[0])
+    first = plans[0]
+    assert first["tp"] * first["pp"] * first["dp"] * first["cp"] == 8
+    layout = Layout(**{k: first[k] for k in ("tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size",
+                                             "recompute", "sequence_parallel", "cp_comm_type", "schedule")})
+    again = as_json(layout, cost.predict(Model(4, 64, 4, 32), layout, Machine(gpus=8), 16))
+    assert json.loads(json.dumps(again)) == first
+
+
+def test_the_command_line_explains_failures_and_the_rules_of_thumb():
+    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "2")
+    assert run.returncode == 0, run.stderr
+    for words in ("layouts tried", "why the rest fail", "not divisible by --tensor-model-parallel-size",
+                  "rules of thumb", "TP inside a node", "ZeRO before PP"):
+        assert words in run.stdout, words
+    bad = run_plan("--hidden-size", "64", "--gpus", "8")
+    assert bad.returncode == 2 and "--num-layers" in bad.stderr
+
+
+# ---- heterogeneous GPUs -----------------------------------------------------------------------
+
+
+def test_balance_minimises_the_slowest_stage():
+    for L, speeds in ((8, [1, 1, 0.5]), (12, [2, 1, 1, 0.5]), (6, [1, 1])):
+        layers = hetero.balance(L, speeds)
+        assert sum(layers) == L and min(layers) >= 1
+        best = min(max(Fraction(n) / Fraction(s) for n, s in zip(split, speeds))
+                   for split in itertools.product(range(1, L + 1), repeat=len(speeds)) if sum(split) == L)
+        assert max(Fraction(n) / Fraction(s) for n, s in zip(layers, speeds)) == best
+    assert hetero.balance(8, [1, 1, 1, 1]) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="needs a layer"):
+        hetero.balance(2, [1, 1, 1])
+
+
+def test_balancing_a_slow_stage_shortens_the_step_and_the_bubble():
+    out = hetero.compare(16, [1, 1, 1, 0.5], 8)
+    (even, t_even, b_even), (balanced, t_bal, b_bal) = out["even"], out["balanced"]
+    assert even == [4, 4, 4, 4] and balanced == [5, 5, 4, 2] and t_bal < t_even and b_bal < b_even
+    same = hetero.compare(16, [1, 1, 1, 1], 8)  # equal speeds: nothing to gain, the textbook bubble
+    assert same["even"][1:] == same["balanced"][1:] and same["even"][2] == theoretical_bubble(4, 8)
+
+
+def test_stage_speeds_follow_the_nodes_each_stage_sits_on():
+    assert hetero.stage_speeds(Layout(tp=8, pp=2), 8, [1.0, 0.5]) == [1.0, 0.5]
+    assert hetero.stage_speeds(Layout(tp=4, pp=2), 8, [0.5]) == [0.5, 0.5]
+    with pytest.raises(ValueError, match="node speeds"):
+        hetero.stage_speeds(Layout(tp=8, pp=2), 8, [1.0])
+
+
+def test_the_command_line_shows_the_balancing_win():
+    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "1", "--gpu-memory-gb", "2", "--node-speeds", "1,0.5")
+    assert run.returncode == 0, run.stderr
+    assert "balanced  layers per stage [8, 4]" in run.stdout and "balancing saves" in run.stdout
+
+
+def test_planned_activations_are_within_ten_percent_of_the_measured_peaks_on_4_ranks():
+    assert "plan activations within 10% on 4 ranks" in check_mpi(4, "plan_activations.py", timeout=120)
+
+
+# ---- lesson 11 --------------------------------------------------------------------------------
+
+LESSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons", "11_which_parallelism.py")
+
+
+def test_lesson_11_finds_every_layouts_bytes_and_state_as_planned_on_4_ranks():
+    out = check_mpi(4, LESSON, "--steps", "2", timeout=120)
+    assert "Every layout sent exactly the bytes and held exactly the state the planner predicts." in out
+    assert out.count(" ok ") >= 10 and "Spearman's rank correlation" in out
+
+
+def test_lesson_11_fails_with_a_planner_that_forgets_sequence_parallelisms_sums():
+    code, out, _ = run_mpi(4, LESSON, "--steps", "1", "--plant-bug", timeout=120)
+    assert code == 1 and "MISMATCH: see the rows above" in out
+    assert "TP2 DP2 SP Z1     MISMATCH" in out and "DP4 Z1            ok" in out
