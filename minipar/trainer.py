@@ -120,9 +120,11 @@ class Trainer:
 
     def _groups(self):
         g = self.grid
+        # each communicator once: with CP the gradients are summed over dp_cp, without it that is dp
+        sums = (("dp_cp", g.dp_cp_group),) if g.cp > 1 else ()
         experts = (("ep", g.ep_group), ("edp", g.edp_group)) if g.ep > 1 else ()
         return [(name, group) for name, group in (("tp", g.tp_group), ("cp", g.cp_group), ("dp", g.dp_group), ("pp", g.pp_group),
-                                                  ("embedding", g.embedding_group), *experts) if group is not None]
+                                                  ("embedding", g.embedding_group), *sums, *experts) if group is not None]
 
     def _nonfinite(self):
         """Names of this rank's parameters whose gradient has a NaN or an infinity."""
