@@ -136,3 +136,27 @@ def check_policy(policy, model_dtype):
                          f"{numpy.dtype(model_dtype).name}: build the model in the policy's dtype "
                          "(set_default_dtype) first")
     return policy
+
+
+MEGATRON_DEFAULTS = dict(initial_loss_scale=2.0**32, min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2)
+
+
+def from_flags(dtype="float32", bf16=False, fp16=False, accumulate_allreduce_grads_in_fp32=False,
+               loss_scale=None, initial_loss_scale=None, min_loss_scale=None, loss_scale_window=None,
+               hysteresis=None):
+    """(the model's dtype, the Policy or None, the loss scaler or None) that Megatron's flags ask
+    for: --bf16 (no loss scale), --fp16 (a dynamic scale, or --loss-scale's constant one); neither:
+    ``dtype`` throughout, no masters. The flags are checked first (``train_checks``)."""
+    if not (bf16 or fp16):
+        return dtype, None, None
+    params = "bfloat16" if bf16 else "float16"
+    policy = Policy.of(params, accumulate_in_main=accumulate_allreduce_grads_in_fp32)
+    if bf16:
+        return params, policy, None
+    if loss_scale is not None:
+        return params, policy, ConstantLossScaler(loss_scale)
+    given = dict(initial_loss_scale=initial_loss_scale, min_loss_scale=min_loss_scale,
+                 loss_scale_window=loss_scale_window, hysteresis=hysteresis)
+    f = {k: MEGATRON_DEFAULTS[k] if v is None else v for k, v in given.items()}
+    return params, policy, DynamicLossScaler(f["initial_loss_scale"], f["min_loss_scale"],
+                                             growth_interval=f["loss_scale_window"], hysteresis=f["hysteresis"])

@@ -166,6 +166,8 @@ class PipelineExecutor:
         if last:  # this micro-batch's share of the step's mean loss (of its positions, with CP)
             out = scale_loss(out, self.model.local_targets(targets), total=state.tokens)
             state.loss += out.item()
+            if self.optimizer is not None and self.optimizer.loss_scale != 1.0:  # fp16's loss scale
+                out = out * self.optimizer.loss_scale
         state.kept[unit] = (inp, out)
         state.record.peak_alive = max(state.record.peak_alive, len(state.kept))
 
