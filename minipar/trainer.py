@@ -228,6 +228,7 @@ class Trainer:
         print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}{ep}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
               + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
+              + (f"; {self.opt.policy.params.name}, fp32 master weights" if self.opt.policy is not None else "")
               + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else "")
               + (", selective recompute" if a.recompute_granularity == "selective" else ""))
         c = self.config

@@ -144,6 +144,20 @@ def test_an_overflow_skips_the_step_leaving_every_bit_and_halves_the_scale(stage
     assert float16 == model.parameters()[0].dtype
 
 
+@pytest.mark.parametrize("stage", sorted(BY_STAGE))
+def test_gradients_accumulated_in_fp32_hold_2_4_12_bytes_and_follow_the_16_bit_run(stage):
+    """--accumulate-allreduce-grads-in-fp32: the engine adds each micro-batch's 16-bit gradients
+    into fp32 buffers (2 + 4 + 12 bytes on one device); the run stays near the 16-bit one."""
+    opt16, _, losses16, _ = _train(stage, "bfloat16", Policy.of("bfloat16"), steps=4, max_norm=1.0, repeat=True)
+    opt, model, losses, _ = _train(stage, "bfloat16", Policy.of("bfloat16", accumulate_in_main=True), steps=4,
+                                   max_norm=1.0, repeat=True)
+    assert {g.dtype for g in opt._gradients()} == {np.dtype("float32")}
+    P = sum(p.size for p in opt16.full_state_dict().values()) + opt.padding()
+    held = opt.state_bytes()
+    assert (held["parameters"], held["gradients"], held["optimizer"]) == (2 * P, 4 * P, 12 * P)
+    assert max(abs(a - b) for a, b in zip(losses, losses16)) < 0.02 and losses[-1] < losses[0] - 0.1
+
+
 def test_a_scaler_needs_a_policy_and_a_policy_its_model_dtype():
     minipar.manual_seed(0)
     grid = ProcessGrid(1, 1)
