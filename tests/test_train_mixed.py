@@ -10,6 +10,8 @@ from dataclasses import replace
 import numpy
 import pytest
 
+from mpi_run import LAUNCHER, run_mpi
+
 from minipar.checkpoint import load_weights
 from minipar.parallel.memory import parameter_count, state_bytes
 from minipar.parallel.validate import RunConfig
@@ -86,3 +88,21 @@ def test_the_memory_refusal_counts_the_papers_bytes_in_16_bits():
     P, N = n / 4, 4  # the parameters of one TP x PP part, ZeRO-sharded over DP = 4
     for stage, formula in [(0, 16 * P), (1, 4 * P + 12 * P / N), (2, 2 * P + 14 * P / N), (3, 16 * P / N)]:
         assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(formula)
+
+
+@pytest.mark.parametrize("layout", [["--cp", "2", "--bf16"], ["--cp", "2", "--cp-comm-type", "a2a", "--bf16"],
+                                    ["--tp", "2", "--sequence-parallel", "--bf16", "--zero-stage", "1"],
+                                    ["--pp", "2", "--fp16", "--loss-scale", "1024", "--micro-batch-size", "1"]])
+def test_16_bit_runs_on_every_kind_of_grid_follow_the_float32_run(layout, tmp_path):
+    """Context (ring and Ulysses), tensor + sequence and pipeline parallelism in 16 bits: the loss
+    curve within a few 16-bit roundings of the single-device float32 one."""
+    common = [*TINY, "--max-iters", "4", "--warmup-iters", "2"]
+    reference = str(tmp_path / "fp32.jsonl")
+    assert train(*common, "--log-json", reference, cwd=tmp_path).returncode == 0
+    log = str(tmp_path / "run.jsonl")
+    code, out, _ = run_mpi(2, None, timeout=120, command=[LAUNCHER, "-n", "2", "-m", "minipar.train", *common,
+                                                          *layout, "--log-json", log])
+    assert code == 0, out
+    got, ref = [r["loss"] for r in rows(log)], [r["loss"] for r in rows(reference)]
+    assert not any(r["skipped"] for r in rows(log))
+    assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, ref)) < 0.02, (got, ref)
