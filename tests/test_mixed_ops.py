@@ -76,13 +76,16 @@ def test_ops_take_16_bits_and_match_float32(name, dtype):
         assert numpy.abs(g16 - g32).max() <= 2 * tol * (numpy.abs(g32).max() + 1e-3)
 
 
-def test_gpt_trains_in_bfloat16_near_float32():
-    """The whole GPT in bfloat16: its loss is float32 and near the float32 model's."""
+@pytest.mark.parametrize("experts", [0, 4])
+def test_gpt_trains_in_bfloat16_near_float32(experts):
+    """The whole GPT in bfloat16 (with a mixture of experts, whose router runs in float32): its
+    loss is float32 and near the float32 model's."""
     losses = {}
     for dtype in ("float32", "bfloat16"):
         set_default_dtype(dtype)
         minipar.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, num_experts=experts,
+                              moe_aux_loss_coeff=0.01 if experts else 0.0))
         idx = numpy.random.default_rng(0).integers(0, 64, (4, 16))
         _, loss = model(idx, idx)
         loss.backward()
@@ -90,3 +93,15 @@ def test_gpt_trains_in_bfloat16_near_float32():
         assert {p.grad.dtype for p in model.parameters()} == {numpy.dtype(dtype)}
         losses[dtype] = loss.item()
     assert abs(losses["bfloat16"] - losses["float32"]) < 0.02 * losses["float32"]
+    if experts:
+        assert model.transformer.h[0].mlp.router.weight.grad.dtype == bfloat16  # cast back to the weight's
+
+
+def test_cast_moves_the_gradient_back_to_the_input_dtype():
+    x = Tensor(numpy.ones(3), requires_grad=True, dtype=bfloat16)
+    y = F.cast(x, "float32")
+    assert y.dtype == numpy.float32 and F.cast(y, "float32") is y
+    (y * 3.0).sum().backward()
+    assert x.grad.dtype == bfloat16 and numpy.array_equal(x.grad.astype(numpy.float32), [3.0, 3.0, 3.0])
+    with pytest.raises(TypeError, match="float dtype"):
+        F.cast(x, "int32")

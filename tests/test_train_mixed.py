@@ -39,7 +39,7 @@ def rows(path):
     (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8.0 is above"),
     (["--accumulate-allreduce-grads-in-fp32"], "is for --bf16 or --fp16 runs"),
     (["--fp16", "--loss-scale", "0"], "--loss-scale: must be > 0"),
-    (["--bf16", "--num-experts", "2"], "--num-experts with 16-bit training is not supported yet"),
+    (["--fp16", "--num-experts", "2"], "--num-experts with --fp16 is not supported yet"),
 ])
 def test_bad_mixed_precision_flags_get_a_one_line_error(args, message, tmp_path):
     run = train(*args, "--max-iters", "1", cwd=tmp_path)
@@ -90,13 +90,16 @@ def test_the_memory_refusal_counts_the_papers_bytes_in_16_bits():
         assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(formula)
 
 
-@pytest.mark.parametrize("layout", [["--cp", "2", "--bf16"], ["--cp", "2", "--cp-comm-type", "a2a", "--bf16"],
-                                    ["--tp", "2", "--sequence-parallel", "--bf16", "--zero-stage", "1"],
-                                    ["--pp", "2", "--fp16", "--loss-scale", "1024", "--micro-batch-size", "1"]])
-def test_16_bit_runs_on_every_kind_of_grid_follow_the_float32_run(layout, tmp_path):
-    """Context (ring and Ulysses), tensor + sequence and pipeline parallelism in 16 bits: the loss
-    curve within a few 16-bit roundings of the single-device float32 one."""
-    common = [*TINY, "--max-iters", "4", "--warmup-iters", "2"]
+@pytest.mark.parametrize("model,layout", [
+    ([], ["--cp", "2", "--bf16"]), ([], ["--cp", "2", "--cp-comm-type", "a2a", "--bf16"]),
+    ([], ["--tp", "2", "--sequence-parallel", "--bf16", "--zero-stage", "1"]),
+    ([], ["--pp", "2", "--fp16", "--loss-scale", "1024", "--micro-batch-size", "1"]),
+    (["--num-experts", "2", "--moe-aux-loss-coeff", "0.01"], ["--ep", "2", "--bf16", "--zero-stage", "1"]),
+])
+def test_16_bit_runs_on_every_kind_of_grid_follow_the_float32_run(model, layout, tmp_path):
+    """Context (ring and Ulysses), tensor + sequence, pipeline and expert parallelism in 16 bits:
+    the loss curve within a few 16-bit roundings of the single-device float32 one."""
+    common = [*TINY, *model, "--max-iters", "4", "--warmup-iters", "2"]
     reference = str(tmp_path / "fp32.jsonl")
     assert train(*common, "--log-json", reference, cwd=tmp_path).returncode == 0
     log = str(tmp_path / "run.jsonl")

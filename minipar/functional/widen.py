@@ -8,11 +8,15 @@ narrow the outputs (and in backward the gradients) to the input dtype again. The
 keeps its loss in float32 (``keep_output``): it is the number the loss scale multiplies and the
 one the logs print. Matrix products need no widening here: ``backend.matmul`` accumulates 16-bit
 inputs in float32 itself. float32 and float64 inputs run the op unchanged.
+
+``cast`` is the one explicit change of dtype in a graph (Megatron's router runs in float32 on a
+bf16 model): forward to the new dtype, backward to the input's.
 """
 
 import functools
 
-from minipar.dtypes import is_16bit
+from minipar.autograd import Function, Tensor
+from minipar.dtypes import as_dtype, is_16bit, is_float
 from minipar.engine import _unbroadcast
 
 FLOAT32 = "float32"
@@ -61,3 +65,22 @@ def in_float32(keep_output=False):
         return cls
 
     return decorate
+
+
+class Cast(Function):
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return x.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.astype(ctx.dtype), None
+
+
+def cast(x, dtype):
+    """``x`` (a float Tensor) in ``dtype``, its gradient cast back; ``x`` itself if it is already."""
+    dtype = as_dtype(dtype)
+    if not isinstance(x, Tensor) or not is_float(x.dtype) or not is_float(dtype):
+        raise TypeError(f"cast: needs a float Tensor and a float dtype, got {type(x).__name__} and {dtype}")
+    return x if x.dtype == dtype else Cast.apply(x, dtype)

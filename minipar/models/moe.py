@@ -40,6 +40,7 @@ import numpy
 
 import minipar.functional as F
 from minipar.backend import to_numpy, xp
+from minipar.dtypes import is_16bit
 from minipar.functional.router_losses import equal_groups
 from minipar.functional.routing import sort_by_expert
 from minipar.nn import Linear, Module, ModuleList, Parameter, normal_
@@ -58,9 +59,9 @@ def top_k(probs, k):
 class Router(Module):
     """Logits x W_r^T (no bias), softmax over E, top-k, optionally renormalised weights.
 
-    The softmax runs in the logits' dtype: float32 or float64, the only float dtypes of the
-    engine; a narrower one is refused rather than rounded here (Switch computes the router in
-    float32 for stability)."""
+    The router runs in float32 or wider: a 16-bit model's tokens and router weight are cast to
+    float32 first (Switch and Megatron compute the router in float32: a softmax over experts and
+    a top-k of bf16 probabilities would tie and flip on rounding)."""
 
     def __init__(self, n_embd, n_experts, top_k, normalize=None):
         if not 1 <= top_k <= n_experts:
@@ -72,9 +73,11 @@ class Router(Module):
     def forward(self, x):
         """``x`` (N, h) -> Routing(indices (N, k) xp ints, weights (N, k) Tensor, probs (N, E)
         Tensor, logits (N, E) Tensor)."""
-        logits = F.linear(x, self.weight)  # (N, E)
-        if logits.dtype.itemsize < 4:
-            raise TypeError(f"the router's softmax needs float32 or wider, got {logits.dtype}")
+        if is_16bit(x.dtype):
+            x, weight = F.cast(x, "float32"), F.cast(self.weight, "float32")
+        else:
+            weight = self.weight
+        logits = F.linear(x, weight)  # (N, E)
         probs = F.softmax(logits, axis=-1)  # (N, E)
         indices = top_k(probs.data, self.top_k)  # (N, k)
         weights = probs[xp.arange(len(indices))[:, None], indices]  # (N, k)
@@ -224,7 +227,7 @@ class MoEMLP(Module):
         else:
             local, local_counts = self.dispatcher.dispatch(rows, counts)
             out = self.dispatcher.combine(self.apply_experts(local, local_counts))
-        y = F.unpermute(out, route.weights, slots)  # (N, h)
+        y = F.unpermute(out, F.cast(route.weights, out.dtype), slots)  # (N, h), in the model's dtype
         self.tokens_per_expert = to_numpy(counts)
         self.dropped = int(route.indices.size - len(slots))
         self.aux_loss = F.load_balancing_loss(route.probs, route.indices, self.aux_loss_coeff, ids)
