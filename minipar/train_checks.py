@@ -58,9 +58,6 @@ def mixed_precision_problems(args):
         out.append(f"--min-loss-scale {args.min_loss_scale} is above --initial-loss-scale {args.initial_loss_scale}")
     if args.accumulate_allreduce_grads_in_fp32 and not (args.bf16 or args.fp16):
         out.append("--accumulate-allreduce-grads-in-fp32 is for --bf16 or --fp16 runs")
-    if args.fp16 and args.num_experts:
-        out.append("--num-experts with --fp16 is not supported yet: the router's auxiliary losses do not carry "
-                   "the loss scale (use --bf16)")
     return out
 
 

@@ -166,3 +166,24 @@ def test_a_scaler_needs_a_policy_and_a_policy_its_model_dtype():
         make_optimizer(model, grid, 0, scaler=ConstantLossScaler(2.0))
     with pytest.raises(ValueError, match="policy is for a bfloat16 model"):
         make_optimizer(model, grid, 1, policy=Policy.of("bfloat16"))
+
+
+def test_the_auxiliary_losses_carry_the_loss_scale():
+    """fp16 scales the loss by S before backward; a mixture of experts' balancing loss, attached
+    to the graph, must be scaled by S too (``model.moe.loss_scale``), or its share of the router's
+    gradient comes out S times too small once unscaled."""
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, num_experts=4,
+                       moe_aux_loss_coeff=10.0)
+    x, y = _batches(1)[0]
+    grads = {}
+    for name, dtype, S, told in (("fp32", "float32", 1.0, 1.0), ("told", "float16", 1024.0, 1024.0),
+                                 ("untold", "float16", 1024.0, 1.0)):
+        minipar.set_default_dtype(dtype)
+        minipar.manual_seed(0)
+        model = GPT(config)
+        model.moe.loss_scale = told
+        _, loss = model(x, y)
+        (loss * S).backward()
+        grads[name] = model.transformer.h[0].mlp.router.weight.grad.astype(np.float64) / S
+    err = {n: np.abs(grads[n] - grads["fp32"]).max() / np.abs(grads["fp32"]).max() for n in ("told", "untold")}
+    assert err["told"] < 0.02 and err["untold"] > 0.5, err

@@ -39,7 +39,6 @@ def rows(path):
     (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8.0 is above"),
     (["--accumulate-allreduce-grads-in-fp32"], "is for --bf16 or --fp16 runs"),
     (["--fp16", "--loss-scale", "0"], "--loss-scale: must be > 0"),
-    (["--fp16", "--num-experts", "2"], "--num-experts with --fp16 is not supported yet"),
 ])
 def test_bad_mixed_precision_flags_get_a_one_line_error(args, message, tmp_path):
     run = train(*args, "--max-iters", "1", cwd=tmp_path)
@@ -95,6 +94,8 @@ def test_the_memory_refusal_counts_the_papers_bytes_in_16_bits():
     ([], ["--tp", "2", "--sequence-parallel", "--bf16", "--zero-stage", "1"]),
     ([], ["--pp", "2", "--fp16", "--loss-scale", "1024", "--micro-batch-size", "1"]),
     (["--num-experts", "2", "--moe-aux-loss-coeff", "0.01"], ["--ep", "2", "--bf16", "--zero-stage", "1"]),
+    (["--num-experts", "2", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"],
+     ["--ep", "2", "--fp16", "--loss-scale", "4096"]),
 ])
 def test_16_bit_runs_on_every_kind_of_grid_follow_the_float32_run(model, layout, tmp_path):
     """Context (ring and Ulysses), tensor + sequence, pipeline and expert parallelism in 16 bits:

@@ -146,10 +146,13 @@ class MoEStep:
     forward's auxiliary losses count as its share of them: its tokens / ``tokens``; None: every
     forward is a whole step) and what routing did, per layer, summed over the step's forwards:
     ``loads`` slots each expert took, ``dropped`` slots, ``aux`` and ``z`` the losses (scaled by
-    their shares). A recomputed forward (in backward) is not counted again."""
+    their shares). A recomputed forward (in backward) is not counted again. ``loss_scale``: what
+    the step's loss is multiplied by before backward (fp16's loss scale, set by the trainer; 1
+    otherwise), which the auxiliary losses' gradients must carry too (Megatron's
+    ``MoEAuxLossAutoScaler.set_loss_scale``)."""
 
     def __init__(self):
-        self.tokens = None
+        self.tokens, self.loss_scale = None, 1.0
         self.reset()
 
     def reset(self):
@@ -234,7 +237,8 @@ class MoEMLP(Module):
         self.z_loss = F.z_loss(route.logits, self.z_loss_coeff)
         share = self.step.share(len(x)) if self.step is not None else 1.0
         if self.aux_loss_coeff or self.z_loss_coeff:  # the training loss's gradient reaches them
-            y = F.attach_loss(y, self.aux_loss + self.z_loss, share)
+            scale = share * (self.step.loss_scale if self.step is not None else 1.0)
+            y = F.attach_loss(y, self.aux_loss + self.z_loss, scale)
         if self.step is not None and self.training and not recomputing():
             self.step.record(self.layer, self.tokens_per_expert.astype(numpy.int64), self.dropped,
                              share * self.aux_loss.item(), share * self.z_loss.item())
