@@ -137,8 +137,3 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
 
     def masters_to_model(self):
         self.inner.masters_to_model()
-
-    def __getattr__(self, name):  # the stage's own extras (split_batch, scale_loss, check_replicas)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
