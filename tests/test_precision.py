@@ -158,6 +158,18 @@ def test_gradients_accumulated_in_fp32_hold_2_4_12_bytes_and_follow_the_16_bit_r
     assert max(abs(a - b) for a, b in zip(losses, losses16)) < 0.02 and losses[-1] < losses[0] - 0.1
 
 
+def test_the_wrapper_is_one_more_implementation_of_the_step_protocol():
+    import inspect
+
+    from minipar.parallel.mixed_precision import MixedPrecisionOptimizer
+    from minipar.parallel.protocol import DistributedOptimizer
+
+    assert issubclass(MixedPrecisionOptimizer, DistributedOptimizer) and not inspect.isabstract(MixedPrecisionOptimizer)
+    for name in ("finish_gradients", "clip_grad_norm", "step", "zero_grad", "state_bytes", "state_arrays"):
+        assert inspect.signature(getattr(MixedPrecisionOptimizer, name)) == inspect.signature(
+            getattr(DistributedOptimizer, name))
+
+
 def test_a_scaler_needs_a_policy_and_a_policy_its_model_dtype():
     minipar.manual_seed(0)
     grid = ProcessGrid(1, 1)
