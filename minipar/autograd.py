@@ -15,7 +15,7 @@ receives nor returns an array that something else still holds.
 import contextlib
 
 from minipar.backend import to_numpy, xp
-from minipar.dtypes import get_default_dtype
+from minipar.dtypes import get_default_dtype, is_float
 from minipar.engine import Node, backward
 
 _grad_enabled = True
@@ -101,9 +101,9 @@ class Tensor:
         array = xp.asarray(data)
         if dtype is not None:
             array = array.astype(dtype, copy=False)
-        elif array.dtype.kind == "f" or (array.dtype.kind in "biu" and requires_grad):
+        elif is_float(array.dtype) or (array.dtype.kind in "biu" and requires_grad):
             array = array.astype(get_default_dtype(), copy=False)
-        if requires_grad and array.dtype.kind != "f":
+        if requires_grad and not is_float(array.dtype):
             raise TypeError(f"only float tensors can require grad, got {array.dtype}")
         self.data = array
         self.grad = None

@@ -28,6 +28,8 @@ import types
 
 import numpy
 
+from minipar.dtypes import is_16bit
+
 DEVICES = ("cpu", "cuda")
 DEVICE = None
 xp = types.ModuleType("xp", "NumPy or CuPy, as use_device chose")
@@ -175,8 +177,25 @@ except (ValueError, ImportError, RuntimeError) as exc:
     _refuse_every_use(_environment_problem, type(exc))
 
 
+def _widened(*arrays):
+    """16-bit float arrays widened to float32, the dtype their products and sums accumulate in
+    (mixed precision's rule: 16-bit inputs, float32 accumulation); others as they are."""
+    return tuple(a.astype(numpy.float32) if is_16bit(a.dtype) else a for a in arrays)
+
+
 def matmul(a, b, out=None):
-    """``a @ b`` with NumPy's batching rules: every matrix product of the engine goes through here."""
+    """``a @ b`` with NumPy's batching rules: every matrix product of the engine goes through here.
+
+    16-bit inputs (bfloat16, float16) are multiplied with float32 accumulation and the product
+    narrowed to their dtype. Neither BLAS nor our kernel reads 16-bit operands yet, so they are
+    widened first: the same numbers as a 16-bit GEMM accumulating in float32, at the cost of a copy
+    (on a CPU bfloat16 is emulated anyway)."""
+    if is_16bit(a.dtype) or is_16bit(b.dtype):
+        product = matmul(*_widened(a, b))
+        if out is None:
+            return product.astype(a.dtype)
+        out[...] = product
+        return out
     if DEVICE == "cpu":
         return numpy.matmul(a, b, out=out)
     from minipar.kernels import gemm
@@ -186,6 +205,8 @@ def matmul(a, b, out=None):
 
 def dot_along(a, b, axis):
     """The sum over ``axis`` of a * b. NumPy's einsum does it without the temporary product."""
+    if is_16bit(a.dtype):
+        return dot_along(*_widened(a, b), axis).astype(a.dtype)
     if DEVICE == "cpu":
         letters = "abcdefgh"[: a.ndim]
         kept = letters.replace(letters[axis], "")
@@ -197,6 +218,8 @@ def sum_along(a, axis):
     """The sum over the last axis (-1) or the one before (-2). On the CPU a product with a ones
     vector: one BLAS pass, ~4x faster than ``a.sum(axis=-1)`` on (1024, 256) float32, whose rows are
     short. On the GPU a plain reduction."""
+    if is_16bit(a.dtype):
+        return sum_along(*_widened(a), axis).astype(a.dtype)
     if DEVICE != "cpu":
         return a.sum(axis=axis)
     ones = numpy.ones(a.shape[axis], a.dtype)
@@ -214,6 +237,7 @@ def sum_of_squares(arrays):
     A float32 BLAS dot accumulates in float32 along a few long strides: 3e-5 relative error over
     5M elements (the plain reduction, the GPU's, has 4e-9). So float32 squares are summed pairwise
     into float64 (~1e-10; 0.3 ms for 834K elements, against 0.05 for the dot)."""
+    arrays = [x.astype(numpy.float32) if is_16bit(x.dtype) else x for x in arrays]  # fp16's square overflows at 256
     if DEVICE != "cpu":
         return float(sum(((x * x).sum() for x in arrays), xp.zeros((), "float64")))
     total = 0.0  # a float even for no arrays

@@ -1,27 +1,66 @@
-"""The float dtype new tensors get when the caller names none.
+"""The float dtypes, and the one new tensors get when the caller names none.
 
 float32 is the default; float64 is for checking: gradient checks, and parallel-vs-serial
-comparisons that should agree to ~1e-15 instead of float32's ~1e-7. It is a setting of the
-process, not of the device (``backend`` chooses that): the same choice holds on NumPy and CuPy.
+comparisons that should agree to ~1e-15 instead of float32's ~1e-7. bfloat16 and float16 are the
+16-bit formats of mixed-precision training (``precision.py``): weights, activations and gradients
+in 16 bits, the optimizer's master weights and the reductions that need range in float32.
+
+NumPy has float16 but no bfloat16: ``ml_dtypes`` registers it as a NumPy dtype (its ``kind`` is
+"V", not "f", so "is this a float" is asked through ``is_float`` here, never through ``kind``);
+CuPy arrays take the same dtype object. The default is a setting of the process, not of the device
+(``backend`` chooses that): the same choice holds on NumPy and CuPy.
 """
 
+import ml_dtypes
 import numpy
 
-FLOAT_DTYPES = ("float32", "float64")
+bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
+float16 = numpy.dtype(numpy.float16)
+SIXTEEN_BIT = (bfloat16, float16)
+FLOAT_DTYPES = ("float32", "float64", "bfloat16", "float16")
 _default_dtype = numpy.dtype(numpy.float32)
 
 
-def set_default_dtype(dtype):
-    """Use ``dtype`` (``numpy.float32``/``numpy.float64`` or their names) for new float tensors."""
-    global _default_dtype
+def as_dtype(dtype):
+    """``dtype`` (a name, a NumPy type or dtype) as a numpy.dtype, "bfloat16" included."""
     if dtype is None:  # numpy.dtype(None) would quietly mean float64
-        raise ValueError("set_default_dtype(None): give 'float32' or 'float64'")
+        raise ValueError("no dtype given: name one of " + ", ".join(FLOAT_DTYPES))
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return bfloat16
     try:
-        dt = numpy.dtype(dtype)
+        return numpy.dtype(dtype)
     except TypeError as exc:
-        raise ValueError(f"not a dtype: {dtype!r}; use 'float32' or 'float64'") from exc
+        raise ValueError(f"not a dtype: {dtype!r}; use one of {', '.join(FLOAT_DTYPES)}") from exc
+
+
+def is_float(dtype):
+    """Whether ``dtype`` is one of the floats the engine computes in (bfloat16's kind is "V")."""
+    return numpy.dtype(dtype) in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64), *SIXTEEN_BIT)
+
+
+def is_16bit(dtype):
+    return numpy.dtype(dtype) in SIXTEEN_BIT
+
+
+def compute_dtype(dtype):
+    """The dtype an op accumulates in for inputs of ``dtype``: float32 for the 16-bit formats (their
+    8 or 11 bits of mantissa lose a sum of many terms; bfloat16 has float32's range, float16 does not
+    even hold exp(12)), the dtype itself otherwise."""
+    return numpy.dtype(numpy.float32) if is_16bit(dtype) else numpy.dtype(dtype)
+
+
+def finfo(dtype):
+    """NumPy's finfo, which refuses ml_dtypes' bfloat16: ml_dtypes has its own."""
+    return ml_dtypes.finfo(dtype) if numpy.dtype(dtype) == bfloat16 else numpy.finfo(dtype)
+
+
+def set_default_dtype(dtype):
+    """Use ``dtype`` (one of FLOAT_DTYPES, by name or type) for new float tensors."""
+    dt = as_dtype(dtype)
     if dt.name not in FLOAT_DTYPES:
-        raise ValueError(f"default dtype must be float32 or float64, got {dt.name}")
+        raise ValueError(f"default dtype must be float32 or float64 (or, for mixed precision, bfloat16 or "
+                         f"float16), got {dt.name}")
+    global _default_dtype
     _default_dtype = dt
 
 

@@ -62,10 +62,20 @@ class AdamW(Optimizer):
     """Adam with decoupled weight decay, applied to parameters with ndim >= 2 only (weights and
     embeddings; biases and LayerNorm gains are not decayed, as in GPT-2 and nanoGPT). ``decay``
     (one bool per parameter) overrides that rule: ZeRO passes flat pieces of parameters, whose
-    own ndim says nothing."""
+    own ndim says nothing.
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decay=None):
+    Mixed precision (``minipar.precision``): the parameters given are then fp32 master weights, and
+    ``copies`` (one array or None per parameter) the model's 16-bit weights, into which each block
+    of a master is rounded as soon as it is updated. A gradient may be of another dtype than its
+    parameter (16-bit): each block is widened as it is read, times ``step(grad_scale)`` (the loss
+    scale's inverse and the clipping factor, applied in the master's precision)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decay=None, copies=None):
         super().__init__(params, lr)
+        self.copies = [None] * len(self.params) if copies is None else list(copies)
+        if len(self.copies) != len(self.params) or any(
+                c is not None and (c.shape != p.shape or not c.flags.c_contiguous) for c, p in zip(self.copies, self.params)):
+            raise ValueError("copies: one C-contiguous array of each parameter's shape (or None) per parameter")
         self.decay = [p.ndim >= 2 for p in self.params] if decay is None else [bool(d) for d in decay]
         if len(self.decay) != len(self.params):
             raise ValueError(f"decay has {len(self.decay)} flags for {len(self.params)} parameters")
@@ -82,23 +92,36 @@ class AdamW(Optimizer):
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self.v = [xp.zeros(p.shape, p.dtype) for p in self.params]
 
-    def step(self):
+    def step(self, grad_scale=1.0):
         self.step_count += 1
         t, b1, b2 = self.step_count, self.b1, self.b2
         step_size = self.lr / (1.0 - b1**t)
         rsqrt_bc2 = 1.0 / math.sqrt(1.0 - b2**t)
         scratch = {}
-        for p, m, v, decays in zip(self.params, self.m, self.v, self.decay):
+
+        def scratch_of(key, n, dtype):
+            tmp = scratch.get(key)
+            if tmp is None or tmp.size < n:
+                tmp = scratch[key] = xp.empty(n, dtype)
+            return tmp[:n]
+
+        for p, m, v, decays, copy in zip(self.params, self.m, self.v, self.decay, self.copies):
             if p.grad is None:
                 continue
             decay = 1.0 - self.lr * self.weight_decay if decays else 1.0
             flat = (p.data.reshape(-1), p.grad.reshape(-1), m.reshape(-1), v.reshape(-1))
             for s in blocks(p.size):  # each block's ~14 passes run in cache
                 n = s.stop - s.start
-                tmp = scratch.get(p.dtype)
-                if tmp is None or tmp.size < n:
-                    tmp = scratch[p.dtype] = xp.empty(n, p.dtype)
-                self._update(*(a[s] for a in flat), tmp[:n], b1, b2, decay, step_size, rsqrt_bc2)
+                pb, gb, mb, vb = (a[s] for a in flat)
+                if gb.dtype != p.dtype or grad_scale != 1.0:  # widened (and unscaled) as it is read
+                    wide = scratch_of("grad", n, p.dtype)
+                    wide[...] = gb
+                    if grad_scale != 1.0:
+                        wide *= grad_scale
+                    gb = wide
+                self._update(pb, gb, mb, vb, scratch_of(p.dtype, n, p.dtype), b1, b2, decay, step_size, rsqrt_bc2)
+                if copy is not None:
+                    copy.reshape(-1)[s] = pb  # the master's block, rounded into the model's weight
 
     def _update(self, p, g, m, v, tmp, b1, b2, decay, step_size, rsqrt_bc2):
         # m = b1 m + (1 - b1) g, written as m = b1 (m - g) + g to need no temporary

@@ -46,3 +46,23 @@ def plot_loss(train_losses, val_points, path, title="training loss"):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def plot_curves(curves, path, title="training loss", ylabel="cross-entropy (nats per byte)"):
+    """Several loss curves side by side: ``curves`` is {label: loss per step}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, losses in curves.items():
+        ax.plot(range(len(losses)), losses, lw=1, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

@@ -47,6 +47,13 @@ def non_negative_float(text):
     return value
 
 
+def positive_float(text):
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return value
+
+
 def build_parser():
     from minipar import backend
 
@@ -94,6 +101,15 @@ def build_parser():
     o.add_argument("--device", type=backend.device_flag, choices=backend.DEVICES, default=backend.device_from_environment(),
                    help="where the arrays live: cuda runs every op on CuPy arrays, matrix products with "
                         "minipar's own kernel, collectives on NCCL; rank r uses GPU r %% GPUs of its node")
+    x = p.add_argument_group("mixed precision (Megatron's flags): 16-bit weights, activations and gradients; fp32 master weights")
+    x.add_argument("--bf16", action="store_true", help="train in bfloat16 (float32's range: no loss scale)")
+    x.add_argument("--fp16", action="store_true", help="train in float16, with a dynamic loss scale")
+    x.add_argument("--loss-scale", type=positive_float, help="fp16: a constant loss scale instead of the dynamic one")
+    x.add_argument("--initial-loss-scale", type=positive_float, help="fp16: the dynamic scale's start (default 2^32)")
+    x.add_argument("--min-loss-scale", type=positive_float, help="fp16: the dynamic scale's floor (default 1)")
+    x.add_argument("--loss-scale-window", type=positive_int, help="fp16: clean steps before the scale doubles (default 1000)")
+    x.add_argument("--hysteresis", type=positive_int, help="fp16: overflows tolerated before the scale halves (default 2)")
+    x.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", help="keep and sum gradients over DP in fp32")
     d = p.add_argument_group("data, output and checkpoints")
     d.add_argument("--data", metavar="PATH", help="text file or directory (default: the Python standard library)")
     d.add_argument("--eval-interval", type=positive_int, default=100, help="steps between validation estimates")

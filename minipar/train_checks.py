@@ -30,9 +30,35 @@ def run_config(args, world_size):
                      schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
                      n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                      dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
-                     recompute=args.recompute, dtype=args.dtype, ep=args.ep, num_experts=args.num_experts,
+                     recompute=args.recompute, dtype=model_dtype(args), ep=args.ep, num_experts=args.num_experts,
                      moe_router_topk=args.moe_router_topk if args.num_experts else None,
                      moe_layer_freq=args.moe_layer_freq, moe_expert_capacity_factor=args.moe_expert_capacity_factor)
+
+
+def model_dtype(args):
+    """The dtype of the model's weights: --bf16's, --fp16's, or --dtype's."""
+    return "bfloat16" if args.bf16 else "float16" if args.fp16 else args.dtype
+
+
+def mixed_precision_problems(args):
+    """Megatron's mixed-precision flags among themselves and with --dtype (the masters' dtype)."""
+    out, scale_flags = [], ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+    given = ["--" + f.replace("_", "-") for f in scale_flags if getattr(args, f) is not None]
+    if args.bf16 and args.fp16:
+        out.append("--bf16 and --fp16 are two 16-bit formats: give one")
+    if (args.bf16 or args.fp16) and args.dtype != "float32":
+        out.append(f"--dtype {args.dtype} with --{'bf16' if args.bf16 else 'fp16'}: mixed precision keeps float32 "
+                   "master weights; drop --dtype")
+    if given and not args.fp16:
+        out.append(f"{' '.join(given)}: a loss scale is for --fp16 (bfloat16 has float32's range and needs none)")
+    if args.loss_scale is not None and len(given) > 1:
+        out.append("--loss-scale is a constant scale: the dynamic scale's flags "
+                   f"({' '.join(g for g in given if g != '--loss-scale')}) do not apply")
+    if args.min_loss_scale and args.initial_loss_scale and args.min_loss_scale > args.initial_loss_scale:
+        out.append(f"--min-loss-scale {args.min_loss_scale} is above --initial-loss-scale {args.initial_loss_scale}")
+    if args.accumulate_allreduce_grads_in_fp32 and not (args.bf16 or args.fp16):
+        out.append("--accumulate-allreduce-grads-in-fp32 is for --bf16 or --fp16 runs")
+    return out
 
 
 def _writable(flag, path):
@@ -67,6 +93,7 @@ def check_args(args, world_size):
     args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
     if args.ep > 1 and not args.num_experts:
         problems.append(f"--ep {args.ep} splits the experts of mixture-of-experts layers: give --num-experts")
+    problems += mixed_precision_problems(args)
     if args.seed < 0:
         problems.append(f"--seed must be >= 0, got {args.seed}")
     if args.data is not None and not os.path.exists(args.data):

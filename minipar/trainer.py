@@ -28,6 +28,7 @@ import time
 import numpy
 
 import minipar
+from minipar import precision
 from minipar.checkpoint import full, sharded
 from minipar.checkpoint.boxes import volume
 from minipar.checkpoint.pieces import pieces
@@ -64,14 +65,18 @@ def local_bubble(timeline):
 class Trainer:
     def __init__(self, args, config, data, world, weights=None):
         self.args, self.config, self.data, self.world = args, config, data, world
-        minipar.set_default_dtype(args.dtype)
+        dtype, policy, scaler = precision.from_flags(
+            args.dtype, args.bf16, args.fp16, args.accumulate_allreduce_grads_in_fp32, args.loss_scale,
+            args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window, args.hysteresis)
+        self.scaler = scaler
+        minipar.set_default_dtype(dtype)  # the model's: 16 bits under --bf16/--fp16
         minipar.manual_seed(args.seed)
         self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp, ep=args.ep)
         self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp,
                                  cp_comm_type=args.cp_comm_type, pipeline_shape=shape_of(args.schedule),
                                  recompute_granularity="full" if args.recompute else args.recompute_granularity)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-        self.opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the only place the stage is read
+        self.opt = make_optimizer(model, grid, args.zero_stage, policy=policy, scaler=scaler, **hyper)  # the only place the stage is read
         self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
                                          optimizer=self.opt, recompute=args.recompute)
         self.start, self._n_params = 0, None
@@ -84,6 +89,11 @@ class Trainer:
                     f"{args.load} was saved when dropout masks followed a count of calls; masks are now "
                     "keyed by position, so it cannot resume exactly: start the run again")
             model.rng.seed = state["rng"]["seed"]  # the iteration, which keys the masks with it, is self.start
+            if scaler is not None and "loss_scaler" in state:  # an fp16 run's scale goes on where it was
+                try:
+                    scaler.load_state_dict(state["loss_scaler"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise sharded.CheckpointError(f"{args.load}: its loss_scaler state is not one: {exc!r}") from None
             self.start = state["iteration"]
         self.speaks = world.rank == 0
         if args.save and self.speaks:  # the save directory's lock is ours (run_inputs.claim_save_directory)
@@ -96,7 +106,7 @@ class Trainer:
         """The executor's step instruction: finish the gradients, clip, and step (unless bad)."""
         self.opt.finish_gradients()
         self.norm = self.opt.clip_grad_norm(self.args.grad_clip)
-        if math.isfinite(self.norm):
+        if math.isfinite(self.norm) or self.opt.skipped_step:  # fp16's overflow: step() skips it
             self.opt.step()
 
     def step(self, it):
@@ -108,11 +118,13 @@ class Trainer:
         for _, group in self._groups():
             group.stats.reset()
         self.model.moe.reset()
+        self.loss_scale = self.opt.loss_scale  # this step's, before its overflow check may move it
+        self.model.moe.loss_scale = self.loss_scale  # the auxiliary losses' gradients carry it too
         record = self.executor.step(x, y, optimizer_step=self._update)
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
         # routing over the whole step (a collective of a few numbers per layer)
         self.routing = step_statistics(self.model, self.world) if self.config.num_experts else None
-        bad = [] if math.isfinite(self.norm) else self._nonfinite()
+        bad = [] if math.isfinite(self.norm) or self.opt.skipped_step else self._nonfinite()
         self.opt.zero_grad()
         loss = record.loss if self.reports_loss else 0.0
         totals = self.world.all_reduce(numpy.array([loss, local_bubble(record.timeline)]))
@@ -145,6 +157,8 @@ class Trainer:
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
                  "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256]}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
         saved = sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
         if self.args.keep_checkpoints and self.speaks:
             sharded.prune(self.args.save, self.args.keep_checkpoints)
@@ -166,13 +180,17 @@ class Trainer:
             clock = time.perf_counter()
             for it in range(self.start, end):
                 loss, norm, bubble, bad = self.step(it)
-                if not (math.isfinite(loss) and math.isfinite(norm)):
+                if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)
                 now = time.perf_counter()
                 ms, clock = 1e3 * (now - clock), now
                 mfu = model_flops / (ms / 1e3) / peak
                 record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
                           "mfu": mfu}
+                if self.opt.policy is not None:  # mixed precision: the scale the step's loss was multiplied by
+                    record.update(loss_scale=self.loss_scale, skipped=self.opt.skipped_step)
+                    if self.opt.skipped_step:  # the scaled gradients overflowed: no norm (JSON has no inf)
+                        record["grad_norm"] = None
                 if self.routing is not None:  # per MoE layer, over the whole step
                     r = self.routing
                     record.update(aux_loss=r["aux_loss"], z_loss=r["z_loss"], moe_layers=r["layers"],
@@ -214,6 +232,7 @@ class Trainer:
         print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}{ep}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
               + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
+              + (f"; {self.opt.policy.params.name}, fp32 master weights" if self.opt.policy is not None else "")
               + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else "")
               + (", selective recompute" if a.recompute_granularity == "selective" else ""))
         c = self.config
@@ -291,7 +310,8 @@ class Trainer:
             from minipar.data import decode, encode
 
             serial = GPT(self.config)
-            serial.load_state_dict(weights)
+            dtype = serial.parameters()[0].dtype  # a 16-bit model samples from its masters' rounding
+            serial.load_state_dict({name: w.astype(dtype, copy=False) for name, w in weights.items()})
             prompt = encode("def ")[None, :]
             rng = numpy.random.default_rng(args.seed)
             print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))

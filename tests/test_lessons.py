@@ -97,6 +97,7 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("04_pipeline_parallel.py", ["--schedule", "zb"], "--schedule zb is not a pipeline schedule", 1),
     ("09_mixture_of_experts.py", ["--topk", "9"], "--topk 9 exceeds --num-experts 8", 1),
     ("09_mixture_of_experts.py", ["--ep", "4"], "--ep 4 does not divide DP=2", 1),
+    ("10_mixed_precision.py", ["--overflow-step", "99"], "--overflow-step 99 is not one of the 12 steps", 1),
     ("06_3d_parallel.py", ["--n-layer", "3"], "--n-layer 3 is not divisible by --pp x --virtual-stages", 1),
     ("06_3d_parallel.py", ["--schedule", "interleaved", "--micro-batches", "3"],
      "the interleaved schedule runs micro-batches in groups of --pp", 2),
@@ -117,3 +118,15 @@ def test_gemm_lesson_refuses_a_missing_gpu_in_one_line():
     run = run_lesson("07_gemm_kernel.py", "--device", "cuda")
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stdout + run.stderr
     assert run.stderr.count("error: --device cuda:") == 1 and run.stdout == "", run.stdout + run.stderr
+
+
+def test_mixed_precision_lesson_passes_and_fails_on_a_planted_bug(tmp_path):
+    """Lesson 10 at 2 ranks: the bytes by stage and precision, the three curves, the planted
+    overflow skipped everywhere, the float64 policy exact; --plant-bug (each rank trusts its own
+    overflow check) must fail."""
+    lesson = os.path.join(LESSONS, "10_mixed_precision.py")
+    out = check_mpi(2, lesson, "--steps", "6", "--plot", str(tmp_path / "curves.png"), timeout=120)
+    assert "skipped on 2 of 2 ranks; state unchanged on 2" in out and "0 of 28 tensors differ" in out, out
+    assert os.path.exists(tmp_path / "curves.png")
+    code, out, _ = run_mpi(2, lesson, "--steps", "4", "--plot", "", "--plant-bug", timeout=120)
+    assert code == 1 and "skipped on 1 of 2 ranks" in out and "MISMATCH" in out, out

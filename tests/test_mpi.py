@@ -153,6 +153,13 @@ def test_zero_stages_match_the_single_device_run(n):
     assert f"zero OK on {n} ranks" in check_mpi(n, "zero.py", timeout=180)
 
 
+@pytest.mark.parametrize("n", [3])  # 3: every stage pads its flat buffers
+def test_mixed_precision_agrees_on_overflows_and_holds_the_papers_bytes(n):
+    """One rank's overflow skips the step on every rank (state bit-identical, scale halved); bf16
+    with fp32 masters holds 16P, 4P + 12P/N, 2P + 14P/N, 16P/N; float64 policy = float64 run."""
+    assert f"mixed precision OK on {n} ranks" in check_mpi(n, "mixed_precision.py", timeout=120)
+
+
 LESSON_2 = os.path.join(ROOT, "lessons", "02_data_parallel.py")
 LESSON_5 = os.path.join(ROOT, "lessons", "05_zero.py")
 

@@ -12,7 +12,7 @@ import numpy
 
 from minipar.backend import to_numpy
 from minipar.checkpoint.boxes import region
-from minipar.checkpoint.pieces import pieces
+from minipar.checkpoint.pieces import pieces, weights_dtype
 from minipar.checkpoint.sharded import fill
 
 _TAG = 7001
@@ -31,7 +31,7 @@ def _my_boxes(model, optimizer, grid):
 def gather_full_state(model, optimizer, grid=None):
     """{name: whole array} on world rank 0 (None on the others); a collective over the world."""
     shapes, boxes = _my_boxes(model, optimizer, grid)
-    dtype = model.parameters()[0].dtype
+    dtype = weights_dtype(model, optimizer)  # a mixed-precision run's fp32 masters
     header = json.dumps([(name, start, stop, list(shapes[name])) for name, start, stop, _ in boxes]).encode()
     data = numpy.concatenate([b.ravel() for *_, b in boxes]) if boxes else numpy.zeros(0, dtype)
     if grid is None:
@@ -84,3 +84,4 @@ def load_full_state(model, optimizer, state, grid=None):
     if problems:
         raise ValueError("the weights do not fit the model:\n  " + "\n  ".join(problems))
     fill([p for p in pieces(model, optimizer, grid) if p.kind == "param"], _Whole(state))
+    optimizer.masters_to_model()  # mixed precision: the pieces filled were the fp32 masters

@@ -85,3 +85,10 @@ def pieces(model, optimizer, grid=None):
     return [Piece(kind, names[id(p)], array, shape, *_cut(p, grid), flat=part,
                   write=is_primary(p.placement, whole if part is None else flat))
             for kind, p, array, shape, part in optimizer.state_arrays()]
+
+
+def weights_dtype(model, optimizer):
+    """The dtype of the weights a checkpoint keeps (its "param" pieces): the fp32 master weights
+    of a mixed-precision run (so that a bf16 or fp16 checkpoint starts a float32 run, and back),
+    else the model's."""
+    return optimizer.policy.main if optimizer.policy is not None else model.parameters()[0].dtype

@@ -43,7 +43,7 @@ from minipar.backend import to_numpy, xp
 from minipar.checkpoint.boxes import intersect, region, volume
 from minipar.checkpoint.files import fsync_dir, remove, write_file
 from minipar.checkpoint.index import FORMAT, CheckpointError, find, read_index
-from minipar.checkpoint.pieces import pieces
+from minipar.checkpoint.pieces import pieces, weights_dtype
 from minipar.checkpoint.retention import prune, remove_stale_partials
 
 __all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "prune", "read_index",
@@ -85,7 +85,7 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
     world.barrier()
     if world.rank == 0:
         try:
-            index = _merge(partial, world.size, iteration, model, grid, trainer_state)
+            index = _merge(partial, world.size, iteration, model, grid, trainer_state, weights_dtype(model, optimizer))
             _publish(directory, partial, final, index)
         except OSError as exc:
             remove(partial)  # every rank has finished writing into it
@@ -157,7 +157,7 @@ def _not_saved(directory, final, exc):
         "to another directory) and resume from the previous checkpoint")
 
 
-def _merge(partial, n_ranks, iteration, model, grid, trainer_state):
+def _merge(partial, n_ranks, iteration, model, grid, trainer_state, dtype):
     files, tensors, held = {}, {}, set()
     for r in range(n_ranks):
         with open(os.path.join(partial, f"rank_{r:05d}.json")) as f:
@@ -182,7 +182,7 @@ def _merge(partial, n_ranks, iteration, model, grid, trainer_state):
                                f"{numpy.prod(entry['shape'])} elements")
     layout = grid.layout
     return {"format": FORMAT, "iteration": iteration, "model": dataclasses.asdict(model.config),
-            "dtype": str(model.parameters()[0].dtype),
+            "dtype": str(dtype),
             "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
             "trainer": trainer_state,
             "files": files, "tensors": tensors}
@@ -261,7 +261,8 @@ def load(path, model, optimizer, grid=None):
     """Load the checkpoint at ``path`` into this rank's model and optimizer, whatever layout wrote
     it. Returns the trainer state saved with it."""
     index = read_index(path)
-    check_model(index, model.config, model.parameters()[0].dtype)
+    check_model(index, model.config, weights_dtype(model, optimizer))
     fill(pieces(model, optimizer, grid), _Reader(index))
+    optimizer.masters_to_model()  # mixed precision: the 16-bit weights are the loaded masters' rounding
     optimizer.step_count = index["trainer"]["optimizer_steps"]
     return index["trainer"]

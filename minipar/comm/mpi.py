@@ -28,8 +28,28 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from minipar.backend import xp
 from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
 from minipar.comm.start import abort_on_uncaught_exception
+from minipar.dtypes import bfloat16
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
+
+
+def _wire(x):
+    """What MPI is handed for ``x``: bfloat16 (ml_dtypes), which MPI has no type for, travels as
+    its 16-bit patterns (uint16), and its sums go through ``_bfloat16_op``; float16 is MPI's own."""
+    return x.view(numpy.uint16) if x.dtype == bfloat16 else x
+
+
+@functools.cache
+def _bfloat16_op(op):
+    """A user-defined MPI reduction over bfloat16 carried as uint16: each pairwise sum (or max) in
+    bfloat16, as ml_dtypes computes it (in float32, rounded once)."""
+    ufunc = {"sum": numpy.add, "max": numpy.maximum}[op]
+
+    def reduce(inbuf, inoutbuf, datatype):
+        into = numpy.frombuffer(inoutbuf, bfloat16)
+        ufunc(numpy.frombuffer(inbuf, bfloat16), into, out=into)
+
+    return MPI.Op.Create(reduce, commute=True)
 
 
 def _buffer(x, what):
@@ -67,20 +87,20 @@ def _stage(x, what, copy_back):
     """(the buffer MPI reads or writes, what to run once the operation is done) for ``x``."""
     _buffer(x, what)
     if isinstance(x, numpy.ndarray):
-        return x, None
+        return _wire(x), None
     import cupy  # pragma: no cover - GPU only
 
     cupy.cuda.get_current_stream().synchronize()  # kernels still writing x must finish first
     if cuda_aware():
-        return x, None
+        return _wire(x), None
     host = x.get()
-    return host, ((lambda: x.set(host)) if copy_back else None)
+    return _wire(host), ((lambda: x.set(host)) if copy_back else None)
 
 
-def _mpi_op(op):
+def _mpi_op(op, dtype=None):
     if op not in _OPS:
         raise ValueError(f"reduction op must be one of {sorted(_OPS)}, got {op!r}")
-    return _OPS[op]
+    return _bfloat16_op(op) if dtype == bfloat16 else _OPS[op]
 
 
 def _done():
@@ -116,7 +136,7 @@ class MPICommunicator(Communicator):
 
     # Each collective is written once, as _op(..., wait); the base class names its two forms.
     def _all_reduce(self, x, op, wait):
-        mpi_op = _mpi_op(op)
+        mpi_op = _mpi_op(op, x.dtype)
         buf, then = _stage(x, "all_reduce", copy_back=True)
         return self._run("all_reduce", x.nbytes, x,
                          lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op),
@@ -130,7 +150,7 @@ class MPICommunicator(Communicator):
         return _buffer(out, what)
 
     def _reduce_scatter(self, x, op, out, wait):
-        mpi_op = _mpi_op(op)
+        mpi_op = _mpi_op(op, x.dtype)
         x_buf, _ = _stage(x, "reduce_scatter", copy_back=False)
         if x.shape[0] % self.size:
             raise ValueError(
@@ -171,7 +191,7 @@ class MPICommunicator(Communicator):
         if self.size == 1:
             out[...] = x
         buf, then = _stage(out, "all_to_all_v", copy_back=True)
-        kind = from_numpy_dtype(x.dtype)  # Alltoallv's counts are in elements of this type
+        kind = from_numpy_dtype(x_buf.dtype)  # Alltoallv's counts are in elements of this type
         send, recv = [x_buf, (sc.tolist(), sd.tolist()), kind], [buf, (rc.tolist(), rd.tolist()), kind]
         return self._run("all_to_all_v", x.nbytes, out, lambda: self.comm.Alltoallv(send, recv),
                          lambda: self.comm.Ialltoallv(send, recv), wait, then=then, charged=charged)

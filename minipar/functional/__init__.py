@@ -39,11 +39,12 @@ from minipar.functional.reduction import layer_norm, log_softmax, mean, softmax,
 from minipar.functional.router_losses import attach_loss, load_balancing_loss, z_loss
 from minipar.functional.routing import permute, sort_by_expert, unpermute
 from minipar.functional.shape import concat, getitem, reshape, split, transpose
+from minipar.functional.widen import cast
 
 __all__ = [
     "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "gelu", "masked_fill",
     "dropout", "sum", "mean", "softmax", "log_softmax", "layer_norm", "reshape", "transpose",
     "getitem", "split", "concat", "matmul", "linear", "embedding", "cross_entropy",
     "causal_attention", "blockwise_attention", "apply_mask", "fresh_key", "permute", "unpermute",
-    "sort_by_expert", "load_balancing_loss", "z_loss", "attach_loss",
+    "sort_by_expert", "load_balancing_loss", "z_loss", "attach_loss", "cast",
 ]

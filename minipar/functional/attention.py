@@ -27,6 +27,7 @@ from minipar.autograd import Function
 from minipar.backend import dot_along, matmul, on_gpu, sum_along, xp
 from minipar.functional.checks import floats, probability
 from minipar.functional.elementwise import fresh_key
+from minipar.functional.widen import in_float32
 from minipar.rng import keep, scaled
 
 
@@ -84,6 +85,7 @@ def _keep_t(key, p, where, b0, b1, q0, q1, dtype):
     return _mT(scaled(keep(key, p, rows[b0:b1], heads, positions[q0:q1], positions[:q1]), p, dtype))
 
 
+@in_float32()
 class CausalAttention(Function):
     """The scores are kept transposed, S^T (keys x queries) per head, so that the softmax over the
     keys reduces along the outer axis of each block: NumPy vectorises that across the contiguous

@@ -36,6 +36,7 @@ import numpy
 from minipar.autograd import Function
 from minipar.backend import dot_along, matmul, sum_along, xp
 from minipar.functional.attention import attention_arguments
+from minipar.functional.widen import in_float32
 from minipar.rng import keep, scaled
 
 
@@ -168,6 +169,7 @@ def attend_backward(q, k, v, dy, lse, delta, queries, keys, scale, dropout, dq, 
         dkv[0][..., cols, :] += matmul(_mT(ds), qs)
 
 
+@in_float32()
 class BlockwiseAttention(Function):
     """Causal attention over one device's whole sequence, its keys taken block by block in a given
     order: what ring attention computes, without the ring (to test the merge and the backward)."""

@@ -13,7 +13,7 @@ import numbers
 import numpy
 
 from minipar.autograd import Tensor
-from minipar.dtypes import get_default_dtype
+from minipar.dtypes import get_default_dtype, is_float
 
 
 def scalar(x):
@@ -28,7 +28,7 @@ def floats(op, *operands):
     """The operands as float Tensors of one dtype; ``None`` and Python numbers pass through."""
     tensors = [x for x in operands if isinstance(x, Tensor)]
     for t in tensors:
-        if t.dtype.kind != "f":
+        if not is_float(t.dtype):
             raise TypeError(f"{op}: needs float tensors, got {t.dtype}; cast with Tensor(x, dtype=...)")
     dtypes = sorted({t.dtype.name for t in tensors})
     if len(dtypes) > 1:

@@ -10,6 +10,7 @@ import math
 from minipar.autograd import Function, Tensor
 from minipar.backend import blocks, xp
 from minipar.functional.checks import floats, probability, scalar
+from minipar.functional.widen import in_float32
 from minipar.random import default_generator
 from minipar.rng import keep, scaled
 
@@ -19,6 +20,7 @@ def _binary(fn, a, b):
     return fn.apply(a, b)
 
 
+@in_float32()
 class Add(Function):
     @staticmethod
     def forward(ctx, a, b):
@@ -29,6 +31,7 @@ class Add(Function):
         return grad, grad
 
 
+@in_float32()
 class Sub(Function):
     @staticmethod
     def forward(ctx, a, b):
@@ -39,6 +42,7 @@ class Sub(Function):
         return grad, (-grad if ctx.needs_input_grad[1] else None)
 
 
+@in_float32()
 class Mul(Function):
     @staticmethod
     def forward(ctx, a, b):
@@ -51,6 +55,7 @@ class Mul(Function):
         return (grad * ctx.b if need_a else None), (grad * ctx.a if need_b else None)
 
 
+@in_float32()
 class Div(Function):
     @staticmethod
     def forward(ctx, a, b):
@@ -67,6 +72,7 @@ class Div(Function):
         return (grad_a if need_a else None), grad_b
 
 
+@in_float32()
 class Neg(Function):
     @staticmethod
     def forward(ctx, a):
@@ -77,6 +83,7 @@ class Neg(Function):
         return -grad
 
 
+@in_float32()
 class Pow(Function):
     @staticmethod
     def forward(ctx, a, exponent):
@@ -91,6 +98,7 @@ class Pow(Function):
         return grad * (p * ctx.a ** (p - 1)), None
 
 
+@in_float32()
 class Exp(Function):
     @staticmethod
     def forward(ctx, a):
@@ -102,6 +110,7 @@ class Exp(Function):
         return grad * ctx.out
 
 
+@in_float32()
 class Log(Function):
     @staticmethod
     def forward(ctx, a):
@@ -113,6 +122,7 @@ class Log(Function):
         return grad / ctx.a
 
 
+@in_float32()
 class Tanh(Function):
     @staticmethod
     def forward(ctx, a):
@@ -128,6 +138,7 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 
 
+@in_float32()
 class GELU(Function):
     """GPT-2's tanh approximation: 0.5 x (1 + tanh(c (x + a x^3))), c = sqrt(2/pi), a = 0.044715.
 
@@ -185,6 +196,7 @@ def gelu_backward_reference(x, grad):
     return grad * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x))
 
 
+@in_float32()
 class MaskedFill(Function):
     @staticmethod
     def forward(ctx, x, mask, value):
@@ -196,6 +208,7 @@ class MaskedFill(Function):
         return xp.where(ctx.mask, 0, grad), None, None
 
 
+@in_float32()
 class Dropout(Function):
     """x times a given mask (0 or 1/(1-p), see ``minipar.rng.scaled``)."""
 

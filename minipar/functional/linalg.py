@@ -8,6 +8,7 @@ through ``backend.matmul``.
 from minipar import backend
 from minipar.autograd import Function, Tensor
 from minipar.backend import matmul as mm, xp
+from minipar.dtypes import compute_dtype
 from minipar.functional.checks import floats
 
 
@@ -68,7 +69,8 @@ class Linear(Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = mm(g2, ctx.weight).reshape(ctx.x_shape) if need_x else None
         grad_w = mm(g2.T, ctx.x2) if need_w else None
-        grad_b = g2.sum(axis=0) if need_b else None
+        # a 16-bit bias gradient is a sum over every row: accumulated in float32, then narrowed
+        grad_b = g2.sum(axis=0, dtype=compute_dtype(g2.dtype)).astype(g2.dtype, copy=False) if need_b else None
         return grad_x, grad_w, grad_b
 
 
@@ -104,7 +106,8 @@ class Embedding(Function):
         grad_w = xp.zeros(ctx.weight_shape, ctx.dtype)
         if ids.size == 0:
             return None, grad_w
-        grad_w[sorted_ids[run_starts]] = backend.sum_segments(rows[order], run_starts)
+        sums = backend.sum_segments(rows[order].astype(compute_dtype(rows.dtype), copy=False), run_starts)
+        grad_w[sorted_ids[run_starts]] = sums  # a 16-bit gradient's rows summed in float32
         return None, grad_w
 
 

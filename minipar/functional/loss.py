@@ -7,8 +7,10 @@ and 1/count for the mean). Keeping it as one op avoids storing log-probabilities
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp
 from minipar.functional.checks import floats
+from minipar.functional.widen import in_float32
 
 
+@in_float32(keep_output=True)  # the loss itself stays float32
 class CrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, reduction):

@@ -3,8 +3,10 @@
 from minipar.autograd import Function
 from minipar.backend import dot_along, sum_along, xp
 from minipar.functional.checks import axes, floats
+from minipar.functional.widen import in_float32
 
 
+@in_float32()
 class Sum(Function):
     @staticmethod
     def forward(ctx, x, axes, keepdims):
@@ -34,6 +36,7 @@ def mean(x, axis=None, keepdims=False):
     return Sum.apply(x, reduced, bool(keepdims)) * (1.0 / count)
 
 
+@in_float32()
 class Softmax(Function):
     """y = exp(x - max) / sum(exp(x - max)); subtracting the max keeps exp from overflowing.
     Backward: dx = y * (g - sum(g * y))."""
@@ -54,6 +57,7 @@ class Softmax(Function):
         return dx, None
 
 
+@in_float32()
 class LogSoftmax(Function):
     """y = x - max - log(sum(exp(x - max))). Backward: dx = g - exp(y) * sum(g)."""
 
@@ -90,6 +94,7 @@ def _row_dots(a, b):
     return dot_along(a, b, 1)
 
 
+@in_float32()
 class LayerNorm(Function):
     """One node for the whole normalisation over the last axis (Ba et al. 2016):
 

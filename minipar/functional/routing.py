@@ -16,6 +16,7 @@ reordering; its backward is a gather too, never a scatter-add.
 from minipar.autograd import Function
 from minipar.backend import xp
 from minipar.functional.checks import floats
+from minipar.functional.widen import in_float32
 
 
 def sort_by_expert(indices, n_experts, keep=None):
@@ -29,6 +30,7 @@ def sort_by_expert(indices, n_experts, keep=None):
     return slots, counts
 
 
+@in_float32()
 class Permute(Function):
     """y[i] = x[slots[i] // k]: the token row of each listed slot. Backward: each slot's gradient
     goes to its own place among the N k slots (a permutation, no collisions) and each token sums
@@ -46,6 +48,7 @@ class Permute(Function):
         return by_slot.reshape((ctx.n, ctx.k) + grad.shape[1:]).sum(axis=1), None, None
 
 
+@in_float32()
 class Unpermute(Function):
     """out[n] = sum_j w[n, j] Y[n, j], where Y (N, k, h) holds row i of y at slot slots[i] and 0
     at the slots not listed (dropped). Backward:

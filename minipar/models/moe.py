@@ -40,6 +40,7 @@ import numpy
 
 import minipar.functional as F
 from minipar.backend import to_numpy, xp
+from minipar.dtypes import is_16bit
 from minipar.functional.router_losses import equal_groups
 from minipar.functional.routing import sort_by_expert
 from minipar.nn import Linear, Module, ModuleList, Parameter, normal_
@@ -58,9 +59,9 @@ def top_k(probs, k):
 class Router(Module):
     """Logits x W_r^T (no bias), softmax over E, top-k, optionally renormalised weights.
 
-    The softmax runs in the logits' dtype: float32 or float64, the only float dtypes of the
-    engine; a narrower one is refused rather than rounded here (Switch computes the router in
-    float32 for stability)."""
+    The router runs in float32 or wider: a 16-bit model's tokens and router weight are cast to
+    float32 first (Switch and Megatron compute the router in float32: a softmax over experts and
+    a top-k of bf16 probabilities would tie and flip on rounding)."""
 
     def __init__(self, n_embd, n_experts, top_k, normalize=None):
         if not 1 <= top_k <= n_experts:
@@ -72,9 +73,11 @@ class Router(Module):
     def forward(self, x):
         """``x`` (N, h) -> Routing(indices (N, k) xp ints, weights (N, k) Tensor, probs (N, E)
         Tensor, logits (N, E) Tensor)."""
-        logits = F.linear(x, self.weight)  # (N, E)
-        if logits.dtype.itemsize < 4:
-            raise TypeError(f"the router's softmax needs float32 or wider, got {logits.dtype}")
+        if is_16bit(x.dtype):
+            x, weight = F.cast(x, "float32"), F.cast(self.weight, "float32")
+        else:
+            weight = self.weight
+        logits = F.linear(x, weight)  # (N, E)
         probs = F.softmax(logits, axis=-1)  # (N, E)
         indices = top_k(probs.data, self.top_k)  # (N, k)
         weights = probs[xp.arange(len(indices))[:, None], indices]  # (N, k)
@@ -143,10 +146,13 @@ class MoEStep:
     forward's auxiliary losses count as its share of them: its tokens / ``tokens``; None: every
     forward is a whole step) and what routing did, per layer, summed over the step's forwards:
     ``loads`` slots each expert took, ``dropped`` slots, ``aux`` and ``z`` the losses (scaled by
-    their shares). A recomputed forward (in backward) is not counted again."""
+    their shares). A recomputed forward (in backward) is not counted again. ``loss_scale``: what
+    the step's loss is multiplied by before backward (fp16's loss scale, set by the trainer; 1
+    otherwise), which the auxiliary losses' gradients must carry too (Megatron's
+    ``MoEAuxLossAutoScaler.set_loss_scale``)."""
 
     def __init__(self):
-        self.tokens = None
+        self.tokens, self.loss_scale = None, 1.0
         self.reset()
 
     def reset(self):
@@ -224,14 +230,15 @@ class MoEMLP(Module):
         else:
             local, local_counts = self.dispatcher.dispatch(rows, counts)
             out = self.dispatcher.combine(self.apply_experts(local, local_counts))
-        y = F.unpermute(out, route.weights, slots)  # (N, h)
+        y = F.unpermute(out, F.cast(route.weights, out.dtype), slots)  # (N, h), in the model's dtype
         self.tokens_per_expert = to_numpy(counts)
         self.dropped = int(route.indices.size - len(slots))
         self.aux_loss = F.load_balancing_loss(route.probs, route.indices, self.aux_loss_coeff, ids)
         self.z_loss = F.z_loss(route.logits, self.z_loss_coeff)
         share = self.step.share(len(x)) if self.step is not None else 1.0
         if self.aux_loss_coeff or self.z_loss_coeff:  # the training loss's gradient reaches them
-            y = F.attach_loss(y, self.aux_loss + self.z_loss, share)
+            scale = share * (self.step.loss_scale if self.step is not None else 1.0)
+            y = F.attach_loss(y, self.aux_loss + self.z_loss, scale)
         if self.step is not None and self.training and not recomputing():
             self.step.record(self.layer, self.tokens_per_expert.astype(numpy.int64), self.dropped,
                              share * self.aux_loss.item(), share * self.z_loss.item())

@@ -17,8 +17,10 @@ whether the target is among them: no communication in backward. Columns past the
 from minipar.autograd import Function
 from minipar.backend import array_of, xp
 from minipar.functional.checks import floats
+from minipar.functional.widen import in_float32
 
 
+@in_float32(keep_output=True)  # 16-bit logits: the sums over the vocabulary, and the loss, in float32
 class VocabParallelCrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, targets, comm, vocab_start, vocab_size, ignore_index):

@@ -29,7 +29,9 @@ import hashlib
 import numpy
 
 from minipar.backend import array_of, to_numpy, xp
+from minipar.autograd import Tensor
 from minipar.optim import AdamW
+from minipar.precision import check_policy
 from minipar.parallel.grad_norm import grad_norm
 from minipar.parallel.protocol import STATE_KINDS, DistributedOptimizer, gradient_group
 
@@ -89,12 +91,17 @@ class DataParallelAdamW(DistributedOptimizer):
     On construction the parameters are broadcast from DP rank 0, and each parameter's ``.grad``
     becomes a view into its bucket, so the engine accumulates straight into the buckets. Use this
     ``zero_grad()`` (which keeps the views) instead of ``model.zero_grad()``.
+
+    With a mixed-precision ``policy`` (``minipar.precision``) the buckets hold ``policy.grads``
+    (the model's 16 bits, or fp32 with --accumulate-allreduce-grads-in-fp32) and AdamW updates
+    fp32 master copies of the weights (``masters``), rounding each into the model's weight as it
+    goes: 2 + 2 + 12 bytes per parameter.
     """
 
     stage = 0  # ZeRO's numbering: nothing sharded
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 bucket_bytes=4 << 20):
+                 bucket_bytes=4 << 20, policy=None):
         super().__init__(model, comm)
         params = model.parameters()
         dtypes = {p.dtype for p in params}
@@ -102,21 +109,29 @@ class DataParallelAdamW(DistributedOptimizer):
             raise ValueError(f"data parallelism buckets need one dtype, the model has {sorted(map(str, dtypes))}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        self._adamw = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        sync_replicas(model, comm)
+        self.policy = check_policy(policy, params[0].dtype)
+        sync_replicas(model, comm)  # before the masters are copied: every replica's from rank 0's
+        if policy is None:
+            self.masters = None
+            self._adamw = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        else:
+            self.masters = [Tensor._wrap(p.data.astype(policy.main), requires_grad=True) for p in params]
+            self._adamw = AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                decay=[p.ndim >= 2 for p in params], copies=[p.data for p in params])
+        grad_dtype = params[0].dtype if policy is None else policy.grads
         self.buckets, current, size, group = [], [], 0, None
         for p in reversed(params):  # backward meets the last parameters first
             if current and gradient_group(p, self.grid, comm) is not group:  # one group per all-reduce
-                self.buckets.append(Bucket(current, current[0].dtype, group))
+                self.buckets.append(Bucket(current, grad_dtype, group))
                 current, size = [], 0
             group = gradient_group(p, self.grid, comm)
             current.append(p)
             size += p.data.nbytes
             if size >= bucket_bytes:
-                self.buckets.append(Bucket(current, p.dtype, group))
+                self.buckets.append(Bucket(current, grad_dtype, group))
                 current, size = [], 0
         if current:
-            self.buckets.append(Bucket(current, current[0].dtype, group))
+            self.buckets.append(Bucket(current, grad_dtype, group))
         self._bucket_of = {}
         for bucket in self.buckets:
             for p in bucket.params:
@@ -138,6 +153,8 @@ class DataParallelAdamW(DistributedOptimizer):
             for p in bucket.params:
                 p.grad = bucket.flat[offset : offset + p.size].reshape(p.shape)
                 offset += p.size
+        for master, p in zip(self.masters or (), self.model.parameters()):
+            master.grad = p.grad  # AdamW reads the model's gradient, widening it block by block
 
     def _gradient_ready(self, p):
         if p.grad is None or p.grad.base is not self._bucket_of[p].flat:
@@ -200,9 +217,11 @@ class DataParallelAdamW(DistributedOptimizer):
     def _gradients(self):
         return [b.flat for b in self.buckets]
 
-    def step(self):
+    def step(self, grad_scale=1.0):
+        """The AdamW update; ``grad_scale`` multiplies the gradients as AdamW reads them (mixed
+        precision: the loss scale's inverse and the clipping factor)."""
         self.finish_gradients()
-        self._adamw.step()
+        self._adamw.step(grad_scale)
 
     def zero_grad(self):
         for bucket in self.buckets:
@@ -215,18 +234,25 @@ class DataParallelAdamW(DistributedOptimizer):
         """Bytes this rank holds for training state: parameters, gradient buckets, optimizer."""
         return {"parameters": sum(p.data.nbytes for p in self.model.parameters()),
                 "gradients": sum(b.flat.nbytes for b in self.buckets),
-                "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(self._adamw.m, self._adamw.v))}
+                "optimizer": sum(m.nbytes + v.nbytes for m, v in zip(self._adamw.m, self._adamw.v))
+                + sum(master.data.nbytes for master in self.masters or ())}
 
     def full_gradients(self):
         self.finish_gradients()
         return {id(p): p.grad.copy() for p in self.model.parameters()}
 
     def state_arrays(self):
-        """Whole local arrays, the same on every DP replica: each parameter, then its m and v."""
+        """Whole local arrays, the same on every DP replica: each parameter (its fp32 master under
+        mixed precision: what a checkpoint keeps), then its m and v."""
         out = []
-        for p, m, v in zip(self._adamw.params, self._adamw.m, self._adamw.v):
-            out += [(kind, p, array, p.shape, None) for kind, array in zip(STATE_KINDS, (p.data, m, v))]
+        for p, weight, m, v in zip(self.model.parameters(), self._adamw.params, self._adamw.m, self._adamw.v):
+            out += [(kind, p, array, p.shape, None) for kind, array in zip(STATE_KINDS, (weight.data, m, v))]
         return out
+
+    def masters_to_model(self):
+        """Round the master weights into the model's (after a checkpoint wrote the masters)."""
+        for master, p in zip(self.masters or (), self.model.parameters()):
+            p.data[...] = master.data
 
     def scale_loss(self, loss, targets, ignore_index=-1, total=None):
         return scale_loss(loss, targets, self.comm, ignore_index, total)

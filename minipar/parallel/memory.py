@@ -12,7 +12,15 @@ its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of
 ZeRO shards them over their own group, the DP x CP / EP ranks that hold the same experts.
 """
 
-BYTES = {"float32": 4, "float64": 8}
+BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def bytes_per_parameter(dtype):
+    """(weight, gradient, optimizer state) bytes per parameter of a model in ``dtype``: 16-bit
+    models keep fp32 master weights beside the moments (the ZeRO paper's 2 + 2 + 12; gradients
+    accumulated in fp32 would make it 2 + 4 + 12)."""
+    b = BYTES[dtype]
+    return (b, b, 12) if b == 2 else (b, b, 2 * b)
 
 
 def parameter_count(n_layer, n_embd, block_size, vocab_size=256):
@@ -47,11 +55,14 @@ def state_bytes(cfg):
     per_rank = (total_parameters(cfg) - experts) / (cfg.tp * cfg.pp)  # dense: split over TP and PP
     stage = cfg.zero_stage
 
-    def arrays(n):  # parameter, gradient and two moments, ZeRO-sharded over n ranks
-        return (1 / n if stage >= 3 else 1) + (1 / n if stage >= 2 else 1) + (2 / n if stage >= 1 else 2)
+    weight, grad, optimizer = bytes_per_parameter(cfg.dtype)
+
+    def arrays(n):  # bytes of parameter, gradient and optimizer state, ZeRO-sharded over n ranks
+        return (weight * (1 / n if stage >= 3 else 1) + grad * (1 / n if stage >= 2 else 1)
+                + optimizer * (1 / n if stage >= 1 else 1))
 
     dp = (cfg.dp or 1) * (cfg.cp or 1)  # ZeRO shards dense state over DP x CP, experts' over DP x CP / EP
-    return (per_rank * arrays(dp) + experts / ep / cfg.pp * arrays(dp / ep)) * BYTES[cfg.dtype]
+    return per_rank * arrays(dp) + experts / ep / cfg.pp * arrays(dp / ep)
 
 
 def gb(n):
@@ -76,7 +87,8 @@ def problem(cfg, free, names):
     elif cfg.zero_stage < 3:
         fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over DP={cfg.dp})")
     n = total_parameters(cfg)
+    state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments"
     return (f"a model of {n:,} parameters needs about {gb(need)} on each rank ({cfg.dtype} parameters, "
-            f"gradients and AdamW's two moments on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
+            f"gradients{state} on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
             f"stage {cfg.zero_stage}; activations not counted), but {gb(available)} is available to each "
             f"({what} {gb(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")

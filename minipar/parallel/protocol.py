@@ -12,7 +12,8 @@ for all of them, so every caller (the trainer, the pipeline executor, the lesson
                    class needs: an all-reduce in flight is waited for first, a reduce-scatter of
                    whole buffers comes after
     clip_grad_norm(max_norm)   the whole model's norm (over TP, PP and DP), returned; scaled down
-    step()         the AdamW update of what this rank owns, then whatever it must share
+    step(grad_scale)     the AdamW update of what this rank owns, then whatever it must share
+                   (``grad_scale`` multiplies the gradients as AdamW reads them)
     zero_grad()    gradients zeroed, ready for the next step's backward
     state_bytes()  {"parameters", "gradients", "optimizer"}: bytes this rank holds after a step
 
@@ -62,6 +63,9 @@ class DistributedOptimizer(ABC):
     stage the class is (0: nothing sharded), for reports."""
 
     stage = None
+    loss_scale = 1.0  # what the caller multiplies the loss by before backward (mixed precision's S)
+    skipped_step = False  # whether the last step was skipped for an overflow (mixed precision's)
+    policy = None  # the precision policy (minipar.precision) the state is kept in; None: the model's dtype
 
     def __init__(self, model, comm):
         self.model, self.comm, self.grid = model, comm, model.grid
@@ -120,8 +124,9 @@ class DistributedOptimizer(ABC):
         return total
 
     @abstractmethod
-    def step(self):
-        """The AdamW update (finishes the gradients first if the caller did not)."""
+    def step(self, grad_scale=1.0):
+        """The AdamW update (finishes the gradients first if the caller did not); ``grad_scale``
+        multiplies the gradients as they are read (mixed precision's unscaling)."""
 
     @abstractmethod
     def zero_grad(self):
@@ -155,6 +160,10 @@ class DistributedOptimizer(ABC):
         kind "param", "exp_avg" or "exp_avg_sq"; shape the parameter's local shape; flat None for a
         whole local array, or (a, b), the range of the flattened local array this flat array is
         (a piece that differs across the DP group)."""
+
+    def masters_to_model(self):
+        """Round fp32 master weights into the model's (after a checkpoint loaded them); nothing
+        to do without masters."""
 
     def nonfinite_gradients(self):
         """Parameters a gradient of which, as this rank holds it, has a NaN or an infinity."""

@@ -23,6 +23,7 @@ import numpy
 
 from minipar.autograd import Function, Tensor, no_grad
 from minipar.backend import xp
+from minipar.dtypes import is_float
 from minipar.engine import hold_hooks
 
 
@@ -61,7 +62,7 @@ class Checkpoint(Function):
         before()
         try:
             before_backward()
-            float_input = ctx.x.dtype.kind == "f"
+            float_input = is_float(ctx.x.dtype)
             x = Tensor._wrap(ctx.x, requires_grad=float_input)
             if ctx.rng is not None:  # draw the same dropout masks as the first run
                 now = ctx.rng.state()

@@ -32,6 +32,7 @@ from minipar.backend import dot_along, xp
 from minipar.comm import wait_all
 from minipar.functional.blockwise import (Block, OnlineSoftmax, attend, attend_backward, merge_heads,
                                           split_heads)
+from minipar.functional.widen import in_float32
 
 KV_TAG, KV_BACK_TAG, DKV_TAG = 7101, 7102, 7103  # one tag per kind of ring message
 
@@ -51,6 +52,7 @@ class _Ring:
         return [self.group.isend(block, self.next, tag), self.group.irecv(spare, self.previous, tag)]
 
 
+@in_float32()  # 16-bit qkv: the blocks are merged, and travel, in float32 (2x the 16-bit bytes)
 class RingAttention(Function):
     """``positions``: (N, T_local) host integers, every rank's positions in group rank order."""
 

@@ -26,7 +26,7 @@ from typing import Optional
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # the names pipeline/schedules.py builds
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules that run the weights' gradients (W) apart from B
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16", "float16")  # the last two: mixed precision's model dtypes
 CP_COMM_TYPES = ("p2p", "a2a")  # ring attention, DeepSpeed-Ulysses (parallel/context.py)
 NAMES = {"tp": "TP", "pp": "PP", "dp": "DP", "cp": "CP", "ep": "EP"}  # a field's name in a message when the caller gives none
 

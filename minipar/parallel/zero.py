@@ -46,6 +46,7 @@ from minipar.parallel.grad_norm import norm_over_groups
 from minipar.parallel.protocol import DistributedOptimizer, gradient_group
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
+from minipar.precision import check_policy
 
 
 def refuse_unsupported(model, stage, what):
@@ -68,10 +69,15 @@ class ShardedAdamW(DistributedOptimizer):
 
     Replaces both the optimizer and data parallelism: it owns the parameter and gradient layout.
     Parameters are broadcast from DP rank 0 first, so replicas start equal.
+
+    With a mixed-precision ``policy`` (``minipar.precision``) the parameters stay in the model's
+    16 bits, gradients are kept and reduced in ``policy.grads``, and AdamW updates fp32 master
+    copies of this rank's pieces (``masters``), rounding each into the 16-bit piece before the
+    all-gather: the ZeRO paper's 2 + 2 + 12 bytes per parameter, the 12 sharded.
     """
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 bucket_bytes=4 << 20, groups=None):
+                 bucket_bytes=4 << 20, groups=None, policy=None):
         stage = self.stage
         check_hyperparameters(lr, betas)
         params = model.parameters()
@@ -84,6 +90,9 @@ class ShardedAdamW(DistributedOptimizer):
         self.ranks = dict(self.ranks, dp=0, cp=0, edp=0)
         self.ledger = Ledger()
         self.dtype = params[0].dtype
+        self.policy = check_policy(policy, self.dtype)
+        self.grad_dtype = self.dtype if policy is None else policy.grads  # gradients, summed in this
+        self.main_dtype = self.dtype if policy is None else policy.main  # masters and Adam moments
         if stage < 3:
             sync_replicas(model, comm)
         self.groups = groups or group_parameters(params, lambda p: gradient_group(p, model.grid, comm),
@@ -114,7 +123,7 @@ class ShardedAdamW(DistributedOptimizer):
     def _gradient_storage(self):
         """Stages 2 and 3 keep only the pieces of the gradients: one shard, accumulated over
         micro-batches. Returns this rank's piece of each group."""
-        shard = xp.zeros(sum(g.piece for g in self.groups), self.dtype)
+        shard = xp.zeros(sum(g.piece for g in self.groups), self.grad_dtype)
         self.ledger.add("gradients", shard.nbytes)
         return [shard[g.shard] for g in self.groups]
 
@@ -127,18 +136,30 @@ class ShardedAdamW(DistributedOptimizer):
 
     def _sharded_adamw(self, lr, betas, eps, weight_decay):
         """AdamW over segments: the parts of each parameter in this rank's pieces. Its moments are
-        views into two flat buffers the size of this rank's shard."""
-        segments, decay, offsets = [], [], []
-        for g, master, grad in zip(self.groups, self.master_pieces(), self.grad_pieces):
+        views into two flat buffers the size of this rank's shard; so are the masters, under mixed
+        precision, whose segments are rounded into the model's pieces (``copies``)."""
+        pieces = self.master_pieces()
+        shard = sum(g.piece for g in self.groups)
+        self.masters = None
+        if self.policy is not None:
+            self.masters = xp.empty(shard, self.main_dtype)
+            for g, piece in zip(self.groups, pieces):
+                self.masters[g.shard] = piece
+            self.ledger.add("optimizer", self.masters.nbytes)
+        segments, decay, offsets, copies = [], [], [], []
+        for g, piece, grad in zip(self.groups, pieces, self.grad_pieces):
             for i, a, b, at in g.segments():
-                seg = Tensor._wrap(master[at : at + b - a], requires_grad=True)
-                seg.grad = grad[at : at + b - a]
+                where = slice(at, at + b - a)
+                weights = piece if self.masters is None else self.masters[g.shard]
+                seg = Tensor._wrap(weights[where], requires_grad=True)
+                seg.grad = grad[where]
                 segments.append(seg)
+                copies.append(None if self.masters is None else piece[where])
                 decay.append(g.decays[i])
                 offsets.append(g.shard.start + at)
-        optimizer = AdamW(segments, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decay=decay)
-        shard = sum(g.piece for g in self.groups)
-        self.moments = (xp.zeros(shard, self.dtype), xp.zeros(shard, self.dtype))
+        optimizer = AdamW(segments, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decay=decay,
+                          copies=copies)
+        self.moments = (xp.zeros(shard, self.main_dtype), xp.zeros(shard, self.main_dtype))
         optimizer.m = [self.moments[0][o : o + s.size] for o, s in zip(offsets, segments)]
         optimizer.v = [self.moments[1][o : o + s.size] for o, s in zip(offsets, segments)]
         self.ledger.add("optimizer", self.moments[0].nbytes + self.moments[1].nbytes)
@@ -218,9 +239,11 @@ class ShardedAdamW(DistributedOptimizer):
                    for i, a, b, at in g.segments() if is_primary(g.params[i].placement, self.ranks)]
         return norm_over_groups(sum_of_squares(counted), self.grid, first=(self.comm,))
 
-    def step(self):
+    def step(self, grad_scale=1.0):
+        """The update of this rank's pieces (``grad_scale`` multiplies the gradients as AdamW reads
+        them: mixed precision's unscaling and clipping), then the all-gather."""
         self.finish_gradients()
-        self._adamw.step()
+        self._adamw.step(grad_scale)
         self.all_gather_parameters()
 
     def all_gather_parameters(self):
@@ -244,14 +267,32 @@ class ShardedAdamW(DistributedOptimizer):
     def padding(self):
         return sum(g.padded - g.size for g in self.groups)
 
+    def _parameter_store(self):
+        """The flat buffer of this rank's pieces a checkpoint keeps as the parameters: the fp32
+        masters under mixed precision; None where the whole parameters are written instead."""
+        return self.masters
+
     def _stores(self):
         """The flat buffers of this rank's shard, by kind."""
-        return (("exp_avg", self.moments[0]), ("exp_avg_sq", self.moments[1]))
+        params = self._parameter_store()
+        return ((("param", params),) if params is not None else ()) + (
+            ("exp_avg", self.moments[0]), ("exp_avg_sq", self.moments[1]))
+
+    def masters_to_model(self):
+        """Round the masters into this rank's 16-bit pieces, then share them (a collective)."""
+        if self.masters is None:
+            return
+        for g, piece in zip(self.groups, self.master_pieces()):
+            piece[...] = self.masters[g.shard]
+        if self.stage < 3:
+            self.all_gather_parameters()
 
     def state_arrays(self):
-        """Stages 1 and 2: the whole parameters (the same on every DP rank), then per segment of
-        this rank's pieces its m and v (different on every DP rank)."""
-        out = [("param", p, p.data, p.shape, None) for p in self.model.parameters()] if self.stage < 3 else []
+        """Stages 1 and 2: the whole parameters (the same on every DP rank; under mixed precision
+        this rank's pieces of the fp32 masters instead), then per segment of this rank's pieces
+        its m and v (different on every DP rank)."""
+        whole = self.stage < 3 and self._parameter_store() is None
+        out = [("param", p, p.data, p.shape, None) for p in self.model.parameters()] if whole else []
         for g in self.groups:
             for i, a, b, at in g.segments():
                 p, start = g.params[i], g.shard.start + at

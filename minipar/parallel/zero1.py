@@ -22,7 +22,7 @@ class ZeRO1(ShardedAdamW):
         the reduce-scatter leaves the sum."""
         self.flat_grads = []
         for g in self.groups:
-            grads = xp.zeros(g.padded, self.dtype)
+            grads = xp.zeros(g.padded, self.grad_dtype)
             for p, part in zip(g.params, g.unflatten(grads)):
                 p.grad = part.reshape(p.shape)
             self.flat_grads.append(grads)
@@ -44,7 +44,7 @@ class ZeRO1(ShardedAdamW):
         an expert's edp); the sum of this rank's piece comes back (an all-reduce would move 2x for
         values this rank never uses)."""
         for g, flat in zip(self.groups, self.flat_grads):
-            piece = xp.empty(g.piece, self.dtype)
+            piece = xp.empty(g.piece, self.grad_dtype)
             self.ledger.add("gradients", piece.nbytes)
             g.comm.reduce_scatter(flat, out=piece)
             flat[slice(*g.own())] = piece

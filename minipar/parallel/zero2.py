@@ -40,7 +40,7 @@ class ZeRO2(ShardedAdamW):
         """ZeRO-2's communication: send a finished group's whole gradients (None counts as
         zeros) to be summed into the owners' pieces, and drop them."""
         self.ledger.add("gradients", self._alive)  # what backward holds at this moment
-        self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.dtype))
+        self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.grad_dtype))
         self.ledger.remove("gradients", self._alive)
         for q in g.params:
             self._alive -= q.grad.nbytes if q.grad is not None else 0

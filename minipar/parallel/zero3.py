@@ -48,7 +48,7 @@ class ZeRO3(ShardedAdamW):
 
     stage = 3
 
-    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, policy=None):
         refuse_unsupported(model, 3, type(self).__name__)
         units = model.units()
         params = model.parameters()
@@ -67,7 +67,7 @@ class ZeRO3(ShardedAdamW):
         for p in params:  # ... and keeps only its pieces
             p.held_by = self
             p.data = self._empty
-        super().__init__(model, comm, lr, betas, eps, weight_decay, groups=groups)
+        super().__init__(model, comm, lr, betas, eps, weight_decay, groups=groups, policy=policy)
         self.ledger.add("parameters", self.master.nbytes)
         group_of = {id(p): g for g in groups for p in g.params}
         self._unit_groups = {name: list({id(group_of[id(p)]): group_of[id(p)] for p in used}.values())
@@ -122,7 +122,7 @@ class ZeRO3(ShardedAdamW):
         views into it, so that the engine accumulates straight into what will be sent."""
         self._flats = []
         for g in groups:
-            flat = xp.zeros(g.padded, self.master.dtype)
+            flat = xp.zeros(g.padded, self.grad_dtype)
             for p, part in zip(g.params, g.unflatten(flat)):
                 p.grad = part.reshape(self.shapes[id(p)])
             self.ledger.add("gradients", flat.nbytes)
@@ -137,12 +137,13 @@ class ZeRO3(ShardedAdamW):
                 p.grad = None
         self._flats = []
 
-    def step(self):  # the updated pieces stay where they are: the next forward gathers them
+    def step(self, grad_scale=1.0):  # the updated pieces stay where they are: the next forward gathers them
         self.finish_gradients()
-        self._adamw.step()
+        self._adamw.step(grad_scale)
 
-    def _stores(self):
-        return (("param", self.master),) + super()._stores()
+    def _parameter_store(self):
+        """This rank's pieces of the parameters: the fp32 masters if kept, else the shard itself."""
+        return self.master if self.masters is None else self.masters
 
     def full_state_dict(self):
         """{name: whole array} gathered from the shards (a collective)."""

@@ -185,6 +185,8 @@ class PipelineExecutor:
         if last:  # this micro-batch's share of the step's mean loss (of its positions, with CP)
             out = scale_loss(out, self.model.local_targets(targets), total=state.tokens)
             state.loss += out.item()
+            if self.optimizer is not None and self.optimizer.loss_scale != 1.0:  # fp16's loss scale
+                out = out * self.optimizer.loss_scale
         state.kept[unit] = (inp, out)
         # a micro-batch's activations are held until its backward, or, split, until its W
         state.record.peak_alive = max(state.record.peak_alive, len(state.kept) + len(state.weight_grads))

@@ -1,0 +1,220 @@
+"""Lesson 10: mixed precision, bf16 and fp16 with fp32 master weights, on N data-parallel ranks.
+
+    ./run_mpi.sh -n 4 lessons/10_mixed_precision.py
+    ./run_mpi.sh -n 8 lessons/10_mixed_precision.py --zero-stage 3
+    ./run_mpi.sh -n 2 lessons/10_mixed_precision.py --plant-bug  # each rank trusts its own overflow check: fails
+
+Every real LLM trains in 16 bits. The weights, activations and gradients are bfloat16 or float16;
+the optimizer keeps an fp32 master copy of every weight and Adam's m and v in fp32, updates the
+master and rounds it into the 16-bit weight (an update of lr = 1e-3 of a weight is below half of
+bfloat16's 2^-8 spacing: a 16-bit weight would not move). LayerNorm, softmax, the loss and every
+matrix product accumulate in fp32. float16 has 5 bits of exponent, so its small gradients vanish
+below 6e-8: the loss is multiplied by a scale S before backward and the gradients divided by S in
+fp32; an overflow (S too large) skips the step on every rank and halves S (Megatron's dynamic
+scale). bfloat16 has float32's exponent and needs no scale.
+
+The lesson, on N data-parallel ranks (ZeRO stage --zero-stage):
+
+1. bytes per parameter each rank holds after a step, by ZeRO stage and precision, beside the
+   formulas: fp32 16P, 8P + 8P/N, 4P + 12P/N, 16P/N; 16-bit (the ZeRO paper's 2 + 2 + 12 bytes)
+   16P, 4P + 12P/N, 2P + 14P/N, 16P/N;
+2. fp32, bf16 and fp16 loss curves side by side (a picture: --plot), and each step's time: on a
+   CPU 16-bit arithmetic is emulated, so it is slower, not faster;
+3. an overflow planted at step --overflow-step in the last rank's gradients (after the DP sum, so
+   no other rank can see it) skips the step on every rank, the state bit-identical, the scale
+   halved everywhere;
+4. the precision machinery set to keep float64 everywhere (float64 "16-bit" weights, float64
+   masters, a loss scale of 1) equals the plain float64 run bit for bit.
+
+Read next: minipar/precision.py, minipar/parallel/mixed_precision.py, docs/mixed_precision.md.
+
+Exercises (predict first, then run the command and read the table named):
+1. Predict bf16's total bytes at stage 1 and 8 ranks for the P printed, then check "bytes held"
+   at ./run_mpi.sh -n 8 lessons/10_mixed_precision.py. By how much does ZeRO-1 help more in 16 bits?
+2. --fp16-initial-scale 4294967296 (Megatron's 2^32): predict how many of the first steps are
+   skipped before the scale fits float16's 65504 (section 2's "skipped" column).
+3. --plant-bug: each rank decides from its own gradients (at ZeRO-0: under ZeRO-1 the run would
+   hang; why?). Predict which numbers of section 3 change.
+"""
+
+import contextlib
+import hashlib
+import sys
+import time
+
+import numpy as np
+
+import lesson
+import minipar
+from minipar.models import GPT, GPTConfig
+from minipar.parallel import ProcessGrid
+from minipar.parallel.data import scale_loss, split_batch, token_count
+from minipar.parallel.optimizers import make_optimizer
+from minipar.parallel.validate import RunConfig, problems
+from minipar.plots import path_problem, plot_curves
+from minipar.precision import ConstantLossScaler, DynamicLossScaler, Policy
+
+N_HEAD = 4
+FORMULA = {"float32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},  # bytes: a P + b P/N
+           "16-bit": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}}  # the ZeRO paper's
+FLAGS = {"global_batch": "--batch-size", "n_layer": "--n-layer", "n_embd": "--n-embd",
+         "block_size": "--block-size", "zero_stage": "--zero-stage"}
+
+
+def flags(p):
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8, help="the global batch")
+    p.add_argument("--zero-stage", type=int, default=1, help="the stage of the training runs")
+    p.add_argument("--overflow-step", type=int, default=2, help="the step whose gradients overflow")
+    p.add_argument("--fp16-initial-scale", type=float, default=2.0**16, help="fp16's first loss scale")
+    p.add_argument("--plot", default="out/mixed_precision.png", help="the loss curves ('' for none)")
+
+
+def check(args, ranks):
+    run = RunConfig(world_size=ranks, global_batch=args.batch_size, n_layer=args.n_layer, n_head=N_HEAD,
+                    n_embd=args.n_embd, block_size=args.block_size, zero_stage=args.zero_stage)
+    out = lesson.at_least_one(args, "--steps") + problems(run, FLAGS)
+    if not 0 <= args.overflow_step < args.steps:
+        out.append(f"--overflow-step {args.overflow_step} is not one of the {args.steps} steps (--steps)")
+    if args.plot and path_problem(args.plot):
+        out.append(f"--plot {args.plot}: {path_problem(args.plot)}")
+    return out
+
+
+def build(args, config, grid, stage, dtype, policy=None, scaler=None, agree=True):
+    minipar.set_default_dtype(dtype)
+    minipar.manual_seed(args.seed)
+    model = GPT(config, grid)
+    opt = make_optimizer(model, grid, stage, policy=policy, scaler=scaler, **lesson.HYPER)
+    if not agree:  # the planted bug: an overflow check that asks nobody else
+        opt.world = None
+    return model, opt
+
+
+def train_step(model, opt, dp, step, x, y, plant=False):
+    """One step of data parallelism with a loss scale; returns (the global loss, skipped)."""
+    model.rng.iteration = step
+    xs, ys = split_batch(x, y, dp)
+    with model.rng.at(rows=np.array_split(np.arange(len(x)), dp.size)[dp.rank]):
+        _, loss = model(xs, ys)
+        (scale_loss(loss, ys, total=token_count(y)) * opt.loss_scale).backward()
+    opt.finish_gradients()
+    if plant:  # after the sum over DP: only this rank holds it
+        opt._gradients()[-1][0] = np.inf
+    opt.clip_grad_norm(1.0)
+    opt.step()
+    opt.zero_grad()
+    return dp.all_reduce(np.array([loss.item() * len(xs)]))[0] / len(x), opt.skipped_step
+
+
+def digest(opt):
+    h = hashlib.sha256()
+    for kind, _, array, *_ in opt.state_arrays():
+        h.update(kind.encode() + np.ascontiguousarray(array).tobytes())
+    return np.frombuffer(h.digest()[:8], np.int64)
+
+
+def formula(a, b):
+    return f"{a}P + {b}P/N" if a and b else (f"{a}P" if a else f"{b}P/N")
+
+
+def main():
+    args, comm = lesson.start("Mixed precision: bf16 and fp16 with fp32 master weights.", flags, check,
+                              plant_bug="let each rank decide from its own gradients whether the step "
+                              "overflowed (no all-reduce)", steps=12)
+    grid = ProcessGrid(tp=1, pp=1)
+    dp, N, ok = grid.dp_group, grid.dp, True
+    config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size,
+                       dropout=0.1)
+    batches = lesson.batches(args, config.block_size)
+    precisions = {"float32": ("float32", None, None), "bf16": ("bfloat16", Policy.of("bfloat16"), None),
+                  "fp16": ("float16", Policy.of("float16"), lambda: DynamicLossScaler(
+                      args.fp16_initial_scale, growth_interval=5, hysteresis=1))}
+
+    # 1. bytes held per rank after one step, by stage and precision
+    minipar.manual_seed(args.seed)
+    P, memory = sum(p.size for p in GPT(config).parameters()), {}
+    for name, (dtype, policy, scaler) in precisions.items():
+        for stage in range(4):
+            model, opt = build(args, config, grid, stage, dtype, policy, scaler and scaler())
+            train_step(model, opt, dp, 0, *batches[0])
+            padded = P + opt.padding()
+            a, b = FORMULA["float32" if policy is None else "16-bit"][stage]
+            expected = a * padded + b * padded // N if stage else a * P
+            held = sum(opt.state_bytes().values())
+            ok &= held == expected
+            memory[name, stage] = (held, expected, padded)
+
+    # 2. the three precisions trained side by side
+    curves, times, skipped = {}, {}, {}
+    for name, (dtype, policy, scaler) in precisions.items():
+        model, opt = build(args, config, grid, args.zero_stage, dtype, policy, scaler and scaler())
+        curves[name], times[name], skipped[name] = [], [], 0
+        for step, (x, y) in enumerate(batches):
+            start = time.perf_counter()
+            loss, skip = train_step(model, opt, dp, step, x, y)
+            times[name].append(time.perf_counter() - start)
+            curves[name].append(loss)
+            skipped[name] += skip
+    gap = {n: max(abs(a - b) for a, b in zip(curves[n], curves["float32"])) for n in ("bf16", "fp16")}
+    ok &= max(gap.values()) < 0.1
+
+    # 3. an overflow on one rank skips the step on every rank. The planted bug runs at stage 0:
+    # under ZeRO the ranks that step would wait forever in an all-gather the skipping rank never
+    # enters; at stage 0 nothing waits, and the replicas silently drift apart
+    overflow_stage = 0 if args.plant_bug else args.zero_stage
+    model, opt = build(args, config, grid, overflow_stage, "float16", Policy.of("float16"),
+                       DynamicLossScaler(args.fp16_initial_scale, hysteresis=1), agree=not args.plant_bug)
+    for step, (x, y) in enumerate(batches[: args.overflow_step + 1]):
+        before, scale = digest(opt), opt.loss_scale
+        _, skip = train_step(model, opt, dp, step, x, y, plant=step == args.overflow_step and dp.rank == N - 1)
+    every = comm.all_gather(np.array([int(skip), int((digest(opt) == before).all()), opt.loss_scale]))
+    overflow_ok = (every[:, 0] == 1).all() and (every[:, 1] == 1).all() and (every[:, 2] == scale / 2).all()
+    ok &= bool(overflow_ok)
+
+    # 4. the machinery in float64 everywhere is the float64 run
+    runs = [build(args, config, grid, args.zero_stage, "float64"),
+            build(args, config, grid, args.zero_stage, "float64", Policy.of("float64", main="float64"),
+                  ConstantLossScaler(1.0))]
+    for step, (x, y) in enumerate(batches):
+        for model, opt in runs:
+            train_step(model, opt, dp, step, x, y)
+    plain, mixed = (opt.full_state_dict() for _, opt in runs)
+    differing = sum(not np.array_equal(plain[n], mixed[n]) for n in plain)
+    ok &= differing == 0
+    if args.plot and comm.rank == 0:
+        plot_curves(curves, args.plot, title=f"GPT on {N} ranks, ZeRO-{args.zero_stage}: fp32, bf16, fp16")
+
+    def report():
+        print(f"{N} data-parallel ranks; GPT of {args.n_layer} layers, width {args.n_embd}; {args.steps} steps")
+        print("\n1. bytes held per rank after a step (P counts the padding of ZeRO's flat buffers)")
+        print(f"  {'stage':<7}{'float32':>12}{'formula':>13}{'bf16':>12}{'fp16':>12}{'formula':>18}")
+        for s in range(4):
+            f32, f32_expected, _ = memory["float32", s]
+            print(f"  {s:<7}{f32:>12,}{formula(*FORMULA['float32'][s]):>13}{memory['bf16', s][0]:>12,}"
+                  f"{memory['fp16', s][0]:>12,}{formula(*FORMULA['16-bit'][s]):>18}")
+        per = {s: memory["bf16", s][0] / memory["bf16", s][2] for s in range(4)}
+        print("  bf16 bytes per (padded) parameter: " + ", ".join(f"stage {s} {v:.2f}" for s, v in per.items()))
+        print(f"\n2. training with ZeRO-{args.zero_stage} (largest loss gap to float32: tolerance 0.1)")
+        print(f"  {'':<9}{'first loss':>11}{'last loss':>11}{'gap':>8}{'skipped':>9}{'ms/step':>9}")
+        for name in curves:
+            ms = 1e3 * np.median(times[name][1:] or times[name])
+            print(f"  {name:<9}{curves[name][0]:>11.4f}{curves[name][-1]:>11.4f}{gap.get(name, 0.0):>8.4f}"
+                  f"{skipped[name]:>9}{ms:>9.1f}")
+        print("  (a CPU emulates 16-bit arithmetic: expect no speed-up here, and with more ranks than cores\n"
+              "  the times are mostly waiting; docs/mixed_precision.md measures one process)")
+        if args.plot:
+            print(f"  loss curves written to {args.plot}")
+        print(f"\n3. overflow planted at step {args.overflow_step} on rank {N - 1} only (ZeRO-{overflow_stage})")
+        print(f"  skipped on {int(every[:, 0].sum())} of {N} ranks; state unchanged on {int(every[:, 1].sum())};"
+              f" scale {scale:g} -> {sorted(set(every[:, 2].tolist()))}")
+        print(f"\n4. float64 policy against the float64 run: {differing} of {len(plain)} tensors differ (0 expected)")
+
+    return lesson.finish(comm, not ok, report, "16-bit training holds the ZeRO paper's bytes, follows the "
+                         "float32 curve, skips overflowed steps on every rank, and is exact in float64.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

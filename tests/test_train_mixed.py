@@ -1,0 +1,117 @@
+"""Mixed precision in the training CLI: Megatron's flags, their one-line errors, the loss scale in
+--log-json, exact resumption from fp32 masters, and the memory the refusal counts."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy
+import pytest
+
+from mpi_run import LAUNCHER, run_mpi
+
+from minipar.checkpoint import load_weights
+from minipar.parallel.memory import parameter_count, state_bytes
+from minipar.parallel.validate import RunConfig
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--eval-iters", "2", "--sample", "0", "--plot", ""]
+
+
+def train(*args, cwd=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "minipar.train", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def rows(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bf16", "--fp16"], "--bf16 and --fp16 are two 16-bit formats: give one"),
+    (["--bf16", "--dtype", "float64"], "--dtype float64 with --bf16: mixed precision keeps float32 master weights"),
+    (["--bf16", "--loss-scale", "8"], "--loss-scale: a loss scale is for --fp16"),
+    (["--hysteresis", "3"], "--hysteresis: a loss scale is for --fp16"),
+    (["--fp16", "--loss-scale", "8", "--loss-scale-window", "4"], "--loss-scale is a constant scale"),
+    (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8.0 is above"),
+    (["--accumulate-allreduce-grads-in-fp32"], "is for --bf16 or --fp16 runs"),
+    (["--fp16", "--loss-scale", "0"], "--loss-scale: must be > 0"),
+])
+def test_bad_mixed_precision_flags_get_a_one_line_error(args, message, tmp_path):
+    run = train(*args, "--max-iters", "1", cwd=tmp_path)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and message in lines[0], run.stderr
+
+
+def test_fp16_log_rows_carry_the_scale_and_the_skipped_steps(tmp_path):
+    """Megatron's start, 2^32, overflows float16: the first steps are skipped, the scale halving
+    each time (hysteresis 1), until one fits; then the window's clean steps double it."""
+    log = str(tmp_path / "log.jsonl")
+    run = train(*TINY, "--fp16", "--hysteresis", "1", "--loss-scale-window", "3", "--max-iters", "24",
+                "--log-json", log, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    got = rows(log)
+    assert all({"loss_scale", "skipped"} <= set(r) for r in got)
+    assert got[0]["skipped"] and got[0]["loss_scale"] == 2.0**32 and got[0]["grad_norm"] is None
+    for a, b in zip(got, got[1:]):
+        if a["skipped"]:
+            assert b["loss_scale"] == a["loss_scale"] / 2
+    first = next(i for i, r in enumerate(got) if not r["skipped"])
+    assert 2.0**10 <= got[first]["loss_scale"] <= 2.0**20 and all(r["skipped"] for r in got[:first])
+    assert any(not r["skipped"] for r in got[first:]) and numpy.isfinite(got[-1]["loss"])
+
+
+def test_a_bf16_run_resumes_exactly_and_its_checkpoint_starts_a_float32_run(tmp_path):
+    common = [*TINY, "--bf16", "--max-iters", "6", "--warmup-iters", "2"]
+    whole, parts = str(tmp_path / "whole.safetensors"), str(tmp_path / "parts.safetensors")
+    assert train(*common, "--export-weights", whole, cwd=tmp_path).returncode == 0
+    save = str(tmp_path / "ck")
+    first = train(*common, "--save", save, "--exit-interval", "3", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = train(*common, "--load", save, "--export-weights", parts, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    a, b = load_weights(whole), load_weights(parts)
+    assert {v.dtype for v in a.values()} == {numpy.dtype("float32")}  # the masters, not their rounding
+    for name in a:
+        numpy.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    to_fp32 = train(*TINY, "--max-iters", "6", "--warmup-iters", "2", "--load", save, cwd=tmp_path)
+    assert to_fp32.returncode == 0 and "resuming at iteration 3" in to_fp32.stdout, to_fp32.stderr
+    # and back: a float32 checkpoint starts an fp16 run (its weights become the fp32 masters)
+    save32 = str(tmp_path / "ck32")
+    assert train(*TINY, "--max-iters", "2", "--save", save32, cwd=tmp_path).returncode == 0
+    to_fp16 = train(*TINY, "--max-iters", "4", "--fp16", "--load", save32, cwd=tmp_path)
+    assert to_fp16.returncode == 0 and "resuming at iteration 2" in to_fp16.stdout, to_fp16.stderr
+
+
+def test_the_memory_refusal_counts_the_papers_bytes_in_16_bits():
+    n = parameter_count(4, 64, 32)
+    run = RunConfig(tp=2, pp=2, dp=4, n_layer=4, n_embd=64, block_size=32, dtype="bfloat16")
+    P, N = n / 4, 4  # the parameters of one TP x PP part, ZeRO-sharded over DP = 4
+    for stage, formula in [(0, 16 * P), (1, 4 * P + 12 * P / N), (2, 2 * P + 14 * P / N), (3, 16 * P / N)]:
+        assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(formula)
+
+
+@pytest.mark.parametrize("model,layout", [
+    ([], ["--cp", "2", "--bf16"]), ([], ["--cp", "2", "--cp-comm-type", "a2a", "--bf16"]),
+    ([], ["--tp", "2", "--sequence-parallel", "--bf16", "--zero-stage", "1"]),
+    ([], ["--pp", "2", "--fp16", "--loss-scale", "1024", "--micro-batch-size", "1"]),
+    (["--num-experts", "2", "--moe-aux-loss-coeff", "0.01"], ["--ep", "2", "--bf16", "--zero-stage", "1"]),
+    (["--num-experts", "2", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"],
+     ["--ep", "2", "--fp16", "--loss-scale", "4096"]),
+])
+def test_16_bit_runs_on_every_kind_of_grid_follow_the_float32_run(model, layout, tmp_path):
+    """Context (ring and Ulysses), tensor + sequence, pipeline and expert parallelism in 16 bits:
+    the loss curve within a few 16-bit roundings of the single-device float32 one."""
+    common = [*TINY, *model, "--max-iters", "4", "--warmup-iters", "2"]
+    reference = str(tmp_path / "fp32.jsonl")
+    assert train(*common, "--log-json", reference, cwd=tmp_path).returncode == 0
+    log = str(tmp_path / "run.jsonl")
+    code, out, _ = run_mpi(2, None, timeout=120, command=[LAUNCHER, "-n", "2", "-m", "minipar.train", *common,
+                                                          *layout, "--log-json", log])
+    assert code == 0, out
+    got, ref = [r["loss"] for r in rows(log)], [r["loss"] for r in rows(reference)]
+    assert not any(r["skipped"] for r in rows(log))
+    assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, ref)) < 0.02, (got, ref)
