@@ -9,14 +9,22 @@ NumPy has float16 but no bfloat16: ``ml_dtypes`` registers it as a NumPy dtype (
 "V", not "f", so "is this a float" is asked through ``is_float`` here, never through ``kind``);
 CuPy arrays take the same dtype object. The default is a setting of the process, not of the device
 (``backend`` chooses that): the same choice holds on NumPy and CuPy.
+
+``ml_dtypes`` is one of minipar's dependencies, but everything except bfloat16 runs on NumPy
+alone (a bare interpreter on a lent GPU machine imports minipar from the checkout): without it,
+asking for bfloat16 is an error that names the package, and nothing else changes.
 """
 
-import ml_dtypes
 import numpy
 
-bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+bfloat16 = numpy.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else None
 float16 = numpy.dtype(numpy.float16)
-SIXTEEN_BIT = (bfloat16, float16)
+SIXTEEN_BIT = tuple(d for d in (bfloat16, float16) if d is not None)
 FLOAT_DTYPES = ("float32", "float64", "bfloat16", "float16")
 _default_dtype = numpy.dtype(numpy.float32)
 
@@ -26,6 +34,8 @@ def as_dtype(dtype):
     if dtype is None:  # numpy.dtype(None) would quietly mean float64
         raise ValueError("no dtype given: name one of " + ", ".join(FLOAT_DTYPES))
     if isinstance(dtype, str) and dtype == "bfloat16":
+        if bfloat16 is None:
+            raise ValueError("bfloat16 needs the ml_dtypes package (a dependency of minipar): pip install ml-dtypes")
         return bfloat16
     try:
         return numpy.dtype(dtype)
@@ -42,6 +52,11 @@ def is_16bit(dtype):
     return numpy.dtype(dtype) in SIXTEEN_BIT
 
 
+def is_bfloat16(dtype):
+    """Compared by identity of kind, never ``== bfloat16``: NumPy reads ``dtype == None`` as float64."""
+    return bfloat16 is not None and numpy.dtype(dtype) == bfloat16
+
+
 def compute_dtype(dtype):
     """The dtype an op accumulates in for inputs of ``dtype``: float32 for the 16-bit formats (their
     8 or 11 bits of mantissa lose a sum of many terms; bfloat16 has float32's range, float16 does not
@@ -51,7 +66,7 @@ def compute_dtype(dtype):
 
 def finfo(dtype):
     """NumPy's finfo, which refuses ml_dtypes' bfloat16: ml_dtypes has its own."""
-    return ml_dtypes.finfo(dtype) if numpy.dtype(dtype) == bfloat16 else numpy.finfo(dtype)
+    return ml_dtypes.finfo(dtype) if is_bfloat16(dtype) else numpy.finfo(dtype)
 
 
 def set_default_dtype(dtype):

@@ -28,7 +28,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from minipar.backend import xp
 from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
 from minipar.comm.start import abort_on_uncaught_exception
-from minipar.dtypes import bfloat16
+from minipar.dtypes import bfloat16, is_bfloat16
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
 
@@ -36,7 +36,7 @@ _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
 def _wire(x):
     """What MPI is handed for ``x``: bfloat16 (ml_dtypes), which MPI has no type for, travels as
     its 16-bit patterns (uint16), and its sums go through ``_bfloat16_op``; float16 is MPI's own."""
-    return x.view(numpy.uint16) if x.dtype == bfloat16 else x
+    return x.view(numpy.uint16) if is_bfloat16(x.dtype) else x
 
 
 @functools.cache
@@ -100,7 +100,7 @@ def _stage(x, what, copy_back):
 def _mpi_op(op, dtype=None):
     if op not in _OPS:
         raise ValueError(f"reduction op must be one of {sorted(_OPS)}, got {op!r}")
-    return _bfloat16_op(op) if dtype == bfloat16 else _OPS[op]
+    return _bfloat16_op(op) if is_bfloat16(dtype) else _OPS[op]
 
 
 def _done():
