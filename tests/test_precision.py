@@ -103,6 +103,19 @@ def test_float64_policy_equals_the_plain_float64_run_bit_for_bit(stage):
         np.testing.assert_array_equal(mixed[name], value, err_msg=f"stage {stage}: {name}")
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_growing_scale_unscales_each_step_by_the_scale_its_backward_used(stage):
+    """The scale doubles after every clean step (a window of 1): each step's gradients carry the
+    scale before that update, and dividing by it (a power of two: exact) leaves every bit of the
+    plain float64 run, clipping included."""
+    plain = _train(stage, "float64")[0].full_state_dict()
+    opt = _train(stage, "float64", Policy.of("float64", main="float64"), DynamicLossScaler(4.0, growth_interval=1))[0]
+    assert opt.loss_scale == 4.0 * 2**3  # grown after each of the 3 steps
+    mixed = opt.full_state_dict()
+    for name, value in plain.items():
+        np.testing.assert_array_equal(mixed[name], value, err_msg=f"stage {stage}: {name}")
+
+
 @pytest.mark.parametrize("stage", sorted(BY_STAGE))
 def test_masters_are_fp32_and_the_model_their_16_bit_rounding(stage):
     opt, model, _, _ = _train(stage, "bfloat16", Policy.of("bfloat16"))

@@ -11,7 +11,9 @@ lives. What this wrapper adds is the loss scale and what follows from it, once p
                    makes the verdict every rank's: a rank that stepped while another skipped
                    would leave the replicas, or the pieces of one weight, out of step
     scaler         ``update(found_inf)``: on an overflow the step is skipped and the scale may back
-                   off; after a window of clean steps it grows (``precision.DynamicLossScaler``)
+                   off; after a window of clean steps it grows (``precision.DynamicLossScaler``).
+                   This step's gradients were made with the scale *before* the update: that S
+                   (``step_scale``) is the one every unscaling of this step divides by
     clip           the norm is the scaled gradients' norm / S; the clipping factor and 1/S are
                    folded into one ``grad_scale`` that AdamW applies in fp32 as it reads each
                    gradient, so the 16-bit gradients are never rounded again
@@ -41,8 +43,9 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
         self.inner, self.scaler, self.world = inner, scaler, world
         self.stage, self.policy = inner.stage, inner.policy
         self.skipped_step = False  # the last checked step's verdict
-        self._checked, self._grad_scale = False, 1.0
+        self._checked, self._clipped, self._grad_scale = False, False, 1.0
         self.skipped_steps = 0
+        self.step_scale = self.loss_scale  # the scale this step's backward used
 
     @property
     def adamw(self):
@@ -70,6 +73,7 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
             return self.skipped_step
         self.finish_gradients()
         self._checked = True
+        self.step_scale = self.loss_scale  # before the update: the scale the gradients carry
         if self.scaler is None:
             self.skipped_step = False
             return False
@@ -84,7 +88,7 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
         """The unscaled gradients' norm (inf if the step overflowed)."""
         if self.check_overflow():
             return math.inf
-        return self.inner.grad_norm() / self.loss_scale
+        return self.inner.grad_norm() / self.step_scale
 
     def _gradients(self):
         return self.inner._gradients()
@@ -94,7 +98,8 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
         unscaling) rather than applied to the 16-bit gradients. inf for an overflowed step, which
         ``step`` skips."""
         total = self.grad_norm()
-        self._grad_scale = 1.0 / self.loss_scale
+        self._clipped = True
+        self._grad_scale = 1.0 / self.step_scale
         if math.isfinite(total) and max_norm > 0 and total > max_norm:
             self._grad_scale *= max_norm / (total + 1e-6)
         return total
@@ -102,15 +107,15 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
     def step(self, grad_scale=1.0):
         """The stage's update with the gradients unscaled (and clipped, if ``clip_grad_norm`` said
         so), unless the step overflowed: then nothing changes but the scaler."""
-        if not self._checked:  # no clip_grad_norm this step: unscale only
-            self._grad_scale = 1.0 / self.loss_scale
         if self.check_overflow():
             return
+        if not self._clipped:  # no clip_grad_norm this step: unscale only
+            self._grad_scale = 1.0 / self.step_scale
         self.inner.step(self._grad_scale * grad_scale)
 
     def zero_grad(self):
         self.inner.zero_grad()
-        self._checked, self._grad_scale = False, 1.0
+        self._checked, self._clipped, self._grad_scale = False, False, 1.0
 
     # ---- accounting, checks, checkpoints: the stage's --------------------------------------------
     def state_bytes(self):
@@ -124,7 +129,8 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
 
     def full_gradients(self):
         """The gradients as the stage holds them, unscaled (float64 copies, for checks)."""
-        return {k: g.astype(numpy.float64) / self.loss_scale for k, g in self.inner.full_gradients().items()}
+        scale = self.step_scale if self._checked else self.loss_scale  # before the check: the scale in use
+        return {k: g.astype(numpy.float64) / scale for k, g in self.inner.full_gradients().items()}
 
     def full_state_dict(self):
         return self.inner.full_state_dict()
