@@ -54,8 +54,14 @@ def mixed_precision_problems(args):
     if args.loss_scale is not None and len(given) > 1:
         out.append("--loss-scale is a constant scale: the dynamic scale's flags "
                    f"({' '.join(g for g in given if g != '--loss-scale')}) do not apply")
-    if args.min_loss_scale and args.initial_loss_scale and args.min_loss_scale > args.initial_loss_scale:
-        out.append(f"--min-loss-scale {args.min_loss_scale} is above --initial-loss-scale {args.initial_loss_scale}")
+    if args.fp16 and not out:  # the scaler's own rules, with Megatron's defaults for the flags not given
+        from minipar.precision import from_flags
+
+        try:
+            from_flags("float32", False, True, False, args.loss_scale, args.initial_loss_scale, args.min_loss_scale,
+                       args.loss_scale_window, args.hysteresis)
+        except ValueError as exc:
+            out.append(f"{' '.join(given) or '--fp16'}: {exc}")
     if args.accumulate_allreduce_grads_in_fp32 and not (args.bf16 or args.fp16):
         out.append("--accumulate-allreduce-grads-in-fp32 is for --bf16 or --fp16 runs")
     return out

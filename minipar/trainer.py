@@ -119,7 +119,6 @@ class Trainer:
             group.stats.reset()
         self.model.moe.reset()
         self.loss_scale = self.opt.loss_scale  # this step's, before its overflow check may move it
-        self.model.moe.loss_scale = self.loss_scale  # the auxiliary losses' gradients carry it too
         record = self.executor.step(x, y, optimizer_step=self._update)
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
         # routing over the whole step (a collective of a few numbers per layer)

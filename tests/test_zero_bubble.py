@@ -185,3 +185,17 @@ def test_zb_v_needs_two_chunks_per_rank():
     assert "F0.1" in S.table(S.build("zb-v", 2, 4, 2)) and "W3.0" in S.table(S.build("zb-v", 2, 4, 2))
     plans = {r: S.forward_only(3, 4, 2, r, shape="v") for r in range(3)}
     assert simulate(plans, 4, 2, forward_only=True, shape="v").messages == 4 * 5
+
+
+def test_the_executor_refuses_zero_3_with_a_split_backward():
+    """ZeRO-3 releases a unit's parameters when its backward ends; W comes later and would find
+    them gone. Refused at construction, in one line, as the CLI refuses it."""
+    from minipar.models import GPT, GPTConfig
+    from minipar.parallel import ProcessGrid
+    from minipar.parallel.optimizers import make_optimizer
+    from minipar.parallel.pipeline.executor import PipelineExecutor
+
+    grid = ProcessGrid(1, 1)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32), grid)
+    with pytest.raises(ValueError, match="computes the weights' gradients later"):
+        PipelineExecutor(model, grid, "zb-h1", micro_batches=2, optimizer=make_optimizer(model, grid, 3))

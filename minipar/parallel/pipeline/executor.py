@@ -79,7 +79,8 @@ class PipelineExecutor:
         v = len(model.chunks)
         # the schedule, its micro-batches and message tags on this grid: the run's rules, before any message
         validate.check(validate.RunConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, virtual_stages=v, schedule=schedule,
-                                          micro_batches=micro_batches, n_layer=model.config.n_layer),
+                                          micro_batches=micro_batches, n_layer=model.config.n_layer,
+                                          zero_stage=getattr(optimizer, "stage", 0) or 0),
                        what="PipelineExecutor")
         if grid.dp * grid.cp > 1 and optimizer is None:
             raise ValueError("the grid has DP x CP > 1: pass what sums the gradients over it (from "
@@ -154,8 +155,10 @@ class PipelineExecutor:
         state = StepState(micro=micro, rows=len(x), tokens=token_count(y),  # the whole batch's: no message
                           shape=self.model.activation_shape(len(micro[0][0]), x.shape[1]),
                           optimizer_step=optimizer_step)
-        # a mixture of experts' auxiliary losses: each forward's tokens are its share of all of them
+        # a mixture of experts' auxiliary losses: each forward's tokens are its share of all of them,
+        # and their gradients carry the loss scale the training loss's do (fp16)
         self.model.moe.tokens = x.size
+        self.model.moe.loss_scale = self.optimizer.loss_scale if self.optimizer is not None else 1.0
         for ins in instructions:
             start = self._clock()
             self._handlers[ins.op](state, ins)
