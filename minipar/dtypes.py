@@ -53,7 +53,8 @@ def is_16bit(dtype):
 
 
 def is_bfloat16(dtype):
-    """Compared by identity of kind, never ``== bfloat16``: NumPy reads ``dtype == None`` as float64."""
+    """Ask this, never ``dtype == bfloat16`` at a call site: without ml_dtypes ``bfloat16`` is None,
+    and NumPy reads ``dtype == None`` as float64."""
     return bfloat16 is not None and numpy.dtype(dtype) == bfloat16
 
 

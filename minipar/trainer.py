@@ -225,7 +225,7 @@ class Trainer:
             return
         a, g = self.args, self.grid
         print(f"model: {n_params:,} parameters, {a.n_layer} layers, {a.n_head} heads, "
-              f"{a.n_embd} hidden, context {a.block_size}, {a.dtype}")
+              f"{a.n_embd} hidden, context {a.block_size}, {self.model.parameters()[0].dtype.name}")
         cp = f" x CP {g.cp} ({a.cp_comm_type})" if g.cp > 1 else ""
         ep = f" (EP {g.ep})" if g.ep > 1 else ""
         print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}{ep}; {a.micro_batches} "
