@@ -38,14 +38,7 @@ def plot_loss(train_losses, val_points, path, title="training loss"):
     if val_points:
         steps, losses = zip(*val_points)
         ax.plot(steps, losses, "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _save(plt, fig, ax, path, title, "cross-entropy (nats per byte)")
 
 
 def plot_curves(curves, path, title="training loss", ylabel="cross-entropy (nats per byte)"):
@@ -58,6 +51,11 @@ def plot_curves(curves, path, title="training loss", ylabel="cross-entropy (nats
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, losses in curves.items():
         ax.plot(range(len(losses)), losses, lw=1, label=label)
+    _save(plt, fig, ax, path, title, ylabel)
+
+
+def _save(plt, fig, ax, path, title, ylabel):
+    """Label a loss plot's axes and write it (its folder made if need be)."""
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

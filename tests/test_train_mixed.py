@@ -2,27 +2,17 @@
 --log-json, exact resumption from fp32 masters, and the memory the refusal counts."""
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy
 import pytest
 
 from mpi_run import LAUNCHER, run_mpi
+from test_train import TINY, train
 
 from minipar.checkpoint import load_weights
 from minipar.parallel.memory import parameter_count, state_bytes
 from minipar.parallel.validate import RunConfig
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-        "--batch-size", "4", "--eval-iters", "2", "--sample", "0", "--plot", ""]
-
-
-def train(*args, cwd=None, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "minipar.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=cwd)
 
 
 def rows(path):
