@@ -54,7 +54,15 @@ def mixed_precision_problems(args):
     if args.loss_scale is not None and len(given) > 1:
         out.append("--loss-scale is a constant scale: the dynamic scale's flags "
                    f"({' '.join(g for g in given if g != '--loss-scale')}) do not apply")
-    if args.fp16 and not out:  # the scaler's own rules, with Megatron's defaults for the flags not given
+    if args.fp16 and args.loss_scale is None:  # with Megatron's defaults for the flags not given
+        from minipar.precision import MEGATRON_DEFAULTS
+
+        scales = {f: (getattr(args, f), "") if getattr(args, f) is not None else
+                  (MEGATRON_DEFAULTS[f], " (the default)") for f in ("min_loss_scale", "initial_loss_scale")}
+        (low, low_note), (high, high_note) = scales["min_loss_scale"], scales["initial_loss_scale"]
+        if low > high:
+            out.append(f"--min-loss-scale {low:g}{low_note} is above --initial-loss-scale {high:g}{high_note}")
+    if args.fp16 and not out:  # whatever else the scaler's own rules refuse
         from minipar.precision import from_flags
 
         try:

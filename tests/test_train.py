@@ -96,8 +96,8 @@ def test_export_then_init_weights(tmp_path, corpus):
     (["--data", "/dev/null"], "neither a regular file nor a directory"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor must be a positive number"),
     (["--num-experts", "4", "--moe-router-topk", "0"], "--moe-router-topk: must be >= 1"),
-    (["--fp16", "--initial-loss-scale", "0.5"], "--initial-loss-scale: need 0 < min_scale <= initial_scale"),
-    (["--fp16", "--min-loss-scale", "1e10"], "--min-loss-scale: need 0 < min_scale <= initial_scale"),
+    (["--fp16", "--initial-loss-scale", "0.5"], "--min-loss-scale 1 (the default) is above --initial-loss-scale 0.5"),
+    (["--fp16", "--min-loss-scale", "1e10"], "--min-loss-scale 1e+10 is above --initial-loss-scale 4.29497e+09 (the default)"),
 ])
 def test_bad_values_get_a_one_line_error(args, message, tmp_path, corpus):
     args = [corpus if a == "CORPUS" else a for a in args]

@@ -26,7 +26,7 @@ def rows(path):
     (["--bf16", "--loss-scale", "8"], "--loss-scale: a loss scale is for --fp16"),
     (["--hysteresis", "3"], "--hysteresis: a loss scale is for --fp16"),
     (["--fp16", "--loss-scale", "8", "--loss-scale-window", "4"], "--loss-scale is a constant scale"),
-    (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8.0 is above"),
+    (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8 is above --initial-loss-scale 4"),
     (["--accumulate-allreduce-grads-in-fp32"], "is for --bf16 or --fp16 runs"),
     (["--fp16", "--loss-scale", "0"], "--loss-scale: must be > 0"),
 ])
