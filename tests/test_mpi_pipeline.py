@@ -78,3 +78,20 @@ def test_pipeline_lesson(n, args, layout, tmp_path):
 def test_pipeline_lesson_fails_on_a_planted_bug(tmp_path):
     code, out, _ = run_mpi(2, LESSON_4, "--out", str(tmp_path), "--plant-bug", timeout=300)
     assert code != 0 and "MISMATCH" in out
+
+
+@pytest.mark.parametrize("n,args", [(2, ["--pp", "2", "--m", "3"]),
+                                    (4, ["--pp", "4", "--m", "4"]),
+                                    (4, ["--pp", "2", "--m", "2", "--recompute"])])  # PP 2 x DP 2
+def test_pipedream_2bw_follows_the_delayed_update(n, args):
+    """PipeDream-2BW (no flush, weights stashed) equals one device running W(t+1) = W(t) -
+    AdamW(grad f(W(t-1))) to ~1e-13 in float64, and is not synchronous training."""
+    out = check_mpi(n, "pipedream.py", *args, timeout=120)
+    assert out.count("pipedream-2bw OK") == n and "from synchronous" in out
+
+
+def test_pipedream_2bw_without_its_stash_is_caught():
+    """A step that updates in place the weights the in-flight forwards read: their backwards then
+    run on the next version, and the run leaves the delayed rule."""
+    code, out, _ = run_mpi(2, "pipedream.py", "--pp", "2", "--m", "3", "--plant-bug", timeout=60)
+    assert code != 0 and "off by" in out, out
