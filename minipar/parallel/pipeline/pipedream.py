@@ -62,9 +62,8 @@ class PipeDream2BW(PipelineExecutor):
         state.optimizer_step = optimizer_step
         if following is not None:  # batch t+1 runs on W(t): the newest now, the stash after this step
             self.in_flight[b + 1] = (self._state(*following), stash.newest, iteration + 1)
-        compute, self.forwarded = S.two_bw_order(self.grid.pp, m, self.grid.pp_rank, b, self.forwarded,
-                                                 following is not None)
-        instructions = S._with_communication(S.Pipeline(self.grid.pp, m * (b + 2)), self.grid.pp_rank, compute)
+        instructions, self.forwarded = S.two_bw_instructions(self.grid.pp, m, self.grid.pp_rank, b, self.forwarded,
+                                                            following is not None)
         try:
             for ins in instructions:
                 start = self._clock()

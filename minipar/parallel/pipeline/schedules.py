@@ -124,14 +124,20 @@ def two_bw_order(p, m, rank, batch, forwarded, following):
     return compute, forwarded
 
 
+def two_bw_instructions(p, m, rank, batch, forwarded, following):
+    """``two_bw_order`` with its messages and the batch's step: (instructions, forwarded)."""
+    compute, forwarded = two_bw_order(p, m, rank, batch, forwarded, following)
+    return _with_communication(Pipeline(p, m * (batch + 2)), rank, compute), forwarded
+
+
 def pipedream_2bw(p, m, rank, batches=1):
     """``batches`` batches of PipeDream-2BW back to back, a step after each one's last backward
     (micro-batch k of the stream is micro-batch k mod m of batch k div m). One batch is 1F1B."""
     check(p, m, schedule="pipedream-2bw")
     out, forwarded = [], 0
     for b in range(batches):
-        compute, forwarded = two_bw_order(p, m, rank, b, forwarded, b + 1 < batches)
-        out += _with_communication(Pipeline(p, m * batches), rank, compute)
+        instructions, forwarded = two_bw_instructions(p, m, rank, b, forwarded, b + 1 < batches)
+        out += instructions
     return out
 
 
