@@ -1,10 +1,12 @@
-"""Lesson 4: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), checked against one device.
+"""Lesson 4: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, the zero-bubble ZB-H1, ZB-H2 and
+ZB-V, and PipeDream-2BW's asynchronous pipeline), checked against one device.
 
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py              # PP = 4
     ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py              # PP = 4 x DP = 2
     ./run_mpi.sh -n 8 lessons/04_pipeline_parallel.py --pp 2       # PP = 2 x DP = 4
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --dtype float64
-    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule 1f1b   # one schedule, not all three
+    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule zb-v   # one schedule, not all of them
+    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule pipedream-2bw --steps 30  # its loss curve
     ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --show-schedules   # a core per rank
 
 The GPT's 8 blocks are cut into stages: on 4 ranks, rank r runs blocks 2r and 2r+1, the first rank
@@ -15,16 +17,26 @@ PP = 4 and the rest is data parallelism). The step's batch is cut into m micro-b
 that follow each other through the stages, each rank forwarding one while its neighbours work on
 others. Activations go forward and their gradients back as point-to-point messages.
 
-Each schedule trains a few AdamW steps from the same seed as the single-device run, with dropout,
-with and without activation recompute, and we compare the loss, every gradient and the parameters.
-Then the costs, each next to its formula:
+Each schedule trains a few AdamW steps from the same seed as the single-device run, with dropout
+(GPipe, 1F1B and interleaved also with activation recompute), and we compare the loss, every
+gradient and the parameters. The zero-bubble schedules (Qi et al. 2024) split each backward into B,
+the input's gradient, which the previous stage waits for, and W, the weights' gradients, which
+nobody waits for: W fills what was the bubble. Then the costs, each next to its formula
+(pipeline_formulas.py; unit costs F = B = W = 1, a fused backward B + W):
 
-* the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved:
-  exact in a simulation with unit costs, simulated with each stage's costs measured in this run,
-  and measured (near that when each rank has a core; stuck well above when ranks share cores);
+* the bubble: the fraction of a step a rank waits, (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved,
+  (p-1)/(3m+p-1) for ZB-H1 and ZB-H2, (p-1)/(6m+p-1) for ZB-V: exact in a simulation with unit
+  costs, simulated with each stage's costs measured in this run, and measured (near that when each
+  rank has a core; stuck well above when ranks share cores);
 * memory: how many micro-batches' activations a rank holds at once (m for GPipe, p - rank for
-  1F1B), and the bytes measured with and without recompute;
+  1F1B, until W for the zero-bubble ones), and the bytes measured with and without recompute;
 * the bytes each rank sends per step.
+
+Last, PipeDream-2BW (Narayanan et al. 2021): no flush at all, the next batch's forwards run during
+this one's backwards, so a stage updates weights that micro-batches in flight still need. Each
+micro-batch runs forward and backward on one stashed version (two versions alive), and the update
+is one step late: W(t+1) = W(t) - lr grad f(W(t-1)). Its run equals a single-device run of that
+delayed rule, not synchronous training; the two loss curves are drawn in --out.
 
 The timelines are drawn in --out: one Gantt picture per schedule as measured, one simulated, and a
 Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
@@ -49,6 +61,12 @@ Exercises (predict first, then run the command and read the table named):
 4. --plant-bug never adds the tied embedding's two gradient parts (first and last stage). Predict
    which error rows fail, and whether step 1's loss could still match:
    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule 1f1b --plant-bug
+5. Predict ZB-H1's bubble for p = 2, m = 4 with unit costs, and with a core per rank check the
+   measured one against 1F1B's: ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --micro-batches 4
+6. PipeDream-2BW's step 1 uses the gradient at W(0) again: predict whether its loss at step 1 is
+   above or below synchronous training's, then look at out/pipeline/pipedream_2bw_loss.png after
+   --schedule pipedream-2bw --steps 30. (--plant-bug there updates the weights in place: the
+   in-flight micro-batches' backwards then use the next version.)
 """
 
 import os
@@ -60,36 +78,54 @@ import numpy as np
 
 import lesson
 import minipar
+import pipeline_formulas as formulas
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
-from minipar.parallel.pipeline import schedules, trace
+from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.executor import PipelineExecutor
-from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
+from minipar.parallel.pipeline.pipedream import PipeDream2BW
+from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.validate import RunConfig, problems
+from minipar.plots import plot_curves
+from pipeline_report import report
 
 N_HEAD, N_EMBD = 4, 128  # the GPT's width; its depth and context are flags
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual_stages": "--virtual-stages",
          "n_layer": "--n-layer", "global_batch": "--batch-size", "block_size": "--block-size",
          "schedule": "--schedule"}
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # then PipeDream-2BW
+RECOMPUTED = ("gpipe", "1f1b", "interleaved")  # also run with activation recompute
+TWO_BW = "pipedream-2bw"
 
 
-def run_config(n, args, pp):
-    """The runs this lesson makes on n ranks with pp stages, as plain numbers: with every schedule,
-    the interleaved schedule's rules hold for GPipe and 1F1B too (they run with one chunk per rank)."""
-    return RunConfig(world_size=n, pp=pp, virtual_stages=args.virtual_stages, schedule=args.schedule or "interleaved",
+def runs_of(args):
+    """(schedule, chunks per rank) of each run: interleaved with --virtual-stages, ZB-V's V two."""
+    chunks = {"interleaved": args.virtual_stages, "zb-v": 2}
+    return [(name, chunks.get(name, 1)) for name in SCHEDULES if args.schedule in (None, name)]
+
+
+def run_config(n, args, pp, schedule, v):
+    """A run this lesson makes on n ranks with pp stages, as plain numbers."""
+    return RunConfig(world_size=n, pp=pp, virtual_stages=v, schedule=schedule,
                      global_batch=args.batch_size, micro_batches=args.micro_batches, n_layer=args.n_layer,
                      n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dtype=args.dtype)
 
 
+def all_problems(n, args, pp):
+    """Every run's problems with pp stages, each once (GPipe's are 1F1B's and often ZB-H1's)."""
+    found = [f for name, v in runs_of(args) + [(TWO_BW, 1)] * (args.schedule in (None, TWO_BW))
+             for f in problems(run_config(n, args, pp, name, v), FLAGS)]
+    return list(dict.fromkeys(found))
+
+
 def choose_pipeline(n, args):
     """(--pp, problems). By default the most stages among the divisors of the ranks for which the
-    run has no problem; if none fits, the problems every choice shares, or a line saying so."""
+    runs have no problem; if none fits, the problems every choice shares, or a line saying so."""
     if args.pp is not None:
-        return args.pp, problems(run_config(n, args, args.pp), FLAGS)
-    tried = {pp: problems(run_config(n, args, pp), FLAGS) for pp in range(1, n + 1) if n % pp == 0}
+        return args.pp, all_problems(n, args, args.pp)
+    tried = {pp: all_problems(n, args, pp) for pp in range(1, n + 1) if n % pp == 0}
     fits = [pp for pp, found in tried.items() if not found]
     if fits:
         return max(fits), []
@@ -104,7 +140,7 @@ def flags(p):
     p.add_argument("--pp", type=int, help="pipeline stages (DP = ranks / PP); default: the most the "
                    "other flags allow")
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--schedule", help="run only this one: gpipe, 1f1b or interleaved (default: all three)")
+    p.add_argument("--schedule", help=f"run only this one: {', '.join(SCHEDULES + (TWO_BW,))} (default: all)")
     p.add_argument("--virtual-stages", type=int, help="chunks per rank, interleaved schedule (default 2)")
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
@@ -114,6 +150,8 @@ def flags(p):
 
 
 def check(args, ranks):
+    if args.schedule not in (None, *SCHEDULES, TWO_BW):  # validate's line, naming every schedule
+        return problems(RunConfig(schedule=args.schedule), FLAGS)
     if args.virtual_stages is None:  # 2 for the interleaved run; GPipe and 1F1B alone need 1
         args.virtual_stages = 2 if args.schedule in (None, "interleaved") else 1
     args.pp, found = choose_pipeline(ranks, args)
@@ -126,7 +164,7 @@ def pipeline_run(comm, name, v, recompute, args, config, grid, batches, referenc
     """Train with one schedule; the errors against the reference (the worst over the ranks), and
     what the step cost, gathered from every rank."""
     minipar.manual_seed(args.seed)
-    model = GPT(config, grid, virtual_stages=v)
+    model = GPT(config, grid, virtual_stages=v, pipeline_shape=schedules.shape_of(name))
     opt = make_optimizer(model, grid, 0, **lesson.HYPER)  # data parallelism + AdamW (DP = 1: nothing sent)
     if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
         model.finalize_grads = lambda: None
@@ -149,17 +187,10 @@ def pipeline_run(comm, name, v, recompute, args, config, grid, batches, referenc
             opt.step()
 
         record = run.step(x, y, optimizer_step)
-        if grid.is_last_stage:
-            loss = record.loss if grid.dp == 1 else grid.dp_group.all_reduce(np.array([record.loss]))[0]
-            compare.loss(step, loss)
+        # the rank holding the last chunk (pipeline rank 0 in ZB-V's V) of each replica: its rows' share
+        compare.loss(step, comm.all_reduce(np.array([0.0 if record.loss is None else record.loss]))[0])
         opt.zero_grad()
-    # parameters as one vector over all ranks: sums of squares, added up over the world
-    sq = np.zeros(2)
-    for n, p in model.named_parameters():
-        a, b = np.asarray(p.data, np.float64), np.asarray(reference.params[n], np.float64)
-        sq += [((a - b) ** 2).sum(), (b ** 2).sum()]
-    sq = comm.all_reduce(sq)
-    compare.record("parameters", float(np.sqrt(sq[0] / sq[1])))
+    compare.record("parameters", parameter_error(comm, model, reference))
     costs.update(timelines=gather_timelines(comm, grid, name, args.micro_batches, v, record.timeline),
                  peak_alive=comm.all_gather(np.array([record.peak_alive]))[:, 0],
                  sent=grid.pp_group.stats.total().bytes_sent if grid.pp_group is not None else 0)
@@ -181,124 +212,73 @@ def gather_timelines(comm, grid, name, m, v, timeline):
     return out
 
 
+def pipedream_run(comm, args, config, grid, batches, delayed):
+    """PipeDream-2BW over the batches, each call handed the next batch too (no flush): its losses,
+    and its errors against the single-device run of the delayed rule (the worst over the ranks)."""
+    minipar.manual_seed(args.seed)
+    model = GPT(config, grid)
+    opt = WeightStash(make_optimizer(model, grid, 0, **lesson.HYPER), plant_bug=args.plant_bug)
+    run = PipeDream2BW(model, grid, args.micro_batches, opt)
+    compare, losses = lesson.Comparison(delayed, order=("loss", "parameters")), []
+    for step, (x, y) in enumerate(batches):
+        model.rng.iteration = step
+        following = batches[step + 1] if step + 1 < len(batches) else None
+        record = run.step(x, y, opt.step, following=following)
+        opt.zero_grad()
+        share = 0.0 if record.loss is None else record.loss  # each replica's last stage: its rows' share
+        losses.append(float(comm.all_reduce(np.array([share]))[0]))
+        compare.loss(step, losses[-1])
+    compare.record("parameters", parameter_error(comm, model, delayed))
+    return compare.worst_over(comm), losses, opt.stash_bytes()
+
+
+def parameter_error(comm, model, reference):
+    """The parameters as one vector over all ranks against the reference's: sums of squares, added
+    up over the world."""
+    sq = np.zeros(2)
+    for n, p in model.named_parameters():
+        a, b = np.asarray(p.data, np.float64), np.asarray(reference.params[n], np.float64)
+        sq += [((a - b) ** 2).sum(), (b ** 2).sum()]
+    sq = comm.all_reduce(sq)
+    return float(np.sqrt(sq[0] / sq[1]))
+
+
 def main():
     args, comm = lesson.start("Pipeline parallelism against the single-device run.", flags, check,
-                              plant_bug="skip adding the tied embedding's two gradient parts (first and last stage)")
+                              plant_bug="skip adding the tied embedding's two gradient parts (first and last "
+                              "stage); PipeDream-2BW: update the weights in flight in place")
     grid = ProcessGrid(tp=1, pp=args.pp)
-    p, m, v = grid.pp, args.micro_batches, args.virtual_stages
+    p, m = grid.pp, args.micro_batches
     config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dropout=0.1)
     batches = lesson.batches(args, config.block_size)
     reference = lesson.reference_run(config, batches, args.seed)
-    runs = [(name, v if name == "interleaved" else 1) for name in SCHEDULES if args.schedule in (None, name)]
+    runs = runs_of(args)
     if args.show_schedules and comm.rank == 0:
         print("Each rank's instructions in order, one row per time slot. F3: the forward of micro-batch 3,\n"
-              "B3 its backward; interleaved, F3.1: the forward of micro-batch 3 on the rank's chunk 1.\n")
+              "B3 its backward (split: its input half), W3 the weights' half; interleaved and ZB-V, F3.1:\n"
+              "the forward of micro-batch 3 on the rank's chunk 1.\n")
         for name, vv in runs:
             print(f"{name} (compute order per rank)\n{schedules.table(schedules.build(name, p, m, vv))}\n")
     results = {(name, recompute): pipeline_run(comm, name, vv, recompute, args, config, grid, batches, reference)
-               for name, vv in runs for recompute in (False, True)}
+               for name, vv in runs for recompute in (False, True)[: 1 + (name in RECOMPUTED)]}
     tol = lesson.TOLERANCE[args.dtype]
-    lines, costs_ok = costs_beside_formulas(comm, args, grid, results, runs)
+    lines, costs_ok = formulas.costs_beside_formulas(comm, args, grid, results, runs, N_EMBD)
     ok = lesson.within(tol, *(errors for errors, _ in results.values())) and costs_ok
-    return lesson.finish(comm, not ok, lambda: report(args, grid, results, runs, lines, tol),
-                         "Every schedule, with and without recompute, equals the single-device run;\nthe bubble, "
-                         "the activations held and the bytes sent are what the formulas say.")
-
-
-def costs_beside_formulas(comm, args, grid, results, runs):
-    """Each cost next to its formula (rank r of the table is pipeline rank r of replica 0), whether
-    all agree, and the timelines drawn."""
-    p, m = grid.pp, args.micro_batches
-    act_bytes = (args.batch_size // m // grid.dp) * args.block_size * N_EMBD * np.dtype(args.dtype).itemsize
-    stage_ranks = [grid.layout.rank(pp=r) for r in range(p)]
-    lines, ok = [], True
-    for name, vv in runs:
-        plan = schedules.build(name, p, m, vv)
-        theory, units = theoretical_bubble(p, m, vv), [simulate(plan, m, vv), simulate(plan, m, vv, recompute=1)]
-        ok &= all(b == theory for sim in units for b in sim.bubble.values())
-        costs, costs_r = results[name, False][1], results[name, True][1]
-        alive = [int(costs["peak_alive"][g]) for g in stage_ranks]
-        ok &= alive == [units[0].peak_alive[r] for r in range(p)]
-        ok &= list(costs_r["peak_alive"]) == list(costs["peak_alive"])  # recompute holds as many
-        formula = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)]}.get(
-            name, [min((p - r - 1) * 2 + (vv - 1) * p + 1, vv * m) for r in range(p)])
-        ok &= alive == formula
-        # messages: an activation per micro-batch for each chunk but the last global one, and a
-        # gradient for each but the first
-        n_chunks = p * vv
-        per_rank = [sum((g < n_chunks - 1) + (g > 0) for g in range(r, n_chunks, p)) * m * act_bytes for r in range(p)]
-        ok &= costs["sent"] == per_rank[grid.pp_rank]  # every rank checks its own
-        # the schedule again with this run's costs: each chunk's median forward and backward on
-        # each rank, and with recompute what its backward took beyond the plain run's
-        op, op_r = trace.op_costs(costs["timelines"]), trace.op_costs(costs_r["timelines"])
-        fwd, bwd = op[schedules.FORWARD], op[schedules.BACKWARD]
-        extra = {k: max(b - bwd[k], 0.0) for k, b in op_r[schedules.BACKWARD].items()}  # noise: >= 0
-        on_costs = [simulate(plan, m, vv, forward=fwd, backward=bwd),
-                    simulate(plan, m, vv, forward=op_r[schedules.FORWARD], backward=bwd, recompute=extra)]
-        measured = [trace.bubble(costs["timelines"]), trace.bubble(costs_r["timelines"])]
-        mem, mem_r = ([int(c["activation bytes"][g]) for g in stage_ranks] for c in (costs, costs_r))
-        ok &= all(b < a for a, b in zip(mem, mem_r))
-        lines.append(SimpleNamespace(name=name, v=vv, theory=theory, units=units, on_costs=on_costs, measured=measured,
-                                     alive=alive, mem=mem, mem_r=mem_r, per_rank=per_rank,
-                                     stage_costs={k: (fwd[k], bwd[k], extra[k]) for k in sorted(fwd)}))
+    two_bw = None
+    if args.schedule in (None, TWO_BW):
+        delayed = lesson.reference_run(config, batches, args.seed, delay=1)
+        errors, losses, stash = pipedream_run(comm, args, config, grid, batches, delayed)
+        apart = max(abs(a - b) for a, b in zip(losses, reference.losses))
+        ok &= lesson.within(tol, errors) and (len(batches) < 2 or apart > tol)
+        two_bw = SimpleNamespace(errors=errors, losses=losses, synchronous=reference.losses, apart=apart,
+                                 stash=comm.all_gather(np.array([stash]))[:, 0])
         if comm.rank == 0:
-            tag = f"{name}, p={p}, m={m}" + (f", v={vv}" if vv > 1 else "")
-            trace.gantt(units[0].timeline, os.path.join(args.out, f"{name}_simulated.png"),
-                        f"{tag}: unit costs, bubble {float(theory):.3f}", chunks=vv, unit="units")
-            trace.gantt(costs["timelines"], os.path.join(args.out, f"{name}_measured.png"),
-                        f"{tag}: measured on this machine", chunks=vv)
-            trace.chrome_trace(costs["timelines"], os.path.join(args.out, f"{name}_trace.json"), chunks=vv)
-    return lines, ok
-
-
-def report(args, grid, results, runs, lines, tol):
-    p, m = grid.pp, args.micro_batches
-    print(f"PP={p} x DP={grid.dp}; GPT of {args.n_layer} blocks; global batch {args.batch_size} in {m} "
-          f"micro-batches;\n{args.dtype}, dropout 0.1, {args.steps} AdamW steps")
-    short = {"interleaved": "interl"}
-    lesson.print_errors({short.get(n, n) + ("+r" if r else ""): errors for (n, r), (errors, _) in results.items()},
-                        tol, width=11, note=";\n+r: with recompute, interl: interleaved")
-    print("\nbubble: the idle fraction of a step (convention: idle time / makespan), mean over the ranks\n"
-          f"  {'schedule':<15}{'formula':<17}{'theory':>6}{'sim, unit':>11}{'sim, costs':>12}{'measured':>10}"
-          "   measured per rank")
-    for ln in lines:
-        formula = f"(p-1)/({'v*' if ln.v > 1 else ''}m+p-1)"
-        for tag, unit, sim, bubbles in zip(("", "+r"), ln.units, ln.on_costs, ln.measured):
-            b = list(bubbles.values())
-            print(f"  {ln.name + tag:<15}{formula:<17}{float(ln.theory):>6.3f}{float(unit.bubble[0]):>11.3f}"
-                  f"{float(np.mean(list(sim.bubble.values()))):>12.3f}{np.mean(b):>10.3f}   "
-                  + (" ".join(f"{x:.2f}" for x in b) if p <= 4 else f"{min(b):.2f} to {max(b):.2f}"))
-    print("  +r: with recompute. sim, unit: forward 1, backward 2 (+1 recompute) on equal stages, the\n"
-          "  formula (as any costs equal on every stage give); sim, costs: each stage's, measured in\n"
-          "  the run (below). Neither counts the messages. measured: the last step.")
-    vv = lines[0].v
-    print(f"\nmeasured costs of a {'chunk' if vv > 1 else 'stage'} (ms, median over the micro-batches of "
-          f"{lines[0].name}'s last step)\n  {'rank' + ('.chunk' if vv > 1 else ''):<12}{'forward':>9}"
-          f"{'backward':>10}{'recompute':>11}{'backward/forward':>18}")
-    for (r, c), (f, b, extra) in lines[0].stage_costs.items():
-        print(f"  {str(r) + (f'.{c}' if vv > 1 else ''):<12}{f * 1e3:>9.2f}{b * 1e3:>10.2f}{extra * 1e3:>11.2f}"
-              f"{b / f:>18.2f}")
-    print("  (the unit model: backward 2, recompute 1. Here products are under half of a forward, and\n"
-          "  backward skips much of the rest: masks, checks. Measured why: docs/pipeline_parallel.md)")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if grid.layout.world_size > cores:
-        print(f"\n{grid.layout.world_size} ranks on {cores} cores: ranks that compute at once share a core (the costs\n"
-              "above stretch), and a waiting rank lends its core to the others, so the measured bubble\n"
-              "hardly moves with m here (try --micro-batches 4 and 16). With a core per rank it follows\n"
-              f'"sim, costs" (-n {cores} here; the table in docs/pipeline_parallel.md).')
-    print("\nactivations held: the most micro-batches a rank had run forward but not yet backward")
-    print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>9}" for r in range(p)) + "   formula")
-    for ln in lines:
-        formula = {"gpipe": "m", "1f1b": "p - rank"}.get(ln.name, f"(p-rank-1)*2+(v-1)*p+1 chunks of 1/{ln.v} stage")
-        print(f"  {ln.name:<13}" + "".join(f"{a:>9}" for a in ln.alive) + f"   {formula}")
-    print("\npeak bytes of the step's arrays per rank (activations and temporaries), without | with recompute")
-    print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>17}" for r in range(p)))
-    for ln in lines:
-        print(f"  {ln.name:<13}" + "".join(f"{a / 1e6:>7.1f} |{b / 1e6:>5.1f} MB " for a, b in zip(ln.mem, ln.mem_r)))
-    print("\nbytes sent per rank per step (activations forward, gradients back): measured = formula")
-    for ln in lines:
-        print(f"  {ln.name:<13}" + "".join(f"{b:>12,}" for b in ln.per_rank))
-    print(f"\ntimelines: {args.out}/<schedule>_measured.png, _simulated.png, _trace.json")
+            plot_curves({"synchronous (1F1B = one device)": reference.losses, "PipeDream-2BW": losses,
+                         "one device, delayed rule": delayed.losses},
+                        os.path.join(args.out, "pipedream_2bw_loss.png"), title=f"PipeDream-2BW, p={p}, m={m}")
+    return lesson.finish(comm, not ok, lambda: report(args, grid, results, runs, lines, tol, two_bw),
+                         "Every schedule equals the single-device run, PipeDream-2BW its delayed rule;\nthe bubble, "
+                         "the activations held and the bytes sent are what the formulas say.")
 
 
 if __name__ == "__main__":

@@ -97,19 +97,26 @@ class Reference:
     routing: dict = None  # a mixture of experts': the first step's ``step_statistics``
 
 
-def reference_run(config, batches, seed, max_norm=None, routing=None):
+def reference_run(config, batches, seed, max_norm=None, routing=None, delay=0):
     """The single-device run, on every rank (the GPT is small): AdamW (``HYPER``) from ``seed``
     over ``batches``, each whole batch at once, the gradients clipped to ``max_norm`` if given.
-    ``routing``: the RoutingGroups a parallel mixture of experts routes (``models/moe.py``)."""
+    ``routing``: the RoutingGroups a parallel mixture of experts routes (``models/moe.py``).
+    ``delay``: each step's gradient is taken at the weights that many updates back (PipeDream-2BW's
+    W(t+1) = W(t) - lr grad f(W(t-1)) is delay 1; W(-1) = W(0)), and updates the newest ones."""
     minipar.manual_seed(seed)
     model = GPT(config, moe_routing=routing)
     opt = AdamW(model.parameters(), **HYPER)
     losses = []
+    versions = [{n: p.data.copy() for n, p in model.named_parameters()}] * (delay + 1)
     for step, (x, y) in enumerate(batches):
         model.rng.iteration = step  # keys the dropout masks (with each token's place)
         model.moe.reset()
+        for n, p in model.named_parameters():  # the version the gradient is taken at
+            p.data[...] = versions[0][n]
         logits, loss = model(x, y)
         loss.backward()
+        for n, p in model.named_parameters():  # the newest, which the update moves
+            p.data[...] = versions[-1][n]
         if step == 0:
             first = logits.data, {n: p.grad.copy() for n, p in model.named_parameters()}
             moe = step_statistics(model) if config.num_experts else None
@@ -118,6 +125,7 @@ def reference_run(config, batches, seed, max_norm=None, routing=None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        versions = versions[1:] + [{n: p.data.copy() for n, p in model.named_parameters()}]
     return Reference(losses, first[1], first[0], model.state_dict(), moe)
 
 

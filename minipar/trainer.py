@@ -38,6 +38,8 @@ from minipar.models.moe import step_statistics
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.pipeline.pipedream import PipeDream2BW
+from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.pipeline.schedules import COMPUTE, shape_of
 
 
@@ -77,8 +79,13 @@ class Trainer:
                                  recompute_granularity="full" if args.recompute else args.recompute_granularity)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.opt = make_optimizer(model, grid, args.zero_stage, policy=policy, scaler=scaler, **hyper)  # the only place the stage is read
-        self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
-                                         optimizer=self.opt, recompute=args.recompute)
+        if args.schedule == "pipedream-2bw":  # no flush: each batch on its stashed weight version
+            self.opt = WeightStash(self.opt)
+            self.executor = PipeDream2BW(model, grid, args.micro_batches, self.opt, recompute=args.recompute)
+        else:
+            self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
+                                             optimizer=self.opt, recompute=args.recompute)
+        self.end = args.max_iters  # the run's last iteration + 1 (PipeDream-2BW drains before it)
         self.start, self._n_params = 0, None
         if weights is not None:
             full.load_full_state(model, self.opt, weights, grid)
@@ -119,7 +126,12 @@ class Trainer:
             group.stats.reset()
         self.model.moe.reset()
         self.loss_scale = self.opt.loss_scale  # this step's, before its overflow check may move it
-        record = self.executor.step(x, y, optimizer_step=self._update)
+        if isinstance(self.executor, PipeDream2BW):  # the next batch's forwards run during this step
+            following = (self.data.batch("train", it + 1, self.args.batch_size, self.args.block_size, self.args.seed)
+                         if it + 1 < self.end else None)
+            record = self.executor.step(x, y, optimizer_step=self._update, following=following)
+        else:
+            record = self.executor.step(x, y, optimizer_step=self._update)
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
         # routing over the whole step (a collective of a few numbers per layer)
         self.routing = step_statistics(self.model, self.world) if self.config.num_experts else None
@@ -170,7 +182,7 @@ class Trainer:
         # --exit-interval N stops once the iterations done are a multiple of N (Megatron-LM's rule),
         # so the same command run again with --load goes on to the next multiple.
         stop = (self.start // args.exit_interval + 1) * args.exit_interval if args.exit_interval else args.max_iters
-        end = min(args.max_iters, stop)
+        end = self.end = min(args.max_iters, stop)
         history, val_history, val_loss = [], [], None
         tokens_per_step = args.batch_size * args.block_size
         model_flops = tokens_per_step * model_flops_per_token(self.config)
@@ -272,11 +284,13 @@ class Trainer:
         g, sent = self.grid, self.sent
         line = (f"{self.world.rank:>4} {g.tp_rank:>3} {g.dp_rank:>3} {g.pp_rank:>3} "
                 + "".join(f"{held.get(k, 0):>13,}" for k in ("parameters", "gradients", "optimizer"))
+                + (f"{held['stash']:>13,}" if "stash" in held else "")
                 + "  " + ", ".join(f"{k} {v:,}" for k, v in sent.items()))
         lines = gather_text(self.world, line)
         if self.speaks:
             print("\nper rank: bytes held (parameters, gradients, optimizer state) and bytes sent in the last step")
-            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}  sent")
+            stash = f"{'stash':>13}" if isinstance(self.opt, WeightStash) else ""  # PipeDream-2BW's second version
+            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}{stash}  sent")
             print("\n".join(lines))
             if self.routing is not None:
                 self._report_routing()

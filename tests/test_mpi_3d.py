@@ -58,6 +58,17 @@ def test_zero_bubble_schedule_from_the_command_line(single, tmp_path, schedule):
     assert len(losses(log)) == 20 and close(losses(log), single)
 
 
+def test_pipedream_2bw_from_the_command_line(single, tmp_path):
+    """PipeDream-2BW on PP 2 x DP 2: step 0 is the single-device step (W(-1) = W(0)), later steps
+    follow the delayed update and so leave the synchronous curve; the stash is reported."""
+    log = str(tmp_path / "log.jsonl")
+    code, out, _ = train(4, "--max-iters", "20", "--pp", "2", "--schedule", "pipedream-2bw", "--report",
+                         "--log-json", log)
+    assert code == 0 and "schedule pipedream-2bw" in out and "stash" in out, out
+    got = losses(log)
+    assert len(got) == 20 and close({0: got[0]}, single) and not close(got, single)
+
+
 def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):
     save = str(tmp_path / "ckpt")
     code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
@@ -68,6 +79,23 @@ def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):
                       (4, ["--zero-stage", "3"]),  # moments and parameters into flat ZeRO shards of DP=4
                       (4, ["--pp", "2", "--num-virtual-stages", "2", "--schedule", "interleaved", "--micro-batch-size", "2"])):
         log = str(tmp_path / f"resumed{n}{''.join(layout)}.jsonl")
+        code, out, _ = train(n, "--max-iters", "20", *layout, "--load", save, "--log-json", log)
+        assert code == 0, out
+        resumed = losses(log)
+        assert sorted(resumed) == list(range(10, 20)) and close(resumed, single), (layout, resumed)
+
+
+def test_a_zb_v_checkpoint_reshards_onto_round_robin_layouts(single, tmp_path):
+    """ZB-V's V puts chunks r and 2p - 1 - r on rank r (the embedding and the head both on rank 0);
+    its checkpoint names whole tensors, so one device and interleaved 1F1B's round-robin chunks
+    (rank r: chunks r and p + r) resume it and go on as the single-device run."""
+    save = str(tmp_path / "ckpt")
+    code, out, _ = train(2, "--max-iters", "20", "--pp", "2", "--schedule", "zb-v", "--num-virtual-stages", "2",
+                         "--save", save, "--save-interval", "10", "--exit-interval", "10")
+    assert code == 0 and "resume with --load" in out, out
+    for n, layout in ((1, []), (2, ["--pp", "2", "--num-virtual-stages", "2", "--schedule", "interleaved",
+                                    "--micro-batch-size", "2"])):
+        log = str(tmp_path / f"resumed{n}.jsonl")
         code, out, _ = train(n, "--max-iters", "20", *layout, "--load", save, "--log-json", log)
         assert code == 0, out
         resumed = losses(log)
@@ -113,6 +141,9 @@ def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
     (2, ["--schedule", "zb-h2", "--zero-stage", "2"], "--schedule zb-h2 computes the weights' gradients later (W)"),
     (2, ["--pp", "2", "--schedule", "zb-v"], "--schedule zb-v places two chunks per rank in a V: it needs --num-virtual-stages 2"),
     (4, ["--pp", "2", "--schedule", "interleaved", "--micro-batch-size", "4"], "is not divisible by --pp 2"),
+    (2, ["--pp", "2", "--schedule", "pipedream-2bw", "--zero-stage", "1"], "pipedream-2bw stashes a second copy"),
+    (2, ["--pp", "2", "--schedule", "pipedream-2bw", "--bf16"], "pipedream-2bw with --bf16"),
+    (2, ["--pp", "2", "--schedule", "pipedream-2bw", "--save", "/nonexistent/ckpt"], "pipedream-2bw with --save"),
 ])
 def test_bad_layouts_get_one_line(n, args, message):
     """Each problem is one line, printed by one rank (a layout may have several: all are named)."""

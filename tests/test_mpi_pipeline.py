@@ -69,12 +69,32 @@ LESSON_4 = os.path.join(ROOT, "lessons", "04_pipeline_parallel.py")
 def test_pipeline_lesson(n, args, layout, tmp_path):
     """With its defaults at 2, 4 and 8 ranks (at 8, 16 chunks of 8 blocks cannot be: PP = 4, DP = 2)."""
     out = check_mpi(n, LESSON_4, "--out", str(tmp_path), *args, timeout=300)
-    assert "equals the single-device run" in out and out.startswith(layout)
-    assert "sim, costs" in out and "measured costs of a stage" in out
+    assert "equals the single-device run, PipeDream-2BW its delayed rule" in out and out.startswith(layout)
+    assert "sim, costs" in out and "measured costs of a stage" in out and "zb-v" in out
     assert max(len(line) for line in out.splitlines() if str(tmp_path) not in line) < 100, out
-    assert {f.name for f in tmp_path.iterdir()} >= {"1f1b_measured.png", "interleaved_simulated.png", "gpipe_trace.json"}
+    assert {f.name for f in tmp_path.iterdir()} >= {"1f1b_measured.png", "interleaved_simulated.png", "gpipe_trace.json",
+                                                    "zb-h1_simulated.png", "zb-v_measured.png", "pipedream_2bw_loss.png"}
 
 
-def test_pipeline_lesson_fails_on_a_planted_bug(tmp_path):
-    code, out, _ = run_mpi(2, LESSON_4, "--out", str(tmp_path), "--plant-bug", timeout=300)
-    assert code != 0 and "MISMATCH" in out
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream-2bw"])
+def test_pipeline_lesson_fails_on_a_planted_bug(schedule, tmp_path):
+    """1F1B: the tied embedding's parts never added; PipeDream-2BW: the weights updated in place."""
+    code, out, _ = run_mpi(2, LESSON_4, "--out", str(tmp_path), "--plant-bug", "--schedule", schedule, timeout=300)
+    assert code != 0 and "MISMATCH" in out, out
+
+
+@pytest.mark.parametrize("n,args", [(2, ["--pp", "2", "--m", "3"]),
+                                    (4, ["--pp", "4", "--m", "4"]),
+                                    (4, ["--pp", "2", "--m", "2", "--recompute"])])  # PP 2 x DP 2
+def test_pipedream_2bw_follows_the_delayed_update(n, args):
+    """PipeDream-2BW (no flush, weights stashed) equals one device running W(t+1) = W(t) -
+    AdamW(grad f(W(t-1))) to ~1e-13 in float64, and is not synchronous training."""
+    out = check_mpi(n, "pipedream.py", *args, timeout=120)
+    assert out.count("pipedream-2bw OK") == n and "from synchronous" in out
+
+
+def test_pipedream_2bw_without_its_stash_is_caught():
+    """A step that updates in place the weights the in-flight forwards read: their backwards then
+    run on the next version, and the run leaves the delayed rule."""
+    code, out, _ = run_mpi(2, "pipedream.py", "--pp", "2", "--m", "3", "--plant-bug", timeout=60)
+    assert code != 0 and "off by" in out, out

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # the names pipeline/schedules.py builds
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "pipedream-2bw")  # the names pipeline/schedules.py builds
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules that run the weights' gradients (W) apart from B
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # the last two: mixed precision's model dtypes
 CP_COMM_TYPES = ("p2p", "a2a")  # ring attention, DeepSpeed-Ulysses (parallel/context.py)
@@ -190,6 +190,9 @@ def resolve(cfg, names=None):
         elif known("schedule") and cfg.schedule in SPLIT_BACKWARD:
             out.append(f"ZeRO stages 2 and 3 handle a unit's gradients as its backward ends, but "
                        f"{say('schedule', cfg.schedule)} computes the weights' gradients later (W): use {stage_1}")
+    if known("zero_stage", "schedule") and cfg.schedule == "pipedream-2bw" and cfg.zero_stage > 0:
+        out.append(f"{say('schedule', 'pipedream-2bw')} stashes a second copy of the weights it updates "
+                   f"whole: it needs {say('zero_stage', 0)}")
     return replace(cfg, dp=dp, micro_batches=m, micro_batch_size=mbs), out
 
 
@@ -285,9 +288,11 @@ def _schedule(cfg, say, known, dp, m, out):
                f"set {say.name('micro_batch_size')} so that the micro-batches are a multiple of {p}")
         out.append(f"the interleaved schedule runs micro-batches in groups of {say.name('pp')}: {count} is not "
                    f"divisible by {say('pp')}; {fix}")
-    if p > 1 and 2 * m * p * v > MAX_TAG:
+    # PipeDream-2BW has two batches in flight, each with its own tags above evaluation's
+    tags = 2 * m * p * v * (3 if known("schedule") and cfg.schedule == "pipedream-2bw" else 1)
+    if p > 1 and tags > MAX_TAG:
         fix = f"use fewer {say.name('micro_batches')}" if given else f"raise {say.name('micro_batch_size')}"
-        out.append(f"{count} x {p * v} pipeline chunks need {2 * m * p * v} message tags, more than MPI "
+        out.append(f"{count} x {p * v} pipeline chunks need {tags} message tags, more than MPI "
                    f"promises ({MAX_TAG}): {fix}")
 
 

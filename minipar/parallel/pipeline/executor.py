@@ -82,6 +82,9 @@ class PipelineExecutor:
                                           micro_batches=micro_batches, n_layer=model.config.n_layer,
                                           zero_stage=getattr(optimizer, "stage", 0) or 0),
                        what="PipelineExecutor")
+        if schedule == "pipedream-2bw" and not getattr(self, "runs_across_steps", False):
+            raise ValueError("the pipedream-2bw schedule runs across steps on stashed weights: use "
+                             "minipar.parallel.pipeline.pipedream.PipeDream2BW, not PipelineExecutor")
         if grid.dp * grid.cp > 1 and optimizer is None:
             raise ValueError("the grid has DP x CP > 1: pass what sums the gradients over it (from "
                              "minipar.parallel.optimizers.make_optimizer) as optimizer=")

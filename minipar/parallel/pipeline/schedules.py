@@ -18,6 +18,9 @@ around them by the same rule); what an instruction is, and which rank holds whic
   each step of the pipeline is 1/v as long, so the fill and drain shrink v-fold.
 * ``zb_h1``, ``zb_h2``, ``zb_v`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward
   split into B and W, W moved into the bubble; their orders are ``zero_bubble.py``.
+* ``pipedream_2bw`` (PipeDream-2BW, Narayanan et al. 2021): 1F1B with no flush between batches: the
+  next batch's forwards fill what would be the drain. Its weights are stashed (``weight_stash.py``)
+  and its executor runs across steps (``pipedream.py``).
 
 Sends never block (a send only starts) and receives do, so a schedule is free of deadlock exactly
 when replaying the sends and receives in order always lets some rank move on: ``simulate.py``
@@ -104,6 +107,40 @@ def zb_v(p, m, rank):
     return _with_communication(Pipeline(p, m, 2, "v"), rank, zero_bubble.v(p, m, rank))
 
 
+def two_bw_order(p, m, rank, batch, forwarded, following):
+    """PipeDream-2BW's compute for one batch on ``rank``: the backwards of global micro-batches
+    batch*m .. (batch+1)*m - 1, each after the forwards 1F1B keeps ahead of it (p - rank - 1), taken
+    from the next batch when there is one (``following``), else drained. ``forwarded``: the forwards
+    the rank ran so far (global micro-batch indices 0 .. forwarded - 1). Returns (compute, forwarded).
+    Over batches that all have a following one this is 1F1B over all their micro-batches: no flush.
+    No rank runs a forward of the batch after next, so two weight versions suffice."""
+    warmup, limit = p - rank - 1, (batch + 2 if following else batch + 1) * m
+    compute = []
+    for k in range(batch * m, (batch + 1) * m):
+        while forwarded <= min(k + warmup, limit - 1):
+            compute.append((FORWARD, forwarded, 0))
+            forwarded += 1
+        compute.append((BACKWARD, k, 0))
+    return compute, forwarded
+
+
+def two_bw_instructions(p, m, rank, batch, forwarded, following):
+    """``two_bw_order`` with its messages and the batch's step: (instructions, forwarded)."""
+    compute, forwarded = two_bw_order(p, m, rank, batch, forwarded, following)
+    return _with_communication(Pipeline(p, m * (batch + 2)), rank, compute), forwarded
+
+
+def pipedream_2bw(p, m, rank, batches=1):
+    """``batches`` batches of PipeDream-2BW back to back, a step after each one's last backward
+    (micro-batch k of the stream is micro-batch k mod m of batch k div m). One batch is 1F1B."""
+    check(p, m, schedule="pipedream-2bw")
+    out, forwarded = [], 0
+    for b in range(batches):
+        instructions, forwarded = two_bw_instructions(p, m, rank, b, forwarded, b + 1 < batches)
+        out += instructions
+    return out
+
+
 def _mb(k, p, v):
     """The micro-batch of a rank's k-th forward (or backward) in the interleaved order."""
     return (k // (p * v)) * p + k % p
@@ -151,7 +188,7 @@ def forward_only(p, m, v, rank, shape="round-robin"):
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b,
-             "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v}
+             "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v, "pipedream-2bw": pipedream_2bw}
 SHAPES = {"zb-v": "v"}  # how a schedule places the chunks, when not round-robin
 
 
