@@ -34,8 +34,10 @@ def parser():
     defaults = Machine(gpus=1)
     for flag, field in (("--gpus-per-node", "gpus_per_node"), ("--gpu-memory-gb", "gpu_memory_gb"),
                         ("--peak-tflops", "peak_tflops"), ("--intra-node-gbps", "intra_node_gbps"),
-                        ("--inter-node-gbps", "inter_node_gbps"), ("--efficiency", "efficiency")):
-        kind = int if field == "gpus_per_node" else float
+                        ("--inter-node-gbps", "inter_node_gbps"), ("--efficiency", "efficiency"),
+                        ("--layer-overhead-us", "layer_overhead_us"), ("--edge-overhead-us", "edge_overhead_us"),
+                        ("--call-overhead-us", "call_overhead_us"), ("--cores-per-node", "cores_per_node")):
+        kind = int if field in ("gpus_per_node", "cores_per_node") else float
         p.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field), help="default %(default)s")
     p.add_argument("--node-speeds", help="each node's relative speed, comma-separated (heterogeneous GPUs): "
                    "balance the fastest pipelined plan's layers over its stages")
@@ -110,8 +112,13 @@ def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     model, batch = model_of(args, p)
+    negative = [f for f in ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "cores_per_node") if getattr(args, f) < 0]
+    if negative:
+        p.error(f"must not be negative: {', '.join('--' + f.replace('_', '-') for f in negative)}")
     machine = Machine(args.gpus, args.gpus_per_node, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
-                      args.inter_node_gbps, efficiency=args.efficiency)
+                      args.inter_node_gbps, efficiency=args.efficiency, layer_overhead_us=args.layer_overhead_us,
+                      edge_overhead_us=args.edge_overhead_us, call_overhead_us=args.call_overhead_us,
+                      cores_per_node=args.cores_per_node)
     result = plan(model, machine, batch, args.precision)
     if args.json:
         print(json.dumps([as_json(layout, prediction) for layout, prediction in result.plans[:args.top]], indent=1))

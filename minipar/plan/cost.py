@@ -14,6 +14,10 @@ buckets (and ZeRO-2's reduce-scatters) run during backward (2/3 of the compute),
 K,V passes during the attention they feed. Tensor parallelism's collectives, Ulysses' and the
 experts' all-to-alls and the pipeline's messages wait on the compute and are added in full.
 
+Overheads (``overhead.py``): each layer pass and each communication call costs a fixed time beyond
+its FLOPs and bytes, and ranks beyond a node's cores take turns: the step is at least R / C times
+one rank's busy time. All zero unless the Machine sets them (a CPU run calibrates them).
+
 Memory: the state (``state.state_bytes``) and the activations (``activations.rank_bytes``) of the
 first and the last stage, the fuller of the two.
 """
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 
 from minipar.mfu import flops_per_token
 
-from . import activations, bubble, state, traffic
+from . import activations, bubble, overhead, state, traffic
 from .shapes import PRECISIONS, micro_batches
 
 
@@ -84,8 +88,11 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     bub, alive, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
     d = PRECISIONS[dtype].activation
     stages = sorted({0, layout.pp - 1})
-    memory, sent, steps = 0, {}, {}
+    memory, sent, steps, launches, calls = 0, {}, {}, 0.0, {}
     for s in stages:
+        launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
+        for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
+            calls[g] = max(calls.get(g, 0.0), v)
         held = sum(state.state_bytes(model, layout, s, dtype).values())
         layers = len(state.stage_layers(model, layout, s))
         held += activations.rank_bytes(model, layout, layers, alive[s], s == 0, s == layout.pp - 1, d, query_block)
@@ -96,9 +103,9 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
                 sent[g], steps[g] = b[g], n[g]
     model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
-    compute = hardware_flops / layout.world_size / rate
+    compute = hardware_flops / layout.world_size / rate + launches
     links = {g: link(layout, machine, g) for g in sent}
-    raw = {g: seconds(sent[g], steps[g], links[g], machine) for g in sent}
+    raw = {g: seconds(sent[g], steps[g], links[g], machine) + calls.get(g, 0.0) for g in sent}
     exposed = dict(raw)
     backward = compute * 2 / 3
     for g in ("dp", "dp_cp", "edp"):
@@ -111,7 +118,10 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         per_token = model_flops / (global_batch * model.seq_length)
         attention = 12 * model.num_layers * model.seq_length * model.hidden_size / per_token
         exposed["cp"] = max(0.0, raw["cp"] - compute * attention)
-    in_pipeline = compute + sum(exposed.get(g, 0.0) for g in ("tp", "cp", "ep", "pp"))
-    step = in_pipeline / (1 - float(bub)) + sum(v for g, v in exposed.items() if g not in ("tp", "cp", "ep", "pp"))
+    # the pipeline stretches compute and its messages by 1 / (1 - bubble); ranks sharing cores make
+    # the compute at least R / C times one rank's (its bubble then lent to the others)
+    busy = max(compute / (1 - float(bub)), overhead.core_share(layout, machine) * compute)
+    in_pipeline = sum(exposed.get(g, 0.0) for g in ("tp", "cp", "ep", "pp")) / (1 - float(bub))
+    step = busy + in_pipeline + sum(v for g, v in exposed.items() if g not in ("tp", "cp", "ep", "pp"))
     mfu = model_flops / (step * layout.world_size * machine.peak_tflops * 1e12)
     return Prediction(memory / 1e9, step, mfu, float(bub), sent, compute, exposed, links, source)

@@ -78,6 +78,11 @@ class Machine:
     intra_node_latency_us: float = 5.0  # alpha
     inter_node_latency_us: float = 10.0
     efficiency: float = 0.5  # the share of peak the kernels reach (calibrated by a micro-benchmark)
+    # per-call overheads and shared cores (overhead.py); 0: not charged (a GPU, launches overlapped)
+    layer_overhead_us: float = 0.0  # one layer's forward and backward launches, beyond their FLOPs
+    edge_overhead_us: float = 0.0  # the embedding's and the head's (with the loss), per micro-batch
+    call_overhead_us: float = 0.0  # one collective call or message, beyond alpha per ring step
+    cores_per_node: int = 0  # 0: a core (or a GPU) per rank; else ranks beyond it take turns
 
 
 PRESETS = {  # name: (Model, global batch): GPT-2's vocabulary padded as Megatron pads it
