@@ -79,7 +79,8 @@ class PipelineExecutor:
         v = len(model.chunks)
         # the schedule, its micro-batches and message tags on this grid: the run's rules, before any message
         validate.check(validate.RunConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, virtual_stages=v, schedule=schedule,
-                                          micro_batches=micro_batches, n_layer=model.config.n_layer),
+                                          micro_batches=micro_batches, n_layer=model.config.n_layer,
+                                          pipeline_layers=model.layers_per_stage),
                        what="PipelineExecutor")
         if grid.dp * grid.cp > 1 and optimizer is None:
             raise ValueError("the grid has DP x CP > 1: pass what sums the gradients over it (from "
