@@ -96,14 +96,19 @@ def rules_of_thumb(result, machine):
     return lines
 
 
+def granularity(layout):
+    """Megatron's --recompute-granularity of a layout, or none."""
+    return "full" if layout.recompute else "selective" if layout.selective_recompute else "none"
+
+
 def table(result, top):
-    rows = [f"{'TP':>3}{'CP':>3}{'PP':>4}{'v':>3}{'DP':>5}{'EP':>3} {'ZeRO':>4}{'mbs':>4} {'rec':>3} {'SP':>3}"
-            f"{'GB':>8}{'step s':>10}{'MFU':>7}{'bubble':>8}  bytes per group (GB)"]
+    rows = [f"{'TP':>3}{'CP':>3}{'PP':>4}{'v':>3}{'DP':>5}{'EP':>3} {'ZeRO':>4}{'mbs':>4} {'recompute':>9} {'SP':>3}"
+            f" {'schedule':<11}{'GB':>8}{'step s':>10}{'MFU':>7}{'bubble':>8}  bytes per group (GB)"]
     for layout, p in result.plans[:top]:
         groups = ", ".join(f"{g} {b / 1e9:.3g} ({p.links[g]})" for g, b in p.bytes_per_group.items())
         rows.append(f"{layout.tp:>3}{layout.cp:>3}{layout.pp:>4}{layout.vpp:>3}{layout.dp:>5}{layout.ep:>3} "
-                    f"{layout.zero_stage:>4}{layout.micro_batch_size:>4} {'yes' if layout.recompute else 'no':>3} "
-                    f"{'yes' if layout.sequence_parallel else 'no':>3}{p.memory_gb:>8.2f}{p.step_time_s:>10.4g}"
+                    f"{layout.zero_stage:>4}{layout.micro_batch_size:>4} {granularity(layout):>9} "
+                    f"{'yes' if layout.sequence_parallel else 'no':>3} {layout.schedule if layout.pp > 1 else '-':<11}{p.memory_gb:>8.2f}{p.step_time_s:>10.4g}"
                     f"{100 * p.mfu:>6.1f}%{p.bubble:>8.3f}  {groups}")
     return "\n".join(rows)
 

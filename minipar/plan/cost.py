@@ -31,14 +31,16 @@ from .shapes import PRECISIONS, micro_batches
 
 
 
-def flops_per_iteration(model, global_batch, recompute=False):
-    """(model FLOPs, hardware FLOPs) of one step: recomputation adds a forward of the blocks."""
+def flops_per_iteration(model, global_batch, recompute=False, selective=False):
+    """(model FLOPs, hardware FLOPs) of one step: full recomputation adds a forward of the blocks,
+    selective recomputation attention's q k^T again (2 T h per token per layer)."""
     moe = sum(model.is_moe(i) for i in range(model.num_layers))
     args = (model.hidden_size, model.seq_length, model.vocab_size)
     per_token = flops_per_token(model.num_layers, *args, moe, model.moe_router_topk, model.num_experts)
     blocks = per_token - flops_per_token(0, *args)  # the blocks' forward and backward, 3 forwards
     tokens = global_batch * model.seq_length
-    return tokens * per_token, tokens * (per_token + (blocks // 3 if recompute else 0))
+    again = blocks // 3 if recompute else 2 * model.num_layers * model.seq_length * model.hidden_size if selective else 0
+    return tokens * per_token, tokens * (per_token + again)
 
 
 def group_span(layout, group):
@@ -101,7 +103,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         for g in b:  # the busier stage's count of each group
             if b[g] >= sent.get(g, 0):
                 sent[g], steps[g] = b[g], n[g]
-    model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute)
+    model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective_recompute)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
     compute = hardware_flops / layout.world_size / rate + launches
     links = {g: link(layout, machine, g) for g in sent}

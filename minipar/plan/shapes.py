@@ -58,6 +58,7 @@ class Layout:
     zero_stage: int = 0
     micro_batch_size: int = 1
     recompute: bool = False  # full recomputation: keep each block's input only
+    selective_recompute: bool = False  # --recompute-granularity selective: keep all but attention's T x T
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"
     schedule: str = "1f1b"
