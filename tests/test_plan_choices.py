@@ -23,9 +23,11 @@ def test_the_zero_bubble_closed_forms_are_the_simulators(schedule, p, m):
     assert alive == tuple(sim.peak_alive[r] for r in range(p))
 
 
-def test_before_the_steady_state_zb_h2_is_simulated_whatever_its_size():
-    bub, _, source = bubble.pipeline("zb-h2", 64, 100)  # m < 2p - 1: the closed form does not hold
-    assert source == "simulator" and bub > Fraction(63, 300 + 63)
+def test_before_the_steady_state_zb_h2_is_simulated_or_not_planned():
+    bub, _, source = bubble.pipeline("zb-h2", 32, 60)  # m < 2p - 1: the closed form does not hold
+    assert source == "simulator" and bub > Fraction(31, 180 + 31)
+    with pytest.raises(bubble.NotPlanned, match="zb-h2 with m=100 < 2p - 1"):
+        bubble.pipeline("zb-h2", 64, 100)  # and 6400 chunk-passes are beyond the simulator
 
 
 def test_zb_h1_has_a_third_of_1f1bs_bubble_and_holds_more():

@@ -3,7 +3,7 @@ best few with their predicted memory, step time, MFU, bubble and bytes per group
 and where the rules of thumb agree with the model.
 
     python -m minipar.plan --preset gpt3-6.7b --gpus 64
-    python -m minipar.plan --preset megatron-1t --gpus 3072 --precision bf16 --top 3
+    python -m minipar.plan --preset megatron-1t --gpus 3072 --precision bf16 --accumulate-allreduce-grads-in-fp32 --top 3
     python -m minipar.plan --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
         --global-batch-size 16 --gpus 8 --gpus-per-node 8 --json
 """
@@ -28,8 +28,11 @@ def parser():
     for field, flag in MODEL_FLAGS.items():
         p.add_argument(flag, dest=field, type=int, help=f"{field} (overrides the preset)")
     p.add_argument("--global-batch-size", type=int, help="sequences per step")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32",
-                   help="float32/float64: minipar's runs; bf16: Megatron's mixed precision")
+    p.add_argument("--precision", choices=("float32", "float64", "bf16"), default="float32",
+                   help="float32/float64: one dtype; bf16: mixed precision as minipar's --bf16 (2 + 2 + 12 bytes "
+                   "of state per parameter)")
+    p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="with bf16: fp32 gradients (2 + 4 + 12 bytes per parameter), as the trainer's flag and Megatron's")
     p.add_argument("--gpus", type=int, required=True)
     defaults = Machine(gpus=1)
     for flag, field in (("--gpus-per-node", "gpus_per_node"), ("--gpu-memory-gb", "gpu_memory_gb"),
@@ -62,6 +65,13 @@ def model_of(args, p):
     if bad or batch < 1 or args.gpus < 1:
         p.error(f"sizes must be positive: {', '.join(bad) or 'the batch or --gpus'}")
     return replace(base, **given), batch
+
+
+def precision_of(args, p):
+    """The PRECISIONS key the flags name: bf16, or bf16-fp32-grads with --accumulate-allreduce-grads-in-fp32."""
+    if args.accumulate_allreduce_grads_in_fp32 and args.precision != "bf16":
+        p.error("--accumulate-allreduce-grads-in-fp32 is for --precision bf16")
+    return "bf16-fp32-grads" if args.accumulate_allreduce_grads_in_fp32 else args.precision
 
 
 def rules_of_thumb(result, machine):
@@ -124,12 +134,13 @@ def main(argv=None):
                       args.inter_node_gbps, efficiency=args.efficiency, layer_overhead_us=args.layer_overhead_us,
                       edge_overhead_us=args.edge_overhead_us, call_overhead_us=args.call_overhead_us,
                       cores_per_node=args.cores_per_node)
-    result = plan(model, machine, batch, args.precision)
+    precision = precision_of(args, p)
+    result = plan(model, machine, batch, precision)
     if args.json:
         print(json.dumps([as_json(layout, prediction) for layout, prediction in result.plans[:args.top]], indent=1))
         return 0 if result.plans else 1
     tried = len(result.plans) + sum(result.failures.values())
-    print(f"{model}\nglobal batch {batch}, {args.precision}; {machine}")
+    print(f"{model}\nglobal batch {batch}, {precision} ({PRECISIONS[precision]}); {machine}")
     print(f"\n{tried:,} layouts tried: {len(result.plans):,} fit; the best {min(args.top, len(result.plans))}:")
     print(table(result, args.top))
     print("\nwhy the rest fail (layouts, one example each):")

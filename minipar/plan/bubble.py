@@ -26,6 +26,10 @@ from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
 SIMULATE_UP_TO = 4096  # chunk-passes p x v x m
 
 
+class NotPlanned(ValueError):
+    """A layout whose bubble the planner can neither simulate nor write in closed form."""
+
+
 @lru_cache(maxsize=4096)
 def pipeline(schedule, p, m, v=1, recompute=False):
     """(bubble: Fraction, in flight per rank: tuple of chunk activations, source) of a schedule."""
@@ -34,7 +38,11 @@ def pipeline(schedule, p, m, v=1, recompute=False):
     zero_bubble = schedule in ("zb-h1", "zb-h2")
     # ZB-H1 and ZB-H2 in closed form once each rank's steady state is reached (m >= p, m >= 2p - 1)
     closed = not zero_bubble or m >= (p if schedule == "zb-h1" else 2 * p - 1)
-    if p * v * m <= SIMULATE_UP_TO or not closed:
+    if not closed and p * v * m > SIMULATE_UP_TO:
+        raise NotPlanned(f"{schedule} with m={m} < {'p' if schedule == 'zb-h1' else '2p - 1'} (p={p}) has no closed "
+                         f"form here and {p * v * m} chunk-passes are more than the simulator is run for "
+                         f"({SIMULATE_UP_TO})")
+    if p * v * m <= SIMULATE_UP_TO:
         # a split backward: B and W each half of it (Qi et al. 2024 take T_B = T_W = T_F)
         sim = simulate(schedules.build(schedule, p, m, v), m, v, forward=1, backward=1 if zero_bubble else 2,
                        weight=1 if zero_bubble else None, recompute=int(recompute))

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from minipar.parallel import validate
 
+from .bubble import NotPlanned
 from .cost import predict
 from .shapes import Layout, run_config
 
@@ -106,7 +107,11 @@ def plan(model, machine, global_batch, dtype="float32"):
         if problems:
             fail(problems[0])
             continue
-        prediction = predict(model, layout, machine, global_batch, dtype)
+        try:
+            prediction = predict(model, layout, machine, global_batch, dtype)
+        except NotPlanned as e:
+            fail(str(e))
+            continue
         if prediction.memory_gb > machine.gpu_memory_gb:
             fail(f"does not fit: {prediction.memory_gb:.1f} GB per GPU needed, {machine.gpu_memory_gb:g} GB available")
             continue

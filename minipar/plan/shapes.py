@@ -23,11 +23,14 @@ class Precision:
     activation: int
 
 
-# minipar's runs hold everything in one dtype (AdamW's m and v: 2 values per parameter); "bf16" is
-# Megatron's mixed precision (Micikevicius et al. 2018): bf16 weights and activations, fp32 main
-# gradients, and fp32 master weights with the two moments in the optimizer (12 bytes), which its
-# distributed optimizer (ZeRO-1) shards.
-PRECISIONS = {"float32": Precision(4, 4, 8, 4), "float64": Precision(8, 8, 16, 8), "bf16": Precision(2, 4, 12, 2)}
+# minipar's float runs hold everything in one dtype (AdamW's m and v: 2 values per parameter). Mixed
+# precision (Micikevicius et al. 2018) keeps bf16 weights and activations and, in the optimizer,
+# fp32 master weights and the two moments (12 bytes, which ZeRO-1 shards). Its gradients: "bf16" is
+# minipar's --bf16 (bf16 gradients, summed in bf16: 2 + 2 + 12 bytes per parameter);
+# "bf16-fp32-grads" adds --accumulate-allreduce-grads-in-fp32 (fp32 main gradients: 2 + 4 + 12,
+# Megatron's usual setting and the one its papers' memory counts assume).
+PRECISIONS = {"float32": Precision(4, 4, 8, 4), "float64": Precision(8, 8, 16, 8), "bf16": Precision(2, 2, 12, 2),
+              "bf16-fp32-grads": Precision(2, 4, 12, 2)}
 
 
 @dataclass(frozen=True)
