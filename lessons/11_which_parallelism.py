@@ -26,8 +26,8 @@ all ranks, it runs the trainer's step and compares
   below 0.8, for a quiet machine.
 
 A mismatch of bytes, calls or state fails the lesson. The activation memory is checked against measured
-graph peaks by ``tests/mpi/plan_activations.py`` (within 5%); the heterogeneous balancing is
-simulated, not run (minipar's GPT cuts its layers evenly): ``python -m minipar.plan ... --node-speeds``.
+graph peaks by ``tests/mpi/plan_activations.py`` (within 5%); the heterogeneous balancing's split
+runs with ``--pipeline-layers`` and is measured on a slowed stage by ``bench/hetero_pipeline.py``.
 
 Exercises:
 1. Predict which group sends the most in the TP2 layouts, then read its row.
@@ -285,7 +285,7 @@ def main():
                                                         is not None else "printed, not asserted: see the docstring)"))
 
     return lesson.finish(comm, any_failed, report,
-                         "Every layout sent exactly the bytes and held exactly the state the planner predicts.")
+                         "Every layout sent exactly the bytes, in exactly the calls, and held exactly the state the planner predicts.")
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ LESSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def test_lesson_11_finds_every_layouts_bytes_and_state_as_planned_on_4_ranks():
     out = check_mpi(4, LESSON, "--steps", "2", timeout=120)
-    assert "Every layout sent exactly the bytes and held exactly the state the planner predicts." in out
+    assert "Every layout sent exactly the bytes, in exactly the calls, and held exactly the state the planner predicts." in out
     assert out.count(" ok ") >= 10 and "Spearman's rank correlation" in out
 
 

@@ -176,6 +176,8 @@ def heterogeneous(result, machine, model, batch, text, p):
         print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
     saved = float(1 - out["balanced"][1] / out["even"][1])
     print(f"  balancing saves {saved:.1%} of the step (bubble {float(out['even'][2]):.3f} -> {float(out['balanced'][2]):.3f})")
+    print(f"  to run it: python -m minipar.train --pp {len(out['balanced'][0])} --pipeline-layers "
+          f"{','.join(map(str, out['balanced'][0]))} ...")
 
 
 if __name__ == "__main__":
