@@ -9,6 +9,7 @@ reached 163 TFLOP/s per GPU, 52% of peak, counting its FLOPs as 96 B s l h^2 (1 
 from fractions import Fraction
 
 from minipar.plan.cost import flops_per_iteration, predict
+from minipar.plan.__main__ import granularity
 from minipar.plan.enumerate import plan
 from minipar.plan.shapes import PRESETS, Layout, Machine
 
@@ -21,15 +22,15 @@ print(f"FLOPs per iteration: planner {hardware:.6e}, paper's 96 B s l h^2 (1 + s
 print(f"  (without the recomputed forward: {model_flops:.6e}, the model FLOPs MFU counts)")
 machine = Machine(gpus=3072)
 papers = Layout(tp=8, pp=64, dp=6, vpp=2, schedule="interleaved", micro_batch_size=1, recompute=True)
-p = predict(model, papers, machine, B, "bf16")
+p = predict(model, papers, machine, B, "bf16-fp32-grads")
 achieved = hardware / p.step_time_s / machine.gpus / 1e12
 
 
 def row(name, layout, p):
-    hw = hardware if layout.recompute else flops_per_iteration(model, B, False)[1]
+    hw = flops_per_iteration(model, B, layout.recompute, layout.selective_recompute)[1]
     per_gpu = hw / p.step_time_s / machine.gpus / 1e12
     print(f"{name:<16} TP {layout.tp} CP {layout.cp} PP {layout.pp} (v {layout.vpp}) DP {layout.dp}, ZeRO {layout.zero_stage}, "
-          f"mbs {layout.micro_batch_size}, recompute {layout.recompute}, SP {layout.sequence_parallel}: "
+          f"mbs {layout.micro_batch_size}, recompute {granularity(layout)}, SP {layout.sequence_parallel}, {layout.schedule}: "
           f"{p.memory_gb:.1f} GB, step {p.step_time_s:.1f} s, bubble {p.bubble:.3f}, "
           f"{per_gpu:.0f} TFLOP/s per GPU = {per_gpu / machine.peak_tflops:.0%} of peak (MFU {p.mfu:.0%})")
     print(f"{'':<16} exposed communication (s): " + ", ".join(f"{g} {t:.2f}" for g, t in p.comm_s.items()))
@@ -37,14 +38,14 @@ def row(name, layout, p):
 
 print(f"\nat efficiency {machine.efficiency} (the share of peak a GEMM reaches), {machine.inter_node_gbps:g} Gb/s per GPU between nodes:")
 row("paper's layout", papers, p)
-best = plan(model, machine, B, "bf16")
+best = plan(model, machine, B, "bf16-fp32-grads")
 row("planner's choice", *best.plans[0])
 # the compute efficiency at which the paper's layout would reach the paper's 52%
 need = 0.52 * machine.peak_tflops * 1e12
 lo, hi = 0.3, 1.0
 for _ in range(40):
     mid = (lo + hi) / 2
-    q = predict(model, papers, Machine(gpus=3072, efficiency=mid), B, "bf16")
+    q = predict(model, papers, Machine(gpus=3072, efficiency=mid), B, "bf16-fp32-grads")
     lo, hi = (mid, hi) if hardware / q.step_time_s / machine.gpus < need else (lo, mid)
 print(f"\nthe paper's 52% needs a GEMM efficiency of {hi:.2f} in this model (at "
       f"{machine.efficiency} it predicts {achieved / machine.peak_tflops:.0%})")

@@ -1,7 +1,7 @@
 """Lesson 11: which parallelism, when: the planner's predictions against real steps of every layout.
 
     ./run_mpi.sh -n 8 lessons/11_which_parallelism.py
-    ./run_mpi.sh -n 4 lessons/11_which_parallelism.py --steps 4
+    ./run_mpi.sh -n 4 lessons/11_which_parallelism.py --steps 8 --require-spearman 0.8
     ./run_mpi.sh -n 4 lessons/11_which_parallelism.py --plant-bug     # a planner that forgets SP's sums
 
 ``python -m minipar.plan`` predicts, for any layout of a model on a machine, the bytes each group
@@ -14,20 +14,25 @@ all ranks, it runs the trainer's step and compares
 * the bytes each group sent (the communicators' counters) with ``plan.traffic``: equal, exactly;
 * the optimizer's state bytes with ``plan.state``: equal, exactly;
 * the bubble: the planner's, the schedule simulator's, and the one measured from the timeline;
-* the step time: after calibrating the planner's FLOP rate (``mfu.measured_peak``) and its alpha
-  and beta (a ping-pong between ranks 0 and 1, 8 bytes and 1 MB), the ranking of the layouts by
-  predicted time against the ranking by measured time (Spearman's coefficient, printed, not
-  asserted: the ranks share few cores, and Python's per-op overhead, which the model leaves out,
-  is most of a tiny model's step).
+* the calls each group made with ``plan.traffic.group_calls``: equal, exactly;
+* the step time: the planner's machine calibrated here by micro-benchmarks (the FLOP rate of a
+  core, ``mfu.measured_peak``; beta by a 1 MB ping-pong; one layer's and the embedding and head's
+  launch overhead; alpha and a per-call cost from all-reduces between steps of a tiny GPT, the
+  ranks sharing the cores as in a step: ``overheads``; the cores, ``comm.mpi.usable_cores``), then
+  the layouts ranked by predicted time against their ranking by measured time (the median of the
+  steps after the first): Spearman's coefficient, printed. It is not asserted by default: on a
+  machine whose cores other jobs share, the measured times of near-equal layouts swap between runs
+  (on 2 shared cores it ranged 0.77-0.96 over runs); ``--require-spearman 0.8`` fails the lesson
+  below 0.8, for a quiet machine.
 
-A mismatch of bytes or state fails the lesson. The activation memory is checked against measured
-graph peaks by ``tests/mpi/plan_activations.py`` (within 5%); the heterogeneous balancing is
-simulated, not run (minipar's GPT cuts its layers evenly): ``python -m minipar.plan ... --node-speeds``.
+A mismatch of bytes, calls or state fails the lesson. The activation memory is checked against measured
+graph peaks by ``tests/mpi/plan_activations.py`` (within 5%); the heterogeneous balancing's split
+runs with ``--pipeline-layers`` and is measured on a slowed stage by ``bench/hetero_pipeline.py``.
 
 Exercises:
 1. Predict which group sends the most in the TP2 layouts, then read its row.
-2. Which layouts does the model rank worst, and does the measurement agree? Why would ZeRO-3 be
-   slower here than the model says (hint: it recomputes every unit, and the model counts FLOPs only)?
+2. Which layouts does the model rank worst, and does the measurement agree? Set the overheads of
+   the calibrated Machine to 0 (as on a GPU): what is left of the ranking, and why?
 3. --plant-bug: which layouts fail, and why only those?
 """
 
@@ -38,14 +43,17 @@ import time
 import numpy as np
 
 import lesson
+from minipar.autograd import Tensor
+from minipar.comm.mpi import usable_cores
 from minipar.mfu import measured_peak
+from minipar.models import GPT, GPTConfig
 from minipar.parallel import validate
 from minipar.plan.bubble import pipeline
 from minipar.plan.cost import predict
 from minipar.plan.enumerate import MICRO_BATCH_SIZES, layouts
 from minipar.plan.shapes import Layout, Machine, Model, run_config
 from minipar.plan.state import state_bytes
-from minipar.plan.traffic import group_bytes
+from minipar.plan.traffic import group_bytes, group_calls
 from minipar.train import build, build_parser
 from minipar.train_checks import check_args
 from minipar.trainer import Trainer
@@ -54,8 +62,8 @@ MODEL = Model(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32
 BATCH = 16
 
 
-def flags(p):
-    pass  # the model and batch are fixed: every layout of them is run
+def flags(p):  # the model and batch are fixed: every layout of them is run
+    p.add_argument("--require-spearman", type=float, help="fail when the rankings' coefficient is below this")
 
 
 def check(args, ranks):
@@ -124,6 +132,65 @@ def alpha_beta(comm, repeats=20):
     return small, max(large - small, 1e-12) / ((1 << 20) - 8)
 
 
+def median_time(fn, repeats, comm=None):
+    """The median seconds of ``fn()`` over ``repeats`` calls (after one warm-up call); with ``comm``,
+    each call starts at a barrier."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if comm is not None:
+            comm.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def tiny_gpt(n_layer):
+    """MODEL's GPT with ``n_layer`` layers and a step of it (forward and backward) on one 8-token
+    sequence: so few FLOPs that its time is the launches' (Python's and NumPy's per-call cost)."""
+    config = GPTConfig(n_layer=n_layer, n_head=MODEL.num_attention_heads, n_embd=MODEL.hidden_size,
+                       block_size=MODEL.seq_length, vocab_size=MODEL.vocab_size, dropout=MODEL.dropout)
+    model, idx = GPT(config), Tensor(np.zeros((1, 8), dtype=np.int64))
+    return lambda: model.forward(idx, idx)[1].backward()
+
+
+def overheads(comm, repeats=15, block=4):
+    """(layer, edge, alpha, call) in seconds.
+
+    Launches: rank 0 alone times a 1- and a 5-layer GPT on 8 tokens (the others wait at a barrier
+    without spinning): layer = (t5 - t1) / 4, edge = t1 - layer, one rank's cost on a core of its
+    own (``plan.overhead`` adds the sharing of cores).
+    Calls: what a collective costs inside a step, where the ranks it waits for are computing (and,
+    sharing cores, may not be running): every rank runs a 1-layer GPT step ``block`` times, alone
+    (t_0), then each followed by 4 8-byte all-reduces over the world (t_N, 2 (N-1) ring steps each)
+    and over pairs (t_2, 2 steps). Per all-reduce a_N = (t_N - t_0) / 4 block, so alpha =
+    (a_N - a_2) / (2 (N-2)) and call = a_2 - 2 alpha (N = 2: call 0, alpha = a_2 / 2)."""
+    mine = np.zeros(4)
+    if comm.rank == 0:
+        one, five = median_time(tiny_gpt(1), 2 * repeats), median_time(tiny_gpt(5), 2 * repeats)
+        mine[:2] = (five - one) / 4, one - (five - one) / 4
+    comm.barrier()
+    x, pair, work = np.zeros(1), comm.split(comm.rank // 2, comm.rank, "pair"), tiny_gpt(1)
+
+    def steps(group):
+        def run():
+            for _ in range(block):
+                work()
+                for _ in range(4 if group is not None else 0):
+                    group.all_reduce(x)
+        return lambda: median_time(run, repeats, comm)
+    if comm.size > 1:
+        alone = steps(None)()
+        mine[2] = (steps(comm)() - alone) / (4 * block)
+        mine[3] = (steps(pair)() - alone) / (4 * block)
+    layer, edge, world, pairs = comm.all_reduce(mine, op="max")
+    if comm.size <= 2:
+        return layer, edge, max(0.0, world) / 2, 0.0
+    alpha = max(0.0, world - pairs) / (2 * (comm.size - 2))
+    return layer, edge, alpha, max(0.0, pairs - 2 * alpha)
+
+
 def spearman(x, y):
     """Spearman's rank correlation (ties share their mean rank)."""
     def ranks(v):
@@ -161,24 +228,31 @@ def run(layout, comm, steps, plant_bug):
         seconds.append(time.perf_counter() - start)
     sent = {name: g.stats.total().bytes_sent for name, g in measured_groups.items()}
     sent = {k: v for k, v in sent.items() if v}
+    calls = {name: g.stats.total().calls for name, g in measured_groups.items() if name in sent}
     stage = trainer.grid.pp_rank
     planned_layout = Layout(**{**layout.__dict__, "sequence_parallel": False}) if plant_bug else layout
     predicted = group_bytes(MODEL, planned_layout, BATCH, stage)
     held, planned = sum(trainer.opt.state_bytes().values()), sum(state_bytes(MODEL, layout, stage).values())
-    failed = sent != predicted or held != planned
-    return (sent, predicted, held, planned, bubbles[-1]), failed, statistics.median(seconds[1:] or seconds)
+    planned_calls = group_calls(MODEL, planned_layout, BATCH, stage)
+    failed = sent != predicted or held != planned or calls != planned_calls
+    return (sent, predicted, calls, planned_calls, held, planned, bubbles[-1]), failed, statistics.median(seconds[1:] or seconds)
 
 
 def main():
-    args, comm = lesson.start("The planner's predictions against real steps of every layout.", flags, check, steps=3,
+    args, comm = lesson.start("The planner's predictions against real steps of every layout.", flags, check, steps=5,
                               plant_bug="predict with a planner that forgets sequence parallelism's gradient sums")
-    rate = measured_peak(comm, np.float32) / comm.size  # FLOP/s of one rank, all ranks running
-    alpha, beta = alpha_beta(comm) if comm.size > 1 else (0.0, 0.0)
+    cores = min(usable_cores(), comm.size)
+    rate = measured_peak(comm, np.float32) / cores  # FLOP/s of one core, all of them running
+    beta = alpha_beta(comm)[1] if comm.size > 1 else 0.0
+    layer, edge, alpha, call = overheads(comm)
     machine = Machine(gpus=comm.size, gpus_per_node=comm.size, peak_tflops=rate / 1e12, efficiency=1.0,
-                      intra_node_gbps=8 / beta / 1e9 if beta else 1e9, intra_node_latency_us=alpha * 1e6)
+                      intra_node_gbps=8 / beta / 1e9 if beta else 1e9, intra_node_latency_us=alpha * 1e6,
+                      layer_overhead_us=layer * 1e6, edge_overhead_us=edge * 1e6, call_overhead_us=call * 1e6,
+                      cores_per_node=cores)
     rows, any_failed, measured, predicted = [], False, [], []
     for layout in choices(comm.size):
-        (sent, planned_bytes, held, planned_state, bubble), failed, seconds = run(layout, comm, args.steps, args.plant_bug)
+        (sent, planned_bytes, calls, planned_calls, held, planned_state, bubble), failed, seconds = \
+            run(layout, comm, args.steps, args.plant_bug)
         worst = comm.all_reduce(np.array([int(failed)]), op="max")[0]
         any_failed |= bool(worst)
         m = BATCH // layout.dp // layout.micro_batch_size
@@ -189,25 +263,29 @@ def main():
         predicted.append(prediction.step_time_s)
         if comm.rank == 0:
             groups_text = ", ".join(f"{g} {b:,}" + ("" if planned_bytes.get(g) == b else f" (planned {planned_bytes.get(g, 0):,})")
+                                    + f" in {calls[g]}" + ("" if planned_calls.get(g) == calls[g] else f" (planned {planned_calls.get(g, 0)})")
                                     for g, b in sent.items())
             rows.append(f"{label(layout):<18}{'ok' if not worst else 'MISMATCH':<9}{held:>10,}{planned_state:>10,}"
                         f"{prediction.bubble:>8.3f}{simulated:>8.3f}{bubble:>8.3f}{1e3 * seconds:>9.1f}"
                         f"{1e3 * prediction.step_time_s:>9.2f}  {groups_text}")
     rho = spearman(measured, predicted)
+    any_failed |= args.require_spearman is not None and not rho >= args.require_spearman
 
     def report():
         print(f"GPT {MODEL.num_layers} layers, h {MODEL.hidden_size}, {MODEL.num_attention_heads} heads, T {MODEL.seq_length}, "
               f"batch {BATCH}, float32, dropout {MODEL.dropout}; {comm.size} ranks; {args.steps} steps per layout")
-        print(f"calibrated: {rate / 1e9:.2f} GFLOP/s per rank (all running), alpha {alpha * 1e6:.1f} us, "
-              f"beta {beta * 1e9:.3f} ns/byte ({8 / beta / 1e9 if beta else 0:.1f} Gb/s)\n")
+        print(f"calibrated: {rate / 1e9:.2f} GFLOP/s per core ({cores} cores), alpha {alpha * 1e6:.1f} us, "
+              f"beta {beta * 1e9:.3f} ns/byte ({8 / beta / 1e9 if beta else 0:.1f} Gb/s); overheads: a layer "
+              f"{layer * 1e6:.0f} us, embedding + head {edge * 1e6:.0f} us, a call {call * 1e6:.0f} us\n")
         print(f"{'layout':<18}{'bytes':<9}{'state':>10}{'planned':>10}{'bubble':>8}{'sim':>8}{'meas.':>8}"
-              f"{'step ms':>9}{'pred ms':>9}  rank 0's bytes sent per group (planned where it differs)")
+              f"{'step ms':>9}{'pred ms':>9}  rank 0's bytes sent per group in calls (planned where they differ)")
         print("\n".join(rows))
         print(f"\nSpearman's rank correlation of predicted and measured step times over {len(measured)} layouts: "
-              f"{rho:.2f} (the issue asks >= 0.8; printed, not asserted: see the docstring)")
+              f"{rho:.2f} (the issue asks >= 0.8; " + (f"required >= {args.require_spearman})" if args.require_spearman
+                                                        is not None else "printed, not asserted: see the docstring)"))
 
     return lesson.finish(comm, any_failed, report,
-                         "Every layout sent exactly the bytes and held exactly the state the planner predicts.")
+                         "Every layout sent exactly the bytes, in exactly the calls, and held exactly the state the planner predicts.")
 
 
 if __name__ == "__main__":

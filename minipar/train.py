@@ -37,6 +37,12 @@ def positive_int(text):
     return value
 
 
+def layer_counts(text):
+    """--pipeline-layers 3,1: the layers of each pipeline chunk, comma-separated (validate checks
+    their number and sum against --pp x --vpp and --n-layer)."""
+    return tuple(positive_int(part) for part in text.split(","))
+
+
 def non_negative_float(text):
     try:
         value = float(text)
@@ -81,6 +87,9 @@ def build_parser():
     g.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p", help="how context-parallel ranks attend across the sequence: p2p (ring attention) or a2a (Ulysses: whole heads per rank)")
     g.add_argument("--dp", type=positive_int, help="data-parallel size (checked against the number of ranks)")
     g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1, help="expert-parallel size: DP ranks that split the experts (a divisor of DP)")
+    g.add_argument("--pipeline-layers", type=layer_counts, help="layers of each pipeline chunk in order, e.g. 3,1 "
+                   "(an uneven split for stages of unequal speed: python -m minipar.plan --node-speeds); "
+                   "default: --n-layer / (--pp x --vpp) each")
     g.add_argument("--num-virtual-stages", "--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule; 2 for zb-v)")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (zb-h1, zb-h2, zb-v: zero bubble, the backward split into B and W; zb-v places --num-virtual-stages 2 in a V; pipedream-2bw: no flush, weights stashed, the update one step delayed)")
     g.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch per DP rank (default: the global batch / DP / PP)")

@@ -14,7 +14,7 @@ from minipar.cli import FlagError
 
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type": "--cp-comm-type", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
-         "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size", "n_layer": "--n-layer",
+         "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size", "n_layer": "--n-layer", "pipeline_layers": "--pipeline-layers",
          "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout",
          "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype",
          "ep": "--ep", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
@@ -30,7 +30,7 @@ def run_config(args, world_size):
                      schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
                      n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                      dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
-                     recompute=args.recompute, dtype=model_dtype(args), ep=args.ep, num_experts=args.num_experts,
+                     recompute=args.recompute, dtype=model_dtype(args), pipeline_layers=args.pipeline_layers, ep=args.ep, num_experts=args.num_experts,
                      moe_router_topk=args.moe_router_topk if args.num_experts else None,
                      moe_layer_freq=args.moe_layer_freq, moe_expert_capacity_factor=args.moe_expert_capacity_factor)
 

@@ -76,7 +76,8 @@ class Trainer:
         self.grid = grid = ProcessGrid(args.tp, args.pp, args.dp, world, cp=args.cp, ep=args.ep)
         self.model = model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.vpp,
                                  cp_comm_type=args.cp_comm_type, pipeline_shape=shape_of(args.schedule),
-                                 recompute_granularity="full" if args.recompute else args.recompute_granularity)
+                                 recompute_granularity="full" if args.recompute else args.recompute_granularity,
+                                 layers_per_stage=args.pipeline_layers)
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.opt = make_optimizer(model, grid, args.zero_stage, policy=policy, scaler=scaler, **hyper)  # the only place the stage is read
         if args.schedule == "pipedream-2bw":  # no flush: each batch on its stashed weight version

@@ -52,8 +52,15 @@ def test_zero_shards_each_kind_of_state_stage_by_stage():
     for z, sharded in ((1, {"optimizer"}), (2, {"optimizer", "gradients"}), (3, {"optimizer", "gradients", "parameters"})):
         got = state.state_bytes(SMALL, Layout(dp=4, zero_stage=z))
         assert got == {k: v // 4 if k in sharded else v for k, v in base.items()}
-    mixed = state.state_bytes(SMALL, Layout(dp=4, zero_stage=1), dtype="bf16")
+    mixed = state.state_bytes(SMALL, Layout(dp=4, zero_stage=1), dtype="bf16-fp32-grads")
     assert mixed == {"parameters": 2 * P, "gradients": 4 * P, "optimizer": 12 * P // 4}
+    minipars = state.state_bytes(SMALL, Layout(dp=4, zero_stage=1), dtype="bf16")  # --bf16's bf16 gradients
+    assert minipars == {"parameters": 2 * P, "gradients": 2 * P, "optimizer": 12 * P // 4}
+
+
+def test_mixed_precision_state_equals_a_bf16_zero1_steps_on_2_ranks():
+    """minipar's --bf16, with and without --accumulate-allreduce-grads-in-fp32 (tests/mpi/plan_bf16_state.py)."""
+    assert "plan bf16 state OK on 2 ranks" in check_mpi(2, "plan_bf16_state.py", timeout=120)
 
 
 def test_data_parallel_bytes_are_the_ring_all_reduce_of_the_gradients():
@@ -255,7 +262,7 @@ LESSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def test_lesson_11_finds_every_layouts_bytes_and_state_as_planned_on_4_ranks():
     out = check_mpi(4, LESSON, "--steps", "2", timeout=120)
-    assert "Every layout sent exactly the bytes and held exactly the state the planner predicts." in out
+    assert "Every layout sent exactly the bytes, in exactly the calls, and held exactly the state the planner predicts." in out
     assert out.count(" ok ") >= 10 and "Spearman's rank correlation" in out
 
 

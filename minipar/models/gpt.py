@@ -80,7 +80,7 @@ class GPTConfig:
 
 class GPT(WholeModel, Module):
     def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1, cp_comm_type="p2p",
-                 recompute_granularity=None, pipeline_shape="round-robin", moe_routing=None):
+                 recompute_granularity=None, pipeline_shape="round-robin", moe_routing=None, layers_per_stage=None):
         self.config = config
         self.grid = grid  # resolves the group names of the parameters' placements
         self.tp = grid.tp_group if grid is not None and grid.tp > 1 else None
@@ -93,7 +93,8 @@ class GPT(WholeModel, Module):
         n, tp, pp, dp, cp, ep = (grid.layout.world_size, grid.tp, grid.pp, grid.dp, grid.cp, grid.ep) if grid is not None else (1,) * 6
         check(RunConfig(world_size=n, tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type, ep=ep,
                         num_experts=config.num_experts or None, virtual_stages=virtual_stages, n_layer=config.n_layer,
-                        n_head=config.n_head, n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel)), what="GPT")
+                        n_head=config.n_head, n_embd=config.n_embd, sequence_parallel=bool(sequence_parallel),
+                        pipeline_layers=None if layers_per_stage is None else tuple(layers_per_stage)), what="GPT")
         if ep > 1 and not config.num_experts:
             raise ValueError(f"GPT: the grid has EP={ep}, but the model has no experts: set num_experts")
         self.sequence_parallel = bool(sequence_parallel)
@@ -114,11 +115,15 @@ class GPT(WholeModel, Module):
         r = grid.pp_rank if grid is not None else 0
         self.n_chunks = pipe.n_chunks
         # local chunk c is global chunk c*p + r (Megatron's round-robin) or, in ZB-V's V, chunks r
-        # and 2p - 1 - r; chunk g has layers g*per .. (g+1)*per - 1. The first global chunk embeds,
-        # the last one ends with the head (in a V both are on rank 0).
+        # and 2p - 1 - r; global chunk g has the layers_per_stage[g] layers after those of chunks
+        # 0 .. g-1 (n_layer / (p v) each by default; uneven for stages of unequal speed:
+        # ``plan.hetero.balance``). The first global chunk embeds, the last one ends with the head
+        # (in a V both are on rank 0). A layer keeps its global index, in names and checkpoints.
         self.chunks = [pipe.global_chunk(r, c) for c in range(virtual_stages)]
-        per = config.n_layer // self.n_chunks
-        self.chunk_layers = [list(range(g * per, (g + 1) * per)) for g in self.chunks]
+        self.layers_per_stage = None if layers_per_stage is None else tuple(layers_per_stage)
+        sizes = self.layers_per_stage or (config.n_layer // self.n_chunks,) * self.n_chunks
+        starts = [sum(sizes[:g]) for g in range(self.n_chunks)]
+        self.chunk_layers = [list(range(starts[g], starts[g] + sizes[g])) for g in self.chunks]
         first, last = self.chunks[0] == 0, self.chunks[-1] == self.n_chunks - 1
         # Every rank draws the whole model in the single-device order, so each layer gets the
         # single-device weights, and keeps its own layers (construction holds the whole model once).

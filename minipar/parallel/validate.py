@@ -59,6 +59,7 @@ class RunConfig:
     sequence_parallel: bool = False
     zero_stage: int = 0
     recompute: bool = False  # no rule of its own; part of the run's description
+    pipeline_layers: Optional[tuple] = None  # layers of each global pipeline chunk; None: n_layer / (pp x v) each
     dtype: str = "float32"
 
 
@@ -86,6 +87,20 @@ class _Say:
         """The fields a fix may change: the caller's flags among them, or all of them if none is."""
         flags = [self.name(f) for f in fields if self.name(f).startswith("-")]
         return " or ".join(flags or [self.name(f) for f in fields])
+
+
+def _pipeline_layers_problems(cfg, say, pp, v, known):
+    """An uneven split: one count per global chunk (pp x v of them), each at least one layer,
+    together n_layer."""
+    layers, out = cfg.pipeline_layers, []
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in layers):
+        out.append(f"{say.name('pipeline_layers')} {list(layers)}: every pipeline chunk needs at least one layer")
+    if known("pp", "virtual_stages") and len(layers) != pp * v:
+        out.append(f"{say.name('pipeline_layers')} {list(layers)} has {len(layers)} counts: give one per pipeline "
+                   f"chunk, {say.name('pp')} x {say.name('virtual_stages')} = {pp} x {v}")
+    if known("n_layer") and not out and sum(layers) != cfg.n_layer:
+        out.append(f"{say.name('pipeline_layers')} {list(layers)} sums to {sum(layers)}, not {say('n_layer')}")
+    return out
 
 
 def _bad_fields(cfg, say):
@@ -154,9 +169,12 @@ def resolve(cfg, names=None):
     if known("n_embd", "tp") and cfg.n_embd % tp:
         out.append(f"{say('n_embd')} is not divisible by {say('tp')}: each TP rank holds "
                    f"n_embd / TP columns; choose {say.name('tp')} among its divisors")
-    if known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (pp * v):
+    if cfg.pipeline_layers is not None:  # an uneven split (a balancer's, for stages of unequal speed)
+        out += _pipeline_layers_problems(cfg, say, pp, v, known)
+    elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (pp * v):
         out.append(f"{say('n_layer')} is not divisible by {say.name('pp')} x {say.name('virtual_stages')} "
-                   f"= {pp} x {v}: every pipeline chunk needs the same number of layers")
+                   f"= {pp} x {v}: every pipeline chunk needs the same number of layers, or give "
+                   f"{say.name('pipeline_layers')}")
     # One rank can run its chunks in turn, so the schedules allow v > 1 with p = 1; a job that asks
     # for virtual stages without a pipeline is a mistake, so a run (its world size given) may not.
     one_rank = known("world_size") and pp == 1

@@ -3,7 +3,7 @@ best few with their predicted memory, step time, MFU, bubble and bytes per group
 and where the rules of thumb agree with the model.
 
     python -m minipar.plan --preset gpt3-6.7b --gpus 64
-    python -m minipar.plan --preset megatron-1t --gpus 3072 --precision bf16 --top 3
+    python -m minipar.plan --preset megatron-1t --gpus 3072 --precision bf16 --accumulate-allreduce-grads-in-fp32 --top 3
     python -m minipar.plan --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
         --global-batch-size 16 --gpus 8 --gpus-per-node 8 --json
 """
@@ -28,14 +28,19 @@ def parser():
     for field, flag in MODEL_FLAGS.items():
         p.add_argument(flag, dest=field, type=int, help=f"{field} (overrides the preset)")
     p.add_argument("--global-batch-size", type=int, help="sequences per step")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32",
-                   help="float32/float64: minipar's runs; bf16: Megatron's mixed precision")
+    p.add_argument("--precision", choices=("float32", "float64", "bf16"), default="float32",
+                   help="float32/float64: one dtype; bf16: mixed precision as minipar's --bf16 (2 + 2 + 12 bytes "
+                   "of state per parameter)")
+    p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="with bf16: fp32 gradients (2 + 4 + 12 bytes per parameter), as the trainer's flag and Megatron's")
     p.add_argument("--gpus", type=int, required=True)
     defaults = Machine(gpus=1)
     for flag, field in (("--gpus-per-node", "gpus_per_node"), ("--gpu-memory-gb", "gpu_memory_gb"),
                         ("--peak-tflops", "peak_tflops"), ("--intra-node-gbps", "intra_node_gbps"),
-                        ("--inter-node-gbps", "inter_node_gbps"), ("--efficiency", "efficiency")):
-        kind = int if field == "gpus_per_node" else float
+                        ("--inter-node-gbps", "inter_node_gbps"), ("--efficiency", "efficiency"),
+                        ("--layer-overhead-us", "layer_overhead_us"), ("--edge-overhead-us", "edge_overhead_us"),
+                        ("--call-overhead-us", "call_overhead_us"), ("--cores-per-node", "cores_per_node")):
+        kind = int if field in ("gpus_per_node", "cores_per_node") else float
         p.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field), help="default %(default)s")
     p.add_argument("--node-speeds", help="each node's relative speed, comma-separated (heterogeneous GPUs): "
                    "balance the fastest pipelined plan's layers over its stages")
@@ -60,6 +65,13 @@ def model_of(args, p):
     if bad or batch < 1 or args.gpus < 1:
         p.error(f"sizes must be positive: {', '.join(bad) or 'the batch or --gpus'}")
     return replace(base, **given), batch
+
+
+def precision_of(args, p):
+    """The PRECISIONS key the flags name: bf16, or bf16-fp32-grads with --accumulate-allreduce-grads-in-fp32."""
+    if args.accumulate_allreduce_grads_in_fp32 and args.precision != "bf16":
+        p.error("--accumulate-allreduce-grads-in-fp32 is for --precision bf16")
+    return "bf16-fp32-grads" if args.accumulate_allreduce_grads_in_fp32 else args.precision
 
 
 def rules_of_thumb(result, machine):
@@ -94,14 +106,19 @@ def rules_of_thumb(result, machine):
     return lines
 
 
+def granularity(layout):
+    """Megatron's --recompute-granularity of a layout, or none."""
+    return "full" if layout.recompute else "selective" if layout.selective_recompute else "none"
+
+
 def table(result, top):
-    rows = [f"{'TP':>3}{'CP':>3}{'PP':>4}{'v':>3}{'DP':>5}{'EP':>3} {'ZeRO':>4}{'mbs':>4} {'rec':>3} {'SP':>3}"
-            f"{'GB':>8}{'step s':>10}{'MFU':>7}{'bubble':>8}  bytes per group (GB)"]
+    rows = [f"{'TP':>3}{'CP':>3}{'PP':>4}{'v':>3}{'DP':>5}{'EP':>3} {'ZeRO':>4}{'mbs':>4} {'recompute':>9} {'SP':>3}"
+            f" {'schedule':<11}{'GB':>8}{'step s':>10}{'MFU':>7}{'bubble':>8}  bytes per group (GB)"]
     for layout, p in result.plans[:top]:
         groups = ", ".join(f"{g} {b / 1e9:.3g} ({p.links[g]})" for g, b in p.bytes_per_group.items())
         rows.append(f"{layout.tp:>3}{layout.cp:>3}{layout.pp:>4}{layout.vpp:>3}{layout.dp:>5}{layout.ep:>3} "
-                    f"{layout.zero_stage:>4}{layout.micro_batch_size:>4} {'yes' if layout.recompute else 'no':>3} "
-                    f"{'yes' if layout.sequence_parallel else 'no':>3}{p.memory_gb:>8.2f}{p.step_time_s:>10.4g}"
+                    f"{layout.zero_stage:>4}{layout.micro_batch_size:>4} {granularity(layout):>9} "
+                    f"{'yes' if layout.sequence_parallel else 'no':>3} {layout.schedule if layout.pp > 1 else '-':<11}{p.memory_gb:>8.2f}{p.step_time_s:>10.4g}"
                     f"{100 * p.mfu:>6.1f}%{p.bubble:>8.3f}  {groups}")
     return "\n".join(rows)
 
@@ -110,14 +127,20 @@ def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     model, batch = model_of(args, p)
+    negative = [f for f in ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "cores_per_node") if getattr(args, f) < 0]
+    if negative:
+        p.error(f"must not be negative: {', '.join('--' + f.replace('_', '-') for f in negative)}")
     machine = Machine(args.gpus, args.gpus_per_node, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
-                      args.inter_node_gbps, efficiency=args.efficiency)
-    result = plan(model, machine, batch, args.precision)
+                      args.inter_node_gbps, efficiency=args.efficiency, layer_overhead_us=args.layer_overhead_us,
+                      edge_overhead_us=args.edge_overhead_us, call_overhead_us=args.call_overhead_us,
+                      cores_per_node=args.cores_per_node)
+    precision = precision_of(args, p)
+    result = plan(model, machine, batch, precision)
     if args.json:
         print(json.dumps([as_json(layout, prediction) for layout, prediction in result.plans[:args.top]], indent=1))
         return 0 if result.plans else 1
     tried = len(result.plans) + sum(result.failures.values())
-    print(f"{model}\nglobal batch {batch}, {args.precision}; {machine}")
+    print(f"{model}\nglobal batch {batch}, {precision} ({PRECISIONS[precision]}); {machine}")
     print(f"\n{tried:,} layouts tried: {len(result.plans):,} fit; the best {min(args.top, len(result.plans))}:")
     print(table(result, args.top))
     print("\nwhy the rest fail (layouts, one example each):")
@@ -153,6 +176,8 @@ def heterogeneous(result, machine, model, batch, text, p):
         print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
     saved = float(1 - out["balanced"][1] / out["even"][1])
     print(f"  balancing saves {saved:.1%} of the step (bubble {float(out['even'][2]):.3f} -> {float(out['balanced'][2]):.3f})")
+    print(f"  to run it: python -m minipar.train --pp {len(out['balanced'][0])} --pipeline-layers "
+          f"{','.join(map(str, out['balanced'][0]))} ...")
 
 
 if __name__ == "__main__":

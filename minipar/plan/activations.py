@@ -19,6 +19,9 @@ rank s = T/CP positions, and its queries see about 1/CP of the causal T x T pair
 recomputation keeps each layer's input (s b h, split by SP) and, while one layer's backward
 runs, that layer's whole set once more.
 
+Selective recomputation (Korthikanti et al. 2022) keeps all but the T x T part, and the int64
+coordinates that draw its dropout mask again: ``formula(..., "selective")``.
+
 Ring attention keeps no T x T part at all (its backward rebuilds the probabilities from the
 log-sum-exp); Ulysses keeps it for all T positions and a/(t CP) heads.
 
@@ -76,7 +79,8 @@ def layer_bytes(model, layout, d, query_block=64):
     """One layer's activation bytes for one micro-batch on one rank of ``layout`` (no recompute)."""
     t, c, b = layout.tp, layout.cp, layout.micro_batch_size
     s = model.seq_length // c
-    terms = formula(s, b, model.hidden_size, model.num_attention_heads, d, model.dropout > 0, None, query_block)
+    granularity = "selective" if layout.selective_recompute else None  # no T x T terms, their coordinates
+    terms = formula(s, b, model.hidden_size, model.num_attention_heads, d, model.dropout > 0, granularity, query_block)
     total = 0
     for name, value in terms.items():
         if name.startswith("T x T") and value and c > 1 and layout.cp_comm_type == "p2p":

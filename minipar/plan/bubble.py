@@ -10,7 +10,11 @@ A schedule of p x v x m chunk-passes costs the simulator a few microseconds each
 ``SIMULATE_UP_TO`` of them (the 1T model's 64 stages x 512 micro-batches) the planner takes the
 closed forms instead, and says so (``source``): the bubble above, and the peak in flight of the
 first stage, from the schedules' warm-up rules (``schedules.py``): GPipe m, 1F1B min(p, m),
-interleaved min(2 (p - 1) + (v - 1) p + 1, v m) chunk activations.
+interleaved min(2 (p - 1) + (v - 1) p + 1, v m) chunk activations. The zero-bubble schedules
+ZB-H1 and ZB-H2 (Qi et al. 2024; minipar's ``schedules.py``) split the backward into B and W, each
+taken as half of it (F 1, B 1, W 1): bubble (p - 1)/(3 m + p - 1) once m >= p (ZB-H1) or
+m >= 2p - 1 (ZB-H2), and p or 2p - 1 micro-batches alive on every rank, as the simulator finds
+(tested). ZB-V's V placement is not planned (its chunks' layers, messages and tied embedding differ).
 """
 
 from fractions import Fraction
@@ -22,14 +26,30 @@ from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
 SIMULATE_UP_TO = 4096  # chunk-passes p x v x m
 
 
+class NotPlanned(ValueError):
+    """A layout whose bubble the planner can neither simulate nor write in closed form."""
+
+
 @lru_cache(maxsize=4096)
 def pipeline(schedule, p, m, v=1, recompute=False):
     """(bubble: Fraction, in flight per rank: tuple of chunk activations, source) of a schedule."""
     if p == 1:
         return Fraction(0), (1,), "no pipeline"
+    zero_bubble = schedule in ("zb-h1", "zb-h2")
+    # ZB-H1 and ZB-H2 in closed form once each rank's steady state is reached (m >= p, m >= 2p - 1)
+    closed = not zero_bubble or m >= (p if schedule == "zb-h1" else 2 * p - 1)
+    if not closed and p * v * m > SIMULATE_UP_TO:
+        raise NotPlanned(f"{schedule} with m={m} < {'p' if schedule == 'zb-h1' else '2p - 1'} (p={p}) has no closed "
+                         f"form here and {p * v * m} chunk-passes are more than the simulator is run for "
+                         f"({SIMULATE_UP_TO})")
     if p * v * m <= SIMULATE_UP_TO:
-        sim = simulate(schedules.build(schedule, p, m, v), m, v, forward=1, backward=2, recompute=int(recompute))
+        # a split backward: B and W each half of it (Qi et al. 2024 take T_B = T_W = T_F)
+        sim = simulate(schedules.build(schedule, p, m, v), m, v, forward=1, backward=1 if zero_bubble else 2,
+                       weight=1 if zero_bubble else None, recompute=int(recompute))
         return sum(sim.bubble.values()) / p, tuple(sim.peak_alive[r] for r in range(p)), "simulator"
+    if zero_bubble:  # (p - 1) idle units of 3 m + p - 1 on every rank; W keeps each input until it runs
+        alive = [p if schedule == "zb-h1" else 2 * p - 1] * p
+        return Fraction(p - 1, 3 * m + p - 1), tuple(alive), "closed form"
     if schedule == "gpipe":
         alive = [m] * p
     elif schedule == "interleaved":

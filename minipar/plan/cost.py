@@ -14,6 +14,10 @@ buckets (and ZeRO-2's reduce-scatters) run during backward (2/3 of the compute),
 K,V passes during the attention they feed. Tensor parallelism's collectives, Ulysses' and the
 experts' all-to-alls and the pipeline's messages wait on the compute and are added in full.
 
+Overheads (``overhead.py``): each layer pass and each communication call costs a fixed time beyond
+its FLOPs and bytes, and ranks beyond a node's cores take turns: the step is at least R / C times
+one rank's busy time. All zero unless the Machine sets them (a CPU run calibrates them).
+
 Memory: the state (``state.state_bytes``) and the activations (``activations.rank_bytes``) of the
 first and the last stage, the fuller of the two.
 """
@@ -22,19 +26,21 @@ from dataclasses import dataclass, field
 
 from minipar.mfu import flops_per_token
 
-from . import activations, bubble, state, traffic
+from . import activations, bubble, overhead, state, traffic
 from .shapes import PRECISIONS, micro_batches
 
 
 
-def flops_per_iteration(model, global_batch, recompute=False):
-    """(model FLOPs, hardware FLOPs) of one step: recomputation adds a forward of the blocks."""
+def flops_per_iteration(model, global_batch, recompute=False, selective=False):
+    """(model FLOPs, hardware FLOPs) of one step: full recomputation adds a forward of the blocks,
+    selective recomputation attention's q k^T again (2 T h per token per layer)."""
     moe = sum(model.is_moe(i) for i in range(model.num_layers))
     args = (model.hidden_size, model.seq_length, model.vocab_size)
     per_token = flops_per_token(model.num_layers, *args, moe, model.moe_router_topk, model.num_experts)
     blocks = per_token - flops_per_token(0, *args)  # the blocks' forward and backward, 3 forwards
     tokens = global_batch * model.seq_length
-    return tokens * per_token, tokens * (per_token + (blocks // 3 if recompute else 0))
+    again = blocks // 3 if recompute else 2 * model.num_layers * model.seq_length * model.hidden_size if selective else 0
+    return tokens * per_token, tokens * (per_token + again)
 
 
 def group_span(layout, group):
@@ -84,8 +90,11 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     bub, alive, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
     d = PRECISIONS[dtype].activation
     stages = sorted({0, layout.pp - 1})
-    memory, sent, steps = 0, {}, {}
+    memory, sent, steps, launches, calls = 0, {}, {}, 0.0, {}
     for s in stages:
+        launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
+        for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
+            calls[g] = max(calls.get(g, 0.0), v)
         held = sum(state.state_bytes(model, layout, s, dtype).values())
         layers = len(state.stage_layers(model, layout, s))
         held += activations.rank_bytes(model, layout, layers, alive[s], s == 0, s == layout.pp - 1, d, query_block)
@@ -94,11 +103,11 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         for g in b:  # the busier stage's count of each group
             if b[g] >= sent.get(g, 0):
                 sent[g], steps[g] = b[g], n[g]
-    model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute)
+    model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective_recompute)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
-    compute = hardware_flops / layout.world_size / rate
+    compute = hardware_flops / layout.world_size / rate + launches
     links = {g: link(layout, machine, g) for g in sent}
-    raw = {g: seconds(sent[g], steps[g], links[g], machine) for g in sent}
+    raw = {g: seconds(sent[g], steps[g], links[g], machine) + calls.get(g, 0.0) for g in sent}
     exposed = dict(raw)
     backward = compute * 2 / 3
     for g in ("dp", "dp_cp", "edp"):
@@ -111,7 +120,10 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         per_token = model_flops / (global_batch * model.seq_length)
         attention = 12 * model.num_layers * model.seq_length * model.hidden_size / per_token
         exposed["cp"] = max(0.0, raw["cp"] - compute * attention)
-    in_pipeline = compute + sum(exposed.get(g, 0.0) for g in ("tp", "cp", "ep", "pp"))
-    step = in_pipeline / (1 - float(bub)) + sum(v for g, v in exposed.items() if g not in ("tp", "cp", "ep", "pp"))
+    # the pipeline stretches compute and its messages by 1 / (1 - bubble); ranks sharing cores make
+    # the compute at least R / C times one rank's (its bubble then lent to the others)
+    busy = max(compute / (1 - float(bub)), overhead.core_share(layout, machine) * compute)
+    in_pipeline = sum(exposed.get(g, 0.0) for g in ("tp", "cp", "ep", "pp")) / (1 - float(bub))
+    step = busy + in_pipeline + sum(v for g, v in exposed.items() if g not in ("tp", "cp", "ep", "pp"))
     mfu = model_flops / (step * layout.world_size * machine.peak_tflops * 1e12)
     return Prediction(memory / 1e9, step, mfu, float(bub), sent, compute, exposed, links, source)

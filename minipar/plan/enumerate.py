@@ -3,8 +3,9 @@ rest counted by the reason they fail.
 
 A layout is TP x CP x PP x DP = the GPUs (DP the rest), with EP a divisor of DP (experts only),
 virtual stages, a ZeRO stage, a micro-batch size, full recomputation or none, sequence parallelism
-(TP > 1) and the CP communication (CP > 1). The schedule is 1F1B, interleaved with virtual stages:
-GPipe has 1F1B's bubble and holds more micro-batches, so it never wins. Why a layout fails is
+(TP > 1) and the CP communication (CP > 1); recomputation none, selective or full. The schedule is
+1F1B, ZB-H1 or ZB-H2 (Qi et al. 2024), interleaved with virtual stages: GPipe has 1F1B's bubble and
+holds more micro-batches, so it never wins. Why a layout fails is
 said by minipar's own rules (``validate.problems``: heads not divisible by TP, layers by PP x v,
 ZeRO-2/3 with a pipeline, ...), then by the planner's two: TP across nodes (its all-reduces on
 every layer would cross the slow link; refused as Megatron's guide does) and does not fit (the
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from minipar.parallel import validate
 
+from .bubble import NotPlanned
 from .cost import predict
 from .shapes import Layout, run_config
 
@@ -70,12 +72,20 @@ def _choices(model, global_batch, tp, cp, pp, dp):
         for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
             for mbs in (b for b in MICRO_BATCH_SIZES if rows and rows % b == 0) or (1,):
                 for zero in (0, 1, 2, 3):
-                    for recompute in (False, True):
+                    for recompute in (None, "selective", "full"):
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for comm in (("p2p", "a2a") if cp > 1 else ("p2p",)):
-                                yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero_stage=zero,
-                                             micro_batch_size=mbs, recompute=recompute, sequence_parallel=sp,
-                                             cp_comm_type=comm, schedule="interleaved" if vpp > 1 else "1f1b"), None
+                                for schedule in schedules(pp, vpp):
+                                    yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero_stage=zero,
+                                                 micro_batch_size=mbs, recompute=recompute == "full",
+                                                 selective_recompute=recompute == "selective", sequence_parallel=sp,
+                                                 cp_comm_type=comm, schedule=schedule), None
+
+
+def schedules(pp, vpp):
+    """Interleaved with virtual stages; else 1F1B and the zero-bubble ZB-H1 and ZB-H2 (ZB-V's V is
+    not planned: ``bubble.py``)."""
+    return ("interleaved",) if vpp > 1 else ("1f1b", "zb-h1", "zb-h2") if pp > 1 else ("1f1b",)
 
 
 def plan(model, machine, global_batch, dtype="float32"):
@@ -97,7 +107,11 @@ def plan(model, machine, global_batch, dtype="float32"):
         if problems:
             fail(problems[0])
             continue
-        prediction = predict(model, layout, machine, global_batch, dtype)
+        try:
+            prediction = predict(model, layout, machine, global_batch, dtype)
+        except NotPlanned as e:
+            fail(str(e))
+            continue
         if prediction.memory_gb > machine.gpu_memory_gb:
             fail(f"does not fit: {prediction.memory_gb:.1f} GB per GPU needed, {machine.gpu_memory_gb:g} GB available")
             continue
@@ -109,7 +123,8 @@ def plan(model, machine, global_batch, dtype="float32"):
 def as_json(layout, prediction):
     """One plan as the issue's JSON object (Megatron's names where they exist)."""
     out = {k: v for k, v in asdict(layout).items() if k in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size",
-                                                            "recompute", "sequence_parallel", "cp_comm_type", "schedule")}
+                                                            "recompute", "selective_recompute", "sequence_parallel",
+                                                            "cp_comm_type", "schedule")}
     out["vpp"] = layout.vpp
     out.update(memory_gb=round(prediction.memory_gb, 3), step_time_s=prediction.step_time_s, mfu=prediction.mfu,
                bytes_per_group=prediction.bytes_per_group, bubble=prediction.bubble,

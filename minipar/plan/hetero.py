@@ -8,8 +8,8 @@ time, layers_i / speed_i (adding layers one at a time to the stage that would fi
 one more is optimal for this min-max: the classic greedy for identical jobs on related machines).
 ``compare`` runs both splits through the schedule simulator with each stage's forward costing
 layers_i / speed_i (backward twice that) and returns the step times and bubbles: what the
-balancing saves. minipar's GPT cuts its layers evenly (``validate``), so this is a plan, not a
-run: lessons would simulate a slow rank by sleeping in proportion.
+balancing saves. The plan runs: ``--pipeline-layers`` (GPT's ``layers_per_stage``) takes the
+balanced split, and bench/hetero_pipeline.py measures it against the even one on a slowed stage.
 """
 
 from fractions import Fraction

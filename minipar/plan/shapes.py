@@ -23,11 +23,14 @@ class Precision:
     activation: int
 
 
-# minipar's runs hold everything in one dtype (AdamW's m and v: 2 values per parameter); "bf16" is
-# Megatron's mixed precision (Micikevicius et al. 2018): bf16 weights and activations, fp32 main
-# gradients, and fp32 master weights with the two moments in the optimizer (12 bytes), which its
-# distributed optimizer (ZeRO-1) shards.
-PRECISIONS = {"float32": Precision(4, 4, 8, 4), "float64": Precision(8, 8, 16, 8), "bf16": Precision(2, 4, 12, 2)}
+# minipar's float runs hold everything in one dtype (AdamW's m and v: 2 values per parameter). Mixed
+# precision (Micikevicius et al. 2018) keeps bf16 weights and activations and, in the optimizer,
+# fp32 master weights and the two moments (12 bytes, which ZeRO-1 shards). Its gradients: "bf16" is
+# minipar's --bf16 (bf16 gradients, summed in bf16: 2 + 2 + 12 bytes per parameter);
+# "bf16-fp32-grads" adds --accumulate-allreduce-grads-in-fp32 (fp32 main gradients: 2 + 4 + 12,
+# Megatron's usual setting and the one its papers' memory counts assume).
+PRECISIONS = {"float32": Precision(4, 4, 8, 4), "float64": Precision(8, 8, 16, 8), "bf16": Precision(2, 2, 12, 2),
+              "bf16-fp32-grads": Precision(2, 4, 12, 2)}
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Layout:
     zero_stage: int = 0
     micro_batch_size: int = 1
     recompute: bool = False  # full recomputation: keep each block's input only
+    selective_recompute: bool = False  # --recompute-granularity selective: keep all but attention's T x T
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"
     schedule: str = "1f1b"
@@ -78,6 +82,11 @@ class Machine:
     intra_node_latency_us: float = 5.0  # alpha
     inter_node_latency_us: float = 10.0
     efficiency: float = 0.5  # the share of peak the kernels reach (calibrated by a micro-benchmark)
+    # per-call overheads and shared cores (overhead.py); 0: not charged (a GPU, launches overlapped)
+    layer_overhead_us: float = 0.0  # one layer's forward and backward launches, beyond their FLOPs
+    edge_overhead_us: float = 0.0  # the embedding's and the head's (with the loss), per micro-batch
+    call_overhead_us: float = 0.0  # one collective call or message, beyond alpha per ring step
+    cores_per_node: int = 0  # 0: a core (or a GPU) per rank; else ranks beyond it take turns
 
 
 PRESETS = {  # name: (Model, global batch): GPT-2's vocabulary padded as Megatron pads it

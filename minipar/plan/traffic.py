@@ -46,6 +46,7 @@ from .shapes import PRECISIONS, micro_batches
 from .state import rank_parameters, stage_layers
 
 NORM = 8  # the gradient norm's partial sum: one float64
+BUCKET = 4 << 20  # DataParallelAdamW's bucket_bytes
 
 
 def group_bytes(model, layout, global_batch, stage=0, dtype="float32"):
@@ -62,18 +63,32 @@ def ring_steps(op, size):
 
 def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
     """({group: bytes sent}, {group: latency steps}) of one rank of ``stage`` in one step."""
-    out, steps = Counter(), Counter()
+    return _count(model, layout, global_batch, stage, dtype)[:2]
+
+
+def group_calls(model, layout, global_batch, stage=0, dtype="float32"):
+    """{group: communication calls} one rank of ``stage`` makes in one step, as ``group.stats``
+    counts them: a collective is one call, a point-to-point message two (its send here and its
+    receive on the peer, each rank doing both), an all-to-all-v one. What a per-call overhead
+    (``overhead.py``) multiplies."""
+    return _count(model, layout, global_batch, stage, dtype)[2]
+
+
+def _count(model, layout, global_batch, stage, dtype):
+    out, steps, calls = Counter(), Counter(), Counter()
     precision, lay = PRECISIONS[dtype], layout
     d, g, w = precision.activation, precision.grad, precision.param  # activations, gradients, weights
     m, b, h, t = micro_batches(lay, global_batch), lay.micro_batch_size, model.hidden_size, lay.tp
     s = model.seq_length // lay.cp
     S = b * s * h * d  # one micro-batch's activation on a rank
     layers = stage_layers(model, lay, stage)
+    moe_layers = sum(model.is_moe(i) for i in layers)
     first, last = stage == 0, stage == lay.pp - 1
 
     def charge(group, op, nbytes, size, times=1):
         out[group] += times * ring_bytes(op, nbytes, size)[0]
         steps[group] += times * ring_steps(op, size)
+        calls[group] += times
 
     # tensor parallelism
     if t > 1:
@@ -98,6 +113,7 @@ def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
         z = lay.zero_stage
         if z == 0:
             charge(dp, "all_reduce", dense * g, n)
+            calls[dp] += buckets(dense * g) - 1 + moe_layers  # each expert layer cuts a bucket
         elif z in (1, 2):
             charge(dp, "reduce_scatter", dense * g, n, m if z == 2 else 1)
             charge(dp, "all_gather", dense * w, n)
@@ -105,10 +121,16 @@ def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
             units = dense + (padded_vocab(model.vocab_size, t) // t * h if first and last else 0)
             charge(dp, "all_gather", units * w, n, 2 * m)
             charge(dp, "reduce_scatter", units * g, n, m)
+            # in calls, one per parameter group a unit uses (``zero3.unit_groups``): the embedding's
+            # wte and wpe, each block, the head's wte and ln_f: L + 4, each gathered twice, reduced once
+            # (its bytes are the same; its latency steps and calls are L + 4 times as many)
+            calls[dp] += 3 * m * (len(layers) + 4 - 1)
+            steps[dp] += 3 * m * (len(layers) + 4 - 1) * ring_steps("all_gather", n)
         if z > 0:
             charge(dp, "all_reduce", NORM, n)
     if experts and n // lay.ep > 1:
         charge("edp", "all_reduce", experts * g, n // lay.ep)
+        calls["edp"] += max(moe_layers, buckets(experts * g)) - 1  # a bucket per MoE layer at least
     # pipeline parallelism
     if lay.pp > 1:
         p, v = lay.pp, lay.vpp
@@ -116,6 +138,7 @@ def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
         messages = sum((g < p * v - 1) + (g > 0) for g in chunks)
         out["pp"] += m * messages * (S // t if lay.sequence_parallel else S)
         steps["pp"] += m * messages
+        calls["pp"] += 2 * m * messages  # each message is a send here and a receive there
         charge("pp", "all_reduce", NORM, p)
         if first or last:
             charge("embedding", "all_reduce", padded_vocab(model.vocab_size, t) // t * h * g, 2)
@@ -127,8 +150,10 @@ def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
             if lay.cp_comm_type == "p2p":  # K and V, forward (per forward) and backward; dK, dV backward
                 out["cp"] += m * (c - 1) * 2 * b * s * heads * d * (forwards + 2)
                 steps["cp"] += m * (c - 1) * (forwards + 2)
+                calls["cp"] += 2 * m * (c - 1) * (forwards + 2)  # a send and a receive per pass
             else:  # Ulysses: qkv and the output, forward (per forward) and backward
                 charge("cp", "all_to_all", 4 * b * s * heads * d, c, m * (forwards + 1))
+                calls["cp"] += m * (forwards + 1)  # the bytes of two calls: qkv's, then the output's
             charge("cp", "all_gather", c * 8 * 8, c, m * forwards)  # the header
             charge("cp", "all_gather", c * s * 8, c, m * forwards)  # the positions
     # expert parallelism (an expectation for a uniform router)
@@ -140,8 +165,17 @@ def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
         charge("ep", "all_to_all", model.num_experts * 8, e, m * moe * forwards)
         out["ep"] += m * moe * (2 * forwards + 2) * tokens * k * (e - 1) // e * h * d
         steps["ep"] += m * moe * (2 * forwards + 2) * (e - 1)
+        calls["ep"] += m * moe * (2 * forwards + 2)
         charge("ep", "all_reduce", NORM, e)
-    return {g: v for g, v in out.items() if v}, {g: v for g, v in steps.items() if v}
+    sent = {g: v for g, v in out.items() if v}
+    return sent, {g: v for g, v in steps.items() if g in sent}, {g: v for g, v in calls.items() if g in sent}
+
+
+def buckets(nbytes):
+    """Data parallelism's all-reduce calls for ``nbytes`` of gradients: ~ one per BUCKET bytes
+    (``DataParallelAdamW`` closes a bucket once it holds at least bucket_bytes, so this is exact
+    only while the gradients fit one bucket, and close above)."""
+    return max(1, -(-nbytes // BUCKET))
 
 
 EXACT = ("tp", "dp", "dp_cp", "edp", "pp", "embedding", "cp")  # counted; "ep" is an expectation

@@ -4,6 +4,7 @@ parameters after two clipped AdamW steps, and the evaluation loss, for one sched
 activations the executor held, against the simulator's count for the same schedule.
 
     run_mpi.sh -n 4 tests/mpi/pipeline.py --pp 4 --schedule interleaved --v 2 --m 4 [--recompute]
+    run_mpi.sh -n 2 tests/mpi/pipeline.py --pp 2 --layers 3,1        # an uneven split of the layers
 
 ``--plant-bug`` (zero-bubble schedules) skips W, the weights' gradients, of micro-batch 1: the
 gradients must then be found wrong.
@@ -37,11 +38,13 @@ p.add_argument("--recompute", action="store_true")
 p.add_argument("--sequence-parallel", action="store_true")
 p.add_argument("--zero-stage", type=int, default=0)
 p.add_argument("--plant-bug", action="store_true")
+p.add_argument("--layers", help="layers of each pipeline chunk, e.g. 3,1 (an uneven split); default 2 each")
 args = p.parse_args()
+layers = tuple(int(n) for n in args.layers.split(",")) if args.layers else None
 
 minipar.set_default_dtype("float64")
 grid = ProcessGrid(tp=args.tp, pp=args.pp)
-config = GPTConfig(n_layer=2 * args.pp * args.v, n_head=4, n_embd=32, block_size=16, vocab_size=64,
+config = GPTConfig(n_layer=sum(layers) if layers else 2 * args.pp * args.v, n_head=4, n_embd=32, block_size=16, vocab_size=64,
                    dropout=0.1)
 minipar.manual_seed(3)
 serial = GPT(config)
@@ -49,7 +52,7 @@ minipar.manual_seed(3)
 hyper = dict(lr=1e-2, weight_decay=0.1)
 try:
     model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.v,
-                pipeline_shape=schedules.shape_of(args.schedule))
+                pipeline_shape=schedules.shape_of(args.schedule), layers_per_stage=layers)
     opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the step protocol: data parallelism + AdamW
     run = PipelineExecutor(model, grid, args.schedule, args.m, optimizer=opt, recompute=args.recompute)
 except ValueError as e:  # bad sizes: every rank must refuse, before any message (then all meet here)

@@ -13,7 +13,7 @@ import numpy
 from minipar.comm import world
 from minipar.plan.shapes import Layout, Model
 from minipar.plan.state import state_bytes
-from minipar.plan.traffic import group_bytes
+from minipar.plan.traffic import group_bytes, group_calls
 from minipar.train import build, build_parser
 from minipar.train_checks import check_args
 from minipar.trainer import Trainer, gather_text
@@ -65,10 +65,15 @@ for flags, fields, experts in LAYOUTS:
     predicted = group_bytes(model, layout, 8, grid.pp_rank)
     state, planned = trainer.opt.state_bytes(), state_bytes(model, layout, grid.pp_rank)
     bad = [k for k in set(measured) | set(predicted) if k != "ep" and measured.get(k) != predicted.get(k)]
+    # the calls too (what plan.overhead's per-call cost multiplies); the experts' are a count as well
+    calls = {name: g.stats.total().calls for name, g in measured_groups.items() if name in measured}
+    planned_calls = group_calls(model, layout, 8, grid.pp_rank)
+    bad += [f"{k} calls" for k in set(calls) | set(planned_calls) if calls.get(k) != planned_calls.get(k)]
     if "ep" in predicted and not abs(measured.get("ep", 0) - predicted["ep"]) <= 0.1 * predicted["ep"]:
         bad.append("ep")
     if bad or state != planned:
         failures.append(f"rank {comm.rank} {flags}: groups {sorted(bad)} measured {measured} predicted {predicted}; "
+                        f"calls {calls} predicted {planned_calls}; "
                         f"state measured {state} predicted {planned}")
     lines.append(json.dumps({"layout": flags, "rank": comm.rank, "measured": measured, "predicted": predicted,
                              "state": sum(state.values())}))

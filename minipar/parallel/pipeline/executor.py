@@ -80,6 +80,7 @@ class PipelineExecutor:
         # the schedule, its micro-batches and message tags on this grid: the run's rules, before any message
         validate.check(validate.RunConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, virtual_stages=v, schedule=schedule,
                                           micro_batches=micro_batches, n_layer=model.config.n_layer,
+                                          pipeline_layers=model.layers_per_stage,
                                           zero_stage=getattr(optimizer, "stage", 0) or 0),
                        what="PipelineExecutor")
         if schedule == "pipedream-2bw" and not getattr(self, "runs_across_steps", False):

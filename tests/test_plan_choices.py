@@ -1,0 +1,58 @@
+"""The planner's newer choices: the zero-bubble schedules ZB-H1 and ZB-H2 (their bubble and memory
+from the simulator, in closed form past it) and selective recomputation (its activations and FLOPs)."""
+
+from fractions import Fraction
+
+import pytest
+
+from minipar.parallel.pipeline import schedules
+from minipar.parallel.pipeline.simulate import simulate
+from minipar.plan import activations, bubble, cost
+from minipar.plan.enumerate import layouts, plan
+from minipar.plan.shapes import Layout, Machine, Model
+
+MODEL = Model(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=64, dropout=0.1)
+
+
+@pytest.mark.parametrize("schedule,p,m", [("zb-h1", 8, 600), ("zb-h2", 8, 600), ("zb-h1", 64, 70)])
+def test_the_zero_bubble_closed_forms_are_the_simulators(schedule, p, m):
+    assert p * m > bubble.SIMULATE_UP_TO  # the planner takes the closed form here
+    bub, alive, source = bubble.pipeline(schedule, p, m)
+    sim = simulate(schedules.build(schedule, p, m), m, forward=1, backward=1, weight=1)
+    assert source == "closed form" and bub == sum(sim.bubble.values()) / p == Fraction(p - 1, 3 * m + p - 1)
+    assert alive == tuple(sim.peak_alive[r] for r in range(p))
+
+
+def test_before_the_steady_state_zb_h2_is_simulated_or_not_planned():
+    bub, _, source = bubble.pipeline("zb-h2", 32, 60)  # m < 2p - 1: the closed form does not hold
+    assert source == "simulator" and bub > Fraction(31, 180 + 31)
+    with pytest.raises(bubble.NotPlanned, match="zb-h2 with m=100 < 2p - 1"):
+        bubble.pipeline("zb-h2", 64, 100)  # and 6400 chunk-passes are beyond the simulator
+
+
+def test_zb_h1_has_a_third_of_1f1bs_bubble_and_holds_more():
+    one, zb = bubble.pipeline("1f1b", 4, 16), bubble.pipeline("zb-h1", 4, 16)
+    assert one[0] == Fraction(3, 16 + 3) and zb[0] == Fraction(3, 48 + 3)
+    assert one[1] == (4, 3, 2, 1) and zb[1] == (4, 4, 4, 4)  # W keeps each input until it runs
+
+
+def test_the_enumerator_offers_zero_bubble_schedules_and_selective_recomputation():
+    tried = [layout for layout, problem in layouts(MODEL, Machine(gpus=4, gpus_per_node=4), 16) if not problem]
+    assert {l.schedule for l in tried if l.pp > 1 and l.vpp == 1} == {"1f1b", "zb-h1", "zb-h2"}
+    assert any(l.selective_recompute and not l.recompute for l in tried)
+    assert not any(l.selective_recompute and l.recompute for l in tried)
+    ranked = plan(MODEL, Machine(gpus=4, gpus_per_node=4), 16).plans
+    assert any(l.schedule == "zb-h1" for l, _ in ranked) and any(l.selective_recompute for l, _ in ranked)
+
+
+def test_selective_recomputation_keeps_no_t_by_t_part():
+    plain, selective = Layout(micro_batch_size=2), Layout(micro_batch_size=2, selective_recompute=True)
+    s, b, h, a = 64, 2, 64, 4
+    assert activations.layer_bytes(MODEL, selective, 4) == sum(activations.formula(s, b, h, a, 4, True, "selective").values())
+    assert activations.layer_bytes(MODEL, plain, 4) - activations.layer_bytes(MODEL, selective, 4) > 2 * 4 * a * b * s * s / 2 * 0.9
+
+
+def test_selective_recomputation_costs_one_more_q_k_transpose():
+    model_flops, plain = cost.flops_per_iteration(MODEL, 16)
+    _, selective = cost.flops_per_iteration(MODEL, 16, selective=True)
+    assert plain == model_flops and selective - plain == 16 * 64 * 2 * 8 * 64 * 64  # tokens x 2 L T h
