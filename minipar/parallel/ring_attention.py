@@ -52,7 +52,7 @@ class _Ring:
         return [self.group.isend(block, self.next, tag), self.group.irecv(spare, self.previous, tag)]
 
 
-@in_float32()  # 16-bit qkv: the blocks are merged, and travel, in float32 (2x the 16-bit bytes)
+@in_float32(float32_saved=("lse",))  # 16-bit qkv: the blocks are merged, and travel, in float32 (2x the 16-bit bytes)
 class RingAttention(Function):
     """``positions``: (N, T_local) host integers, every rank's positions in group rank order."""
 
@@ -74,12 +74,12 @@ class RingAttention(Function):
                 kv, spare = spare, kv
         y, lse = state.result()  # (B, H, T_local, D), (B, H, T_local)
         out = merge_heads(y[None])  # (B, T_local, C)
-        ctx.saved = (qkv, out, lse, n_head, ring, blocks, dropout, scale)
+        ctx.saved, ctx.lse = (qkv, out, n_head, ring, blocks, dropout, scale), lse
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, out, lse, n_head, ring, blocks, dropout, scale = ctx.saved
+        (qkv, out, n_head, ring, blocks, dropout, scale), lse = ctx.saved, ctx.lse
         q, k, v = split_heads(qkv, n_head, 3)
         y = split_heads(out, n_head, 1)[0]
         dy = split_heads(grad, n_head, 1)[0]
