@@ -3,6 +3,7 @@
     python bench/activation_memory.py                          # s = 64, 128, 256, 512; b 4, h 128, a 4
     python bench/activation_memory.py --seq 1024 --dtype float64 --dropout 0
     python bench/activation_memory.py --time                   # and what each recomputation costs
+    python bench/activation_memory.py --dtype bfloat16         # half the float32 bytes, but 1/sigma
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
 per layer, with 2-byte activations and 1-byte dropout masks,
@@ -17,7 +18,8 @@ minipar's own count, in d-byte values (d = 4 in float32, dropout masks too: ``rn
 them floats of the compute dtype), is what its ops keep, term by term (``formula``, in ``minipar/plan/activations.py``):
 
     what backward needs (the ops' contexts)                      22 s b h + 2 s b  (20 without dropout)
-      LayerNorms: xhat and 1/sigma                                2 s b h + 2 s b
+      LayerNorms: xhat and 1/sigma                                2 s b h + 2 s b  (1/sigma: float32
+                                                                                    in a 16-bit model)
       LayerNorm outputs, the qkv and c_fc inputs                  2 s b h
       q, k, v                                                     3 s b h
       the attention output, c_proj's input                          s b h
@@ -32,7 +34,8 @@ them floats of the compute dtype), is what its ops keep, term by term (``formula
     selective, with dropout: the mask's coordinates (int64)       8 (b + a + s) bytes
     full: the layer's output, and checkpoint's empty anchor         s b h, + 1 byte
 
-so d s b h (28 + 2/h) + 2 d a b K(s) with dropout. K(s) = sum over the query blocks of q1 (q1 - q0)
+so d s b h (28 + 2/h) + 2 d a b K(s) with dropout (in bfloat16 and float16, d = 2 but for the
+LayerNorms' 2 s b values of 1/sigma, which stay float32: ``functional/widen.py``). K(s) = sum over the query blocks of q1 (q1 - q0)
 is what the fused op holds per sequence and head: s^2 for one block (s <= 64, or a GPU), about
 s^2/2 for many, because the blocks skip the masked keys. Selective recomputation drops the T x T
 part and full keeps one s b h, the layer's output (the next one's input; its input is the
@@ -55,6 +58,7 @@ import numpy
 
 import minipar
 from minipar.autograd import Tensor
+from minipar.dtypes import as_dtype
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Parameter
 from minipar.parallel.recompute import checkpoint
@@ -163,10 +167,10 @@ def main(argv=None):
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
     p.add_argument("--time", action="store_true", help="also time a layer's forward and backward")
     args = p.parse_args(argv)
-    b, h, a, d = args.batch, args.n_embd, args.n_head, numpy.dtype(args.dtype).itemsize
+    b, h, a, d = args.batch, args.n_embd, args.n_head, as_dtype(args.dtype).itemsize
     print(f"one layer: b={b}, h={h}, a={a}, {args.dtype} (d={d}), dropout {args.dropout}; "
           "bytes per layer, in MB (1e6)")
     print(f"{'s':>6} {'recompute':<10}{'Korthikanti':>12}{'minipar':>10}{'measured':>10}{'traced':>10}"

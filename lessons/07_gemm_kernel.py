@@ -11,7 +11,9 @@ __syncthreads()), which records every load from global memory. The lesson shows:
 2. the loads of the naive and the tiled kernel counted, against 2MNK and MNK(1/BN + 1/BM);
 3. the tiled kernel's results against float64, for odd shapes and all four transpose cases;
 4. why the two barriers are there: without one, threads read tiles that are not ready;
-5. on a GPU, GFLOP/s against cuBLAS.
+5. bfloat16 and float16 inputs: 16-bit tiles, a float32 accumulator (mixed precision's GEMM), held
+   to the error bound of exact float32 accumulation, which a 16-bit accumulator breaks;
+6. on a GPU, GFLOP/s against cuBLAS.
 Any mismatch exits non-zero.
 
 What to look at: section 2's counts beside their formulas, and section 4, where each barrier taken
@@ -134,6 +136,36 @@ def barriers(source):
     return ok and error < 1e-5
 
 
+ACCUMULATE = "for (int j = 0; j < TN; ++j) acc[i][j] += a[i] * b[j];  // an outer product"
+ACCUMULATE_16 = "for (int j = 0; j < TN; ++j) { T r; narrow(acc[i][j] + a[i] * b[j], r); acc[i][j] = widen(r); }"
+
+
+def sixteen_bits(source):
+    """The worst error of a 16-bit product over its bound: the float64 product of the 16-bit inputs
+    themselves, then float32 accumulation (gamma_K |A||B|) and one rounding to 16 bits (u16 |C|)."""
+    from minipar.dtypes import bfloat16, float16
+
+    rng = np.random.default_rng(3)
+    M, N, K = 9, 9, 2049
+    print(f"\n5. 16-bit inputs, {M} x {N} x {K}: worst |error| / bound (<= 1 passes), bound = u16 |C| + "
+          "gamma_K |A||B|")
+    ok = True
+    for dtype, u16 in ((bfloat16, 2.0**-8), (float16, 2.0**-11)):
+        a, b = rng.standard_normal((M, K)).astype(dtype), rng.standard_normal((K, N)).astype(dtype)
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        gamma = K * 2.0**-24 / (1 - K * 2.0**-24)
+        bound = u16 * np.abs(a64 @ b64) + (1 + u16) * gamma * (np.abs(a64) @ np.abs(b64))
+        cells = []
+        for name, text in (("float32 accumulator", source), ("16-bit accumulator", source.replace(ACCUMULATE, ACCUMULATE_16))):
+            c = emulator.matmul(a, b, source=text)
+            excess = float((np.abs(c.astype(np.float64) - a64 @ b64) / bound).max())
+            cells.append(f"{name} {excess:5.2f}")
+            ok &= c.dtype == dtype and (excess <= 1) == (name.startswith("float32"))
+        print(f"   {np.dtype(dtype).name:<9} " + "   ".join(cells))
+    print("   (a product of two 16-bit values is exact in float32; only the float32 sums round)")
+    return ok
+
+
 def on_the_gpu():
     import cupy
 
@@ -150,7 +182,7 @@ def on_the_gpu():
             timings.append(cupy.cuda.get_elapsed_time(start, stop) / repeats)
         return statistics.median(timings)
 
-    print("\n5. On the GPU: GFLOP/s, float32 (bench/gemm.py has the full table)")
+    print("\n6. On the GPU: GFLOP/s, float32 (bench/gemm.py has the full table)")
     ok = True
     for n in (1024, 2048, 4096):
         a, b = cupy.random.standard_normal((n, n), dtype="float32"), cupy.random.standard_normal((n, n), dtype="float32")
@@ -186,7 +218,7 @@ def main():
     if args.plant_bug:
         source = source.replace(*PLANTED)
         print(f"planted: {PLANTED[1]}\n")
-    sections = [tile_walk, load_counts, correctness, barriers]
+    sections = [tile_walk, load_counts, correctness, barriers, sixteen_bits]
     checks = []
     for section in sections:
         try:

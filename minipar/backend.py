@@ -18,8 +18,8 @@ the CPU, plain reductions on the GPU, where CuPy would hand them to cuBLAS; the 
 also the references the tests hold the BLAS tricks to), and ``sum_segments``
 (NumPy's ``reduceat`` on the CPU; CuPy's is not accurate enough, see there).
 
-On import it also tunes glibc's allocator for NumPy's allocate-per-op pattern (see
-``_keep_freed_memory``); ``MINIPAR_MALLOC_TUNING=0`` leaves the allocator alone.
+On import it also tunes glibc's allocator for NumPy's allocate-per-op pattern (``allocator.py``);
+``MINIPAR_MALLOC_TUNING=0`` leaves the allocator alone.
 """
 
 import argparse
@@ -28,11 +28,15 @@ import types
 
 import numpy
 
+from minipar.allocator import keep_freed_memory
 from minipar.dtypes import is_16bit
 
 DEVICES = ("cpu", "cuda")
 DEVICE = None
 xp = types.ModuleType("xp", "NumPy or CuPy, as use_device chose")
+
+if os.environ.get("MINIPAR_MALLOC_TUNING", "1") != "0":
+    keep_freed_memory()
 
 # Launchers tell each process its rank on its node under one of these names.
 _LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
@@ -187,9 +191,13 @@ def matmul(a, b, out=None):
     """``a @ b`` with NumPy's batching rules: every matrix product of the engine goes through here.
 
     16-bit inputs (bfloat16, float16) are multiplied with float32 accumulation and the product
-    narrowed to their dtype. Neither BLAS nor our kernel reads 16-bit operands yet, so they are
-    widened first: the same numbers as a 16-bit GEMM accumulating in float32, at the cost of a copy
-    (on a CPU bfloat16 is emulated anyway)."""
+    narrowed to their dtype. On the GPU our kernel reads two 16-bit operands of one dtype as they
+    are (``kernels/gemm.cu``); BLAS has no 16-bit GEMM, so on the CPU (and for a 16-bit operand
+    with a float32 one) they are widened first: the same numbers, at the cost of a copy."""
+    if DEVICE != "cpu" and a.dtype == b.dtype and is_16bit(a.dtype):
+        from minipar.kernels import gemm
+
+        return gemm.matmul(a, b, out=out)
     if is_16bit(a.dtype) or is_16bit(b.dtype):
         product = matmul(*_widened(a, b))
         if out is None:
@@ -279,34 +287,6 @@ def sum_segments(rows, starts):
         stride *= 2
     return acc[starts]
 
-
-def _keep_freed_memory():
-    """Ask glibc to keep freed blocks of up to 32 MiB in the process for reuse.
-
-    Every op returns a fresh array, and by default glibc hands blocks above its (adaptive) mmap
-    threshold straight back to the kernel when they are freed and trims the heap top when it grows;
-    the next array of that size then page-faults its memory back in, one zeroed 4 KiB page at a time.
-    Measured on the bench/step_time.py model: ~29,000 page faults and ~35 ms of a ~260 ms step.
-    PyTorch avoids the same cost with its caching allocators. A no-op where libc is not glibc.
-    """
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's ceiling for this setting on 64-bit
-    mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
-if os.environ.get("MINIPAR_MALLOC_TUNING", "1") != "0":
-    _keep_freed_memory()
 
 def blocks(n, size=1 << 16):
     """Slices cutting range(n) into pieces of ``size`` elements, for chains of elementwise ops.

@@ -233,3 +233,41 @@ def test_arrays_are_never_unwrapped_through_their_own_data():
         assert rel_err(upstream.view(PointerData), upstream) == 0.0
     finally:
         minipar.set_default_dtype("float32")
+
+
+class FakeNCCLTypes:
+    """cupy.cuda.nccl's dtype constants, with or without the 16-bit ones (NCCL's enum values)."""
+
+    NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64, NCCL_FLOAT32, NCCL_FLOAT64 = 0, 1, 2, 4, 7, 8
+
+    def __init__(self, sixteen):
+        self.lookups = 0
+        if sixteen:
+            self.NCCL_FLOAT16, self.NCCL_BFLOAT16 = 6, 9
+
+    def __getattribute__(self, name):
+        if name.startswith("NCCL_"):
+            object.__setattr__(self, "lookups", object.__getattribute__(self, "lookups") + 1)
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("sixteen", [True, False])
+def test_nccl_types_16_bit_arrays_and_a_binding_without_them_still_runs_float32(monkeypatch, sixteen):
+    from minipar.comm import nccl
+    from minipar.dtypes import bfloat16
+
+    fake = FakeNCCLTypes(sixteen)
+    monkeypatch.setattr(nccl, "_nccl", lambda: fake)
+    monkeypatch.setattr(nccl, "_types", None)
+    assert nccl._dtype(numpy.zeros(2, numpy.float32)) == 7
+    looked_up = fake.lookups
+    assert nccl._dtype(numpy.zeros(2, numpy.float64)) == 8 and fake.lookups == looked_up  # read once
+    for dtype, value in ((numpy.float16, 6), (bfloat16, 9)):
+        x = numpy.zeros(2, dtype)
+        if sixteen:
+            assert nccl._dtype(x) == value
+        else:
+            with pytest.raises(TypeError, match=f"no NCCL_{'BFLOAT16' if value == 9 else 'FLOAT16'}"):
+                nccl._dtype(x)
+    with pytest.raises(TypeError, match="NCCL moves"):
+        nccl._dtype(numpy.zeros(2, numpy.complex64))

@@ -69,6 +69,7 @@ def test_gemm_kernel_lesson_passes():
     assert "naive    33,554,432 elements" in run.stdout and "tiled       262,144 elements" in run.stdout
     assert "without the first __syncthreads(): relative error" in run.stdout
     assert "128x fewer loads" in run.stdout
+    assert "bfloat16  float32 accumulator" in run.stdout  # section 5: the 16-bit inputs' bound held
 
 
 def test_gemm_kernel_lesson_fails_on_a_planted_bug():

@@ -54,13 +54,29 @@ def communicator(nccl, size, raw, rank):
         return nccl.NcclCommunicator(size, tuple(int(b) for b in numpy.frombuffer(raw, numpy.int8)), rank)
 
 
+# NCCL's type of each dtype it moves, by the name of cupy.cuda.nccl's constant. The 16-bit ones
+# came later (ncclBfloat16 needs NCCL 2.10 and a CuPy that exports it): a binding without them must
+# still run float32, so the table is read once, lazily, and a missing constant is an error only when
+# an array of its dtype is sent.
+_CONSTANTS = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "float16": "NCCL_FLOAT16",
+              "bfloat16": "NCCL_BFLOAT16", "int64": "NCCL_INT64", "int32": "NCCL_INT32", "int8": "NCCL_INT8",
+              "uint8": "NCCL_UINT8"}
+_types = None  # {dtype name: NCCL's constant, or None where this binding lacks it}
+
+
 def _dtype(x):
-    nccl = _nccl()
-    table = {"float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64, "int64": nccl.NCCL_INT64,
-             "int32": nccl.NCCL_INT32, "int8": nccl.NCCL_INT8, "uint8": nccl.NCCL_UINT8}
-    if x.dtype.name not in table:
-        raise TypeError(f"NCCL moves {', '.join(table)} arrays, got {x.dtype}")
-    return table[x.dtype.name]
+    global _types
+    if _types is None:
+        nccl = _nccl()
+        _types = {name: getattr(nccl, constant, None) for name, constant in _CONSTANTS.items()}
+    name = x.dtype.name
+    if name not in _types:
+        raise TypeError(f"NCCL moves {', '.join(_CONSTANTS)} arrays, got {x.dtype}")
+    if _types[name] is None:
+        raise TypeError(f"this CuPy's NCCL binding has no {_CONSTANTS[name]}, so {name} arrays cannot go "
+                        f"through NCCL (a 16-bit model sends its weights, activations and gradients in it): "
+                        f"use a newer CuPy (and NCCL >= 2.10 for bfloat16), or train in float32")
+    return _types[name]
 
 
 def _op(op):

@@ -169,7 +169,7 @@ def attend_backward(q, k, v, dy, lse, delta, queries, keys, scale, dropout, dq, 
         dkv[0][..., cols, :] += matmul(_mT(ds), qs)
 
 
-@in_float32()
+@in_float32(float32_saved=("lse",))  # the log-sum-exp rebuilds P = exp(S - lse): one float32 per row
 class BlockwiseAttention(Function):
     """Causal attention over one device's whole sequence, its keys taken block by block in a given
     order: what ring attention computes, without the ring (to test the merge and the backward)."""
@@ -183,12 +183,12 @@ class BlockwiseAttention(Function):
         for index in key_blocks:
             attend(state, q, k[..., index, :], v[..., index, :], queries, Block(index), scale, dropout)
         y, lse = state.result()
-        ctx.saved = (qkv, y, lse, n_head, key_blocks, dropout, queries, scale)
+        ctx.saved, ctx.lse = (qkv, y, n_head, key_blocks, dropout, queries, scale), lse
         return merge_heads(y[None])
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, y, lse, n_head, key_blocks, dropout, queries, scale = ctx.saved
+        (qkv, y, n_head, key_blocks, dropout, queries, scale), lse = ctx.saved, ctx.lse
         q, k, v = split_heads(qkv, n_head, 3)
         dy = split_heads(grad, n_head, 1)[0]
         delta = dot_along(dy, y, -1)  # D = rowsum(dy * y)

@@ -94,7 +94,7 @@ def _row_dots(a, b):
     return dot_along(a, b, 1)
 
 
-@in_float32()
+@in_float32(float32_saved=("rstd",))  # 1/sigma scales a whole row: one float32 per row
 class LayerNorm(Function):
     """One node for the whole normalisation over the last axis (Ba et al. 2016):
 

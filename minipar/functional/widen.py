@@ -9,6 +9,15 @@ keeps its loss in float32 (``keep_output``): it is the number the loss scale mul
 one the logs print. Matrix products need no widening here: ``backend.matmul`` accumulates 16-bit
 inputs in float32 itself. float32 and float64 inputs run the op unchanged.
 
+What a widened forward saves for backward is held in 16 bits (``hold_16bit``), so a bf16 model's
+activations take half a float32 model's bytes: an input saved as it is becomes the 16-bit input
+itself (exact, and no copy: the graph holds that tensor anyway), an output the narrowed output,
+and an array the forward computed is rounded to 16 bits, except the per-row statistics an op names
+in ``float32_saved`` (LayerNorm's 1/sigma, attention's log-sum-exp): an error there scales a whole
+row, and they are a hidden size (or a head size) smaller than the activations. Backward widens
+what it finds on ``ctx`` again, and puts the 16-bit arrays back after (a split backward calls it
+twice on one ``ctx``).
+
 ``cast`` is the one explicit change of dtype in a graph (Megatron's router runs in float32 on a
 bf16 model): forward to the new dtype, backward to the input's.
 """
@@ -20,6 +29,7 @@ from minipar.dtypes import as_dtype, is_16bit, is_float
 from minipar.engine import _unbroadcast
 
 FLOAT32 = "float32"
+BOOKKEEPING = ("narrow", "input_shapes", "needs_input_grad")  # what the wrapper itself keeps on ctx
 
 
 def _widen(a):
@@ -30,9 +40,47 @@ def _narrow(a, dtype):
     return a.astype(dtype) if a is not None and hasattr(a, "dtype") and a.dtype != dtype else a
 
 
-def in_float32(keep_output=False):
+def _root(a):
+    """The array owning the memory the view ``a`` looks into."""
+    while getattr(a, "base", None) is not None and hasattr(a.base, "dtype"):
+        a = a.base
+    return a
+
+
+def _as_held(a, pairs, dtype):
+    """What to hold instead of the float32 array ``a`` a widened forward saved. ``pairs``: (the
+    array the forward saw, the one the caller gave or receives) for each input and output."""
+    for seen, given in pairs:
+        if a is seen:
+            return given
+        if _root(a) is _root(seen):
+            if seen is given:  # a view of an input that was not widened (a float32 one): as it is
+                return a
+            if a.size == seen.size and a.flags.c_contiguous and given.flags.c_contiguous:
+                return given.reshape(a.shape)  # the same values, a view of the 16-bit array
+            break  # a part of a widened input: its own 16-bit copy below (exact)
+    return a.astype(dtype) if a.dtype == FLOAT32 else a
+
+
+def _map_arrays(value, fn):
+    """``value`` with ``fn`` applied to every array in it, opening lists and tuples."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_arrays(v, fn) for v in value)
+    return fn(value) if hasattr(value, "dtype") and hasattr(value, "shape") else value
+
+
+def hold_16bit(ctx, pairs, dtype, float32_saved):
+    """Replace what a widened forward saved on ``ctx`` by its 16-bit form (see the module doc)."""
+    for name, value in list(vars(ctx).items()):
+        if name not in BOOKKEEPING and name not in float32_saved:
+            setattr(ctx, name, _map_arrays(value, lambda a: _as_held(a, pairs, dtype)))
+
+
+def in_float32(keep_output=False, float32_saved=()):
     """Class decorator for a Function: with a 16-bit float input, forward and backward run in
-    float32 and hand back the input's dtype (but the output stays float32 if ``keep_output``)."""
+    float32 and hand back the input's dtype (but the output stays float32 if ``keep_output``);
+    what forward saves is held in 16 bits, but for the ``ctx`` attributes named in
+    ``float32_saved``."""
 
     def decorate(cls):
         forward, backward = cls.forward, cls.backward
@@ -46,16 +94,26 @@ def in_float32(keep_output=False):
             ctx.input_shapes = [getattr(a, "shape", None) for a in args]
             if narrow is None:
                 return forward(ctx, *args, **kwargs)
-            out = forward(ctx, *(_widen(a) for a in args), **kwargs)
-            if keep_output:
-                return out
-            return tuple(_narrow(o, narrow) for o in out) if isinstance(out, tuple) else _narrow(out, narrow)
+            wide = [_widen(a) for a in args]
+            out = forward(ctx, *wide, **kwargs)
+            outs = out if isinstance(out, tuple) else (out,)
+            given = outs if keep_output else tuple(_narrow(o, narrow) for o in outs)
+            arrays = [(w, a) for w, a in zip(wide, args) if hasattr(a, "dtype")]
+            hold_16bit(ctx, arrays + list(zip(outs, given)), narrow, float32_saved)
+            return given if isinstance(out, tuple) else given[0]
 
         @functools.wraps(backward)
         def widened_backward(ctx, *grads):
             if ctx.narrow is None:
                 return backward(ctx, *grads)
-            out = backward(ctx, *(_widen(g) for g in grads))
+            held = {name: value for name, value in vars(ctx).items() if name not in BOOKKEEPING}
+            for name, value in held.items():
+                setattr(ctx, name, _map_arrays(value, _widen))
+            try:
+                out = backward(ctx, *(_widen(g) for g in grads))
+            finally:
+                for name, value in held.items():
+                    setattr(ctx, name, value)
             if not isinstance(out, tuple):
                 return _narrow(_unbroadcast(out, ctx.input_shapes[0]), ctx.narrow)
             return tuple(g if g is None else _narrow(_unbroadcast(g, shape), ctx.narrow)

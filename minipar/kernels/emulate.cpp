@@ -54,6 +54,20 @@ struct Vector16 {
 };
 using float4 = Vector16<float, 4>;
 using double2 = Vector16<double, 2>;
+using uint4 = Vector16<unsigned, 4>;  // 8 bfloat16 or float16 values
+
+// CUDA's reinterpretations of a float's bits, which the bfloat16 conversions use.
+static inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+}
+static inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+#define GEMM_FLOAT16  // float16's conversions are the PTX cvt instructions: here g++'s _Float16 below
 
 #define __global__
 #define __device__
@@ -102,6 +116,18 @@ static void trace_load(const void* operand, int i, int k, bool along_k, int coun
 
 void __syncthreads();
 #include "gemm.cu"
+
+// float16 <-> float32 by g++'s _Float16: IEEE conversions rounding to nearest even, as cvt.rn does.
+// (Found by argument-dependent lookup when the kernel templates are instantiated below.)
+static inline float widen(float16 x) {
+    _Float16 h;
+    std::memcpy(&h, &x.bits, sizeof h);
+    return float(h);
+}
+static inline void narrow(float x, float16& out) {
+    const _Float16 h = _Float16(x);
+    std::memcpy(&out.bits, &h, sizeof h);
+}
 
 // ---- scheduling a block's threads --------------------------------------------------------------
 enum Mode { PARALLEL = 0, SERIAL_REVERSED = 1, SERIAL_SHUFFLED = 2 };

@@ -45,11 +45,11 @@ def _cache_dir():
 
 def library(dtype="float32", source=None):
     """The emulator for one dtype's tile shapes, built from ``source`` (default: gemm.cu)."""
-    dtype = numpy.dtype(dtype).name
+    dtype = gemm.dtype_name(dtype)
     source = gemm.SOURCE.read_text() if source is None else source
     shims = (HERE / "emulate.cpp").read_text()
     tiles = gemm.TILES[dtype]
-    ctype = {"float32": "float", "float64": "double"}[dtype]
+    ctype = gemm.CTYPES[dtype]
     flags = ["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
              f"-DEMU_T={ctype}"] + [f"-DEMU_{k}={v}" for k, v in tiles.items()]
     key = hashlib.sha256("\0".join([source, shims, *flags]).encode()).hexdigest()[:16]

@@ -29,6 +29,13 @@
 // Bounds: any M, N, K. Loads outside the matrices read as 0 (they add nothing to a dot product);
 // stores outside C are skipped. Vector loads are used only where the run is whole and aligned.
 //
+// 16-bit inputs (mixed precision): bfloat16 and float16 tiles are loaded and kept in shared memory
+// as 16 bits (half the bytes of float32: twice the elements per 16-byte load, so BK = 16), each
+// element is widened to float32 as a thread reads it into registers, the products are summed in
+// float32 (a product of two 16-bit values is exact in float32: 8 x 8 or 11 x 11 significant bits),
+// and the sum is rounded to 16 bits once, when C is written. Megatron's bf16 GEMMs on tensor cores
+// do the same: 16-bit operands, an fp32 accumulator.
+//
 // GEMM_TRACE and GEMM_SHARED are empty on the GPU; the CPU emulator (emulate.cpp) defines them.
 
 #ifndef GEMM_TRACE
@@ -43,10 +50,46 @@
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
+// The 16-bit formats as their bits: the kernel only converts them, so it needs neither
+// cuda_fp16.h nor cuda_bf16.h (NVRTC does not always find them). T{} is +0 in every format.
+struct bfloat16 { unsigned short bits; };  // float32's top 16 bits: 8 exponent, 7 mantissa
+struct float16 { unsigned short bits; };   // IEEE binary16: 5 exponent, 10 mantissa
+
+// The accumulator of each input type: float32 for the 16-bit formats, the type itself otherwise.
+template <typename T> struct Accumulator { typedef T type; };
+template <> struct Accumulator<bfloat16> { typedef float type; };
+template <> struct Accumulator<float16> { typedef float type; };
+
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ double widen(double x) { return x; }
+__device__ __forceinline__ void narrow(float x, float& out) { out = x; }
+__device__ __forceinline__ void narrow(double x, double& out) { out = x; }
+// bfloat16 is float32 cut to its top half: widening shifts the bits back; narrowing rounds to the
+// nearest, ties to even (add 0x7FFF plus the last kept bit, then cut), NaN kept a NaN.
+__device__ __forceinline__ float widen(bfloat16 x) { return __uint_as_float((unsigned)x.bits << 16); }
+__device__ __forceinline__ void narrow(float x, bfloat16& out) {
+    const unsigned u = __float_as_uint(x);
+    out.bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? (unsigned short)((u >> 16) | 0x40)
+                                               : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+#ifndef GEMM_FLOAT16
+// float16: the conversion instructions (round to nearest even); the emulator brings its own.
+__device__ __forceinline__ float widen(float16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ void narrow(float x, float16& out) {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(x));
+}
+#endif
+
 // 16 bytes of T: the widest load one thread can issue (LDG.128).
 template <typename T> struct Vec;
 template <> struct Vec<float> { typedef float4 type; static const int size = 4; };
 template <> struct Vec<double> { typedef double2 type; static const int size = 2; };
+template <> struct Vec<bfloat16> { typedef uint4 type; static const int size = 8; };
+template <> struct Vec<float16> { typedef uint4 type; static const int size = 8; };
 
 // r[0..VEC) = p[0..valid), zero beyond. One vector load when the whole run is valid and aligned.
 template <typename T>
@@ -59,7 +102,7 @@ __device__ __forceinline__ void load_run(const T* p, int valid, bool aligned, T*
         for (int j = 0; j < VEC; ++j) r[j] = parts[j];
     } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) r[j] = j < valid ? p[j] : T(0);
+        for (int j = 0; j < VEC; ++j) r[j] = j < valid ? p[j] : T{};
     }
 }
 
@@ -105,6 +148,7 @@ template <typename T, int BM, int BN, int BK, int TM, int TN, bool TRANS_A, bool
 __global__ void __launch_bounds__((BM / TM) * (BN / TN))
 gemm_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K,
            int lda, int ldb, int ldc, long long stride_a, long long stride_b, long long stride_c) {
+    typedef typename Accumulator<T>::type Acc;
     const int THREADS = (BM / TM) * (BN / TN);
     const int VEC = Vec<T>::size;
     static_assert(BM % TM == 0 && BN % TN == 0 && BK % VEC == 0 && TN % VEC == 0, "tile shapes");
@@ -126,11 +170,11 @@ gemm_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, 
     const bool b_aligned = ldb % VEC == 0 && reinterpret_cast<unsigned long long>(B) % 16 == 0;
     const bool c_aligned = ldc % VEC == 0 && reinterpret_cast<unsigned long long>(C) % 16 == 0;
 
-    T acc[TM][TN];
+    Acc acc[TM][TN];
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = T(0);
+        for (int j = 0; j < TN; ++j) acc[i][j] = Acc(0);
 
     for (int k0 = 0; k0 < K; k0 += BK) {
         load_slab<T, BM, BK, THREADS, !TRANS_A>(As, A, M, K, m0, k0, lda, a_aligned);
@@ -139,11 +183,11 @@ gemm_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, 
 
 #pragma unroll
         for (int k = 0; k < BK; ++k) {
-            T a[TM], b[TN];
+            Acc a[TM], b[TN];  // widened as they leave shared memory
 #pragma unroll
-            for (int i = 0; i < TM; ++i) a[i] = As[k][ty * TM + i];
+            for (int i = 0; i < TM; ++i) a[i] = widen(As[k][ty * TM + i]);
 #pragma unroll
-            for (int j = 0; j < TN; ++j) b[j] = Bs[k][tx * TN + j];
+            for (int j = 0; j < TN; ++j) b[j] = widen(Bs[k][tx * TN + j]);
 #pragma unroll
             for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -165,10 +209,10 @@ gemm_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, 
                 typename Vec<T>::type v;
                 T* parts = reinterpret_cast<T*>(&v);
 #pragma unroll
-                for (int q = 0; q < VEC; ++q) parts[q] = acc[i][j + q];
+                for (int q = 0; q < VEC; ++q) narrow(acc[i][j + q], parts[q]);  // the one rounding
                 *reinterpret_cast<typename Vec<T>::type*>(out) = v;
             } else {
-                for (int q = 0; q < valid; ++q) out[q] = acc[i][j + q];
+                for (int q = 0; q < valid; ++q) narrow(acc[i][j + q], out[q]);
             }
         }
     }
@@ -185,13 +229,13 @@ __global__ void gemm_naive(const T* __restrict__ A, const T* __restrict__ B, T* 
     A += blockIdx.z * stride_a;
     B += blockIdx.z * stride_b;
     C += blockIdx.z * stride_c;
-    T sum = T(0);
+    typename Accumulator<T>::type sum = 0;
     for (int k = 0; k < K; ++k) {
         const T a = TRANS_A ? A[k * (long long)lda + m] : A[m * (long long)lda + k];
         const T b = TRANS_B ? B[n * (long long)ldb + k] : B[k * (long long)ldb + n];
         GEMM_TRACE(A, m, k, true, 1);
         GEMM_TRACE(B, n, k, true, 1);
-        sum += a * b;
+        sum += widen(a) * widen(b);
     }
-    C[m * (long long)ldc + n] = sum;
+    narrow(sum, C[m * (long long)ldc + n]);
 }

@@ -22,10 +22,16 @@ SOURCE = Path(__file__).with_name("gemm.cu")
 
 # Block tile BM x BN, slab depth BK, TM x TN outputs per thread: 256 threads in both.
 # float32: 64 accumulators per thread; ptxas reports ~105 registers and no spills (tests check).
+# bfloat16 and float16: the same 64 float32 accumulators; a 16-byte load carries 8 values, so a
+# slab is 16 deep for each of the 256 threads to load one run of A and one of B.
 TILES = {
     "float32": dict(BM=128, BN=128, BK=8, TM=8, TN=8),
     "float64": dict(BM=64, BN=64, BK=8, TM=4, TN=4),
+    "bfloat16": dict(BM=128, BN=128, BK=16, TM=8, TN=8),
+    "float16": dict(BM=128, BN=128, BK=16, TM=8, TN=8),
 }
+# The kernel's C++ type of each dtype (gemm.cu defines the two 16-bit ones as their bits).
+CTYPES = {"float32": "float", "float64": "double", "bfloat16": "bfloat16", "float16": "float16"}
 NAIVE_BLOCK = 16  # gemm_naive's blocks are 16 x 16 threads
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 _INT32_MAX = 2**31 - 1
@@ -35,13 +41,18 @@ def threads(tiles):
     return (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"])
 
 
+def dtype_name(dtype):
+    """'float32', 'bfloat16', ...: NumPy spells ml_dtypes' bfloat16 by name only once it is imported."""
+    return dtype if isinstance(dtype, str) else numpy.dtype(dtype).name
+
+
 def kernel_name(dtype, trans_a, trans_b, naive=False):
     """The C++ name of one instantiation of a kernel template in gemm.cu."""
-    ctype = {"float32": "float", "float64": "double"}[numpy.dtype(dtype).name]
+    ctype = CTYPES[dtype_name(dtype)]
     flags = f"{str(bool(trans_a)).lower()}, {str(bool(trans_b)).lower()}"
     if naive:
         return f"gemm_naive<{ctype}, {flags}>"
-    t = TILES[numpy.dtype(dtype).name]
+    t = TILES[dtype_name(dtype)]
     return f"gemm_tiled<{ctype}, {t['BM']}, {t['BN']}, {t['BK']}, {t['TM']}, {t['TN']}, {flags}>"
 
 
@@ -124,7 +135,7 @@ def check(a, b):
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
     if a.dtype != b.dtype or a.dtype.name not in TILES:
-        raise TypeError(f"the GEMM kernel multiplies float32 or float64 matrices of one dtype, got "
+        raise TypeError(f"the GEMM kernel multiplies matrices of one dtype, {', '.join(TILES)}, got "
                         f"{a.dtype} @ {b.dtype}: cast them first")
     batch_shape = tuple(numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     return batch_shape, a.shape[-2], b.shape[-1], a.shape[-1]
@@ -182,7 +193,7 @@ def _module(dtype):
     naive one (the benchmark's baseline)."""
     import cupy
 
-    name = numpy.dtype(dtype).name
+    name = dtype_name(dtype)
     if name not in _modules:
         names = [kernel_name(name, ta, tb, naive) for naive in (False, True)
                  for ta in (False, True) for tb in (False, True)]
@@ -194,7 +205,7 @@ def _module(dtype):
 def _kernel(dtype, trans_a, trans_b, naive):
     """One compiled kernel, looked up once: ``get_function`` makes a new function object on every
     call, which would add its cost to every small product (and to what the benchmark measures)."""
-    key = (numpy.dtype(dtype).name, bool(trans_a), bool(trans_b), naive)
+    key = (dtype_name(dtype), bool(trans_a), bool(trans_b), naive)
     if key not in _kernels:
         _kernels[key] = _module(key[0]).get_function(kernel_name(*key))
     return _kernels[key]

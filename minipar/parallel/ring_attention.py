@@ -23,6 +23,10 @@ A block's positions do not travel with it: every rank's positions are all-gather
 the arguments are checked (``context.py``), so each ring message is one K,V (or dK,dV) array.
 Forward saves this rank's qkv, its output and its log-sum-exp: no other rank's keys or values.
 Bytes sent per rank: (N-1) K,V blocks forward; (N-1) K,V blocks and (N-1) dK,dV blocks backward.
+
+In a 16-bit model the blocks travel in 16 bits, as Megatron's do: K,V exactly (they were 16-bit
+before ``in_float32`` widened them), dK,dV rounded once per hop, like a 16-bit ring all-reduce.
+Each rank widens what arrives and computes, and adds its share, in float32.
 """
 
 import math
@@ -52,7 +56,7 @@ class _Ring:
         return [self.group.isend(block, self.next, tag), self.group.irecv(spare, self.previous, tag)]
 
 
-@in_float32()  # 16-bit qkv: the blocks are merged, and travel, in float32 (2x the 16-bit bytes)
+@in_float32(float32_saved=("lse",))  # 16-bit qkv: merged in float32, the blocks travel in 16 bits
 class RingAttention(Function):
     """``positions``: (N, T_local) host integers, every rank's positions in group rank order."""
 
@@ -63,49 +67,54 @@ class RingAttention(Function):
         blocks = [Block(p) for p in positions]
         scale = 1.0 / math.sqrt(q.shape[-1])
         state = OnlineSoftmax(q)
-        kv = xp.stack([k, v])  # (2, B, H, T_local, D): one message per step
+        wire = ctx.narrow or q.dtype  # the model's dtype: 16 bits for a bf16 or fp16 model
+        kv = xp.stack([k, v]).astype(wire, copy=False)  # (2, B, H, T_local, D): one message per step
         spare = xp.empty_like(kv)
         for step in range(ring.size):
             last = step == ring.size - 1
             transfers = [] if last else ring.pass_on(kv, spare, KV_TAG)
-            attend(state, q, kv[0], kv[1], blocks[ring.rank], blocks[ring.owner(step)], scale, dropout)
+            block = kv.astype(q.dtype, copy=False)  # widened: the scores and sums run in float32
+            attend(state, q, block[0], block[1], blocks[ring.rank], blocks[ring.owner(step)], scale, dropout)
             wait_all(transfers)
             if not last:
                 kv, spare = spare, kv
         y, lse = state.result()  # (B, H, T_local, D), (B, H, T_local)
         out = merge_heads(y[None])  # (B, T_local, C)
-        ctx.saved = (qkv, out, lse, n_head, ring, blocks, dropout, scale)
+        ctx.saved, ctx.lse = (qkv, out, n_head, ring, blocks, dropout, scale), lse
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, out, lse, n_head, ring, blocks, dropout, scale = ctx.saved
+        (qkv, out, n_head, ring, blocks, dropout, scale), lse = ctx.saved, ctx.lse
         q, k, v = split_heads(qkv, n_head, 3)
         y = split_heads(out, n_head, 1)[0]
         dy = split_heads(grad, n_head, 1)[0]
         delta = dot_along(dy, y, -1)  # D = rowsum(dy * y): (B, H, T_local)
         dq = xp.zeros_like(q)
-        kv = xp.stack([k, v])
+        wire = ctx.narrow or q.dtype
+        kv = xp.stack([k, v]).astype(wire, copy=False)
         spare = xp.empty_like(kv)
-        own = xp.zeros_like(kv)  # this rank's share of its own block's dK, dV
-        sends = []
+        own = xp.zeros(kv.shape, q.dtype)  # this rank's share of its own block's dK, dV
+        sends, sent = [], []  # the requests, and the arrays they send (alive until sent)
         for step in range(ring.size):
             last = step == ring.size - 1
             transfers = [] if last else ring.pass_on(kv, spare, KV_BACK_TAG)
             # the accumulator of the block held now, from the ranks it visited since its owner's
             # successor started it (step 1); it arrives while this rank computes its share
             incoming = ring.group.irecv(xp.empty_like(kv), ring.previous, DKV_TAG) if step >= 2 else None
-            share = own if step == 0 else xp.zeros_like(kv)
-            attend_backward(q, kv[0], kv[1], dy, lse, delta, blocks[ring.rank], blocks[ring.owner(step)],
+            share = own if step == 0 else xp.zeros(kv.shape, q.dtype)
+            block = kv.astype(q.dtype, copy=False)
+            attend_backward(q, block[0], block[1], dy, lse, delta, blocks[ring.rank], blocks[ring.owner(step)],
                             scale, dropout, dq, share)
             if step >= 1:
                 if incoming is not None:
-                    share += incoming.wait()
-                sends.append(ring.group.isend(share, ring.next, DKV_TAG))
+                    share += incoming.wait().astype(q.dtype, copy=False)
+                sent.append(share.astype(wire, copy=False))
+                sends.append(ring.group.isend(sent[-1], ring.next, DKV_TAG))
             wait_all(transfers)
             if not last:
                 kv, spare = spare, kv
         if ring.size > 1:  # this rank's block, home after visiting every other rank
-            own += ring.group.irecv(xp.empty_like(kv), ring.previous, DKV_TAG).wait()
+            own += ring.group.irecv(xp.empty_like(kv), ring.previous, DKV_TAG).wait().astype(q.dtype, copy=False)
         wait_all(sends)
         return merge_heads(xp.concatenate([dq[None], own])), None, None, None, None

@@ -4,8 +4,11 @@ micro-batches its schedule keeps in flight.
 
 One layer, s positions, b sequences, h hidden, a heads, d bytes per value (``formula`` below):
 
-    d s b h (28 + 2/h) + 2 d a b K(s)    with dropout      (Korthikanti et al.: s b h (34 + 5 a s/h)
+    d s b h 28 + 2 f s b + 2 d a b K(s)    with dropout    (Korthikanti et al.: s b h (34 + 5 a s/h)
                                                             with 2-byte values and 1-byte masks)
+
+with f = max(d, 4): the LayerNorms' 1/sigma, one per row, stays float32 in a 16-bit model
+(``functional/widen.py``), where every other saved value is 16-bit.
 
 On a rank of a layout (``layer_bytes``): tensor parallelism divides what lives inside attention and
 the MLP (q, k, v, the attention output, GELU's values, the T x T part: the heads and the MLP's
@@ -40,14 +43,16 @@ def kept_pairs(s, query_block):
 
 
 def formula(s, b, h, a, d, dropout, granularity=None, query_block=64):
-    """minipar's activation bytes of one layer, {term: bytes} (see bench/activation_memory.py)."""
+    """minipar's activation bytes of one layer, {term: bytes} (see bench/activation_memory.py);
+    ``d`` bytes per value, 2 in bfloat16 and float16, whose per-row statistics stay float32."""
     sbh = s * b * h
+    stat = max(d, 4)
     if granularity == "full":
         return {"the layer's output (the next layer's kept input)": d * sbh,
                 "checkpoint's anchor, an empty array": 1}
     masks = 1 if dropout else 0
     terms = {
-        "LayerNorms: xhat, 1/sigma": d * (2 * sbh + 2 * s * b),
+        "LayerNorms: xhat, 1/sigma": d * 2 * sbh + stat * 2 * s * b,
         "LayerNorm outputs (qkv, c_fc inputs)": d * 2 * sbh,
         "q, k, v": d * 3 * sbh,
         "attention output (c_proj input)": d * sbh,
