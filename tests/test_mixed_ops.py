@@ -105,3 +105,13 @@ def test_cast_moves_the_gradient_back_to_the_input_dtype():
     assert x.grad.dtype == bfloat16 and numpy.array_equal(x.grad.astype(numpy.float32), [3.0, 3.0, 3.0])
     with pytest.raises(TypeError, match="float dtype"):
         F.cast(x, "int32")
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_python_numbers_mixed_into_16_bit_arithmetic_take_no_gradient(dtype):
+    """A Python number beside a 16-bit tensor (x + 2, 2 - x, x * 3) has no shape and no gradient:
+    the widened backward hands back the tensor's alone, in its dtype."""
+    x = Tensor(numpy.ones(3), requires_grad=True, dtype=dtype)
+    y = ((x + 2.0) * 3.0 - 1.0)
+    (2.0 - y).sum().backward()
+    assert x.grad.dtype == dtype and numpy.array_equal(x.grad.astype(numpy.float32), [-3.0, -3.0, -3.0])

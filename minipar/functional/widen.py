@@ -116,7 +116,8 @@ def in_float32(keep_output=False, float32_saved=()):
                     setattr(ctx, name, value)
             if not isinstance(out, tuple):
                 return _narrow(_unbroadcast(out, ctx.input_shapes[0]), ctx.narrow)
-            return tuple(g if g is None else _narrow(_unbroadcast(g, shape), ctx.narrow)
+            # an argument that is no array (a Python number) has no shape and takes no gradient
+            return tuple(None if g is None or shape is None else _narrow(_unbroadcast(g, shape), ctx.narrow)
                          for g, shape in zip(out, ctx.input_shapes))
 
         cls.forward, cls.backward = staticmethod(widened_forward), staticmethod(widened_backward)
