@@ -26,7 +26,7 @@ all ranks, it runs the trainer's step and compares
   below 0.8, for a quiet machine.
 
 A mismatch of bytes, calls or state fails the lesson. The activation memory is checked against measured
-graph peaks by ``tests/mpi/plan_activations.py`` (within 5%); the heterogeneous balancing's split
+graph peaks by ``tests/mpi/plan_activations.py`` (within 10%); the heterogeneous balancing's split
 runs with ``--pipeline-layers`` and is measured on a slowed stage by ``bench/hetero_pipeline.py``.
 
 Exercises:

@@ -30,7 +30,8 @@ def run_config(args, world_size):
                      schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
                      n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                      dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
-                     recompute=args.recompute, dtype=model_dtype(args), pipeline_layers=args.pipeline_layers, ep=args.ep, num_experts=args.num_experts,
+                     recompute=args.recompute, dtype=model_dtype(args), fp32_grads=args.accumulate_allreduce_grads_in_fp32,
+                     pipeline_layers=args.pipeline_layers, ep=args.ep, num_experts=args.num_experts,
                      moe_router_topk=args.moe_router_topk if args.num_experts else None,
                      moe_layer_freq=args.moe_layer_freq, moe_expert_capacity_factor=args.moe_expert_capacity_factor)
 

@@ -82,6 +82,9 @@ def test_the_memory_refusal_counts_the_papers_bytes_in_16_bits():
     P, N = n / 4, 4  # the parameters of one TP x PP part, ZeRO-sharded over DP = 4
     for stage, formula in [(0, 16 * P), (1, 4 * P + 12 * P / N), (2, 2 * P + 14 * P / N), (3, 16 * P / N)]:
         assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(formula)
+    # gradients accumulated in fp32: 2 + 4 + 12, the gradient's 4 bytes sharded from stage 2 on
+    for stage, formula in [(0, 18 * P), (1, 6 * P + 12 * P / N), (2, 2 * P + 16 * P / N), (3, 18 * P / N)]:
+        assert state_bytes(replace(run, zero_stage=stage, fp32_grads=True)) == pytest.approx(formula)
 
 
 @pytest.mark.parametrize("model,layout", [

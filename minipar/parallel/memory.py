@@ -15,12 +15,12 @@ ZeRO shards them over their own group, the DP x CP / EP ranks that hold the same
 BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
-def bytes_per_parameter(dtype):
+def bytes_per_parameter(dtype, fp32_grads=False):
     """(weight, gradient, optimizer state) bytes per parameter of a model in ``dtype``: 16-bit
     models keep fp32 master weights beside the moments (the ZeRO paper's 2 + 2 + 12; gradients
-    accumulated in fp32 would make it 2 + 4 + 12)."""
+    accumulated in fp32, ``fp32_grads``, make it 2 + 4 + 12)."""
     b = BYTES[dtype]
-    return (b, b, 12) if b == 2 else (b, b, 2 * b)
+    return (b, 4 if fp32_grads else b, 12) if b == 2 else (b, b, 2 * b)
 
 
 def parameter_count(n_layer, n_embd, block_size, vocab_size=256):
@@ -55,7 +55,7 @@ def state_bytes(cfg):
     per_rank = (total_parameters(cfg) - experts) / (cfg.tp * cfg.pp)  # dense: split over TP and PP
     stage = cfg.zero_stage
 
-    weight, grad, optimizer = bytes_per_parameter(cfg.dtype)
+    weight, grad, optimizer = bytes_per_parameter(cfg.dtype, cfg.fp32_grads)
 
     def arrays(n):  # bytes of parameter, gradient and optimizer state, ZeRO-sharded over n ranks
         return (weight * (1 / n if stage >= 3 else 1) + grad * (1 / n if stage >= 2 else 1)

@@ -59,6 +59,7 @@ class RunConfig:
     sequence_parallel: bool = False
     zero_stage: int = 0
     recompute: bool = False  # no rule of its own; part of the run's description
+    fp32_grads: bool = False  # 16-bit runs: gradients accumulated and reduced in fp32 (memory counts them)
     pipeline_layers: Optional[tuple] = None  # layers of each global pipeline chunk; None: n_layer / (pp x v) each
     dtype: str = "float32"
 
