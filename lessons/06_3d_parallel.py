@@ -72,7 +72,7 @@ from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
 from minipar.parallel.validate import RunConfig, problems
 from minipar.parallel.zero1 import ZeRO1
-from minipar.trainer import gather_text
+from minipar.train_report import gather_text
 
 MAX_NORM = 1.0
 N_HEAD, N_EMBD, BLOCK_SIZE = 4, 64, 32  # the GPT's width and context; its depth is --n-layer

@@ -13,7 +13,8 @@ from minipar.plan.shapes import Layout, Model
 from minipar.plan.state import state_bytes
 from minipar.train import build, build_parser
 from minipar.train_checks import check_args
-from minipar.trainer import Trainer, gather_text
+from minipar.train_report import gather_text
+from minipar.trainer import Trainer
 
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
          "--plot", "", "--sample", "0", "--zero-stage", "1", "--bf16"]

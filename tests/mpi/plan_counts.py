@@ -16,7 +16,8 @@ from minipar.plan.state import state_bytes
 from minipar.plan.traffic import group_bytes, group_calls
 from minipar.train import build, build_parser
 from minipar.train_checks import check_args
-from minipar.trainer import Trainer, gather_text
+from minipar.train_report import gather_text
+from minipar.trainer import Trainer
 
 MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
          "--plot", "", "--sample", "0", "--dropout", "0.1"]

@@ -1,0 +1,84 @@
+"""What ``python -m minipar.train`` prints about its run, beside the loop (``trainer.py``): the
+run's description at the start, the divergence message that names the bad gradients, and
+``--report``'s tables of each rank's memory and traffic and of the routing of a mixture of experts.
+``Reports`` is a mixin of ``Trainer``: it reads the trainer's args, grid, model, optimizer and
+world, and sends nothing but the gathers its tables need.
+"""
+
+import sys
+
+import numpy
+
+from minipar.parallel.pipeline.weight_stash import WeightStash
+
+
+def gather_text(world, text):
+    """Every rank's ``text`` on rank 0, in rank order (None elsewhere): bytes, no pickle."""
+    parts = world.gather_to_root(numpy.frombuffer(text.encode(), numpy.uint8), tag=7101)
+    return None if parts is None else [part.tobytes().decode() for part in parts]
+
+
+
+class Reports:
+    def _describe(self):
+        n_params = self.model_parameters()  # a collective: before the rank check
+        if not self.speaks:
+            return
+        a, g = self.args, self.grid
+        print(f"model: {n_params:,} parameters, {a.n_layer} layers, {a.n_head} heads, "
+              f"{a.n_embd} hidden, context {a.block_size}, {self.model.parameters()[0].dtype.name}")
+        cp = f" x CP {g.cp} ({a.cp_comm_type})" if g.cp > 1 else ""
+        ep = f" (EP {g.ep})" if g.ep > 1 else ""
+        print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}{ep}; {a.micro_batches} "
+              f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
+              + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
+              + (f"; {self.opt.policy.params.name}, fp32 master weights" if self.opt.policy is not None else "")
+              + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else "")
+              + (", selective recompute" if a.recompute_granularity == "selective" else ""))
+        c = self.config
+        if c.num_experts:
+            layers = sum(c.is_moe(i) for i in range(c.n_layer))
+            capacity = (f"capacity factor {c.moe_expert_capacity_factor}" if c.moe_expert_capacity_factor
+                        else "dropless")
+            print(f"experts: {layers} MoE layers of {c.num_experts} experts, top-{c.moe_router_topk}, {capacity}; "
+                  f"EP {g.ep} ({c.num_experts // g.ep} experts per rank); aux loss x {c.moe_aux_loss_coeff}, "
+                  f"z-loss x {c.moe_z_loss_coeff}")
+        print(f"data: {sum(len(s) for s in self.data.splits.values()):,} bytes "
+              f"({a.data or 'Python standard library'}), {a.batch_size * a.block_size:,} tokens per step"
+              + (f"; resuming at iteration {self.start} from {a.load}" if a.load else ""))
+
+    def _diverged(self, it, loss, norm, bad):
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        lines = gather_text(self.world, f"rank {self.world.rank}: {', '.join(bad[:3])}{more}" if bad else "")
+        if self.speaks:
+            named = "; ".join(line for line in lines if line) or "none found (the loss itself)"
+            saved = f" The last checkpoint in {self.args.save} is kept." if self.args.save else ""
+            print(f"error: at iter {it} the loss is {loss} and the gradient norm {norm}: training diverged; "
+                  f"non-finite gradients: {named}. Lower --lr or raise --warmup-iters.{saved}",
+                  file=sys.stderr, flush=True)
+        self.world.barrier()  # a rank's non-zero exit aborts the job: not before rank 0 has spoken
+        return 1
+
+    def _report(self):
+        held = self.opt.state_bytes()
+        g, sent = self.grid, self.sent
+        line = (f"{self.world.rank:>4} {g.tp_rank:>3} {g.dp_rank:>3} {g.pp_rank:>3} "
+                + "".join(f"{held.get(k, 0):>13,}" for k in ("parameters", "gradients", "optimizer"))
+                + (f"{held['stash']:>13,}" if "stash" in held else "")
+                + "  " + ", ".join(f"{k} {v:,}" for k, v in sent.items()))
+        lines = gather_text(self.world, line)
+        if self.speaks:
+            print("\nper rank: bytes held (parameters, gradients, optimizer state) and bytes sent in the last step")
+            stash = f"{'stash':>13}" if isinstance(self.opt, WeightStash) else ""  # PipeDream-2BW's second version
+            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}{stash}  sent")
+            print("\n".join(lines))
+            if self.routing is not None:
+                self._report_routing()
+
+    def _report_routing(self):
+        r = self.routing
+        slots = r["tokens_per_expert"].sum(axis=1) + r["dropped"]
+        print(f"\nrouting in the last step (token-slots per expert; aux loss {r['aux_loss']:.5f}, "
+              f"z-loss {r['z_loss']:.5f})")
+        for layer, loads, dropped, total in zip(r["layers"], r["tokens_per_expert"], r["dropped"], slots):
+            print(f"  layer {layer:>3}: {' '.join(f'{n:>6}' for n in loads)}   dropped {dropped} of {total}")
