@@ -105,6 +105,8 @@ step "lesson 08, context parallelism, 2 ranks on one GPU" 90 lesson08.log \
     ./run_mpi.sh -n 2 lessons/08_context_parallel.py --device cuda
 step "training, 2 ranks, CP=2 ring attention on one GPU" 90 train_cp.log \
     ./run_mpi.sh -n 2 -m minipar.train --device cuda --cp 2 --max-iters 20 --sample 0 --plot ""
+step "training, 1 GPU, bf16 with fp32 master weights (CuPy with ml_dtypes' bfloat16)" 90 train_bf16.log \
+    "$PYTHON" -m minipar.train --device cuda --bf16 --max-iters 20 --sample 0 --plot ""
 step "training, 2 ranks, 4 experts over EP=2 on one GPU" 90 train_ep.log \
     ./run_mpi.sh -n 2 -m minipar.train --device cuda --num-experts 4 --ep 2 --moe-aux-loss-coeff 0.01 \
     --max-iters 20 --sample 0 --plot ""
@@ -114,7 +116,7 @@ for part in gemm.md step.md; do
 done
 {
     echo '```'
-    tail -n 3 "$out/train.log" "$out/train2.log" "$out/train_cp.log" "$out/train_ep.log" 2>/dev/null
+    tail -n 3 "$out/train.log" "$out/train2.log" "$out/train_cp.log" "$out/train_ep.log" "$out/train_bf16.log" 2>/dev/null
     echo '```'
     echo
     echo '```'
