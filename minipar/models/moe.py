@@ -224,14 +224,14 @@ class MoEMLP(Module):
             slot_probs = xp.take_along_axis(route.probs.data, route.indices, axis=-1)  # (N, k)
             keep = capacity_keep(route.indices, slot_probs, self.n_experts, self.capacity_factor, ids)
         slots, counts = sort_by_expert(route.indices, self.n_experts, keep)  # (S,), (E,)
+        self.tokens_per_expert = to_numpy(counts)  # on the host once: the runs' lengths, the counts sent
         rows = F.permute(x, slots, self.top_k)  # (S, h) in one run per expert
         if self.dispatcher is None:
-            out = self.apply_experts(rows, to_numpy(counts))
+            out = self.apply_experts(rows, self.tokens_per_expert)
         else:
-            local, local_counts = self.dispatcher.dispatch(rows, counts)
+            local, local_counts = self.dispatcher.dispatch(rows, self.tokens_per_expert)
             out = self.dispatcher.combine(self.apply_experts(local, local_counts))
         y = F.unpermute(out, F.cast(route.weights, out.dtype), slots)  # (N, h), in the model's dtype
-        self.tokens_per_expert = to_numpy(counts)
         self.dropped = int(route.indices.size - len(slots))
         self.aux_loss = F.load_balancing_loss(route.probs, route.indices, self.aux_loss_coeff, ids)
         self.z_loss = F.z_loss(route.logits, self.z_loss_coeff)
