@@ -55,6 +55,7 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.context import causal_work, contiguous_positions, load_balanced_positions
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.tensor import local_shard
 from minipar.parallel.validate import RunConfig, problems
 from minipar.rng import rows_of
 from minipar.verify import rel_err
@@ -145,8 +146,6 @@ def run(args, config, layout, batches, reference, peak):
     opt = make_optimizer(model, grid, 0, **lesson.HYPER)  # sums gradients over DP x CP
     executor = PipelineExecutor(model, grid, "1f1b", micro_batches=1, optimizer=opt)
     named = dict(model.named_parameters())
-    mine = lambda p, whole: whole if p.placement.split is None else p.placement.split.shard(  # noqa: E731
-        whole, grid.group(p.placement.split.group).rank, grid.group(p.placement.split.group).size)
     compare = lesson.Comparison(reference, order=("logits", "gradients", "loss", "parameters"))
     T, cp_group = config.block_size, grid.cp_group if cp > 1 else None
 
@@ -172,7 +171,7 @@ def run(args, config, layout, batches, reference, peak):
             opt.finish_gradients()
             if step == 0:  # this rank's shard of every gradient, summed over DP x CP
                 compare.gradients({n: p.grad for n, p in named.items()},
-                                  {n: mine(p, reference.grads[n]) for n, p in named.items()})
+                                  {n: local_shard(p, reference.grads[n], grid) for n, p in named.items()})
             opt.step()
 
         if cp_group:

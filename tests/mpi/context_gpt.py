@@ -17,6 +17,7 @@ from minipar.optim import AdamW, clip_grad_norm
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.tensor import local_shard
 from minipar.rng import rows_of
 
 cp, tp, comm_type, options = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], set(sys.argv[4:])
@@ -34,12 +35,6 @@ def close(a, b, what, tol=1e-10):
     err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30) if a.shape == b.shape else np.inf
     if not err < tol:
         raise AssertionError(f"rank {comm.rank} ({what}): relative error {err:.2e}, shapes {a.shape} {b.shape}")
-
-
-def mine(p, whole, grid):
-    """This rank's part of a whole (single-device) tensor, by the parameter's placement."""
-    split = p.placement.split
-    return whole if split is None else split.shard(whole, grid.group(split.group).rank, grid.group(split.group).size)
 
 
 # the single device
@@ -73,7 +68,7 @@ def update():
     opt.finish_gradients()
     if model.rng.iteration == 0 and "zero1" not in options:  # ZeRO-1 holds summed pieces, not p.grad
         for n, p in named.items():
-            close(p.grad, mine(p, grads[n], grid), f"gradient of {n}")
+            close(p.grad, local_shard(p, grads[n], grid), f"gradient of {n}")
         checked.append("gradients")
     opt.clip_grad_norm(1.0)
     opt.step()
@@ -92,7 +87,7 @@ for step, (x, y) in enumerate(batches):
     executor.step(x, y, optimizer_step=update)
     opt.zero_grad()
 for n, p in named.items():
-    close(p.data, mine(p, after[n], grid), f"{n} after {STEPS} steps")
+    close(p.data, local_shard(p, after[n], grid), f"{n} after {STEPS} steps")
 
 print(f"rank {comm.rank}: context parallel CP={cp} TP={tp} {comm_type} {' '.join(sorted(options))} OK "
       f"({', '.join(checked + ['parameters'])})", flush=True)

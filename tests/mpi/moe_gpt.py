@@ -22,6 +22,7 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel import experts as ep_module
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.tensor import local_shard
 
 ep, tp, cp, pp = (int(a) for a in sys.argv[1:5])
 options = set(sys.argv[5:])
@@ -48,12 +49,6 @@ def close(a, b, what, tol=1e-10):
         raise AssertionError(f"rank {comm.rank} ({what}): relative error {err:.2e}, shapes {a.shape} {b.shape}")
     kind = what.split(" ")[0]
     errors[kind] = max(errors.get(kind, 0.0), err)
-
-
-def mine(p, whole, grid):
-    """This rank's part of a whole (single-device) tensor, by the parameter's placement."""
-    split = p.placement.split
-    return whole if split is None else split.shard(whole, grid.group(split.group).rank, grid.group(split.group).size)
 
 
 # the single device, routing the groups the grid routes, the whole batch in one forward
@@ -86,7 +81,7 @@ def update():
     if model.rng.iteration == 0:
         full = opt.full_gradients()  # ZeRO-1's pieces gathered: every rank's whole local gradients
         for n, p in named.items():
-            close(full[id(p)].reshape(p.shape), mine(p, grads[n], grid), f"gradient of {n}")
+            close(full[id(p)].reshape(p.shape), local_shard(p, grads[n], grid), f"gradient of {n}")
     opt.clip_grad_norm(1.0)
     opt.step()
 
@@ -105,7 +100,7 @@ for step, (x, y) in enumerate(batches):
             raise AssertionError("the capacity factor dropped nothing: the test would not see dropping")
     opt.zero_grad()
 for n, p in named.items():
-    close(p.data, mine(p, after[n], grid), f"parameters {n} after {STEPS} steps")
+    close(p.data, local_shard(p, after[n], grid), f"parameters {n} after {STEPS} steps")
 
 worst = comm.all_reduce(np.array([errors[k] for k in sorted(errors)]), op="max")
 if comm.rank == 0:
