@@ -115,3 +115,23 @@ def test_python_numbers_mixed_into_16_bit_arithmetic_take_no_gradient(dtype):
     y = ((x + 2.0) * 3.0 - 1.0)
     (2.0 - y).sum().backward()
     assert x.grad.dtype == dtype and numpy.array_equal(x.grad.astype(numpy.float32), [-3.0, -3.0, -3.0])
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_attention_dropout_held_in_16_bits_keeps_its_exact_scale(dtype):
+    # One position: each query sees one key with probability 1, so out = R v and dv = R dy; the
+    # held 16-bit mask must not round 1/(1-p) (1/0.9 is no bf16 or fp16 number).
+    rng = numpy.random.default_rng(3)
+    B, H, C, p, key = 16, 4, 32, 0.1, (7, 2)
+    qkv = Tensor(rng.standard_normal((B, 1, 3 * C)), dtype=dtype, requires_grad=True)
+    dy = rng.standard_normal((B, 1, C)).astype(dtype)
+    out = F.causal_attention(qkv, H, p, key=key)
+    (out * Tensor(dy, dtype=dtype)).sum().backward()
+    wide = Tensor(qkv.data, dtype=numpy.float32, requires_grad=True)
+    ref = F.causal_attention(wide, H, p, key=key)
+    (ref * Tensor(dy, dtype=numpy.float32)).sum().backward()
+    kept = ref.data != 0
+    assert 0.5 < kept.mean() < 1.0  # some dropped, most kept: the check below sees the scale
+    dv, dv_exact = qkv.grad[..., 2 * C:], wide.grad[..., 2 * C:].astype(dtype)
+    assert dv.dtype == dtype
+    numpy.testing.assert_array_equal(dv.view(numpy.uint16), dv_exact.view(numpy.uint16))

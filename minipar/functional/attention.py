@@ -123,6 +123,7 @@ class CausalAttention(Function):
                 out[b0:b1] = _merge(y[None])
         ctx.qkv, ctx.probs_t, ctx.keep_t, ctx.n_head, ctx.scale = qkv, probs_t, keep_t, n_head, scale
         ctx.recompute, ctx.dropout = recompute, (key, dropout_p, where) if dropout_p > 0 and recompute else None
+        ctx.p = dropout_p
         return out
 
     @staticmethod
@@ -141,6 +142,10 @@ class CausalAttention(Function):
                 else:
                     pt, mask = ctx.probs_t[step], ctx.keep_t[step]
                     step += 1
+                    if mask is not None and ctx.narrow is not None:
+                        # held in 16 bits, 1/(1-p) was rounded (1/0.9 to 1.109 in bf16), a bias
+                        # on every gradient through the mask: rebuild it from the survivors
+                        mask = scaled(mask != 0, ctx.p, mask.dtype)
                 dy_block = dy[..., q0:q1, :]
                 dv[..., :q1, :] += matmul(pt if mask is None else pt * mask, dy_block)  # dv = (P * R)^T dy
                 dpt = matmul(v[..., :q1, :], _mT(dy_block))  # dP^T = v dy^T
