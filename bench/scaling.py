@@ -1,0 +1,142 @@
+"""Parallel speed-up: the same training step on 1 rank and on N, every technique side by side.
+
+    python bench/scaling.py                      # N = 2, every layout, 3 rounds
+    python bench/scaling.py --ranks 4 --only dp,tp,1f1b
+    python bench/scaling.py --markdown           # the table for docs/benchmarks.md
+
+Each layout is one ``python -m minipar.train`` launch through ``run_mpi.sh``, with the same model,
+global batch, seed and data as the one-rank run it is compared with; a layout's step time is the
+median of its logged per-step times (``--log-json``'s ``ms``) after the first few, which build
+caches and warm BLAS. Layouts alternate in rounds, so a slow spell of this shared machine hits
+each alike, and the figure kept is the median over rounds.
+
+    speed-up   = t(1 rank) / t(N ranks)
+    ideal      = N, and for a pipeline N (1 - b): the schedule's own bubble b, from the simulator
+                 with the textbook unit costs, is idle time no implementation can remove
+    efficiency = speed-up / ideal
+
+Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
+parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
+plain one-rank step runs the whole batch of 16 at once, which is what a pipeline has to beat.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from fractions import Fraction
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from minipar.parallel.pipeline import schedules  # noqa: E402
+from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
+
+MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "128",
+         "--global-batch-size", "16", "--seed", "0"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+PIPE = ["--pp", "{n}", "--micro-batch-size", "2"]
+
+# name: (extra flags, "dense" or "moe" model, pipeline schedule or None); {n} is the rank count
+LAYOUTS = {
+    "dp": (["--dp", "{n}"], "dense", None),
+    "zero1": (["--zero-stage", "1"], "dense", None),
+    "zero2": (["--zero-stage", "2"], "dense", None),
+    "zero3": (["--zero-stage", "3"], "dense", None),
+    "tp": (["--tp", "{n}"], "dense", None),
+    "tp+sp": (["--tp", "{n}", "--sequence-parallel"], "dense", None),
+    "gpipe": (PIPE + ["--schedule", "gpipe"], "dense", "gpipe"),
+    "1f1b": (PIPE + ["--schedule", "1f1b"], "dense", "1f1b"),
+    "interleaved": (PIPE + ["--schedule", "interleaved", "--vpp", "2"], "dense", "interleaved"),
+    "zb-h1": (PIPE + ["--schedule", "zb-h1"], "dense", "zb-h1"),
+    "zb-h2": (PIPE + ["--schedule", "zb-h2"], "dense", "zb-h2"),
+    "zb-v": (PIPE + ["--schedule", "zb-v", "--vpp", "2"], "dense", "zb-v"),
+    "cp-ring": (["--cp", "{n}", "--cp-comm-type", "p2p"], "dense", None),
+    "cp-ulysses": (["--cp", "{n}", "--cp-comm-type", "a2a"], "dense", None),
+    "ep": (["--ep", "{n}"], "moe", None),
+}
+
+
+def ideal(layout, n):
+    """(ideal speed-up, the schedule's bubble) of ``layout`` on ``n`` ranks."""
+    schedule = LAYOUTS[layout][2]
+    if schedule is None:
+        return n, Fraction(0)
+    m = 16 // 2  # micro-batches: the global batch over the micro-batch size (one DP replica)
+    v = 2 if schedule in ("interleaved", "zb-v") else 1
+    split = schedule.startswith("zb")
+    # a split backward: B and W each half of the unit model's backward of 2 (Qi et al. 2024)
+    sim = simulate(schedules.build(schedule, n, m, v), m, v, forward=1, backward=1 if split else 2,
+                   weight=1 if split else None, shape=schedules.shape_of(schedule))
+    bubble = sum(sim.bubble.values()) / n
+    return n * (1 - bubble), bubble
+
+
+def step_ms(ranks, flags, steps, skip):
+    """Median step time (ms) of one launch, from its --log-json rows after the first ``skip``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        cmd = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(ranks), "-m", "minipar.train", *flags,
+               "--max-iters", str(steps), "--log-json", log, "--eval-interval", str(10 * steps),
+               "--eval-iters", "1", "--sample", "0", "--plot", "", "--log-interval", str(10 * steps)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        with open(log) as fh:
+            rows = [json.loads(line) for line in fh]
+    return statistics.median(r["ms"] for r in rows[skip:])
+
+
+def flags_of(layout, n):
+    extra, model, _ = LAYOUTS[layout]
+    return MODEL + (MOE if model == "moe" else []) + [f.format(n=n) for f in extra]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="N: ranks of each parallel run (default 2)")
+    p.add_argument("--only", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="training steps per launch")
+    p.add_argument("--skip", type=int, default=4, help="first steps left out of the median")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = p.parse_args()
+    layouts = [name for name in args.only.split(",") if name]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown or args.ranks < 2 or args.steps <= args.skip:
+        p.error(f"unknown layouts {unknown}" if unknown else "need --ranks >= 2 and --steps > --skip")
+    models = sorted({LAYOUTS[name][1] for name in layouts})
+    times = {key: [] for key in [("one", m) for m in models] + layouts}
+    for _ in range(args.rounds):
+        for model in models:
+            times[("one", model)].append(step_ms(1, MODEL + (MOE if model == "moe" else []), args.steps, args.skip))
+        for name in layouts:
+            times[name].append(step_ms(args.ranks, flags_of(name, args.ranks), args.steps, args.skip))
+    one = {m: statistics.median(times[("one", m)]) for m in models}
+    n = args.ranks
+    rows = []
+    for name in layouts:
+        t = statistics.median(times[name])
+        base = one[LAYOUTS[name][1]]
+        best, bubble = ideal(name, n)
+        speedup = base / t
+        rows.append((name, base, t, speedup, float(best), speedup / float(best), float(bubble)))
+    print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "
+          f"model {' '.join(MODEL[:8])}, batch 16")
+    if args.markdown:
+        print("\n| layout | 1 rank ms | N ranks ms | speed-up | ideal | efficiency |\n| --- | --- | --- | --- | --- | --- |")
+        for name, base, t, s, best, eff, bubble in rows:
+            note = f" (bubble {bubble:.3f})" if bubble else ""
+            print(f"| {name} | {base:.1f} | {t:.1f} | {s:.2f}x | {best:.2f}x{note} | {eff:.2f} |")
+    else:
+        print(f"\n{'layout':<12} {'1 rank ms':>10} {f'{n} ranks ms':>11} {'speed-up':>9} {'ideal':>6} "
+              f"{'efficiency':>10}  bubble")
+        for name, base, t, s, best, eff, bubble in rows:
+            print(f"{name:<12} {base:>10.1f} {t:>11.1f} {s:>8.2f}x {best:>5.2f}x {eff:>10.2f}  {bubble:.3f}")
+
+
+if __name__ == "__main__":
+    main()
