@@ -273,3 +273,42 @@ def test_traces_and_pictures(tmp_path):
     assert {e["name"] for e in slices if e["tid"] == 0} >= {"F0", "B3"}
     trace.gantt(sim.timeline, tmp_path / "g.png", "1f1b", unit="units")
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_each_receive_is_posted_before_the_compute_ahead_of_it(name, v):
+    from minipar.parallel.pipeline.receives import PostedReceives
+
+    class Request:
+        def __init__(self, ins, events):
+            self.ins, self.events = ins, events
+
+        def wait(self):
+            self.events.append(("wait", self.ins))
+
+    for rank, plan in S.build(name, 3, 6, v).items():
+        events, posted_at = [], {}  # posted_at: the instruction index each receive went up before
+
+        def post(ins):
+            events.append(("post", ins))
+            posted_at[ins] = k
+            return Request(ins, events)
+
+        k = 0
+        receives = PostedReceives(plan, post)
+        for k, ins in enumerate(plan):
+            if ins.op in (S.RECV_ACT, S.RECV_GRAD):
+                receives.take(ins)
+        assert receives.pending() == 0
+        wanted = [ins for ins in plan if ins.op in (S.RECV_ACT, S.RECV_GRAD)]
+        assert [i for kind, i in events if kind == "wait"] == wanted  # each awaited once, in order
+        for j, ins in enumerate(wanted):  # the next of its kind is up before this one is waited on
+            following = [i for i in wanted[j + 1:] if i.op == ins.op][:1]
+            assert all(events.index(("post", i)) < events.index(("wait", ins)) for i in following)
+        # so every receive but the first of each kind went up with compute still to run before it
+        for ins in wanted:
+            if posted_at[ins] > 0:
+                assert any(plan[t].op in S.COMPUTE for t in range(posted_at[ins], plan.index(ins))), (rank, ins)
+    last = [ins for ins in plan if ins.op == S.RECV_ACT]
+    with pytest.raises(RuntimeError, match="out of the schedule's order"):
+        PostedReceives(plan, post).take(last[-1])

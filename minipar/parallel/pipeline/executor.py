@@ -4,7 +4,8 @@ A schedule (``schedules.py``) is a list of instructions; the executor keeps a ta
 instruction kind to the one method that carries it out, and everything a step holds between
 instructions lives in one ``StepState`` (``state.py``). The methods:
 
-    _recv_act   post a receive of the activation into a buffer of the agreed shape; wait politely
+    _recv_act   wait politely for the activation, received into a buffer of the agreed shape (each
+                receive is posted ahead, while the compute before it runs: ``receives.py``)
     _forward    ``model.chunk_forward`` on it (token ids for the first chunk), keeping the graph
     _send_act   start a non-blocking send of the output
     _recv_grad  receive the gradient of that output
@@ -58,6 +59,7 @@ from minipar.backend import on_gpu, xp
 from minipar.parallel import validate
 from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
+from minipar.parallel.pipeline.receives import PostedReceives
 from minipar.parallel.pipeline.simulate import message_key, peer
 from minipar.parallel.pipeline.state import StepRecord, StepState
 from minipar.parallel.validate import MAX_TAG  # re-exported: the tag limit is one of the run's rules
@@ -159,6 +161,7 @@ class PipelineExecutor:
         state = StepState(micro=micro, rows=len(x), tokens=token_count(y),  # the whole batch's: no message
                           shape=self.model.activation_shape(len(micro[0][0]), x.shape[1]),
                           optimizer_step=optimizer_step)
+        state.receives = PostedReceives(instructions, lambda ins: self._post_receive(state, ins))
         # a mixture of experts' auxiliary losses: each forward's tokens are its share of all of them,
         # and their gradients carry the loss scale the training loss's do (fp16)
         self.model.moe.tokens = x.size
@@ -250,9 +253,16 @@ class PipelineExecutor:
         rows = rows_of(state.rows, (ins.mb, self.m), (self.grid.dp_rank, self.grid.dp))
         return self.model.rng.at(rows=rows)
 
+    def _post_receive(self, state, ins):
+        return self.comm.irecv(xp.empty(state.shape, self.dtype), self._peer(ins), self._tag(ins))
+
     def _receive(self, state, ins):
-        """Receive an activation or a gradient (both of the agreed shape) into a new buffer."""
-        return self.comm.irecv(xp.empty(state.shape, self.dtype), self._peer(ins), self._tag(ins)).wait()
+        """An activation or a gradient (both of the agreed shape), from the receive posted ahead;
+        posted now in a state without them (PipeDream-2BW's stream, whose instructions span two
+        batches' states, each message tagged by its batch when it runs)."""
+        if state.receives is None:
+            return self._post_receive(state, ins).wait()
+        return state.receives.take(ins)
 
     @staticmethod
     def _clock():

@@ -39,6 +39,7 @@ class StepState:
     input_grads     gradients of chunk inputs, each waiting to be sent back
     weight_grads    the W half of each split backward (``WeightGradients``), waiting for its W
     sends           requests of the sends still in flight
+    receives        the step's receives, posted ahead (``receives.PostedReceives``)
     loss            the sum of the scaled micro-batch losses computed here so far
     record          the StepRecord returned: timeline and peak activations
     """
@@ -54,5 +55,6 @@ class StepState:
     input_grads: dict = field(default_factory=dict)
     weight_grads: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
+    receives: object = None
     loss: float = 0.0
     record: StepRecord = field(default_factory=StepRecord)
