@@ -16,10 +16,22 @@ with the parameters each uses, and ``model.wrap_units(runner)`` makes the model'
 through ``runner(name, run, x)``, here ``checkpoint`` with the gathers around it. A parameter two
 units use (the tied embedding: the embeddings and the head) is a group of its own, gathered for
 each; its gradient arrives in two parts, each reduce-scattered and added to the same shard.
+
+Prefetch (DeepSpeed's, by a recorded order): the all-gather of the next unit starts as soon as
+this one's parameters are whole, so it travels while this unit computes. Which unit runs next
+depends on the schedule (micro-batches, a pipeline's 1F1B, the recomputation in backward), so it
+is not guessed: every training step records the units in the order it gathers them, and the next
+step follows that record, one unit ahead (one more unit's parameters held: the bound). If the
+last unit's forward is followed by its own backward, that gather starts when the forward frees
+it. A step that departs from the record (another schedule, another number of micro-batches)
+waits for what it prefetched, drops it, and records afresh; an optimizer step changes the
+parameters, so nothing is prefetched across one; evaluation (no graph) neither records nor
+prefetches.
 """
 
 import math
 
+from minipar.autograd import is_grad_enabled
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.recompute import checkpoint
@@ -64,6 +76,9 @@ class ZeRO3(ShardedAdamW):
             self.master[g.shard] = g.flatten([p.data for p in g.params], dtype)[slice(*g.own())]
         self._empty = xp.empty(0, dtype)
         self._gathered = set()  # ids of the groups whose parameters are whole right now
+        self._prefetched = {}  # id(group) -> (the all-gather's Request, its whole buffer)
+        self._record, self._plan, self._next = [], None, 0  # units gathered this step; the last step's
+        self.unit_gathers = {"prefetched": 0, "on demand": 0}  # how each unit's parameters came, so far
         for p in params:  # ... and keeps only its pieces
             p.held_by = self
             p.data = self._empty
@@ -90,24 +105,62 @@ class ZeRO3(ShardedAdamW):
         groups = self._unit_groups[name]
         params = [p for g in groups for p in g.params]
         return checkpoint(run, x, params, rng=self.model.rng,
-                          before=lambda: self.gather_parameters(groups),
-                          after=lambda: self.release_parameters(groups),
+                          before=lambda: self._gather_unit(name, groups),
+                          after=lambda: self._release_unit(groups),
                           before_backward=lambda: self.gradient_buffers(groups),
                           after_backward=lambda: self.reduce_scatter_unit(groups))
 
+    def _gather_unit(self, name, groups):
+        """Gather a unit (from its prefetch, if one is on the way), then start the next one's."""
+        if is_grad_enabled():
+            self._record.append(name)
+            if self._plan is not None and self._plan[self._next:self._next + 1] == [name]:
+                self._next += 1
+            elif self._plan is not None:  # another order than the last step's: record afresh
+                self._drop_prefetched()
+                self._plan = None
+        ready = all(id(g) in self._prefetched for g in groups)
+        self.unit_gathers["prefetched" if ready else "on demand"] += 1
+        self.gather_parameters(groups)
+        self._prefetch_next()
+
+    def _release_unit(self, groups):
+        self.release_parameters(groups)
+        self._prefetch_next()  # the next unit may be this one (the last unit's backward)
+
+    def _prefetch_next(self):
+        """Start the all-gathers of the next recorded unit's groups that are not whole already."""
+        if self._plan is None or self._next >= len(self._plan) or not is_grad_enabled():
+            return
+        for g in self._unit_groups[self._plan[self._next]]:
+            if id(g) not in self._gathered and id(g) not in self._prefetched:
+                whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
+                self._prefetched[id(g)] = (g.comm.iall_gather(self.master[g.shard].copy(), out=whole), whole)
+                self.ledger.add("parameters", whole.nbytes)
+
+    def _drop_prefetched(self):
+        for request, whole in self._prefetched.values():
+            request.wait()  # every rank started it: every rank completes it
+            self.ledger.remove("parameters", whole.nbytes)
+        self._prefetched = {}
+
     def gather_parameters(self, groups):
-        """ZeRO-3's communication before a unit runs: all-gather the groups' parameters into whole
-        buffers the parameters point into."""
+        """ZeRO-3's communication before a unit runs: all-gather the groups' parameters (or wait
+        for their prefetch) into whole buffers the parameters point into."""
         for g in groups:
             if id(g) in self._gathered:
                 raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
             self._gathered.add(id(g))
-            whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
-            g.comm.all_gather(self.master[g.shard].copy(), out=whole)
+            if id(g) in self._prefetched:
+                request, whole = self._prefetched.pop(id(g))
+                request.wait()
+            else:
+                whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
+                g.comm.all_gather(self.master[g.shard].copy(), out=whole)
+                self.ledger.add("parameters", whole.nbytes)
             flat = whole.reshape(-1)
             for p, part in zip(g.params, g.unflatten(flat)):
                 p.data = part.reshape(self.shapes[id(p)])
-            self.ledger.add("parameters", flat.nbytes)
 
     def release_parameters(self, groups):
         """After a unit ran: drop the whole parameters again."""
@@ -139,7 +192,10 @@ class ZeRO3(ShardedAdamW):
 
     def step(self, grad_scale=1.0):  # the updated pieces stay where they are: the next forward gathers them
         self.finish_gradients()
+        self._drop_prefetched()  # gathered before the update: stale after it
         self._adamw.step(grad_scale)
+        self._plan = self._record if self._record else self._plan
+        self._record, self._next = [], 0
 
     def _parameter_store(self):
         """This rank's pieces of the parameters: the fp32 masters if kept, else the shard itself."""

@@ -63,11 +63,18 @@ for stage in (1, 2, 3):
             grads_s = {n: p.grad.copy() for n, p in serial.named_parameters()}
             norm_s = clip_grad_norm(serial.parameters(), 0.5)
             total = token_count(y)
+            came = dict(zero.unit_gathers) if stage == 3 else None
             for i, half in enumerate((slice(0, 2 * N), slice(2 * N, 4 * N))):  # two micro-batches
                 xs, ys = split_batch(x[half], y[half], dp)
                 with model.rng.at(rows=rows_of(4 * N, (i, 2), (r, N))):  # their rows in the batch
                     _, loss = model(xs, ys)
                     scale_loss(loss, ys, total=total).backward()
+            if stage == 3:  # from the second step on, every unit but the step's first was prefetched
+                came = {k: zero.unit_gathers[k] - came[k] for k in came}
+                units = 2 * 2 * len(model.units())  # two micro-batches, each gathering every unit twice
+                want = {"prefetched": 0, "on demand": units} if step == 0 else {"prefetched": units - 1, "on demand": 1}
+                if came != want:
+                    raise AssertionError(f"rank {r}: step {step}: ZeRO-3 gathers {came}, expected {want}")
             if step == 0:
                 grads = zero.full_gradients()
                 for name, p in zip(names, model.parameters()):
