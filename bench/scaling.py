@@ -35,8 +35,7 @@ sys.path.insert(0, ROOT)
 from minipar.parallel.pipeline import schedules  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
 
-MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "128",
-         "--global-batch-size", "16", "--seed", "0"]
+MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", "16", "--seed", "0"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 PIPE = ["--pp", "{n}", "--micro-batch-size", "2"]
 
@@ -90,9 +89,14 @@ def step_ms(ranks, flags, steps, skip):
     return statistics.median(r["ms"] for r in rows[skip:])
 
 
-def flags_of(layout, n):
-    extra, model, _ = LAYOUTS[layout]
-    return MODEL + (MOE if model == "moe" else []) + [f.format(n=n) for f in extra]
+def model_flags(kind, size):
+    """The model of a ``kind`` ("dense" or "moe") of ``size`` (its --n-layer and --n-embd flags)."""
+    return MODEL + size + (MOE if kind == "moe" else [])
+
+
+def flags_of(layout, n, size):
+    extra, kind, _ = LAYOUTS[layout]
+    return model_flags(kind, size) + [f.format(n=n) for f in extra]
 
 
 def main():
@@ -102,6 +106,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="training steps per launch")
     p.add_argument("--skip", type=int, default=4, help="first steps left out of the median")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = p.parse_args()
     layouts = [name for name in args.only.split(",") if name]
@@ -109,12 +115,13 @@ def main():
     if unknown or args.ranks < 2 or args.steps <= args.skip:
         p.error(f"unknown layouts {unknown}" if unknown else "need --ranks >= 2 and --steps > --skip")
     models = sorted({LAYOUTS[name][1] for name in layouts})
+    size = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     times = {key: [] for key in [("one", m) for m in models] + layouts}
     for _ in range(args.rounds):
         for model in models:
-            times[("one", model)].append(step_ms(1, MODEL + (MOE if model == "moe" else []), args.steps, args.skip))
+            times[("one", model)].append(step_ms(1, model_flags(model, size), args.steps, args.skip))
         for name in layouts:
-            times[name].append(step_ms(args.ranks, flags_of(name, args.ranks), args.steps, args.skip))
+            times[name].append(step_ms(args.ranks, flags_of(name, args.ranks, size), args.steps, args.skip))
     one = {m: statistics.median(times[("one", m)]) for m in models}
     n = args.ranks
     rows = []
@@ -125,7 +132,7 @@ def main():
         speedup = base / t
         rows.append((name, base, t, speedup, float(best), speedup / float(best), float(bubble)))
     print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "
-          f"model {' '.join(MODEL[:8])}, batch 16")
+          f"GPT of {args.n_layer} layers, hidden {args.n_embd}, 4 heads, T 128, batch 16")
     if args.markdown:
         print("\n| layout | 1 rank ms | N ranks ms | speed-up | ideal | efficiency |\n| --- | --- | --- | --- | --- | --- |")
         for name, base, t, s, best, eff, bubble in rows:

@@ -94,3 +94,21 @@ def test_memory_breakdown_prints_its_table_and_draws_it(tmp_path):
                     "--n-layer", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
                     "--micro-batches", "2", "--plot", figure)
     assert "DP4 ZeRO-3" in out and "TP2 PP2 DP1 Z1" in out and figure.stat().st_size > 0
+
+
+def test_scaling_benchmark_runs_and_takes_pipelines_ideal_from_the_simulator():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import scaling
+    finally:
+        sys.path.pop(0)
+    from fractions import Fraction
+    # m = 8 micro-batches on p = 2: (p-1)/(m+p-1) for 1F1B, (p-1)/(6m+p-1) for ZB-V (Qi et al.)
+    assert scaling.ideal("1f1b", 2) == (2 * (1 - Fraction(1, 9)), Fraction(1, 9))
+    assert scaling.ideal("zb-v", 2)[1] == Fraction(1, 49) and scaling.ideal("dp", 4) == (4, 0)
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "scaling.py"), "--only", "dp,1f1b",
+                          "--rounds", "1", "--steps", "3", "--skip", "1", "--n-layer", "2", "--n-embd", "32"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {line.split()[0]: line.split() for line in run.stdout.splitlines()[3:] if line.strip()}
+    assert set(rows) == {"dp", "1f1b"} and rows["1f1b"][4] == "1.78x", run.stdout
