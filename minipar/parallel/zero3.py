@@ -194,6 +194,11 @@ class ZeRO3(ShardedAdamW):
         self.finish_gradients()
         self._drop_prefetched()  # gathered before the update: stale after it
         self._adamw.step(grad_scale)
+
+    def zero_grad(self):
+        """The step's end, taken or skipped (fp16's overflow): its record is the next step's plan."""
+        super().zero_grad()
+        self._drop_prefetched()
         self._plan = self._record if self._record else self._plan
         self._record, self._next = [], 0
 
