@@ -23,6 +23,19 @@ def test_the_zero_bubble_closed_forms_are_the_simulators(schedule, p, m):
     assert alive == tuple(sim.peak_alive[r] for r in range(p))
 
 
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 16), (3, 70)])
+def test_zb_vs_closed_form_is_the_simulators_from_m_2p_on(p, m):
+    """ZB-V: two half-size chunks per rank in a V; the planner takes its closed form past the
+    simulator's limit. Its bytes, state and activations on ranks: tests/mpi/plan_counts.py,
+    plan_activations.py."""
+    sim = simulate(schedules.build("zb-v", p, m, 2), m, 2, forward=1, backward=1, weight=1, shape="v")
+    assert sum(sim.bubble.values()) / p == Fraction(p - 1, 6 * m + p - 1) == bubble.pipeline("zb-v", p, m, 2)[0]
+    assert tuple(sim.peak_alive[r] for r in range(p)) == (2 * p,) * p == bubble.pipeline("zb-v", p, m, 2)[1]
+    assert bubble.pipeline("zb-v", 64, 200, 2)[2] == "closed form"
+    with pytest.raises(bubble.NotPlanned, match="zb-v with m=100 < 2p"):
+        bubble.pipeline("zb-v", 64, 100, 2)
+
+
 def test_before_the_steady_state_zb_h2_is_simulated_or_not_planned():
     bub, _, source = bubble.pipeline("zb-h2", 32, 60)  # m < 2p - 1: the closed form does not hold
     assert source == "simulator" and bub > Fraction(31, 180 + 31)
@@ -39,10 +52,12 @@ def test_zb_h1_has_a_third_of_1f1bs_bubble_and_holds_more():
 def test_the_enumerator_offers_zero_bubble_schedules_and_selective_recomputation():
     tried = [layout for layout, problem in layouts(MODEL, Machine(gpus=4, gpus_per_node=4), 16) if not problem]
     assert {l.schedule for l in tried if l.pp > 1 and l.vpp == 1} == {"1f1b", "zb-h1", "zb-h2"}
+    assert {l.schedule for l in tried if l.vpp == 2} == {"interleaved", "zb-v"}
     assert any(l.selective_recompute and not l.recompute for l in tried)
     assert not any(l.selective_recompute and l.recompute for l in tried)
     ranked = plan(MODEL, Machine(gpus=4, gpus_per_node=4), 16).plans
     assert any(l.schedule == "zb-h1" for l, _ in ranked) and any(l.selective_recompute for l, _ in ranked)
+    assert any(l.schedule == "zb-v" for l, _ in ranked)
 
 
 def test_selective_recomputation_keeps_no_t_by_t_part():

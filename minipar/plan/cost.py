@@ -97,7 +97,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
             calls[g] = max(calls.get(g, 0.0), v)
         held = sum(state.state_bytes(model, layout, s, dtype).values())
         layers = state.stage_layers(model, layout, s)
-        held += activations.rank_bytes(model, layout, len(layers), alive[s], s == 0, s == layout.pp - 1, d, query_block,
+        held += activations.rank_bytes(model, layout, len(layers), alive[s], *state.edges(layout, s), d, query_block,
                                        moe_layers=sum(model.is_moe(i) for i in layers))
         memory = max(memory, held)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)

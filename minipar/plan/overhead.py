@@ -22,7 +22,7 @@ Machine's ``layer_overhead_us``, ``edge_overhead_us``, ``call_overhead_us``, ``c
 """
 
 from .shapes import micro_batches
-from .state import stage_layers
+from .state import edges, stage_layers
 from .traffic import group_calls
 
 
@@ -32,8 +32,8 @@ def layer_passes(model, layout, global_batch, stage):
     m = micro_batches(layout, global_batch)
     again = 1 / 3 if layout.recompute or layout.zero_stage == 3 else 0.0
     layers = len(stage_layers(model, layout, stage))
-    edges = (stage == 0) + (stage == layout.pp - 1)
-    return m * layers * (1 + again), m * edges * (1 + (1 / 3 if layout.zero_stage == 3 else 0.0))
+    ends = sum(edges(layout, stage))
+    return m * layers * (1 + again), m * ends * (1 + (1 / 3 if layout.zero_stage == 3 else 0.0))
 
 
 def launch_seconds(model, layout, machine, global_batch, stage):

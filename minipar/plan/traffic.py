@@ -43,7 +43,7 @@ from minipar.comm.base import ring_bytes
 from minipar.parallel.tensor import padded_vocab
 
 from .shapes import PRECISIONS, micro_batches
-from .state import rank_parameters, stage_layers
+from .state import edges, rank_parameters, stage_chunks, stage_layers
 
 NORM = 8  # the gradient norm's partial sum: one float64
 BUCKET = 4 << 20  # DataParallelAdamW's bucket_bytes
@@ -83,7 +83,7 @@ def _count(model, layout, global_batch, stage, dtype):
     S = b * s * h * d  # one micro-batch's activation on a rank
     layers = stage_layers(model, lay, stage)
     moe_layers = sum(model.is_moe(i) for i in layers)
-    first, last = stage == 0, stage == lay.pp - 1
+    first, last = edges(lay, stage)
 
     def charge(group, op, nbytes, size, times=1):
         out[group] += times * ring_bytes(op, nbytes, size)[0]
@@ -95,10 +95,10 @@ def _count(model, layout, global_batch, stage, dtype):
         forwards = 2 if lay.recompute else 1
         per_block = sum(2 + (0 if model.is_moe(i) else 2) for i in layers)  # forward + backward
         recomputed = sum(1 + (0 if model.is_moe(i) else 1) for i in layers) * (forwards - 1)
-        edges = first + last  # the embedding's forward, the head's input backward
+        ends = first + last  # the embedding's forward, the head's input backward
         ops = ("reduce_scatter", "all_gather") if lay.sequence_parallel else ("all_reduce",)
         for op in ops:
-            charge("tp", op, S, t, m * (per_block + recomputed + edges))
+            charge("tp", op, S, t, m * (per_block + recomputed + ends))
         if last:  # the vocabulary-parallel cross-entropy: max, then the sums with the target logits
             charge("tp", "all_reduce", b * s * d, t, m)
             charge("tp", "all_reduce", 2 * b * s * d, t, m)
@@ -134,13 +134,12 @@ def _count(model, layout, global_batch, stage, dtype):
     # pipeline parallelism
     if lay.pp > 1:
         p, v = lay.pp, lay.vpp
-        chunks = [c * p + stage for c in range(v)]
-        messages = sum((g < p * v - 1) + (g > 0) for g in chunks)
+        messages = sum((g < p * v - 1) + (g > 0) for g in stage_chunks(lay, stage))
         out["pp"] += m * messages * (S // t if lay.sequence_parallel else S)
         steps["pp"] += m * messages
         calls["pp"] += 2 * m * messages  # each message is a send here and a receive there
         charge("pp", "all_reduce", NORM, p)
-        if first or last:
+        if (first or last) and not (first and last):  # in a V one copy serves both ends
             charge("embedding", "all_reduce", padded_vocab(model.vocab_size, t) // t * h * g, 2)
     # context parallelism
     if lay.cp > 1:
