@@ -73,7 +73,7 @@ def test_selective_recomputation_costs_one_more_q_k_transpose():
     assert plain == model_flops and selective - plain == 16 * 64 * 2 * 8 * 64 * 64  # tokens x 2 L T h
 
 
-def _block_graph_bytes(num_experts, k, capacity=None):
+def _block_graph_bytes(num_experts, k, capacity=None, dtype="float32"):
     """The bytes one block's graph keeps (bench/activation_memory.py's walk), on 2 x 32 tokens."""
     import importlib.util
     import os
@@ -88,19 +88,21 @@ def _block_graph_bytes(num_experts, k, capacity=None):
     spec = importlib.util.spec_from_file_location("activation_memory_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    minipar.set_default_dtype("float32")
+    minipar.set_default_dtype(dtype)
     minipar.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=32, dropout=0.1, num_experts=num_experts,
                         moe_router_topk=k, moe_expert_capacity_factor=capacity))
     block = gpt.transformer.h[0]
     x = Tensor(numpy.random.default_rng(0).standard_normal((2, 32, 32)).astype(numpy.float32), requires_grad=True)
-    return bench.graph_bytes(block(x), x, block.parameters())
+    x = minipar.functional.cast(x, dtype) if dtype != "float32" else x
+    return bench.graph_bytes(block(x), x, block.parameters())  # (conftest restores the default dtype)
 
 
-@pytest.mark.parametrize("experts,k,capacity", [(4, 2, None), (8, 1, None), (8, 4, 0.5)])
-def test_an_moe_blocks_activations_beyond_a_dense_ones_are_counted_exactly_on_one_device(experts, k, capacity):
+@pytest.mark.parametrize("experts,k,capacity,dtype", [(4, 2, None, "float32"), (8, 1, None, "bfloat16"),
+                                                      (8, 4, 0.5, "float32")])
+def test_an_moe_blocks_activations_beyond_a_dense_ones_are_counted_exactly_on_one_device(experts, k, capacity, dtype):
     """Router, permuted rows, experts and unpermute (a capacity of 0.5 keeps exactly half the slots
     here, as a uniform router would); expert-parallel runs: tests/mpi/plan_activations.py."""
     model = Model(1, 32, 4, 32, num_experts=experts, moe_router_topk=k, moe_expert_capacity_factor=capacity, dropout=0.1)
-    measured = _block_graph_bytes(experts, k, capacity) - _block_graph_bytes(0, 2)
-    assert activations.moe_bytes(model, Layout(micro_batch_size=2), 4) == measured
+    measured = _block_graph_bytes(experts, k, capacity, dtype) - _block_graph_bytes(0, 2, None, dtype)
+    assert activations.moe_bytes(model, Layout(micro_batch_size=2), 2 if dtype == "bfloat16" else 4) == measured

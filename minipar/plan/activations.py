@@ -32,7 +32,8 @@ uniform router) keeps, in place of the dense MLP's 12 s b h:
 
     router (float32)     logits and probabilities 2 x 4 N E, the top-k's argsort 8 N E and the
                          row numbers 8 N, the k weights 4 N k (renormalised, k > 1: twice, and
-                         their sum); a 16-bit model's tokens cast to float32, 4 N h
+                         their sum); a 16-bit model's tokens cast to float32, 4 N h,
+                         the weights back in 16 bits and N E 16-bit values more, d N (k + E)
     permute, unpermute   the permuted rows d S h, the slots 8 S, the experts' combined output
                          d S h, and unpermute's placed rows d N k h (dropped slots included)
     experts              per row: c_fc's output, GELU's tanh and output (4 h each), c_proj's
@@ -43,7 +44,8 @@ uniform router) keeps, in place of the dense MLP's 12 s b h:
 Tensor parallelism without SP gives every TP rank all the tokens and whole experts; an MoE block
 has no MLP f and g (3 s b h fewer); with SP its tokens are the rank's s/t positions and its
 LayerNorm output is not gathered. Exact on one device (dropless, no auxiliary losses, whose
-graphs hold a few N E more); on ranks within 10% (``tests/mpi/plan_activations.py``).
+graphs hold a few N E more; in float32, and in bfloat16 too); on ranks within 10%
+(``tests/mpi/plan_activations.py``).
 
 Ring attention keeps no T x T part at all (its backward rebuilds the probabilities from the
 log-sum-exp); Ulysses keeps it for all T positions and a/(t CP) heads.
@@ -138,7 +140,9 @@ def moe_bytes(model, layout, d):
     sp = layout.sequence_parallel and t > 1
     N = b * s // (t if sp else 1)
     S = R = expected_slots(model, N)
-    router = N * (8 * E + 8 * E + 8 + 4 * k + (4 * k + 4 if k > 1 else 0)) + (4 * N * h if d < 4 else 0)
+    router = N * (8 * E + 8 * E + 8 + 4 * k + (4 * k + 4 if k > 1 else 0))
+    if d < 4:  # the tokens cast to float32, the weights cast back to 16 bits, N E 16-bit values more (read off graphs)
+        router += 4 * N * h + d * N * (k + E)
     routing = d * S * h + 8 * S + d * S * h + d * N * k * h
     experts = 13 * d * R * h + ((3 * d * h + 16) * R + d * S * h if layout.ep > 1 else 0)
     sbh = d * s * b * h

@@ -55,10 +55,13 @@ def group_bytes(model, layout, global_batch, stage=0, dtype="float32"):
     return group_traffic(model, layout, global_batch, stage, dtype)[0]
 
 
-def ring_steps(op, size):
-    """The latency terms (alpha) of one call: a ring all-reduce takes 2 (N-1) steps, a
-    reduce-scatter, all-gather or all-to-all N - 1, a message 1."""
-    return {"all_reduce": 2 * (size - 1), "send": 1}.get(op, size - 1)
+def latency_steps(op, size):
+    """The latency terms (alpha) of one call, as MPI libraries run a latency-bound collective
+    (Thakur, Rabenseifner & Gropp 2005): a reduce-scatter by recursive halving and an all-gather by
+    recursive doubling, ceil(log2 N) steps each, an all-reduce both (2 ceil(log2 N)), an all-to-all
+    N - 1 pairwise exchanges, a message 1. (Its bytes stay the ring's: ``ring_bytes``.)"""
+    log = (size - 1).bit_length()  # ceil(log2 N)
+    return {"all_reduce": 2 * log, "reduce_scatter": log, "all_gather": log, "send": 1}.get(op, size - 1)
 
 
 def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
@@ -87,7 +90,7 @@ def _count(model, layout, global_batch, stage, dtype):
 
     def charge(group, op, nbytes, size, times=1):
         out[group] += times * ring_bytes(op, nbytes, size)[0]
-        steps[group] += times * ring_steps(op, size)
+        steps[group] += times * latency_steps(op, size)
         calls[group] += times
 
     # tensor parallelism
@@ -125,7 +128,7 @@ def _count(model, layout, global_batch, stage, dtype):
             # wte and wpe, each block, the head's wte and ln_f: L + 4, each gathered twice, reduced once
             # (its bytes are the same; its latency steps and calls are L + 4 times as many)
             calls[dp] += 3 * m * (len(layers) + 4 - 1)
-            steps[dp] += 3 * m * (len(layers) + 4 - 1) * ring_steps("all_gather", n)
+            steps[dp] += 3 * m * (len(layers) + 4 - 1) * latency_steps("all_gather", n)
         if z > 0:
             charge(dp, "all_reduce", NORM, n)
     if experts and n // lay.ep > 1:
