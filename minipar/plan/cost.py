@@ -106,7 +106,8 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
                 sent[g], steps[g] = b[g], n[g]
     model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective_recompute)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
-    compute = hardware_flops / layout.world_size / rate + launches
+    flop_time = hardware_flops / layout.world_size / rate
+    compute = flop_time + launches
     links = {g: link(layout, machine, g) for g in sent}
     raw = {g: seconds(sent[g], steps[g], links[g], machine) + calls.get(g, 0.0) for g in sent}
     exposed = dict(raw)
@@ -120,7 +121,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     if "cp" in raw and layout.cp_comm_type == "p2p":
         per_token = model_flops / (global_batch * model.seq_length)
         attention = 12 * model.num_layers * model.seq_length * model.hidden_size / per_token
-        exposed["cp"] = max(0.0, raw["cp"] - compute * attention)
+        exposed["cp"] = max(0.0, raw["cp"] - flop_time * attention)  # behind attention's FLOPs, not its launches
     # the pipeline stretches compute and its messages by 1 / (1 - bubble); ranks sharing cores make
     # the compute at least R / C times one rank's (its bubble then lent to the others)
     busy = max(compute / (1 - float(bub)), overhead.core_share(layout, machine) * compute)

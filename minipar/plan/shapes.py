@@ -86,7 +86,8 @@ class Machine:
     # per-call overheads and shared cores (overhead.py); 0: not charged (a GPU, launches overlapped)
     layer_overhead_us: float = 0.0  # one layer's forward and backward launches, beyond their FLOPs
     edge_overhead_us: float = 0.0  # the embedding's and the head's (with the loss), per micro-batch
-    call_overhead_us: float = 0.0  # one collective call or message, beyond alpha per ring step
+    call_overhead_us: float = 0.0  # one collective call or message, beyond alpha per latency step
+    ring_pass_overhead_us: float = 0.0  # one pass of ring attention (a block's attention, forward or backward)
     cores_per_node: int = 0  # 0: a core (or a GPU) per rank; else ranks beyond it take turns
 
 
