@@ -14,7 +14,7 @@ they take turns. Three terms, each calibrated by a micro-benchmark (lesson 11 me
              and backward, where one device makes one: (CP - 1) x (forwards + 1) passes more per
              layer and micro-batch, each ring_pass_overhead.
   calls      every collective call or message (``traffic.group_calls``) x call_overhead, on top of
-             the alpha of each of its ring steps (Hockney's latency).
+             the alpha of each of its latency steps (Hockney's latency; ``traffic.latency_steps``).
   sharing    with R ranks on a node of C cores (R > C) and waits that give the core away
              (``comm.base.wait_without_spinning``), a step cannot be shorter than the node's busy
              work over its cores: R / C x one rank's busy time (compute and launches). A pipeline's
