@@ -23,6 +23,19 @@ def test_the_zero_bubble_closed_forms_are_the_simulators(schedule, p, m):
     assert alive == tuple(sim.peak_alive[r] for r in range(p))
 
 
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 16), (3, 70)])
+def test_zb_vs_closed_form_is_the_simulators_from_m_2p_on(p, m):
+    """ZB-V: two half-size chunks per rank in a V; the planner takes its closed form past the
+    simulator's limit. Its bytes, state and activations on ranks: tests/mpi/plan_counts.py,
+    plan_activations.py."""
+    sim = simulate(schedules.build("zb-v", p, m, 2), m, 2, forward=1, backward=1, weight=1, shape="v")
+    assert sum(sim.bubble.values()) / p == Fraction(p - 1, 6 * m + p - 1) == bubble.pipeline("zb-v", p, m, 2)[0]
+    assert tuple(sim.peak_alive[r] for r in range(p)) == (2 * p,) * p == bubble.pipeline("zb-v", p, m, 2)[1]
+    assert bubble.pipeline("zb-v", 64, 200, 2)[2] == "closed form"
+    with pytest.raises(bubble.NotPlanned, match="zb-v with m=100 < 2p"):
+        bubble.pipeline("zb-v", 64, 100, 2)
+
+
 def test_before_the_steady_state_zb_h2_is_simulated_or_not_planned():
     bub, _, source = bubble.pipeline("zb-h2", 32, 60)  # m < 2p - 1: the closed form does not hold
     assert source == "simulator" and bub > Fraction(31, 180 + 31)
@@ -39,10 +52,12 @@ def test_zb_h1_has_a_third_of_1f1bs_bubble_and_holds_more():
 def test_the_enumerator_offers_zero_bubble_schedules_and_selective_recomputation():
     tried = [layout for layout, problem in layouts(MODEL, Machine(gpus=4, gpus_per_node=4), 16) if not problem]
     assert {l.schedule for l in tried if l.pp > 1 and l.vpp == 1} == {"1f1b", "zb-h1", "zb-h2"}
+    assert {l.schedule for l in tried if l.vpp == 2} == {"interleaved", "zb-v"}
     assert any(l.selective_recompute and not l.recompute for l in tried)
     assert not any(l.selective_recompute and l.recompute for l in tried)
     ranked = plan(MODEL, Machine(gpus=4, gpus_per_node=4), 16).plans
     assert any(l.schedule == "zb-h1" for l, _ in ranked) and any(l.selective_recompute for l, _ in ranked)
+    assert any(l.schedule == "zb-v" for l, _ in ranked)
 
 
 def test_selective_recomputation_keeps_no_t_by_t_part():
@@ -56,3 +71,38 @@ def test_selective_recomputation_costs_one_more_q_k_transpose():
     model_flops, plain = cost.flops_per_iteration(MODEL, 16)
     _, selective = cost.flops_per_iteration(MODEL, 16, selective=True)
     assert plain == model_flops and selective - plain == 16 * 64 * 2 * 8 * 64 * 64  # tokens x 2 L T h
+
+
+def _block_graph_bytes(num_experts, k, capacity=None, dtype="float32"):
+    """The bytes one block's graph keeps (bench/activation_memory.py's walk), on 2 x 32 tokens."""
+    import importlib.util
+    import os
+
+    import numpy
+
+    import minipar
+    from minipar.autograd import Tensor
+    from minipar.models import GPT, GPTConfig
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "activation_memory.py")
+    spec = importlib.util.spec_from_file_location("activation_memory_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    minipar.set_default_dtype(dtype)
+    minipar.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=32, dropout=0.1, num_experts=num_experts,
+                        moe_router_topk=k, moe_expert_capacity_factor=capacity))
+    block = gpt.transformer.h[0]
+    x = Tensor(numpy.random.default_rng(0).standard_normal((2, 32, 32)).astype(numpy.float32), requires_grad=True)
+    x = minipar.functional.cast(x, dtype) if dtype != "float32" else x
+    return bench.graph_bytes(block(x), x, block.parameters())  # (conftest restores the default dtype)
+
+
+@pytest.mark.parametrize("experts,k,capacity,dtype", [(4, 2, None, "float32"), (8, 1, None, "bfloat16"),
+                                                      (8, 4, 0.5, "float32")])
+def test_an_moe_blocks_activations_beyond_a_dense_ones_are_counted_exactly_on_one_device(experts, k, capacity, dtype):
+    """Router, permuted rows, experts and unpermute (a capacity of 0.5 keeps exactly half the slots
+    here, as a uniform router would); expert-parallel runs: tests/mpi/plan_activations.py."""
+    model = Model(1, 32, 4, 32, num_experts=experts, moe_router_topk=k, moe_expert_capacity_factor=capacity, dropout=0.1)
+    measured = _block_graph_bytes(experts, k, capacity, dtype) - _block_graph_bytes(0, 2, None, dtype)
+    assert activations.moe_bytes(model, Layout(micro_batch_size=2), 2 if dtype == "bfloat16" else 4) == measured

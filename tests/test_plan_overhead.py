@@ -32,6 +32,18 @@ def test_recomputation_and_zero3_run_each_forward_again():
     assert overhead.layer_passes(MODEL, zero3, 16, 0) == (8 * 4 / 3, 4 * 4 / 3)
 
 
+def test_ring_attention_makes_cp_passes_where_one_device_makes_one():
+    # CP4 ring, m = 2 (4 rows per DP rank in micro-batches of 2), 4 layers: 3 passes more per
+    # attention forward and backward; with recomputation a second forward; Ulysses none
+    ring = Layout(cp=4, dp=2, micro_batch_size=2)
+    assert overhead.ring_passes(MODEL, ring, 8, 0) == 2 * 4 * 3 * 2
+    assert overhead.ring_passes(MODEL, Layout(cp=4, dp=2, micro_batch_size=2, recompute=True), 8, 0) == 2 * 4 * 3 * 3
+    assert overhead.ring_passes(MODEL, Layout(cp=4, dp=2, micro_batch_size=2, cp_comm_type="a2a"), 8, 0) == 0
+    bare = overhead.launch_seconds(MODEL, ring, Machine(gpus=8), 8, 0)
+    assert overhead.launch_seconds(MODEL, ring, Machine(gpus=8, ring_pass_overhead_us=100), 8, 0) - bare == \
+        pytest.approx(48 * 1e-4)
+
+
 def test_zero3_calls_once_per_parameter_group_of_each_unit():
     # L + 4 groups (wte, wpe; each block; wte, ln_f), gathered twice and reduced once per micro-batch,
     # and the gradient norm's all-reduce

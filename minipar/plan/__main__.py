@@ -39,7 +39,8 @@ def parser():
                         ("--peak-tflops", "peak_tflops"), ("--intra-node-gbps", "intra_node_gbps"),
                         ("--inter-node-gbps", "inter_node_gbps"), ("--efficiency", "efficiency"),
                         ("--layer-overhead-us", "layer_overhead_us"), ("--edge-overhead-us", "edge_overhead_us"),
-                        ("--call-overhead-us", "call_overhead_us"), ("--cores-per-node", "cores_per_node")):
+                        ("--call-overhead-us", "call_overhead_us"), ("--ring-pass-overhead-us", "ring_pass_overhead_us"),
+                        ("--cores-per-node", "cores_per_node")):
         kind = int if field in ("gpus_per_node", "cores_per_node") else float
         p.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field), help="default %(default)s")
     p.add_argument("--node-speeds", help="each node's relative speed, comma-separated (heterogeneous GPUs): "

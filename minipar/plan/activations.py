@@ -25,6 +25,28 @@ runs, that layer's whole set once more.
 Selective recomputation (Korthikanti et al. 2022) keeps all but the T x T part, and the int64
 coordinates that draw its dropout mask again: ``formula(..., "selective")``.
 
+A mixture-of-experts block (``moe_bytes``, from models/moe.py, parallel/experts.py and
+functional/routing.py; N tokens a rank routes, k of E experts, S = N k token-slots kept, or
+E ceil(c N k / E) under a capacity factor c, R the rows that reach this rank's experts, S for a
+uniform router) keeps, in place of the dense MLP's 12 s b h:
+
+    router (float32)     logits and probabilities 2 x 4 N E, the top-k's argsort 8 N E and the
+                         row numbers 8 N, the k weights 4 N k (renormalised, k > 1: twice, and
+                         their sum); a 16-bit model's tokens cast to float32, 4 N h,
+                         the weights back in 16 bits and N E 16-bit values more, d N (k + E)
+    permute, unpermute   the permuted rows d S h, the slots 8 S, the experts' combined output
+                         d S h, and unpermute's placed rows d N k h (dropped slots included)
+    experts              per row: c_fc's output, GELU's tanh and output (4 h each), c_proj's
+                         output h: 13 d R h
+    all-to-alls (EP)     the rows received and put in expert order, the outputs put back in
+                         source order, 3 d R h, the two orders 16 R, combine's output d S h
+
+Tensor parallelism without SP gives every TP rank all the tokens and whole experts; an MoE block
+has no MLP f and g (3 s b h fewer); with SP its tokens are the rank's s/t positions and its
+LayerNorm output is not gathered. Exact on one device (dropless, no auxiliary losses, whose
+graphs hold a few N E more; in float32, and in bfloat16 too); on ranks within 10%
+(``tests/mpi/plan_activations.py``).
+
 Ring attention keeps no T x T part at all (its backward rebuilds the probabilities from the
 log-sum-exp); Ulysses keeps it for all T positions and a/(t CP) heads.
 
@@ -35,6 +57,8 @@ the logits with their softmax, 2 b s V/t d (those two counts read off measured g
 per-layer formula is exact on one device; the rest is the planner's approximation, within 10% of
 the measured peaks (``tests/mpi/plan_counts.py``'s activation rows).
 """
+
+import math
 
 
 def kept_pairs(s, query_block):
@@ -103,9 +127,38 @@ def layer_bytes(model, layout, d, query_block=64):
     return total
 
 
-def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, query_block=64, transient=True):
-    """Activation bytes at the peak on a rank holding ``layers`` blocks, with ``in_flight`` chunk
-    activations alive (``layers`` over its v chunks: in_flight x layers / v layer-activations).
+def expected_slots(model, tokens):
+    """S: the token-slots a rank's experts keep from ``tokens`` tokens, for a uniform router."""
+    k, E, c = model.moe_router_topk, model.num_experts, model.moe_expert_capacity_factor
+    return tokens * k if c is None else min(tokens * k, E * math.ceil(c * tokens * k / E))
+
+
+def moe_bytes(model, layout, d):
+    """One MoE block's bytes for one micro-batch on one rank, less its dense MLP's (module docstring)."""
+    t, b, h = layout.tp, layout.micro_batch_size, model.hidden_size
+    s, k, E = model.seq_length // layout.cp, model.moe_router_topk, model.num_experts
+    sp = layout.sequence_parallel and t > 1
+    N = b * s // (t if sp else 1)
+    S = R = expected_slots(model, N)
+    router = N * (8 * E + 8 * E + 8 + 4 * k + (4 * k + 4 if k > 1 else 0))
+    if d < 4:  # the tokens cast to float32, the weights cast back to 16 bits, N E 16-bit values more (read off graphs)
+        router += 4 * N * h + d * N * (k + E)
+    routing = d * S * h + 8 * S + d * S * h + d * N * k * h
+    experts = 13 * d * R * h + ((3 * d * h + 16) * R + d * S * h if layout.ep > 1 else 0)
+    sbh = d * s * b * h
+    dense = 12 * sbh // t  # GELU's input, tanh and output, split by TP
+    if sp:  # ln_2's gathered output, the MLP's partial sum and its reduce-scattered shard
+        dense += 2 * sbh + sbh // t
+    elif t > 1:  # f's copy of ln_2's output, g's partial sum and its sum
+        dense += 3 * sbh
+    return router + routing + experts - dense
+
+
+def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, query_block=64, transient=True,
+               moe_layers=0):
+    """Activation bytes at the peak on a rank holding ``layers`` blocks (``moe_layers`` of them
+    MoE), with ``in_flight`` chunk activations alive (``layers`` over its v chunks: in_flight x
+    layers / v layer-activations).
     Full recomputation, and ZeRO-3, which runs every unit (embeddings, blocks, head) under a
     checkpoint, keep each recomputed unit's input only; ``transient``: add the one layer whose
     forward is run again inside its backward (a graph walked between forward and backward, as
@@ -113,11 +166,12 @@ def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, que
     b, s, t = layout.micro_batch_size, model.seq_length // layout.cp, layout.tp
     sbh = d * s * b * model.hidden_size
     shard = t if layout.sequence_parallel else 1
-    per_chunk = layers // layout.vpp
     every_unit = layout.zero_stage == 3
     recompute = layout.recompute or every_unit
-    per_layer = sbh // shard if recompute else layer_bytes(model, layout, d, query_block)
-    kept = in_flight * per_chunk * per_layer + (layer_bytes(model, layout, d, query_block) if recompute and transient else 0)
+    one = layer_bytes(model, layout, d, query_block)
+    experts = moe_bytes(model, layout, d) if moe_layers else 0  # an MoE block's bytes beyond a dense one's
+    held = layers * sbh // shard if recompute else layers * one + moe_layers * experts
+    kept = in_flight * held // layout.vpp + (one + max(experts, 0) if recompute and transient else 0)
     passes = -(-in_flight // layout.vpp)  # the micro-batches alive in the first (or last) chunk
     if first_stage and not every_unit:  # the embeddings' rows, their sum, dropout's mask and output (measured: 4 s b h)
         kept += passes * 4 * sbh // shard

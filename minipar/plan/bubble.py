@@ -14,12 +14,15 @@ interleaved min(2 (p - 1) + (v - 1) p + 1, v m) chunk activations. The zero-bubb
 ZB-H1 and ZB-H2 (Qi et al. 2024; minipar's ``schedules.py``) split the backward into B and W, each
 taken as half of it (F 1, B 1, W 1): bubble (p - 1)/(3 m + p - 1) once m >= p (ZB-H1) or
 m >= 2p - 1 (ZB-H2), and p or 2p - 1 micro-batches alive on every rank, as the simulator finds
-(tested). ZB-V's V placement is not planned (its chunks' layers, messages and tied embedding differ).
+(tested). ZB-V (two chunks per rank in a V, ``zero_bubble.v``; F, B and W each 1 per chunk)
+leaves (p - 1) idle units of 6 m + p - 1 on every rank once m >= 2p, with 2p chunk activations
+(half-size chunks: 1F1B's memory) alive on every rank, as the simulator finds (tested).
 """
 
 from fractions import Fraction
 from functools import lru_cache
 
+from minipar.parallel import validate
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
 
@@ -35,18 +38,20 @@ def pipeline(schedule, p, m, v=1, recompute=False):
     """(bubble: Fraction, in flight per rank: tuple of chunk activations, source) of a schedule."""
     if p == 1:
         return Fraction(0), (1,), "no pipeline"
-    zero_bubble = schedule in ("zb-h1", "zb-h2")
-    # ZB-H1 and ZB-H2 in closed form once each rank's steady state is reached (m >= p, m >= 2p - 1)
-    closed = not zero_bubble or m >= (p if schedule == "zb-h1" else 2 * p - 1)
-    if not closed and p * v * m > SIMULATE_UP_TO:
-        raise NotPlanned(f"{schedule} with m={m} < {'p' if schedule == 'zb-h1' else '2p - 1'} (p={p}) has no closed "
-                         f"form here and {p * v * m} chunk-passes are more than the simulator is run for "
-                         f"({SIMULATE_UP_TO})")
+    zero_bubble = schedule in validate.SPLIT_BACKWARD
+    # the zero-bubble schedules in closed form once each rank's steady state is reached
+    steady = {"zb-h1": ("p", p), "zb-h2": ("2p - 1", 2 * p - 1), "zb-v": ("2p", 2 * p)}.get(schedule)
+    if steady and m < steady[1] and p * v * m > SIMULATE_UP_TO:
+        raise NotPlanned(f"{schedule} with m={m} < {steady[0]} (p={p}) has no closed form here and {p * v * m} "
+                         f"chunk-passes are more than the simulator is run for ({SIMULATE_UP_TO})")
     if p * v * m <= SIMULATE_UP_TO:
         # a split backward: B and W each half of it (Qi et al. 2024 take T_B = T_W = T_F)
         sim = simulate(schedules.build(schedule, p, m, v), m, v, forward=1, backward=1 if zero_bubble else 2,
-                       weight=1 if zero_bubble else None, recompute=int(recompute))
+                       weight=1 if zero_bubble else None, recompute=int(recompute),
+                       shape=schedules.SHAPES.get(schedule, "round-robin"))
         return sum(sim.bubble.values()) / p, tuple(sim.peak_alive[r] for r in range(p)), "simulator"
+    if schedule == "zb-v":  # (p - 1) idle units of 2 chunks x 3 m + p - 1; 2p half-size chunks alive
+        return Fraction(p - 1, 6 * m + p - 1), (2 * p,) * p, "closed form"
     if zero_bubble:  # (p - 1) idle units of 3 m + p - 1 on every rank; W keeps each input until it runs
         alive = [p if schedule == "zb-h1" else 2 * p - 1] * p
         return Fraction(p - 1, 3 * m + p - 1), tuple(alive), "closed form"

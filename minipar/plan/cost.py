@@ -96,8 +96,9 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
             calls[g] = max(calls.get(g, 0.0), v)
         held = sum(state.state_bytes(model, layout, s, dtype).values())
-        layers = len(state.stage_layers(model, layout, s))
-        held += activations.rank_bytes(model, layout, layers, alive[s], s == 0, s == layout.pp - 1, d, query_block)
+        layers = state.stage_layers(model, layout, s)
+        held += activations.rank_bytes(model, layout, len(layers), alive[s], *state.edges(layout, s), d, query_block,
+                                       moe_layers=sum(model.is_moe(i) for i in layers))
         memory = max(memory, held)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
         for g in b:  # the busier stage's count of each group
@@ -105,7 +106,8 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
                 sent[g], steps[g] = b[g], n[g]
     model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective_recompute)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
-    compute = hardware_flops / layout.world_size / rate + launches
+    flop_time = hardware_flops / layout.world_size / rate
+    compute = flop_time + launches
     links = {g: link(layout, machine, g) for g in sent}
     raw = {g: seconds(sent[g], steps[g], links[g], machine) + calls.get(g, 0.0) for g in sent}
     exposed = dict(raw)
@@ -119,7 +121,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     if "cp" in raw and layout.cp_comm_type == "p2p":
         per_token = model_flops / (global_batch * model.seq_length)
         attention = 12 * model.num_layers * model.seq_length * model.hidden_size / per_token
-        exposed["cp"] = max(0.0, raw["cp"] - compute * attention)
+        exposed["cp"] = max(0.0, raw["cp"] - flop_time * attention)  # behind attention's FLOPs, not its launches
     # the pipeline stretches compute and its messages by 1 / (1 - bubble); ranks sharing cores make
     # the compute at least R / C times one rank's (its bubble then lent to the others)
     busy = max(compute / (1 - float(bub)), overhead.core_share(layout, machine) * compute)

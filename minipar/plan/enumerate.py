@@ -4,7 +4,7 @@ rest counted by the reason they fail.
 A layout is TP x CP x PP x DP = the GPUs (DP the rest), with EP a divisor of DP (experts only),
 virtual stages, a ZeRO stage, a micro-batch size, full recomputation or none, sequence parallelism
 (TP > 1) and the CP communication (CP > 1); recomputation none, selective or full. The schedule is
-1F1B, ZB-H1 or ZB-H2 (Qi et al. 2024), interleaved with virtual stages: GPipe has 1F1B's bubble and
+1F1B, ZB-H1 or ZB-H2 (Qi et al. 2024), interleaved with virtual stages or ZB-V with two: GPipe has 1F1B's bubble and
 holds more micro-batches, so it never wins. Why a layout fails is
 said by minipar's own rules (``validate.problems``: heads not divisible by TP, layers by PP x v,
 ZeRO-2/3 with a pipeline, ...), then by the planner's two: TP across nodes (its all-reduces on
@@ -83,9 +83,11 @@ def _choices(model, global_batch, tp, cp, pp, dp):
 
 
 def schedules(pp, vpp):
-    """Interleaved with virtual stages; else 1F1B and the zero-bubble ZB-H1 and ZB-H2 (ZB-V's V is
-    not planned: ``bubble.py``)."""
-    return ("interleaved",) if vpp > 1 else ("1f1b", "zb-h1", "zb-h2") if pp > 1 else ("1f1b",)
+    """Interleaved with virtual stages, and ZB-V with two (in a V); else 1F1B and the zero-bubble
+    ZB-H1 and ZB-H2."""
+    if pp == 1:
+        return ("1f1b",)
+    return ("1f1b", "zb-h1", "zb-h2") if vpp == 1 else ("interleaved", "zb-v") if vpp == 2 else ("interleaved",)
 
 
 def plan(model, machine, global_batch, dtype="float32"):

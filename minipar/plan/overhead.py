@@ -10,8 +10,11 @@ they take turns. Three terms, each calibrated by a micro-benchmark (lesson 11 me
              + the embedding and the head's edge_overhead): a layer pass is a forward and a
              backward (3 forwards' worth of launches, Narayanan et al.'s FLOP ratio, so a
              recomputed forward adds 1/3). minipar's ZeRO-3 runs every unit again in backward.
+             Ring attention computes a layer's attention in CP passes, one per K,V block, forward
+             and backward, where one device makes one: (CP - 1) x (forwards + 1) passes more per
+             layer and micro-batch, each ring_pass_overhead.
   calls      every collective call or message (``traffic.group_calls``) x call_overhead, on top of
-             the alpha of each of its ring steps (Hockney's latency).
+             the alpha of each of its latency steps (Hockney's latency; ``traffic.latency_steps``).
   sharing    with R ranks on a node of C cores (R > C) and waits that give the core away
              (``comm.base.wait_without_spinning``), a step cannot be shorter than the node's busy
              work over its cores: R / C x one rank's busy time (compute and launches). A pipeline's
@@ -22,7 +25,7 @@ Machine's ``layer_overhead_us``, ``edge_overhead_us``, ``call_overhead_us``, ``c
 """
 
 from .shapes import micro_batches
-from .state import stage_layers
+from .state import edges, stage_layers
 from .traffic import group_calls
 
 
@@ -32,14 +35,26 @@ def layer_passes(model, layout, global_batch, stage):
     m = micro_batches(layout, global_batch)
     again = 1 / 3 if layout.recompute or layout.zero_stage == 3 else 0.0
     layers = len(stage_layers(model, layout, stage))
-    edges = (stage == 0) + (stage == layout.pp - 1)
-    return m * layers * (1 + again), m * edges * (1 + (1 / 3 if layout.zero_stage == 3 else 0.0))
+    ends = sum(edges(layout, stage))
+    return m * layers * (1 + again), m * ends * (1 + (1 / 3 if layout.zero_stage == 3 else 0.0))
+
+
+def ring_passes(model, layout, global_batch, stage):
+    """The ring attention passes one rank of ``stage`` makes in a step beyond one per attention
+    forward and backward (module docstring); 0 without a CP ring."""
+    if layout.cp == 1 or layout.cp_comm_type != "p2p":
+        return 0
+    forwards = 2 if layout.recompute else 1
+    layers = len(stage_layers(model, layout, stage))
+    return micro_batches(layout, global_batch) * layers * (layout.cp - 1) * (forwards + 1)
 
 
 def launch_seconds(model, layout, machine, global_batch, stage):
-    """One rank's per-launch overhead in a step: layer and edge passes x their calibrated costs."""
+    """One rank's per-launch overhead in a step: layer, edge and ring passes x their calibrated costs."""
     layers, edges = layer_passes(model, layout, global_batch, stage)
-    return (layers * machine.layer_overhead_us + edges * machine.edge_overhead_us) * 1e-6
+    passes = ring_passes(model, layout, global_batch, stage)
+    return (layers * machine.layer_overhead_us + edges * machine.edge_overhead_us
+            + passes * machine.ring_pass_overhead_us) * 1e-6
 
 
 def call_seconds(model, layout, machine, global_batch, stage, dtype="float32"):

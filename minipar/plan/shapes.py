@@ -43,6 +43,7 @@ class Model:
     num_experts: int = 0  # 0: dense MLPs
     moe_router_topk: int = 2
     moe_layer_freq: int = 1
+    moe_expert_capacity_factor: float = None  # None: dropless
     dropout: float = 0.0
 
     def is_moe(self, layer):
@@ -85,7 +86,8 @@ class Machine:
     # per-call overheads and shared cores (overhead.py); 0: not charged (a GPU, launches overlapped)
     layer_overhead_us: float = 0.0  # one layer's forward and backward launches, beyond their FLOPs
     edge_overhead_us: float = 0.0  # the embedding's and the head's (with the loss), per micro-batch
-    call_overhead_us: float = 0.0  # one collective call or message, beyond alpha per ring step
+    call_overhead_us: float = 0.0  # one collective call or message, beyond alpha per latency step
+    ring_pass_overhead_us: float = 0.0  # one pass of ring attention (a block's attention, forward or backward)
     cores_per_node: int = 0  # 0: a core (or a GPU) per rank; else ranks beyond it take turns
 
 
@@ -106,7 +108,8 @@ def run_config(model, layout, global_batch, dtype="float32"):
         world_size=layout.world_size, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp,
         cp_comm_type=layout.cp_comm_type if layout.cp > 1 else None, ep=layout.ep,
         num_experts=model.num_experts or None, moe_router_topk=model.moe_router_topk if model.num_experts else None,
-        moe_layer_freq=model.moe_layer_freq if model.num_experts else None, virtual_stages=layout.vpp,
+        moe_layer_freq=model.moe_layer_freq if model.num_experts else None,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor, virtual_stages=layout.vpp,
         schedule=layout.schedule, global_batch=global_batch, micro_batch_size=layout.micro_batch_size,
         n_layer=model.num_layers, n_head=model.num_attention_heads, n_embd=model.hidden_size,
         block_size=model.seq_length, vocab_size=model.vocab_size, sequence_parallel=layout.sequence_parallel,

@@ -30,11 +30,24 @@ from minipar.parallel.tensor import padded_vocab
 from .shapes import PRECISIONS
 
 
+def stage_chunks(layout, stage):
+    """The global chunks pipeline rank ``stage`` holds: c p + stage (Megatron's round-robin), or in
+    ZB-V's V chunks stage and 2p - 1 - stage (``pipeline.instructions.Pipeline``)."""
+    p, v = layout.pp, layout.vpp
+    return [stage, 2 * p - 1 - stage] if layout.schedule == "zb-v" else [c * p + stage for c in range(v)]
+
+
+def edges(layout, stage):
+    """(first, last): whether rank ``stage`` holds the first chunk (the embeddings) and the last
+    (ln_f and the head); in a V rank 0 holds both."""
+    chunks = stage_chunks(layout, stage)
+    return 0 in chunks, layout.pp * layout.vpp - 1 in chunks
+
+
 def stage_layers(model, layout, stage):
     """The blocks pipeline rank ``stage`` holds, in order: its chunks' runs of L/(p v) blocks."""
-    p, v = layout.pp, layout.vpp
-    per_chunk = model.num_layers // (p * v)
-    return [layer for c in range(v) for layer in range((c * p + stage) * per_chunk, (c * p + stage + 1) * per_chunk)]
+    per_chunk = model.num_layers // (layout.pp * layout.vpp)
+    return [layer for g in stage_chunks(layout, stage) for layer in range(g * per_chunk, (g + 1) * per_chunk)]
 
 
 def block_parameters(model, layout, layer):
@@ -55,10 +68,11 @@ def rank_parameters(model, layout, stage=0):
         d, e = block_parameters(model, layout, layer)
         dense, experts = dense + d, experts + e
     wte = padded_vocab(model.vocab_size, t) // t * h
-    if stage == 0:
+    first, last = edges(layout, stage)
+    if first:
         dense += wte + model.seq_length * h
-    if stage == layout.pp - 1:
-        dense += 2 * h + (wte if layout.pp > 1 else 0)  # the last stage's copy of the tied embedding
+    if last:
+        dense += 2 * h + (wte if not first else 0)  # the last stage's copy of the tied embedding
     return dense, experts
 
 

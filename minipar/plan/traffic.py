@@ -43,7 +43,7 @@ from minipar.comm.base import ring_bytes
 from minipar.parallel.tensor import padded_vocab
 
 from .shapes import PRECISIONS, micro_batches
-from .state import rank_parameters, stage_layers
+from .state import edges, rank_parameters, stage_chunks, stage_layers
 
 NORM = 8  # the gradient norm's partial sum: one float64
 BUCKET = 4 << 20  # DataParallelAdamW's bucket_bytes
@@ -55,10 +55,13 @@ def group_bytes(model, layout, global_batch, stage=0, dtype="float32"):
     return group_traffic(model, layout, global_batch, stage, dtype)[0]
 
 
-def ring_steps(op, size):
-    """The latency terms (alpha) of one call: a ring all-reduce takes 2 (N-1) steps, a
-    reduce-scatter, all-gather or all-to-all N - 1, a message 1."""
-    return {"all_reduce": 2 * (size - 1), "send": 1}.get(op, size - 1)
+def latency_steps(op, size):
+    """The latency terms (alpha) of one call, as MPI libraries run a latency-bound collective
+    (Thakur, Rabenseifner & Gropp 2005): a reduce-scatter by recursive halving and an all-gather by
+    recursive doubling, ceil(log2 N) steps each, an all-reduce both (2 ceil(log2 N)), an all-to-all
+    N - 1 pairwise exchanges, a message 1. (Its bytes stay the ring's: ``ring_bytes``.)"""
+    log = (size - 1).bit_length()  # ceil(log2 N)
+    return {"all_reduce": 2 * log, "reduce_scatter": log, "all_gather": log, "send": 1}.get(op, size - 1)
 
 
 def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
@@ -83,11 +86,11 @@ def _count(model, layout, global_batch, stage, dtype):
     S = b * s * h * d  # one micro-batch's activation on a rank
     layers = stage_layers(model, lay, stage)
     moe_layers = sum(model.is_moe(i) for i in layers)
-    first, last = stage == 0, stage == lay.pp - 1
+    first, last = edges(lay, stage)
 
     def charge(group, op, nbytes, size, times=1):
         out[group] += times * ring_bytes(op, nbytes, size)[0]
-        steps[group] += times * ring_steps(op, size)
+        steps[group] += times * latency_steps(op, size)
         calls[group] += times
 
     # tensor parallelism
@@ -95,10 +98,10 @@ def _count(model, layout, global_batch, stage, dtype):
         forwards = 2 if lay.recompute else 1
         per_block = sum(2 + (0 if model.is_moe(i) else 2) for i in layers)  # forward + backward
         recomputed = sum(1 + (0 if model.is_moe(i) else 1) for i in layers) * (forwards - 1)
-        edges = first + last  # the embedding's forward, the head's input backward
+        ends = first + last  # the embedding's forward, the head's input backward
         ops = ("reduce_scatter", "all_gather") if lay.sequence_parallel else ("all_reduce",)
         for op in ops:
-            charge("tp", op, S, t, m * (per_block + recomputed + edges))
+            charge("tp", op, S, t, m * (per_block + recomputed + ends))
         if last:  # the vocabulary-parallel cross-entropy: max, then the sums with the target logits
             charge("tp", "all_reduce", b * s * d, t, m)
             charge("tp", "all_reduce", 2 * b * s * d, t, m)
@@ -125,7 +128,7 @@ def _count(model, layout, global_batch, stage, dtype):
             # wte and wpe, each block, the head's wte and ln_f: L + 4, each gathered twice, reduced once
             # (its bytes are the same; its latency steps and calls are L + 4 times as many)
             calls[dp] += 3 * m * (len(layers) + 4 - 1)
-            steps[dp] += 3 * m * (len(layers) + 4 - 1) * ring_steps("all_gather", n)
+            steps[dp] += 3 * m * (len(layers) + 4 - 1) * latency_steps("all_gather", n)
         if z > 0:
             charge(dp, "all_reduce", NORM, n)
     if experts and n // lay.ep > 1:
@@ -134,13 +137,12 @@ def _count(model, layout, global_batch, stage, dtype):
     # pipeline parallelism
     if lay.pp > 1:
         p, v = lay.pp, lay.vpp
-        chunks = [c * p + stage for c in range(v)]
-        messages = sum((g < p * v - 1) + (g > 0) for g in chunks)
+        messages = sum((g < p * v - 1) + (g > 0) for g in stage_chunks(lay, stage))
         out["pp"] += m * messages * (S // t if lay.sequence_parallel else S)
         steps["pp"] += m * messages
         calls["pp"] += 2 * m * messages  # each message is a send here and a receive there
         charge("pp", "all_reduce", NORM, p)
-        if first or last:
+        if (first or last) and not (first and last):  # in a V one copy serves both ends
             charge("embedding", "all_reduce", padded_vocab(model.vocab_size, t) // t * h * g, 2)
     # context parallelism
     if lay.cp > 1:

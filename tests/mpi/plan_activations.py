@@ -1,7 +1,9 @@
 """The planner's activation memory against the measured peak, on 4 ranks: for each layout, every
 rank's most bytes held by the autograd graphs between forward and backward over a 1F1B step
 (``bench/memory_breakdown.py``'s measurement) is within 10% of ``plan.activations.rank_bytes``
-(without the transient layer a recomputing backward adds, which that walk cannot see).
+(without the transient layer a recomputing backward adds, which that walk cannot see). The MoE
+layouts (4 experts, top-2, dropless or with capacity factor 1, expert-parallel over EP ranks) and
+the selective recomputation ones measure the same walk on a GPT built here.
 
     run_mpi.sh -n 4 tests/mpi/plan_activations.py
 """
@@ -19,13 +21,49 @@ from minipar.plan import activations, bubble, state
 from minipar.plan.shapes import Layout, Model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from memory_breakdown import measure  # noqa: E402
+from memory_breakdown import HYPER, MeasuringExecutor, measure  # noqa: E402
+from minipar.models import GPT, GPTConfig  # noqa: E402
+from minipar.parallel import ProcessGrid  # noqa: E402
+from minipar.parallel.optimizers import make_optimizer  # noqa: E402
 
 LAYOUTS = [  # (name, tp, cp, pp, zero stage, sequence parallel), as memory_breakdown.layouts
     ("DP4", 1, 1, 1, 0, False), ("TP2 DP2", 2, 1, 1, 0, False), ("TP4 SP", 4, 1, 1, 0, True),
     ("PP4", 1, 1, 4, 0, False), ("CP2 DP2", 1, 2, 1, 0, False), ("TP2 PP2 SP Z1", 2, 1, 2, 1, True),
     ("DP4 ZeRO-3", 1, 1, 1, 3, False),
 ]
+MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity factor, selective recomputation, schedule)
+    ("DP4 EP2 MoE", 1, 1, 2, False, 4, None, False, "1f1b"), ("DP4 EP4 MoE c1", 1, 1, 4, False, 4, 1.0, False, "1f1b"),
+    ("TP2 DP2 EP2 MoE", 2, 1, 2, False, 4, None, False, "1f1b"), ("TP2 SP EP2 MoE", 2, 1, 2, True, 4, None, False, "1f1b"),
+    ("PP2 DP2 EP2 MoE", 1, 2, 2, False, 4, None, False, "1f1b"), ("DP4 selective", 1, 1, 1, False, 0, None, True, "1f1b"),
+    ("TP2 PP2 SP sel.", 2, 2, 1, True, 0, None, True, "1f1b"), ("DP4 EP2 MoE sel.", 1, 1, 2, False, 4, None, True, "1f1b"),
+    ("PP2 DP2 ZB-V", 1, 2, 1, False, 0, None, False, "zb-v"), ("TP2 PP2 ZB-V sel", 2, 2, 1, True, 0, None, True, "zb-v"),
+]
+
+
+def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule):
+    """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
+    ``experts`` experts (top-2) and, if ``selective``, selective recomputation."""
+    minipar.manual_seed(0)
+    grid = ProcessGrid(tp, pp, comm.size // (tp * pp), comm, ep=ep)
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+                       dropout=0.1, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
+    v = 2 if schedule == "zb-v" else 1
+    gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity="selective" if selective else None,
+              virtual_stages=v, pipeline_shape="v" if v == 2 else "round-robin")
+    opt = make_optimizer(gpt, grid, 0, bucket_bytes=args.bucket_kb << 10, **HYPER)
+    run = MeasuringExecutor(gpt, grid, schedule, args.micro_batches, optimizer=opt)
+    gpt.rng.iteration = 0
+    run.step(*batch, optimizer_step=opt.finish_gradients)
+    return run.peak, grid
+
+
+def rows_of(name, measured, planned):
+    every = comm.gather_to_root(numpy.array([measured, planned]), tag=7401)
+    if every is not None:
+        rows.append(f"{name:<17}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f}" for m, p in every))
+    return abs(planned / measured - 1)
+
+
 comm = world()
 minipar.set_default_dtype("float32")
 args = argparse.Namespace(n_layer=4, n_head=8, n_embd=64, block_size=64, batch_size=32, micro_batches=4, bucket_kb=64)
@@ -41,11 +79,18 @@ for name, tp, cp, pp, zero, sp in LAYOUTS:
     alive = bubble.pipeline("1f1b", pp, args.micro_batches)[1][stage]
     planned = activations.rank_bytes(model, layout, len(state.stage_layers(model, layout, stage)), alive,
                                      stage == 0, stage == pp - 1, 4, transient=False)
-    ratio = planned / numbers["activations"]
-    worst = max(worst, abs(ratio - 1))
-    every = comm.gather_to_root(numpy.array([numbers["activations"], planned]), tag=7401)
-    if every is not None:
-        rows.append(f"{name:<15}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f}" for m, p in every))
+    worst = max(worst, rows_of(name, numbers["activations"], planned))
+for name, tp, pp, ep, sp, experts, capacity, selective, schedule in MORE_LAYOUTS:
+    measured, grid = measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule)
+    dp = comm.size // (tp * pp)
+    moe_model = Model(4, 64, 8, 64, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity, dropout=0.1)
+    layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp, selective_recompute=selective, schedule=schedule,
+                    vpp=2 if schedule == "zb-v" else 1, micro_batch_size=args.batch_size // dp // args.micro_batches)
+    alive = bubble.pipeline(schedule, pp, args.micro_batches, layout.vpp)[1][grid.pp_rank]
+    layers = state.stage_layers(moe_model, layout, grid.pp_rank)
+    planned = activations.rank_bytes(moe_model, layout, len(layers), alive, *state.edges(layout, grid.pp_rank), 4,
+                                     transient=False, moe_layers=sum(moe_model.is_moe(i) for i in layers))
+    worst = max(worst, rows_of(name, measured, planned))
 worst = float(comm.all_reduce(numpy.array([worst]), op="max")[0])
 if comm.rank == 0:
     print("activation MB per rank, measured/planned\n" + "\n".join(rows))
