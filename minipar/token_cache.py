@@ -66,6 +66,9 @@ def _write(path, ids):
             fh.write(ids.tobytes())
             fh.flush()
             os.fsync(fh.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; a cache beside the corpus is not
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
