@@ -27,24 +27,22 @@ DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, 
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
 
 
-def non_negative_int(text):
+def _int_at_least(text, low):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def non_negative_int(text):
+    return _int_at_least(text, 0)
 
 
 def positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _int_at_least(text, 1)
 
 
 def layer_counts(text):
@@ -70,12 +68,25 @@ def positive_float(text):
     return value
 
 
+class TrainParser(Parser):
+    """The training flags, completed from where the run's model and tokens come from: a Hugging
+    Face snapshot's config.json, a tokenizer's vocabulary (``minipar.train_sources``)."""
+
+    def parse_args(self, args=None, namespace=None):
+        from minipar.train_sources import apply_sources, given_flags
+
+        parsed = super().parse_args(args, namespace)
+        apply_sources(parsed, given_flags(self, args))
+        return parsed
+
+
 def build_parser():
     from minipar import backend
 
-    p = Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                description="Train a GPT on bytes of text (by default the Python standard library's "
-                            "source), on one device or on a TP x CP x DP x PP grid of MPI ranks.")
+    p = TrainParser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                     description="Train a GPT on text (by default the Python standard library's source, as "
+                                 "bytes, or as GPT-2's tokens with --tokenizer), on one device or on a TP x CP x "
+                                 "DP x PP grid of MPI ranks; start from or export Hugging Face GPT-2 snapshots.")
     m = p.add_argument_group("model")
     m.add_argument("--n-layer", "--num-layers", type=positive_int, default=DEFAULTS["n_layer"], help="transformer blocks")
     m.add_argument("--n-head", "--num-attention-heads", type=positive_int, default=DEFAULTS["n_head"], help="attention heads")
@@ -204,15 +215,13 @@ def interrupted(args, iteration):
 def main(argv=None):
     from minipar.comm import world
     from minipar.run_inputs import claim_save_directory, same_inputs
-    from minipar.train_sources import apply_sources, given_flags
 
     comm = world()
     parser = build_parser()
     parser.rank = comm.rank
     problems, lock = [], None
     try:
-        args = parser.parse_args(argv)
-        apply_sources(args, given_flags(build_parser, argv))  # a snapshot's config.json, a tokenizer's vocabulary
+        args = parser.parse_args(argv)  # with a snapshot's config.json and a tokenizer's vocabulary
         check_args(args, comm.size)
         data, config = build(parser, args)
         weights = check_files(parser, args, config, data)

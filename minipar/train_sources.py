@@ -17,13 +17,17 @@ FLAG_NAMES = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd"
               "vocab_size": "--vocab-size"}
 
 
-def given_flags(build_parser, argv):
+def given_flags(parser, argv):
     """The destinations of the flags typed on the command line, not left at their defaults: the
-    same flags parsed again by a parser whose defaults are all absent."""
-    parser = build_parser()
-    for action in parser._actions:  # noqa: SLF001 (set_defaults would also fill them in as strings)
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv)))
+    flags parsed again with every default absent (and then put back)."""
+    defaults = [(action, action.default) for action in parser._actions]  # noqa: SLF001
+    try:
+        for action, _ in defaults:
+            action.default = argparse.SUPPRESS
+        return set(vars(argparse.ArgumentParser.parse_args(parser, argv)))
+    finally:
+        for action, default in defaults:
+            action.default = default
 
 
 def apply_sources(args, given):
@@ -60,7 +64,7 @@ def apply_sources(args, given):
             problems.append(f"{source['vocab_size'][1]} is {source['vocab_size'][0]}, {vocab[1]} has "
                             f"{vocab[0]} tokens: give the tokenizer of these weights")
         source["vocab_size"] = vocab
-        if tokenizer.eos_id is not None and not args.hf_token_ids.get("eos_token_id"):
+        if tokenizer.eos_id is not None and args.hf_token_ids.get("eos_token_id") is None:
             args.hf_token_ids = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     args.tokenizer = tokenizer
     for flag, (value, where) in source.items():
