@@ -130,6 +130,8 @@ def check_args(args, world_size):
         if path is not None and not path.endswith(".safetensors") and not (flag == "init_weights" and os.path.isdir(path)):
             problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file"
                             + (" or a Hugging Face snapshot directory" if flag == "init_weights" else ""))
+    if args.sample > 0 and not args.prompt:
+        problems.append("--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0")
     if args.export_hf:
         from minipar.checkpoint.hf import export_dir_problem
 
@@ -197,9 +199,8 @@ def check_files(p, args, config, data):
                     f"{args.max_iters} leaves nothing to train: raise --max-iters")
     if args.init_weights:
         from minipar import checkpoint
-        from minipar.models import GPT
-
         from minipar.checkpoint import hf
+        from minipar.models import GPT
 
         try:
             if os.path.isdir(args.init_weights):  # its config.json already set the model flags (train_sources)

@@ -37,7 +37,7 @@ def apply_sources(args, given):
     from minipar.checkpoint.hf import FIELDS, read_config
     from minipar.tokenizer import BPETokenizer, tokenizer_files
 
-    problems, snapshot, args.hf_token_ids = [], None, {}
+    problems, args.hf_token_ids = [], {}
     source = {}  # flag -> (value, where it came from)
     if args.init_weights and os.path.isdir(args.init_weights):
         where = os.path.join(args.init_weights, "config.json")
