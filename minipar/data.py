@@ -1,6 +1,8 @@
 """Byte-level tokenizer, the default corpus and deterministic batches.
 
-Tokens are the bytes of the UTF-8 text (vocabulary 256): no tokenizer to train or download.
+Tokens are the bytes of the UTF-8 text (vocabulary 256): no tokenizer to train or download. A
+run may instead take GPT-2's BPE (``--tokenizer DIR``: ``minipar.tokenizer``), whose ids of the
+corpus are cached beside it (``minipar.token_cache``).
 The default corpus is the Python standard library's own top-level source files, which every Python
 installation carries: real, structured text with no download.
 
@@ -75,11 +77,19 @@ def load_corpus(path=None):
 
 class Dataset:
     """Token ids split into train (first 90%) and validation (last 10%). ``size`` and ``sha256``
-    name the corpus, so that ranks and checkpoints can check they mean the same one."""
+    name the corpus, so that ranks and checkpoints can check they mean the same one. The ids are
+    the corpus's bytes, or given a ``tokenizer`` its ids (``path``: where the corpus was read,
+    None for the default one, which decides where they are cached); ``notes`` are for the user."""
 
-    def __init__(self, corpus, val_fraction=0.1):
+    def __init__(self, corpus, val_fraction=0.1, tokenizer=None, path=None):
         self.size, self.sha256 = len(corpus), hashlib.sha256(corpus).hexdigest()
-        ids = numpy.frombuffer(corpus, dtype=numpy.uint8)
+        self.notes = []
+        if tokenizer is None:
+            ids = numpy.frombuffer(corpus, dtype=numpy.uint8)
+        else:
+            from minipar.token_cache import cached_token_ids
+
+            ids, self.notes = cached_token_ids(corpus, self.sha256, path, tokenizer)
         n_train = int(len(ids) * (1.0 - val_fraction))
         self.splits = {"train": ids[:n_train], "val": ids[n_train:]}
 

@@ -27,14 +27,22 @@ DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, 
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
 
 
-def positive_int(text):
+def _int_at_least(text, low):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def non_negative_int(text):
+    return _int_at_least(text, 0)
+
+
+def positive_int(text):
+    return _int_at_least(text, 1)
 
 
 def layer_counts(text):
@@ -60,17 +68,31 @@ def positive_float(text):
     return value
 
 
+class TrainParser(Parser):
+    """The training flags, completed from where the run's model and tokens come from: a Hugging
+    Face snapshot's config.json, a tokenizer's vocabulary (``minipar.train_sources``)."""
+
+    def parse_args(self, args=None, namespace=None):
+        from minipar.train_sources import apply_sources, given_flags
+
+        parsed = super().parse_args(args, namespace)
+        apply_sources(parsed, given_flags(self, args))
+        return parsed
+
+
 def build_parser():
     from minipar import backend
 
-    p = Parser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                description="Train a GPT on bytes of text (by default the Python standard library's "
-                            "source), on one device or on a TP x CP x DP x PP grid of MPI ranks.")
+    p = TrainParser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                     description="Train a GPT on text (by default the Python standard library's source, as "
+                                 "bytes, or as GPT-2's tokens with --tokenizer), on one device or on a TP x CP x "
+                                 "DP x PP grid of MPI ranks; start from or export Hugging Face GPT-2 snapshots.")
     m = p.add_argument_group("model")
     m.add_argument("--n-layer", "--num-layers", type=positive_int, default=DEFAULTS["n_layer"], help="transformer blocks")
     m.add_argument("--n-head", "--num-attention-heads", type=positive_int, default=DEFAULTS["n_head"], help="attention heads")
     m.add_argument("--n-embd", "--hidden-size", type=positive_int, default=DEFAULTS["n_embd"], help="hidden size")
-    m.add_argument("--block-size", "--seq-length", type=positive_int, default=DEFAULTS["block_size"], help="context length in bytes")
+    m.add_argument("--block-size", "--seq-length", type=positive_int, default=DEFAULTS["block_size"], help="context length in tokens")
+    m.add_argument("--vocab-size", type=positive_int, help="tokens in the vocabulary (default: 256 bytes, or --tokenizer's)")
     m.add_argument("--dropout", type=non_negative_float, default=0.0, help="dropout probability")
     e = p.add_argument_group("mixture of experts (Megatron-core's flags)")
     e.add_argument("--num-experts", type=positive_int, help="experts in each MoE layer (default: dense MLPs)")
@@ -98,7 +120,7 @@ def build_parser():
     g.add_argument("--recompute", "--recompute-activations", dest="recompute", action="store_true", help="keep only each block's input; recompute it in backward")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), help="full: as --recompute; selective: keep all but attention's T x T probabilities and dropout mask, which backward recomputes")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--max-iters", "--train-iters", dest="max_iters", type=positive_int, default=DEFAULTS["max_iters"], help="training steps in total")
+    o.add_argument("--max-iters", "--train-iters", dest="max_iters", type=non_negative_int, default=DEFAULTS["max_iters"], help="training steps in total (0: only evaluate, sample and export the weights given)")
     o.add_argument("--global-batch-size", "--batch-size", dest="batch_size", type=positive_int, default=DEFAULTS["batch_size"], help="sequences per step")
     o.add_argument("--lr", type=non_negative_float, default=DEFAULTS["lr"], help="peak learning rate")
     o.add_argument("--min-lr", type=non_negative_float, default=DEFAULTS["min_lr"], help="final learning rate of the cosine decay")
@@ -125,7 +147,11 @@ def build_parser():
     d.add_argument("--eval-iters", type=positive_int, default=10, help="batches per validation estimate")
     d.add_argument("--log-interval", type=positive_int, default=20, help="steps between progress lines")
     d.add_argument("--log-json", metavar="FILE", help="write one JSON object per step (iter, loss, lr, ms, ...)")
-    d.add_argument("--init-weights", metavar="FILE", help="start from these weights (.safetensors, GPT-2 names)")
+    d.add_argument("--tokenizer", metavar="DIR", help="GPT-2's byte-level BPE from DIR (tokenizer.json, or vocab.json and merges.txt; "
+                   "needs the tokenizers package); 'bytes' is the default")
+    d.add_argument("--init-weights", metavar="PATH", help="start from these weights: a .safetensors file with GPT-2 names "
+                   "(minipar's or Hugging Face's layout), or a Hugging Face snapshot directory, whose config.json sets the model flags")
+    d.add_argument("--export-hf", metavar="DIR", help="save the final weights as a Hugging Face GPT-2 snapshot (config.json, model.safetensors)")
     d.add_argument("--export-weights", metavar="FILE", help="save the final weights (.safetensors, GPT-2 names)")
     d.add_argument("--save", metavar="DIR", help="write sharded checkpoints here (every --save-interval steps and at the end)")
     d.add_argument("--save-interval", type=positive_int, default=100, help="steps between checkpoints")
@@ -135,7 +161,8 @@ def build_parser():
     d.add_argument("--exit-interval", type=positive_int, help="stop when the iterations done are a multiple of this (as Megatron-LM: a planned interruption; needs --save, resume with --load)")
     d.add_argument("--report", action="store_true", help="print every rank's memory and bytes sent per step at the end")
     d.add_argument("--plot", metavar="FILE", default="out/loss.png", help="loss-curve picture ('' for none)")
-    d.add_argument("--sample", type=int, default=200, help="bytes to generate after training (0: none)")
+    d.add_argument("--sample", type=int, default=200, help="tokens to generate after training (0: none)")
+    d.add_argument("--prompt", default="def ", help="the text the sample continues")
     return p
 
 
@@ -146,7 +173,8 @@ def build(p, args):
 
     try:
         config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                           block_size=args.block_size, dropout=args.dropout, num_experts=args.num_experts or 0,
+                           block_size=args.block_size, vocab_size=args.vocab_size, dropout=args.dropout,
+                           num_experts=args.num_experts or 0,
                            moe_router_topk=args.moe_router_topk, moe_layer_freq=args.moe_layer_freq,
                            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
                            moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
@@ -154,7 +182,7 @@ def build(p, args):
     except ValueError as exc:
         p.error(str(exc))
     try:
-        data = Dataset(load_corpus(args.data))
+        data = Dataset(load_corpus(args.data), tokenizer=args.tokenizer, path=args.data)
         data.check_block_size(args.block_size)
     except (OSError, ValueError) as exc:
         p.error(f"--data {args.data or '(default corpus)'}: {exc}")
@@ -193,7 +221,7 @@ def main(argv=None):
     parser.rank = comm.rank
     problems, lock = [], None
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(argv)  # with a snapshot's config.json and a tokenizer's vocabulary
         check_args(args, comm.size)
         data, config = build(parser, args)
         weights = check_files(parser, args, config, data)
@@ -201,6 +229,9 @@ def main(argv=None):
     except FlagError as exc:
         problems = exc.lines
     agree(comm, problems, parser.prog)
+    if comm.rank == 0:
+        for note in data.notes:
+            print(note, flush=True)
     agree(comm, same_inputs(comm, args, data), parser.prog)  # rank 0's checkpoint and corpus, on every rank
     comm = world()  # on GPUs now NCCL's (a collective: every rank chose the device above)
     from minipar.checkpoint.sharded import CheckpointError

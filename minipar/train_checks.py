@@ -121,14 +121,23 @@ def check_args(args, world_size):
         problems.append(f"--seed must be >= 0, got {args.seed}")
     if args.data is not None and not os.path.exists(args.data):
         problems.append(f"--data {args.data}: no such file or directory")
-    if args.init_weights is not None and not os.path.isfile(args.init_weights):
-        problems.append(f"--init-weights {args.init_weights}: no such file")
+    if args.init_weights is not None and not os.path.exists(args.init_weights):
+        problems.append(f"--init-weights {args.init_weights}: no such file or directory")
     if args.init_weights and args.load:
         problems.append("--init-weights and --load both set the weights: give one")
     for flag in ("init_weights", "export_weights"):
         path = getattr(args, flag)
-        if path is not None and not path.endswith(".safetensors"):
-            problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file")
+        if path is not None and not path.endswith(".safetensors") and not (flag == "init_weights" and os.path.isdir(path)):
+            problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file"
+                            + (" or a Hugging Face snapshot directory" if flag == "init_weights" else ""))
+    if args.sample > 0 and not args.prompt:
+        problems.append("--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0")
+    if args.export_hf:
+        from minipar.checkpoint.hf import export_dir_problem
+
+        why = export_dir_problem(args.export_hf)
+        if why:
+            problems.append(f"--export-hf {args.export_hf}: {why}")
     if args.plot:
         from minipar.plots import path_problem
 
@@ -185,15 +194,20 @@ def check_files(p, args, config, data):
             if saved[key] != getattr(args, key):
                 p.error(f"--load: the checkpoint was trained with {flag} {saved[key]}, not "
                         f"{getattr(args, key)}: the data would differ from the run it continues")
-        if index["iteration"] >= args.max_iters:
+        if index["iteration"] >= args.max_iters > 0:  # --max-iters 0: only evaluate, sample or export it
             p.error(f"--load: the checkpoint is at iteration {index['iteration']}, so --max-iters "
                     f"{args.max_iters} leaves nothing to train: raise --max-iters")
     if args.init_weights:
         from minipar import checkpoint
+        from minipar.checkpoint import hf
         from minipar.models import GPT
 
         try:
-            weights = checkpoint.load_weights(args.init_weights)
+            if os.path.isdir(args.init_weights):  # its config.json already set the model flags (train_sources)
+                weights = hf.load_snapshot(args.init_weights)[0]
+            else:
+                weights = checkpoint.load_weights(args.init_weights)
+                weights = hf.from_hf(weights) if hf.is_hf_layout(weights) else weights
         except (OSError, ValueError) as exc:
             p.error(f"--init-weights {args.init_weights}: {exc}")
         # the names and shapes of the single-device model (the trainer reseeds before its own)

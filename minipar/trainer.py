@@ -217,6 +217,11 @@ class Trainer(Reports):
                           f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter | "
                           f"bubble {bubble:.2f} | MFU {100 * mfu:4.1f}%"
                           + (f" | aux {self.routing['aux_loss']:.4f}" if self.routing is not None else ""), flush=True)
+        if args.max_iters == 0:  # nothing to train: measure the weights as they came
+            val_loss = self.evaluate()
+            if self.speaks:
+                print(f"val loss {val_loss:.4f} (--max-iters 0: {args.eval_iters} batches of "
+                      f"{args.batch_size} x {args.block_size} tokens, nothing trained)", flush=True)
         if args.report:
             self._report()
         if end < args.max_iters:
@@ -237,7 +242,7 @@ class Trainer(Reports):
 
     def _finish(self, history, val_history):
         args = self.args
-        needed = args.export_weights or args.sample > 0
+        needed = args.export_weights or args.export_hf or args.sample > 0
         weights = full.gather_full_state(self.model, self.opt, self.grid) if needed else None
         if not self.speaks:
             return
@@ -246,7 +251,13 @@ class Trainer(Reports):
 
             save_weights(weights, args.export_weights)
             print(f"weights written to {args.export_weights}")
-        if args.plot:
+        if args.export_hf:
+            from minipar.checkpoint.hf import save_snapshot
+
+            tokenizer = args.tokenizer.files if args.tokenizer is not None else ()
+            save_snapshot(weights, self.config, args.export_hf, args.dropout, args.hf_token_ids, tokenizer)
+            print(f"Hugging Face snapshot written to {args.export_hf}")
+        if args.plot and history:
             from minipar.plots import plot_loss
 
             plot_loss(history, val_history, args.plot, title=f"GPT {self.model_parameters():,} params")
@@ -254,9 +265,11 @@ class Trainer(Reports):
         if args.sample > 0:
             from minipar.data import decode, encode
 
+            if args.tokenizer is not None:
+                encode, decode = args.tokenizer.encode, args.tokenizer.decode
             serial = GPT(self.config)
             dtype = serial.parameters()[0].dtype  # a 16-bit model samples from its masters' rounding
             serial.load_state_dict({name: w.astype(dtype, copy=False) for name, w in weights.items()})
-            prompt = encode("def ")[None, :]
+            prompt = encode(args.prompt)[None, :].astype(numpy.int64)
             rng = numpy.random.default_rng(args.seed)
             print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))

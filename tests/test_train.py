@@ -85,7 +85,7 @@ def test_export_then_init_weights(tmp_path, corpus):
 
 @pytest.mark.parametrize("args,message", [
     (["--n-embd", "10", "--n-head", "4"], "--n-embd 10 is not divisible by --n-head 4"),
-    (["--max-iters", "0"], "must be >= 1"),
+    (["--max-iters", "-1"], "must be >= 0"),
     (["--lr", "abc"], "is not a number"),
     (["--dtype", "float16"], "invalid choice"),
     (["--data", "/nonexistent/corpus.txt"], "no such file"),

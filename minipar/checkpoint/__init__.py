@@ -8,6 +8,7 @@
     index.py     what a checkpoint on disk says (``latest``, the index, its file names), checked
     retention.py a save directory kept tidy: stale partial saves removed, old checkpoints pruned
     full.py      the whole weights gathered from any layout, or spread onto it
+    hf.py        GPT-2 as Hugging Face's transformers stores it (a snapshot directory), in and out
 """
 
 from minipar.checkpoint.weights import load_weights, save_weights

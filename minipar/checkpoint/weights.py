@@ -65,7 +65,7 @@ def load_weights(path):
         with safe_open(path, framework="numpy") as fh:
             metadata = fh.metadata() or {}
             dtypes = {name: fh.get_slice(name).get_dtype() for name in fh.keys()}
-        _check_dtypes(dtypes)
+        check_dtypes(dtypes)
         tensors = load_file(path)
     except SafetensorError as exc:
         raise ValueError(f"{path} is not a readable safetensors file ({exc})") from exc
@@ -75,7 +75,7 @@ def load_weights(path):
     return tensors
 
 
-def _check_dtypes(dtypes):
+def check_dtypes(dtypes):
     """Refuse, from the header alone, what a run would have to convert: NumPy has no bfloat16
     (safetensors cannot even load it), and integers cast to floats would start a run from
     weights nobody trained."""

@@ -1,0 +1,202 @@
+"""GPT-2 as Hugging Face's transformers stores it, in and out: a snapshot directory of
+``config.json`` and ``model.safetensors``.
+
+minipar's GPT already uses GPT-2's names; the layout differs in four ways, all handled here only:
+
+* Conv1D: transformers keeps ``c_attn``, ``c_fc`` and both ``c_proj`` weights as (in, out), since
+  its Conv1D computes ``x @ W + b``; minipar's linear layers hold (out, in) and compute ``x W^T + b``.
+  So those four weights are transposed at the border, every other tensor is taken as it is.
+* key prefixes: ``GPT2LMHeadModel`` writes ``transformer.h.0...``, a bare ``GPT2Model`` (the file
+  of the original ``gpt2`` snapshot) writes ``h.0...``. Both are read; ``transformer.`` is written.
+* the output head: ``lm_head.weight`` is ``wte`` (tied). A file may carry it; it must then equal
+  ``wte``, since minipar has no separate head. It is not written: safetensors files hold a tied
+  tensor once, and ``from_pretrained`` ties it again.
+* ``attn.bias`` and ``attn.masked_bias`` are buffers (the causal mask and its fill value), not
+  weights: ignored on load, not written (recent transformers no longer saves them either).
+
+The vocabulary is the model's own (GPT-2's 50257): a tensor-parallel run pads it only in memory,
+and the whole weights gathered from any layout are unpadded.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from minipar.checkpoint.weights import check_dtypes
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+BUFFERS = (".attn.bias", ".attn.masked_bias")  # the dot: not c_attn.bias
+PREFIX = "transformer."
+# what minipar computes, in config.json's terms: GELU's tanh form ("gelu_new"), LayerNorm's
+# epsilon 1e-5, scores scaled by 1/sqrt(head size) only, the head tied to the embedding
+_SAME = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "layer_norm_epsilon": (1e-5,),
+         "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+         "reorder_and_upcast_attn": (False,), "tie_word_embeddings": (True,), "add_cross_attention": (False,)}
+# config.json's names for minipar's model flags
+FIELDS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions",
+          "vocab_size": "vocab_size"}
+
+
+def is_conv1d(name):
+    return name.endswith(CONV1D) and ".h." in f".{name}"
+
+
+def from_hf(tensors):
+    """minipar's state ({GPT-2 name: (out, in) array}) from a transformers file's tensors."""
+    state, head = {}, None
+    for key, value in tensors.items():
+        name = key if key.startswith(PREFIX) else PREFIX + key
+        if key == "lm_head.weight":
+            head = value
+        elif not name.endswith(BUFFERS):
+            state[name] = value.T.copy() if is_conv1d(name) else value
+    wte = state.get(PREFIX + "wte.weight")
+    if head is not None and (wte is None or head.shape != wte.shape or not numpy.array_equal(head, wte)):
+        raise ValueError("lm_head.weight differs from transformer.wte.weight: minipar's GPT ties its "
+                         "output head to the token embedding, and this model's are untied")
+    return state
+
+
+def to_hf(state):
+    """A transformers file's tensors from minipar's state: Conv1D weights (in, out), no tied head."""
+    return {name: numpy.ascontiguousarray(value.T if is_conv1d(name) else value) for name, value in state.items()}
+
+
+def is_hf_layout(tensors):
+    """Whether a file's tensors are in transformers' layout. The names alone cannot tell (both use
+    GPT-2's); the first block's ``c_attn`` can: (C, 3C) is Conv1D's (in, out), (3C, C) minipar's."""
+    for key, value in tensors.items():
+        if key.endswith("h.0.attn.c_attn.weight") and value.ndim == 2:
+            return value.shape[1] == 3 * value.shape[0]
+    return False
+
+
+def read_config(directory):
+    """config.json's model as minipar's flags ({n_layer, n_head, n_embd, block_size, vocab_size}),
+    plus its bos/eos ids; raises ValueError, one line, for a model minipar does not compute."""
+    path = os.path.join(directory, CONFIG)
+    try:
+        with open(path) as fh:
+            config = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
+        raise ValueError(f"{path}: model_type is {config.get('model_type') if isinstance(config, dict) else None!r}, "
+                         "not 'gpt2': minipar reads GPT-2 models only")
+    missing = [key for key in FIELDS.values() if type(config.get(key)) is not int]
+    if missing:
+        raise ValueError(f"{path}: no whole number {', '.join(missing)}")
+    for key, allowed in _SAME.items():
+        if key in config and config[key] not in allowed:
+            raise ValueError(f"{path}: {key} is {config[key]!r}; minipar computes {allowed[0]!r} only")
+    inner = config.get("n_inner")
+    if inner is not None and inner != 4 * config["n_embd"]:
+        raise ValueError(f"{path}: n_inner is {inner}; minipar's MLP is 4 x n_embd = {4 * config['n_embd']} wide")
+    if config.get("n_ctx", config["n_positions"]) != config["n_positions"]:
+        raise ValueError(f"{path}: n_ctx {config['n_ctx']} differs from n_positions {config['n_positions']}")
+    flags = {flag: config[key] for flag, key in FIELDS.items()}
+    return flags, {key: config.get(key) for key in ("bos_token_id", "eos_token_id")}
+
+
+def hf_config(config, dropout=0.0, token_ids=None):
+    """The config.json of minipar's ``GPTConfig``, as transformers' GPT2Config writes it."""
+    ids = token_ids or {}
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+            "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+            "activation_function": "gelu_new", "resid_pdrop": dropout, "embd_pdrop": dropout,
+            "attn_pdrop": dropout, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "use_cache": True, "tie_word_embeddings": True,
+            "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
+            "torch_dtype": "float32"}
+
+
+def read_tensors(path):
+    """{name: array} of a safetensors file, refusing dtypes a run would have to convert."""
+    try:
+        with safe_open(path, framework="numpy") as fh:
+            check_dtypes({name: fh.get_slice(name).get_dtype() for name in fh.keys()
+                          if not name.endswith(BUFFERS)})
+            return {name: fh.get_tensor(name) for name in fh.keys() if not name.endswith(BUFFERS)}
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file ({exc})") from exc
+
+
+def load_snapshot(directory):
+    """(minipar state, model flags, token ids) of a transformers snapshot directory."""
+    flags, ids = read_config(directory)
+    path = os.path.join(directory, WEIGHTS)
+    if not os.path.isfile(path):
+        hint = " (a sharded model.safetensors.index.json is not read: save it whole)" if os.path.isfile(
+            path + ".index.json") else ""
+        raise ValueError(f"{directory} has no {WEIGHTS}{hint}")
+    return from_hf(read_tensors(path)), flags, ids
+
+
+def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_files=()):
+    """Write ``directory`` as a snapshot ``GPT2LMHeadModel.from_pretrained`` loads: a temporary
+    directory beside it, filled, flushed, then renamed into place, so a crash leaves the previous
+    export or none, never half of one. ``extra_files`` (a tokenizer's) are copied in."""
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+    try:
+        save_file(to_hf(state), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})  # from_pretrained asks for "pt"
+        with open(os.path.join(tmp, CONFIG), "w") as fh:
+            json.dump(hf_config(config, dropout, token_ids), fh, indent=2)
+            fh.write("\n")
+        for path in extra_files:
+            shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp (and safetensors) make them private; an export is not
+        old = None
+        if os.path.exists(directory):  # a previous export (check_export_dir allowed it): moved aside
+            old = tempfile.mkdtemp(prefix=".old-hf-", dir=parent)
+            os.replace(directory, os.path.join(old, "x"))
+        os.replace(tmp, directory)
+        if old:
+            shutil.rmtree(old)
+        dir_fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_dir_problem(directory):
+    """Why ``directory`` cannot take an export (None if it can): it must be new, empty, or a
+    previous export (only a config.json, model.safetensors and tokenizer files)."""
+    if not os.path.exists(directory):
+        parent = os.path.dirname(os.path.abspath(directory))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            return f"cannot create {parent} ({exc.strerror})"
+        return None if os.access(parent, os.W_OK) else f"cannot write into {parent}"
+    if not os.path.isdir(directory):
+        return "exists and is not a directory"
+    known = {CONFIG, WEIGHTS, "tokenizer.json", "vocab.json", "merges.txt"}
+    others = sorted(set(os.listdir(directory)) - known)
+    if others:
+        return f"holds files an export would delete ({', '.join(others[:3])}): give a new or empty directory"
+    return None
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,91 @@
+"""A corpus tokenized once: its BPE ids kept as a uint16 file beside it, read back as a memmap.
+
+Tokenizing GPT-2's way runs at a few MB/s, so the ids are cached. The cache's name carries the
+tokenizer's and the corpus's SHA-256, so a changed corpus or tokenizer is a new file, never a stale
+one; its header carries the ids' own SHA-256, checked on every read, so a damaged file is noticed
+and made again. It is written to a temporary file and renamed, so a crash or two ranks tokenizing
+at once leave a whole file or none.
+
+    file:  b"MINIPAR-TOKENS-1" | count (uint64, little-endian) | sha256 of the ids (32 bytes) | ids (uint16)
+"""
+
+import hashlib
+import os
+import tempfile
+
+import numpy
+
+MAGIC = b"MINIPAR-TOKENS-1"
+HEADER = len(MAGIC) + 8 + 32
+
+
+def user_cache_dir():
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minipar")
+
+
+def cache_path(corpus_path, key):
+    """(where the cache of ``corpus_path`` goes, a note if that is not beside the corpus). A hidden
+    name, so that a directory corpus does not read its own cache as text."""
+    if corpus_path is None:  # the default corpus is this Python's own standard library: not ours to write into
+        return os.path.join(user_cache_dir(), f"stdlib-{key}.tokens"), None
+    corpus_path = os.path.abspath(corpus_path)
+    if os.path.isdir(corpus_path):
+        directory, name = corpus_path, f".minipar-{key}.tokens"
+    else:
+        directory, name = os.path.dirname(corpus_path), f".{os.path.basename(corpus_path)}.{key}.tokens"
+    if os.access(directory, os.W_OK):
+        return os.path.join(directory, name), None
+    elsewhere = os.path.join(user_cache_dir(), name.lstrip("."))
+    return elsewhere, f"{directory} is not writable: the corpus's tokens are cached in {elsewhere}"
+
+
+def _read(path):
+    """The cached ids as a read-only memmap, or None if the file is missing or not whole."""
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(HEADER)
+        if len(header) < HEADER or not header.startswith(MAGIC):
+            return None
+        count = int.from_bytes(header[len(MAGIC) : len(MAGIC) + 8], "little")
+        if os.path.getsize(path) != HEADER + 2 * count:
+            return None
+        ids = numpy.memmap(path, dtype="<u2", mode="r", offset=HEADER, shape=(count,)) if count else numpy.zeros(0, "<u2")
+    except OSError:
+        return None
+    return ids if hashlib.sha256(ids.tobytes()).digest() == header[-32:] else None
+
+
+def _write(path, ids):
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    ids = numpy.ascontiguousarray(ids, dtype="<u2")
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tokens", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(MAGIC + len(ids).to_bytes(8, "little") + hashlib.sha256(ids.tobytes()).digest())
+            fh.write(ids.tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; a cache beside the corpus is not
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
+    """(the corpus's ids, notes for the user): read from the cache, or tokenized and cached."""
+    key = hashlib.sha256(f"{tokenizer.sha256}:{corpus_sha256}".encode()).hexdigest()[:16]
+    path, note = cache_path(corpus_path, key)
+    notes = [note] if note else []
+    ids = _read(path)
+    if ids is None:
+        if os.path.exists(path):
+            notes.append(f"the token cache {path} was damaged: the corpus was tokenized again")
+        # byte-level BPE reads text: bytes that are not UTF-8 become U+FFFD
+        _write(path, tokenizer.encode(corpus.decode("utf-8", errors="replace")))
+        ids = _read(path)
+    return ids, notes

@@ -1,0 +1,69 @@
+"""GPT-2's byte-level BPE, read from a snapshot directory through the ``tokenizers`` package (the
+optional extra ``pip install 'minipar[gpt2]'``). Bytes (``minipar.data``) stay the default.
+
+Byte-level BPE (Radford et al. 2019, section 2.2): the text's UTF-8 bytes are mapped to 256
+printable characters, split into word-like pieces by a regular expression, and each piece is
+merged pair by pair in the order ``merges.txt`` lists, into ids of ``vocab.json``. Every byte
+string has an encoding, so no text is unknown. A snapshot holds it as ``tokenizer.json`` (the
+whole pipeline) or as the two older files ``vocab.json`` and ``merges.txt``.
+"""
+
+import hashlib
+import os
+
+import numpy
+
+FILES = ("tokenizer.json", "vocab.json", "merges.txt")
+END_OF_TEXT = "<|endoftext|>"
+
+
+def tokenizer_files(directory):
+    """The files that define the tokenizer in ``directory``: tokenizer.json, else vocab.json and
+    merges.txt; raises ValueError naming what is missing."""
+    whole = os.path.join(directory, "tokenizer.json")
+    if os.path.isfile(whole):
+        return [whole]
+    pair = [os.path.join(directory, name) for name in FILES[1:]]
+    if all(os.path.isfile(p) for p in pair):
+        return pair
+    raise ValueError(f"{directory} holds neither tokenizer.json nor vocab.json with merges.txt")
+
+
+class BPETokenizer:
+    """``encode(text)`` -> uint16 ids, ``decode(ids)`` -> text; ``vocab_size`` counts the added
+    tokens (GPT-2: 50,000 merges + 256 bytes + <|endoftext|> = 50257); ``sha256`` names the
+    files' contents, so a cache of tokens knows which tokenizer made it."""
+
+    def __init__(self, directory):
+        try:
+            import tokenizers
+        except ImportError:
+            raise ValueError("reading a BPE tokenizer needs the tokenizers package: pip install 'minipar[gpt2]'") from None
+        self.files = tokenizer_files(directory)
+        if len(self.files) == 1:
+            try:
+                self._tok = tokenizers.Tokenizer.from_file(self.files[0])
+            except Exception as exc:  # its Rust errors have no common Python type
+                raise ValueError(f"{self.files[0]}: not a tokenizer ({exc})") from None
+        else:
+            try:
+                self._tok = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(*self.files))
+            except Exception as exc:
+                raise ValueError(f"{directory}: vocab.json and merges.txt are not a BPE ({exc})") from None
+            self._tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+            self._tok.decoder = tokenizers.decoders.ByteLevel()
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        if self.vocab_size > 2**16:
+            raise ValueError(f"{directory}: {self.vocab_size} tokens do not fit the uint16 ids a corpus is cached as")
+        self.eos_id = self._tok.token_to_id(END_OF_TEXT)
+        digest = hashlib.sha256()
+        for path in self.files:
+            with open(path, "rb") as fh:
+                digest.update(os.path.basename(path).encode() + b"\0" + fh.read())
+        self.sha256 = digest.hexdigest()
+
+    def encode(self, text):
+        return numpy.array(self._tok.encode(text).ids, dtype=numpy.uint16)
+
+    def decode(self, ids):
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

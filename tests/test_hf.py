@@ -1,0 +1,151 @@
+"""Hugging Face GPT-2 snapshots in and out, without the network, torch or transformers: the test
+writes a tiny snapshot in transformers' layout itself (Conv1D weights (in, out), keys with or
+without ``transformer.``, the tied ``lm_head.weight``, the ``attn.bias`` buffers)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import minipar
+from minipar.checkpoint import hf, load_weights
+from minipar.models import GPT, GPTConfig
+from mpi_run import run_train
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=259)  # 259: TP pads it
+RUN = ["--global-batch-size", "4", "--eval-iters", "1", "--sample", "0", "--plot", ""]
+# transformers' Conv1D layers, (in, out), written here from its documentation, not from minipar's list
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def minipar_state(seed=0):
+    minipar.manual_seed(seed)
+    return GPT(CONFIG).state_dict()
+
+
+def transformers_tensors(state, prefix=True, head=True, buffers=True):
+    """``state`` as transformers saves a GPT2LMHeadModel (or, prefix=False, a GPT2Model)."""
+    out = {}
+    for name, value in state.items():
+        key = name if prefix else name.removeprefix("transformer.")
+        out[key] = numpy.ascontiguousarray(value.T if name.endswith(CONV1D) else value)
+    T = CONFIG.block_size
+    for i in range(CONFIG.n_layer) if buffers else ():
+        out[f"{'transformer.' if prefix else ''}h.{i}.attn.bias"] = numpy.tril(numpy.ones((T, T), numpy.float32))[None, None]
+        out[f"{'transformer.' if prefix else ''}h.{i}.attn.masked_bias"] = numpy.array(-1e4, numpy.float32)
+    if head:
+        out["lm_head.weight"] = state["transformer.wte.weight"].copy()
+    return out
+
+
+def write_snapshot(directory, tensors, **config):
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    fields = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": CONFIG.vocab_size,
+              "n_positions": CONFIG.block_size, "n_ctx": CONFIG.block_size, "n_embd": CONFIG.n_embd,
+              "n_layer": CONFIG.n_layer, "n_head": CONFIG.n_head, "n_inner": None, "activation_function": "gelu_new",
+              "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
+              "initializer_range": 0.02, "bos_token_id": 50256, "eos_token_id": 50256, **config}
+    with open(os.path.join(directory, "config.json"), "w") as fh:
+        json.dump(fields, fh)
+    return str(directory)
+
+
+def train(*args, cwd=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "minipar.train", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=cwd)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    return str(path)
+
+
+def test_conv1d_weights_are_transposed_and_both_key_prefixes_read():
+    state = minipar_state()
+    for prefix in (True, False):
+        loaded = hf.from_hf(transformers_tensors(state, prefix=prefix))
+        assert set(loaded) == set(state)  # no lm_head, no attn.bias buffers
+        for name, value in state.items():
+            assert loaded[name].tobytes() == value.tobytes() and loaded[name].shape == value.shape, name
+    written = hf.to_hf(state)
+    C = CONFIG.n_embd
+    assert written["transformer.h.0.attn.c_attn.weight"].shape == (C, 3 * C)  # Conv1D: (in, out)
+    assert written["transformer.h.1.mlp.c_proj.weight"].shape == (4 * C, C)
+    assert written["transformer.h.0.attn.c_attn.bias"].shape == (3 * C,)
+    assert "lm_head.weight" not in written
+    assert hf.is_hf_layout(written) and not hf.is_hf_layout(state)
+
+
+def test_an_untied_head_is_refused():
+    tensors = transformers_tensors(minipar_state())
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match="untied"):
+        hf.from_hf(tensors)
+
+
+def test_a_snapshot_converts_and_round_trips_bit_for_bit(tmp_path, corpus):
+    state = minipar_state()
+    tensors = transformers_tensors(state, prefix=False)  # the original gpt2 snapshot's layout
+    snap = write_snapshot(tmp_path / "snap", tensors)
+    out = tmp_path / "out"
+    run = train("--init-weights", snap, "--max-iters", "0", "--export-hf", out, "--data", corpus, *RUN)
+    assert run.returncode == 0, run.stderr  # no model flags given: config.json's (the defaults would not fit)
+    assert "val loss" in run.stdout
+    exported = load_file(str(out / "model.safetensors"))
+    expected = transformers_tensors(state, prefix=True, head=False, buffers=False)
+    assert set(exported) == set(expected)
+    for name, value in expected.items():
+        assert exported[name].dtype == numpy.float32 and exported[name].tobytes() == value.tobytes(), name
+    config = json.load(open(out / "config.json"))
+    assert (config["n_layer"], config["n_positions"], config["vocab_size"], config["eos_token_id"]) == (2, 16, 259, 50256)
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["activation_function"] == "gelu_new"
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt", "out", "snap"]  # no temporary left behind
+    # the single file, in transformers' layout, with the model flags given: the same weights again
+    again = tmp_path / "again"
+    run = train("--init-weights", out / "model.safetensors", "--n-layer", 2, "--n-head", 2, "--n-embd", 16,
+                "--block-size", 16, "--vocab-size", 259, "--max-iters", "0", "--export-hf", again,
+                "--data", corpus, *RUN)
+    assert run.returncode == 0, run.stderr
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("flags,config,message", [
+    (["--n-layer", "3"], {}, "--n-layer 3 disagrees with SNAP/config.json's n_layer 2: drop --n-layer"),
+    (["--vocab-size", "300"], {}, "--vocab-size 300 disagrees with SNAP/config.json's vocab_size 259"),
+    ([], {"activation_function": "relu"}, "activation_function is 'relu'; minipar computes 'gelu_new' only"),
+    ([], {"n_inner": 48}, "n_inner is 48; minipar's MLP is 4 x n_embd = 64 wide"),
+    ([], {"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon is 1e-06"),
+])
+def test_a_snapshot_the_run_cannot_take_is_one_line(flags, config, message, tmp_path, corpus):
+    snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()), **config)
+    run = train("--init-weights", snap, *flags, "--max-iters", "0", "--data", corpus, *RUN)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert message.replace("SNAP", snap) in lines[0]
+
+
+def test_a_tensor_parallel_checkpoint_exports_what_one_rank_exports(tmp_path, corpus):
+    """Two steps on TP=2 (the vocabulary 259 padded to 260 in memory), saved sharded; its export,
+    the export of the same checkpoint loaded on one rank, and its minipar weights are equal."""
+    snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()))
+    save, tp2, one, weights = (tmp_path / name for name in ("save", "tp2", "one", "w.safetensors"))
+    code, out, _ = run_train(2, "--tp", 2, "--init-weights", snap, "--max-iters", 2, "--save", save,
+                             "--export-hf", tp2, "--export-weights", weights, "--data", corpus, *RUN)
+    assert code == 0, out
+    run = train("--load", save, "--n-layer", 2, "--n-head", 2, "--n-embd", 16, "--block-size", 16,
+                "--vocab-size", 259, "--max-iters", 0, "--export-hf", one, "--data", corpus, *RUN)
+    assert run.returncode == 0, run.stderr
+    a, b = load_file(str(tp2 / "model.safetensors")), load_file(str(one / "model.safetensors"))
+    trained = load_weights(str(weights))
+    assert a["transformer.wte.weight"].shape == (259, 16)
+    assert not numpy.array_equal(trained["transformer.wte.weight"], minipar_state()["transformer.wte.weight"])
+    for name, value in transformers_tensors(trained, head=False, buffers=False).items():
+        assert a[name].tobytes() == value.tobytes() == b[name].tobytes(), name

@@ -1,0 +1,97 @@
+"""--tokenizer DIR: a byte-level BPE in GPT-2's two formats, the corpus's ids cached beside it, and a
+run whose vocabulary follows the tokenizer. The tokenizer is trained here, on the test's text."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package (pip install 'minipar[gpt2]') is not installed")
+
+from minipar import token_cache  # noqa: E402
+from minipar.data import Dataset  # noqa: E402
+from minipar.tokenizer import BPETokenizer  # noqa: E402
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i}  # café\n" for i in range(200))
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--global-batch-size", "4",
+        "--eval-iters", "1", "--plot", ""]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A directory with GPT-2's tokenizer.json layout, and one with its vocab.json + merges.txt."""
+    root = tmp_path_factory.mktemp("bpe")
+    (root / "text.txt").write_text(TEXT)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(root / "text.txt")], trainer)
+    (root / "whole").mkdir()
+    tok.save(str(root / "whole" / "tokenizer.json"))
+    (root / "pair").mkdir()
+    tok.model.save(str(root / "pair"))
+    return str(root / "whole"), str(root / "pair")
+
+
+def test_both_formats_encode_alike_and_decode_back(bpe):
+    whole, pair = BPETokenizer(bpe[0]), BPETokenizer(bpe[1])
+    assert whole.vocab_size == pair.vocab_size > 256 and whole.eos_id == 0
+    ids = whole.encode(TEXT[:200])
+    assert ids.dtype == numpy.uint16 and len(ids) < 200  # merges: fewer ids than characters
+    assert numpy.array_equal(ids, pair.encode(TEXT[:200]))
+    assert whole.decode(ids) == pair.decode(ids) == TEXT[:200]
+
+
+def test_the_corpus_is_tokenized_once_and_the_cache_verified(bpe, tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    tokenizer = BPETokenizer(bpe[0])
+    first = Dataset(corpus.read_bytes(), tokenizer=tokenizer, path=str(corpus))
+    cached = [f for f in os.listdir(tmp_path) if f.endswith(".tokens")]
+    assert len(cached) == 1 and cached[0].startswith(".corpus.txt.") and first.notes == []
+    expected = tokenizer.encode(TEXT)
+    assert numpy.array_equal(numpy.concatenate([first.splits["train"], first.splits["val"]]), expected)
+    train_ids = numpy.array(first.splits["train"])  # a copy: the cache is damaged in place below
+    with monkeypatch.context() as m:  # a second run reads the cache and tokenizes nothing
+        m.setattr(tokenizer, "encode", lambda text: pytest.fail("tokenized again"))
+        again = Dataset(corpus.read_bytes(), tokenizer=tokenizer, path=str(corpus))
+    assert numpy.array_equal(again.splits["train"], train_ids)
+    raw = bytearray((tmp_path / cached[0]).read_bytes())
+    raw[-1] ^= 0xFF
+    (tmp_path / cached[0]).write_bytes(bytes(raw))
+    mended = Dataset(corpus.read_bytes(), tokenizer=tokenizer, path=str(corpus))
+    assert "damaged" in mended.notes[0] and numpy.array_equal(mended.splits["train"], train_ids)
+    # a corpus in a directory that cannot be written: the cache goes to the user's, and says so
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(token_cache.os, "access", lambda path, mode: False)
+    elsewhere = Dataset(corpus.read_bytes(), tokenizer=tokenizer, path=str(corpus))
+    assert "is not writable" in elsewhere.notes[0] and str(tmp_path / "cache" / "minipar") in elsewhere.notes[0]
+    assert numpy.array_equal(elsewhere.splits["train"], train_ids)
+
+
+def train(*args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "minipar.train", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=cwd)
+
+
+def test_a_run_takes_its_vocabulary_from_the_tokenizer_and_samples_text(bpe, tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    run = train(*TINY, "--tokenizer", bpe[1], "--data", "corpus.txt", "--max-iters", "2", "--sample", "8",
+                "--prompt", "def", "--export-hf", "out", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    sample = run.stdout.split("sample:\n", 1)[1]
+    assert sample.startswith("def") and len(sample.strip()) > len("def")  # 8 ids more, decoded as text
+    config = json.load(open(tmp_path / "out" / "config.json"))
+    assert config["vocab_size"] == BPETokenizer(bpe[1]).vocab_size and config["eos_token_id"] == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "merges.txt", "model.safetensors", "vocab.json"]
+    run = train(*TINY, "--tokenizer", bpe[0], "--vocab-size", "256", "--data", "corpus.txt", "--max-iters", "1",
+                cwd=tmp_path)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert f"--vocab-size 256 disagrees with --tokenizer {bpe[0]}'s vocabulary" in lines[0]
