@@ -6,6 +6,7 @@ after the module's tests, and a run killed before that is cleaned by the next.""
 import filecmp
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -53,6 +54,15 @@ def across(rig, per_host, *argv, timeout=120):
     return code, out
 
 
+def sent_bytes(out, kinds):
+    """The bytes the report's per-rank table says all ranks sent in the groups ``kinds``."""
+    total = 0
+    for line in out.splitlines():
+        for part in re.findall(r"\b([a-z_]+) ([\d,]+)(?=,|$)", line) if re.match(r"\s+\d+(\s+\d+){3}\s", line) else ():
+            total += int(part[1].replace(",", "")) if part[0] in kinds else 0
+    return total
+
+
 def test_lesson_06_on_two_hosts(rig):
     code, out = across(rig, 4, "-n", "8", os.path.join(ROOT, "lessons", "06_3d_parallel.py"))
     assert code == 0 and "The 3D-parallel run equals the single-device run." in out, out
@@ -69,8 +79,13 @@ def test_training_on_two_hosts_equals_one_host(rig, tmp_path):
     assert code == 0, one
     a, b = rig.hosts
     for name, per_host in (("inside", 4), ("across", 1)):  # 1 slot per host: ranks go round the hosts
+        before = rig.link_bytes()
         code, out = across(rig, per_host, "-n", "8", "-m", "minipar.train", *runs[name])
         assert code == 0, out
+        # The link carried at least what the groups that cross sent in each of the 3 steps (the
+        # report counts the last step's): the ranks of two hosts did not share memory past it.
+        crossing = ("tp",) if name == "across" else ("pp", "embedding")
+        assert rig.link_bytes() - before >= 3 * sent_bytes(out, crossing) > 0, out
         assert logged_losses(tmp_path / f"{name}.jsonl") == logged_losses(tmp_path / "one.jsonl"), out
         assert filecmp.cmp(tmp_path / f"{name}.safetensors", tmp_path / "one.safetensors", shallow=False), out
         if name == "inside":
