@@ -42,7 +42,8 @@ def launch(rig, per_host, argv, timeout):
 
 
 def bandwidth(rig, args):
-    """{(placement, op): [(size, busbw GB/s)]} from bench/collectives.py on 2 ranks."""
+    """{(placement, op): [(size, busbw MB/s)]} from bench/collectives.py's times on 2 ranks
+    (busbw = S / t times 1 for all-reduce, 1/2 for reduce-scatter and all-gather at N = 2)."""
     rows = {}
     for placement, per_host in (("one host", 2), ("across", 1)):
         out = launch(rig, per_host, ["-n", "2", os.path.join(ROOT, "bench", "collectives.py"), "--min-size",
@@ -50,7 +51,9 @@ def bandwidth(rig, args):
         for line in out.splitlines():
             words = line.split()
             if len(words) == 6 and words[0] in ("all_reduce", "reduce_scatter", "all_gather"):
-                rows.setdefault((placement, words[0]), []).append((words[1], float(words[5])))
+                nbytes = int(words[1][:-1]) << (10 if words[1][-1] == "K" else 20)
+                busbw = nbytes / (float(words[2]) * 1e-6) * (1 if words[0] == "all_reduce" else 0.5) / 1e6
+                rows.setdefault((placement, words[0]), []).append((words[1], busbw))
     return rows
 
 
@@ -82,11 +85,12 @@ def main():
         return 2
     with TwoHosts(rate=args.rate or None) as rig, tempfile.TemporaryDirectory() as tmp:
         print(f"two hosts {rig.hosts[0]} and {rig.hosts[1]}, link {args.rate or 'at full speed'}; "
-              f"{os.cpu_count()} cores on the machine (shared by both hosts)")
+              f"{os.cpu_count()} cores on the machine (shared by both hosts); load average "
+              + " ".join(f"{x:.1f}" for x in os.getloadavg()))
         if not args.no_collectives:
-            print("\nbus bandwidth between 2 ranks, GB/s (bench/collectives.py)")
+            print("\nbus bandwidth between 2 ranks, MB/s, by buffer size (bench/collectives.py, median of 3)")
             for (placement, op), sizes in bandwidth(rig, args).items():
-                print(f"  {placement:<9} {op:<15}" + "  ".join(f"{s} {bw:.3f}" for s, bw in sizes))
+                print(f"  {placement:<9} {op:<15}" + "  ".join(f"{s} {bw:7.1f}" for s, bw in sizes))
         print(f"\nTP2 x PP2 x DP2, {args.n_layer} layers, {args.n_embd} hidden: ms per step (median of steps 2-{args.steps})")
         times = {"TP inside hosts": [], "TP across hosts": []}
         start = time.monotonic()
@@ -95,7 +99,8 @@ def main():
                 times[name].append(step_ms(rig, per_host, args, os.path.join(tmp, f"{r}{per_host}.jsonl")))
         for name, ms in times.items():
             print(f"  {name}: " + ", ".join(f"{t:.0f}" for t in ms) + f"  (median {statistics.median(ms):.0f})")
-        print(f"({time.monotonic() - start:.0f} s of training runs)")
+        print(f"({time.monotonic() - start:.0f} s of training runs; load average at the end "
+              + " ".join(f"{x:.1f}" for x in os.getloadavg()) + ")")
     return 0
 
 
