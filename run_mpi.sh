@@ -107,6 +107,9 @@ if [ "$flavour" = "openmpi" ]; then
     extra+=(--oversubscribe)
     [ "$(id -u)" = "0" ] && extra+=(--allow-run-as-root)
     [ -n "$hostfile" ] && extra+=(--hostfile "$hostfile")
+    # Open MPI gives remote ranks only the variables named with -x (MPICH's hydra passes them all).
+    extra+=(-x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x MKL_NUM_THREADS)
+    [ -n "${PYTHONPATH:-}" ] && extra+=(-x PYTHONPATH)
 elif [ -n "$hostfile" ]; then
     extra+=(-f "$hostfile")
 fi

@@ -73,13 +73,17 @@ def remove_stale():
             _delete(name)
 
 
-def _delete(name):
-    pids = _sh("ip", "netns", "pids", name, check=False).stdout.split()
-    for pid in pids:  # a namespace with processes in it would outlive `ip netns del`
+def _kill_in(name):
+    """Kill every process in the network namespace ``name``."""
+    for pid in _sh("ip", "netns", "pids", name, check=False).stdout.split():
         try:
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
+
+
+def _delete(name):
+    _kill_in(name)  # a namespace with processes in it would outlive `ip netns del`
     _sh("ip", "netns", "del", name, check=False)
     shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
 
@@ -87,7 +91,7 @@ def _delete(name):
 class TwoHosts:
     def __init__(self, rate=None):
         """``rate``: tc's rate ("200mbit") for both directions of the link; None: full speed."""
-        why = missing()
+        why = missing() or (rate and shutil.which("tc") is None and "no `tc` on PATH to slow the link")
         if why:
             raise RuntimeError(f"two-hosts rig: {why}")
         remove_stale()
@@ -186,11 +190,7 @@ class TwoHosts:
     def kill_all(self):
         """Kill every process in the two namespaces (the remote proxy is not in the launcher's session)."""
         for host in self.hosts:
-            for pid in _sh("ip", "netns", "pids", host, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_in(host)
 
     def close(self):
         for host in self.hosts:
