@@ -69,11 +69,11 @@ def test_lesson_06_on_two_hosts(rig):
 
 
 def test_local_rank_agrees_with_the_shared_memory_communicator(rig):
-    for per_host, local in ((4, "0 1 2 3 0 1 2 3"), (1, "0 0 1 1 2 2 3 3")):
-        code, out = across(rig, per_host, "-n", "8", os.path.join(ROOT, "tests", "mpi", "local_rank.py"))
+    for per_host, local in ((2, "0 1 0 1"), (1, "0 0 1 1")):  # ranks in blocks, then dealt round
+        code, out = across(rig, per_host, "-n", "4", os.path.join(ROOT, "tests", "mpi", "local_rank.py"))
         assert code == 0, out
-        found = dict(re.findall(r"rank (\d) on \S+: local rank (\d) of 4 \(MPI_LOCALRANKID\)", out))
-        assert " ".join(found[str(r)] for r in range(8)) == local, out
+        found = dict(re.findall(r"rank (\d) on \S+: local rank (\d) of 2 \(MPI_LOCALRANKID\)", out))
+        assert " ".join(found.get(str(r), "?") for r in range(4)) == local, out
 
 
 def test_training_on_two_hosts_equals_one_host(rig, tmp_path):
