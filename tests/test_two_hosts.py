@@ -58,8 +58,9 @@ def sent_bytes(out, kinds):
     """The bytes the report's per-rank table says all ranks sent in the groups ``kinds``."""
     total = 0
     for line in out.splitlines():
-        for part in re.findall(r"\b([a-z_]+) ([\d,]+)(?=,|$)", line) if re.match(r"\s+\d+(\s+\d+){3}\s", line) else ():
-            total += int(part[1].replace(",", "")) if part[0] in kinds else 0
+        if re.match(r"\s+\d+(\s+\d+){3}\s", line):  # a row: rank, tp, dp, pp, ...
+            total += sum(int(n.replace(",", "")) for kind, n in re.findall(r"\b([a-z_]+) ([\d,]+)(?=,|$)", line)
+                         if kind in kinds)
     return total
 
 
