@@ -10,7 +10,8 @@ pair, and the ranks of different hosts talk over TCP while the ranks of one host
 
     with TwoHosts(rate="200mbit") as rig:          # the link slowed by a token bucket (tc tbf)
         hostfile = rig.hostfile(per_host=4)
-        rig.run(["./run_mpi.sh", "--hostfile", hostfile, "-n", "8", "lessons/06_3d_parallel.py"])
+        code, output = rig.run(["./run_mpi.sh", "--hostfile", hostfile, "-n", "8", "lessons/06_3d_parallel.py"],
+                               timeout=120)
 
 Needs root, ``ip`` and ``unshare`` (``tc`` for a rate). Every name carries this process's id, so
 runs side by side do not meet; ``close`` (and leaving the ``with``) kills what is left in the
@@ -34,7 +35,8 @@ NETNS_ETC = "/etc/netns"
 LINK = "hostlink"  # each end's name in its own namespace: the same on both hosts, as eth0 on a cluster
 
 # What hydra runs instead of ssh: `launcher [ssh options] HOST COMMAND...`. Like ssh, it joins the
-# command's words and gives them to a shell, here in HOST's network namespace under HOST's name.
+# command's words and gives them to a shell, here in HOST's network namespace under HOST's name,
+# and with a bare environment as a fresh login has: what the ranks need, hydra must carry.
 LAUNCHER = """#!/bin/sh
 while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
 host=$1; shift
@@ -42,7 +44,7 @@ case "$host" in
 {cases}
   *) echo "two-hosts launcher: unknown host $host" >&2; exit 255 ;;
 esac
-exec ip netns exec "$host" unshare --uts sh -c "hostname $host && exec $*"
+exec env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin ip netns exec "$host" unshare --uts sh -c "hostname $host && exec $*"
 """
 
 
@@ -98,7 +100,6 @@ class TwoHosts:
         tag = f"{PREFIX}{os.getpid()}"
         self.hosts = (tag + "a", tag + "b")
         self.addresses = (f"{SUBNET}.1", f"{SUBNET}.2")
-        self.link = LINK
         self.dir = tempfile.mkdtemp(prefix="two_hosts_")
         self.launcher = os.path.join(self.dir, "launcher.sh")
         try:
