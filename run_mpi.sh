@@ -3,6 +3,7 @@
 #
 #   ./run_mpi.sh -n 8 lessons/03_tensor_parallel.py [args]
 #   ./run_mpi.sh -n 4 -m minipar.train [args]
+#   ./run_mpi.sh --hostfile hosts -n 16 -m minipar.train [args]   # ranks on the hosts listed
 #
 # What it takes care of:
 # - the mpiexec that belongs to the MPI library mpi4py uses, found from the active Python (the
@@ -11,21 +12,25 @@
 #   the others waiting forever;
 # - one BLAS/OpenMP thread per rank (unless you set those variables yourself): 8 ranks on 2 cores
 #   with 2 BLAS threads each would fight over the cores;
-# - Open MPI's refusals to run as root or with more ranks than cores (MPICH has neither).
+# - Open MPI's refusals to run as root or with more ranks than cores (MPICH has neither);
+# - --hostfile FILE given to MPICH as -f, to Open MPI as --hostfile (docs/multi_node.md). The
+#   launcher's own variables (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC, OMPI_MCA_*) pass through as set.
 # The ranks run $PYTHON if it is set (a machine whose Python is only `python3`, or a particular
 # interpreter), else the `python` on PATH, else `python3`.
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 -n RANKS (SCRIPT.py | -m MODULE) [ARGS...]" >&2
+    echo "usage: $0 [--hostfile FILE] -n RANKS (SCRIPT.py | -m MODULE) [ARGS...]" >&2
     exit 2
 }
 
 ranks=""
+hostfile=""
 while [ $# -gt 0 ]; do
     case "$1" in
         -n|-np) [ $# -ge 2 ] || usage; ranks="$2"; shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -f|--hostfile) [ $# -ge 2 ] || usage; hostfile="$2"; shift 2 ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
@@ -45,6 +50,16 @@ if [ "${#digits}" -gt 7 ] || [ "$digits" -gt "$max_ranks" ]; then
     exit 2
 fi
 ranks=$digits
+if [ -n "$hostfile" ]; then
+    if [ ! -f "$hostfile" ]; then
+        echo "$0: --hostfile $hostfile: no such file; list one host per line (MPICH: host:slots, Open MPI: host slots=N)" >&2
+        exit 2
+    fi
+    if ! grep -q '^[[:space:]]*[^#[:space:]]' "$hostfile"; then
+        echo "$0: --hostfile $hostfile names no host; list one host per line (MPICH: host:slots, Open MPI: host slots=N)" >&2
+        exit 2
+    fi
+fi
 if [ "$1" = "-m" ]; then
     [ $# -ge 2 ] || usage
 elif [ ! -f "$1" ]; then
@@ -91,6 +106,12 @@ extra=()
 if [ "$flavour" = "openmpi" ]; then
     extra+=(--oversubscribe)
     [ "$(id -u)" = "0" ] && extra+=(--allow-run-as-root)
+    [ -n "$hostfile" ] && extra+=(--hostfile "$hostfile")
+    # Open MPI gives remote ranks only the variables named with -x (MPICH's hydra passes them all).
+    extra+=(-x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x MKL_NUM_THREADS)
+    [ -n "${PYTHONPATH:-}" ] && extra+=(-x PYTHONPATH)
+elif [ -n "$hostfile" ]; then
+    extra+=(-f "$hostfile")
 fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

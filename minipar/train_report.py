@@ -1,10 +1,11 @@
 """What ``python -m minipar.train`` prints about its run, beside the loop (``trainer.py``): the
 run's description at the start, the divergence message that names the bad gradients, and
-``--report``'s tables of each rank's memory and traffic and of the routing of a mixture of experts.
-``Reports`` is a mixin of ``Trainer``: it reads the trainer's args, grid, model, optimizer and
-world, and sends nothing but the gathers its tables need.
+``--report``'s tables of each rank's memory, traffic and host, and of the routing of a mixture of
+experts. ``Reports`` is a mixin of ``Trainer``: it reads the trainer's args, grid, model, optimizer
+and world, and sends nothing but the gathers its tables need (the hostnames once, at the start).
 """
 
+import socket
 import sys
 
 import numpy
@@ -18,10 +19,44 @@ def gather_text(world, text):
     return None if parts is None else [part.tobytes().decode() for part in parts]
 
 
+def groups_across_hosts(layout, hosts):
+    """{group kind: the groups of that kind whose ranks run on more than one host}, for every kind
+    of ``layout`` with groups of more than one rank; ``hosts[r]`` is rank r's hostname."""
+    kinds = [k for k in ("tp", "cp", "dp", "pp") if getattr(layout, k) > 1] + ["embedding"] * (layout.pp > 1)
+    return {kind: [g for g in layout.groups(kind) if len({hosts[r] for r in g}) > 1] for kind in kinds}
+
+
+def host_lines(layout, hosts):
+    """The report's lines on hosts: which ranks run where, and which groups cross hosts (the
+    launcher's order of ranks onto hosts decides it, as the hostfile lists them)."""
+    where = {}
+    for rank, host in enumerate(hosts):
+        where.setdefault(host, []).append(rank)
+    lines = ["hosts: " + "; ".join(f"{h}: ranks {' '.join(map(str, rs))}" for h, rs in where.items())]
+    if len(where) > 1:
+        for kind, crossing in groups_across_hosts(layout, hosts).items():
+            total = len(layout.groups(kind))
+            lines.append(f"  {kind} groups across hosts: {len(crossing)} of {total}"
+                         + (": " + " ".join(str(g) for g in crossing[:4]) + (" ..." if len(crossing) > 4 else "")
+                            if crossing else ""))
+    return lines
+
+
+def tp_warning(layout, hosts):
+    """One line when a TP group spans hosts, else None: Megatron's placement rule keeps TP, whose
+    all-reduces sit inside every layer's forward and backward, on the fast links of one node."""
+    crossing = groups_across_hosts(layout, hosts).get("tp", [])
+    if not crossing:
+        return None
+    return (f"warning: {len(crossing)} of {len(layout.groups('tp'))} TP groups span hosts (e.g. ranks {crossing[0]} "
+            f"on {', '.join(sorted({hosts[r] for r in crossing[0]}))}): TP's all-reduces in every layer go "
+            "over the network; give each host a multiple of TP ranks, in rank order (docs/multi_node.md)")
+
 
 class Reports:
     def _describe(self):
         n_params = self.model_parameters()  # a collective: before the rank check
+        self.hosts = gather_text(self.world, socket.gethostname())  # once: rank 0 alone reads it
         if not self.speaks:
             return
         a, g = self.args, self.grid
@@ -46,6 +81,9 @@ class Reports:
         print(f"data: {sum(len(s) for s in self.data.splits.values()):,} bytes "
               f"({a.data or 'Python standard library'}), {a.batch_size * a.block_size:,} tokens per step"
               + (f"; resuming at iteration {self.start} from {a.load}" if a.load else ""))
+        warning = tp_warning(g.layout, self.hosts)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
     def _diverged(self, it, loss, norm, bad):
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
@@ -72,6 +110,7 @@ class Reports:
             stash = f"{'stash':>13}" if isinstance(self.opt, WeightStash) else ""  # PipeDream-2BW's second version
             print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}{stash}  sent")
             print("\n".join(lines))
+            print("\n".join(host_lines(g.layout, self.hosts)))
             if self.routing is not None:
                 self._report_routing()
 
