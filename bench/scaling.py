@@ -44,6 +44,7 @@ LAYOUTS = {
     "dp": (["--dp", "{n}"], "dense", None),
     "zero1": (["--zero-stage", "1"], "dense", None),
     "zero2": (["--zero-stage", "2"], "dense", None),
+    "dp+recompute": (["--dp", "{n}", "--recompute"], "dense", None),  # ZeRO-3's fair reference: it always recomputes
     "zero3": (["--zero-stage", "3"], "dense", None),
     "tp": (["--tp", "{n}"], "dense", None),
     "tp+sp": (["--tp", "{n}", "--sequence-parallel"], "dense", None),
@@ -75,7 +76,8 @@ def ideal(layout, n):
 
 
 def step_ms(ranks, flags, steps, skip):
-    """Median step time (ms) of one launch, from its --log-json rows after the first ``skip``."""
+    """Median step time (ms) and measured bubble of one launch, from its --log-json rows after
+    the first ``skip``."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(ranks), "-m", "minipar.train", *flags,
@@ -86,7 +88,7 @@ def step_ms(ranks, flags, steps, skip):
             raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         with open(log) as fh:
             rows = [json.loads(line) for line in fh]
-    return statistics.median(r["ms"] for r in rows[skip:])
+    return statistics.median(r["ms"] for r in rows[skip:]), statistics.median(r["bubble"] for r in rows[skip:])
 
 
 def model_flags(kind, size):
@@ -117,11 +119,14 @@ def main():
     models = sorted({LAYOUTS[name][1] for name in layouts})
     size = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     times = {key: [] for key in [("one", m) for m in models] + layouts}
+    measured = {name: [] for name in layouts}  # the pipelines' idle share, as the trainer logs it
     for _ in range(args.rounds):
         for model in models:
-            times[("one", model)].append(step_ms(1, model_flags(model, size), args.steps, args.skip))
+            times[("one", model)].append(step_ms(1, model_flags(model, size), args.steps, args.skip)[0])
         for name in layouts:
-            times[name].append(step_ms(args.ranks, flags_of(name, args.ranks, size), args.steps, args.skip))
+            ms, bubble = step_ms(args.ranks, flags_of(name, args.ranks, size), args.steps, args.skip)
+            times[name].append(ms)
+            measured[name].append(bubble)
     one = {m: statistics.median(times[("one", m)]) for m in models}
     n = args.ranks
     rows = []
@@ -130,19 +135,22 @@ def main():
         base = one[LAYOUTS[name][1]]
         best, bubble = ideal(name, n)
         speedup = base / t
-        rows.append((name, base, t, speedup, float(best), speedup / float(best), float(bubble)))
+        rows.append((name, base, t, speedup, float(best), speedup / float(best), float(bubble),
+                     statistics.median(measured[name])))
     print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "
           f"GPT of {args.n_layer} layers, hidden {args.n_embd}, 4 heads, T 128, batch 16")
     if args.markdown:
-        print("\n| layout | 1 rank ms | N ranks ms | speed-up | ideal | efficiency |\n| --- | --- | --- | --- | --- | --- |")
-        for name, base, t, s, best, eff, bubble in rows:
-            note = f" (bubble {bubble:.3f})" if bubble else ""
-            print(f"| {name} | {base:.1f} | {t:.1f} | {s:.2f}x | {best:.2f}x{note} | {eff:.2f} |")
+        print("\n| layout | 1 rank ms | N ranks ms | speed-up | ideal | efficiency | bubble: schedule, measured |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |")
+        for name, base, t, s, best, eff, bubble, seen in rows:
+            idle = f"{bubble:.3f}, {seen:.3f}" if LAYOUTS[name][2] else ""
+            print(f"| {name} | {base:.1f} | {t:.1f} | {s:.2f}x | {best:.2f}x | {eff:.2f} | {idle} |")
     else:
         print(f"\n{'layout':<12} {'1 rank ms':>10} {f'{n} ranks ms':>11} {'speed-up':>9} {'ideal':>6} "
-              f"{'efficiency':>10}  bubble")
-        for name, base, t, s, best, eff, bubble in rows:
-            print(f"{name:<12} {base:>10.1f} {t:>11.1f} {s:>8.2f}x {best:>5.2f}x {eff:>10.2f}  {bubble:.3f}")
+              f"{'efficiency':>10}  bubble: schedule, measured")
+        for name, base, t, s, best, eff, bubble, seen in rows:
+            idle = f"{bubble:.3f}, {seen:.3f}" if LAYOUTS[name][2] else ""
+            print(f"{name:<12} {base:>10.1f} {t:>11.1f} {s:>8.2f}x {best:>5.2f}x {eff:>10.2f}  {idle}")
 
 
 if __name__ == "__main__":

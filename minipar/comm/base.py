@@ -72,13 +72,16 @@ def wait_without_spinning(test):
 
 class Request:
     """A pending non-blocking operation. ``wait()`` returns its result (the received or reduced
-    array) without spinning; ``test()`` says whether it has finished. ``keep`` holds whatever
+    array) without spinning, or, given ``block`` (a rank with a core to itself), by calling it:
+    MPI's own blocking wait, which polls at full speed and so moves a multi-step protocol along
+    fastest. ``test()`` says whether it has finished. ``keep`` holds whatever
     references the operation's buffers (MPI reads and writes them until it is done: a send buffer
     the caller drops must not be freed under it). ``then`` runs once when it is done (a GPU array
     staged through host memory is copied back then)."""
 
-    def __init__(self, test, result=None, keep=None, then=None):
+    def __init__(self, test, result=None, keep=None, then=None, block=None):
         self._test, self._result, self._keep, self._then, self._done = test, result, keep, then, False
+        self._block = block
 
     def test(self):
         if not self._done and self._test():
@@ -88,7 +91,9 @@ class Request:
         return self._done
 
     def wait(self):
-        wait_without_spinning(self.test)
+        if self._block is not None and not self._done:
+            self._block()
+        wait_without_spinning(self.test)  # done at the first test after a block
         return self._result
 
 

@@ -5,8 +5,10 @@ How a rank waits depends on whether it has a core to itself. MPICH's blocking ca
 they wait: harmless when every rank has its own core, and the fastest way to wait. With more ranks
 than cores (8 ranks on a 2-core laptop) a spinning rank steals the core from the rank it waits
 for, so there every collective is started non-blocking and waited on politely
-(``base.wait_without_spinning``). Point-to-point receives, which can wait for a whole pipeline
-stage, are always polite. ``MINIPAR_WAIT=polite`` or ``=blocking`` overrides the choice.
+(``base.wait_without_spinning``). With a core each, the waits of non-blocking collectives (data
+parallelism's buckets, ZeRO-3's prefetched gathers) are MPI's blocking Wait too: a polite wait's
+naps, up to a millisecond each, would stall the protocol between the two ranks' polls.
+Point-to-point receives, which can wait for a whole pipeline stage, are always polite. ``MINIPAR_WAIT=polite`` or ``=blocking`` overrides the choice.
 
 ``world()`` works without any launcher: a script started as plain ``python`` is a world of 1.
 
@@ -142,7 +144,9 @@ class MPICommunicator(Communicator):
             if then is not None:
                 then()
             return result
-        request = Request(start_call().Test, result, keep=start_call, then=then)  # keep: the buffers
+        started = start_call()
+        # keep: the buffers; a rank with a core to itself waits in MPI's Wait (see the module doc)
+        request = Request(started.Test, result, keep=start_call, then=then, block=None if self.polite else started.Wait)
         return request.wait() if wait else request
 
     # Each collective is written once, as _op(..., wait); the base class names its two forms.
