@@ -5,10 +5,11 @@ How a rank waits depends on whether it has a core to itself. MPICH's blocking ca
 they wait: harmless when every rank has its own core, and the fastest way to wait. With more ranks
 than cores (8 ranks on a 2-core laptop) a spinning rank steals the core from the rank it waits
 for, so there every collective is started non-blocking and waited on politely
-(``base.wait_without_spinning``). With a core each, the waits of non-blocking collectives (data
-parallelism's buckets, ZeRO-3's prefetched gathers) are MPI's blocking Wait too: a polite wait's
-naps, up to a millisecond each, would stall the protocol between the two ranks' polls.
-Point-to-point receives, which can wait for a whole pipeline stage, are always polite. ``MINIPAR_WAIT=polite`` or ``=blocking`` overrides the choice.
+(``base.wait_without_spinning``). With a core each, every wait is MPI's blocking Wait, those of
+non-blocking collectives (data parallelism's buckets, ZeRO-3's prefetched gathers) and of
+point-to-point messages (the pipeline's) too: a polite wait's naps, up to a millisecond each,
+would stall a protocol between the two ranks' polls and add to a pipeline's bubble.
+``MINIPAR_WAIT=polite`` or ``=blocking`` overrides the choice.
 
 ``world()`` works without any launcher: a script started as plain ``python`` is a world of 1.
 
@@ -144,9 +145,8 @@ class MPICommunicator(Communicator):
             if then is not None:
                 then()
             return result
-        started = start_call()
-        # keep: the buffers; a rank with a core to itself waits in MPI's Wait (see the module doc)
-        request = Request(started.Test, result, keep=start_call, then=then, block=None if self.polite else started.Wait)
+        started = start_call()  # keep: the buffers; block: a rank with a core to itself waits in MPI's Wait
+        request = Request(started.Test, result, keep=start_call, then=then, block=self._block(started))
         return request.wait() if wait else request
 
     # Each collective is written once, as _op(..., wait); the base class names its two forms.
@@ -225,7 +225,8 @@ class MPICommunicator(Communicator):
     def isend(self, x, dest, tag=0):
         buf, _ = _stage(x, "send", copy_back=False)
         self.stats.record("send", x.nbytes, 0)
-        return Request(self.comm.Isend(buf, dest, tag).Test, keep=buf)  # holds it until the send completes
+        request = self.comm.Isend(buf, dest, tag)
+        return Request(request.Test, keep=buf, block=self._block(request))  # keep: until the send completes
 
     def irecv(self, out, source, tag=0):
         """Receive into ``out``, which must be exactly as large as the message (a larger buffer
@@ -233,10 +234,10 @@ class MPICommunicator(Communicator):
         dtypes beforehand: MPI moves bytes and cannot tell float32 from float64 of the same size."""
         buf, then = _stage(out, "recv", copy_back=True)
         request, status = self.comm.Irecv(buf, source, tag), MPI.Status()
+        arrived = []
 
-        def test():
-            if not request.Test(status):
-                return False
+        def settle():  # once the message is in (status filled): count it and check its size
+            arrived.append(True)
             got = status.Get_count(MPI.BYTE)
             self.stats.record("recv", 0, got)
             if got != out.nbytes:
@@ -245,9 +246,22 @@ class MPICommunicator(Communicator):
                     f"into a buffer of {out.nbytes} ({out.shape} {out.dtype}): the peers disagree "
                     "on the message's shape or dtype"
                 )
-            return True
 
-        return Request(test, out, keep=buf, then=then)
+        def test():
+            if not arrived and request.Test(status):
+                settle()
+            return bool(arrived)
+
+        def block():
+            request.Wait(status)
+            settle()
+
+        return Request(test, out, keep=buf, then=then, block=None if self.polite else block)
+
+    def _block(self, request):
+        """What a Request of this rank waits with: MPI's Wait with a core to itself, else None
+        (a polite wait)."""
+        return None if self.polite else request.Wait
 
     def split(self, color, key, name):
         """Sub-groups of the ranks that pass the same ``color`` (None: in no group, gets None),
