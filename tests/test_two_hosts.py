@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.mpi_run import LAUNCHER, ROOT, logged_losses, run_train
+from mpi_run import LAUNCHER, ROOT, logged_losses, run_train
 
 spec = importlib.util.spec_from_file_location("two_hosts_rig", os.path.join(ROOT, "bench", "two_hosts_rig.py"))
 rig_module = importlib.util.module_from_spec(spec)
