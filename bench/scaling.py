@@ -35,9 +35,10 @@ sys.path.insert(0, ROOT)
 from minipar.parallel.pipeline import schedules  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
 
-MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", "16", "--seed", "0"]
+BATCH, MICRO = 16, 2  # the global batch, and a pipeline's micro-batch: m = BATCH / MICRO
+MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", str(BATCH), "--seed", "0"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
-PIPE = ["--pp", "{n}", "--micro-batch-size", "2"]
+PIPE = ["--pp", "{n}", "--micro-batch-size", str(MICRO)]
 
 # name: (extra flags, "dense" or "moe" model, pipeline schedule or None); {n} is the rank count
 LAYOUTS = {
@@ -65,7 +66,7 @@ def ideal(layout, n):
     schedule = LAYOUTS[layout][2]
     if schedule is None:
         return n, Fraction(0)
-    m = 16 // 2  # micro-batches: the global batch over the micro-batch size (one DP replica)
+    m = BATCH // MICRO  # micro-batches of the one DP replica
     v = 2 if schedule in ("interleaved", "zb-v") else 1
     split = schedule.startswith("zb")
     # a split backward: B and W each half of the unit model's backward of 2 (Qi et al. 2024)
@@ -138,7 +139,7 @@ def main():
         rows.append((name, base, t, speedup, float(best), speedup / float(best), float(bubble),
                      statistics.median(measured[name])))
     print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "
-          f"GPT of {args.n_layer} layers, hidden {args.n_embd}, 4 heads, T 128, batch 16")
+          f"GPT of {args.n_layer} layers, hidden {args.n_embd}, 4 heads, T 128, batch {BATCH}")
     if args.markdown:
         print("\n| layout | 1 rank ms | N ranks ms | speed-up | ideal | efficiency | bubble: schedule, measured |\n"
               "| --- | --- | --- | --- | --- | --- | --- |")
