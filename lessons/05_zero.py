@@ -18,9 +18,9 @@ Each stage trains the same GPT for a few AdamW steps on the same batches (dropou
 clipped to norm 1) and is compared with the single-device run: loss, every gradient, all
 parameters. Then the tables: the bytes each rank holds, measured, next to the fp32 formula, and
 the bytes each rank sends per step next to theirs (stage 3 sends 1.5x: weights gathered for forward
-and again for backward). minipar's stage 3 recomputes every unit in backward (so that the gathered
-weights can be freed; the paper does not ask for it), so stages 0-2 run a second time recomputing
-the same units, and the peaks are shown for both settings. Every stage is one object with the same
+and again for backward). Every stage runs a second time recomputing every unit in backward
+(activation checkpointing, which the paper pairs with ZeRO), and the peaks are shown for both
+settings. Every stage is one object with the same
 calls (``make_optimizer``, the step protocol of minipar/parallel/protocol.py): only what it holds
 and sends differs. Read next: minipar/parallel/zero.py, zero3.py, docs/zero.md.
 
@@ -83,12 +83,12 @@ def formula(a, b):
 def parallel_run(stage, args, config, grid, batches, reference, recompute=False):
     """The same training under ZeRO ``stage``; errors, bytes held and sent, and the optimizer.
     ``recompute``: run every unit of the model (embeddings, each block, the head) again in
-    backward, keeping only its input, as stage 3 always does."""
+    backward, keeping only its input (stage 3 then gathers around each recomputation)."""
     dp, k = grid.dp_group, args.micro_batches
     tracemalloc.start()
     minipar.manual_seed(args.seed)
     model = GPT(config, grid)
-    if recompute and stage < 3:  # stage 3 wraps the same units itself, gathering around them
+    if recompute:  # before the optimizer: stage 3 wraps its gathers around these
         used = dict(model.units())
         model.wrap_units(lambda name, run, x: checkpoint(run, x, used[name], rng=model.rng))
     opt = make_optimizer(model, grid, stage, bucket_bytes=args.bucket_kb << 10, **lesson.HYPER)
@@ -142,10 +142,8 @@ def main():
     batches = lesson.batches(args, config.block_size)
     reference = lesson.reference_run(config, batches, args.seed, max_norm=1.0)
     results = {stage: parallel_run(stage, args, config, grid, batches, reference) for stage in range(4)}
-    # stage 3 recomputes every unit; stages 0-2 once more doing the same, for a fair peak
     recomputed = {stage: parallel_run(stage, args, config, grid, batches, reference, recompute=True)
-                  for stage in range(3)}
-    recomputed[3] = results[3]
+                  for stage in range(4)}
 
     # what each stage holds and sends, beside the formulas
     tol = lesson.TOLERANCE[args.dtype]
@@ -161,9 +159,11 @@ def main():
         padded = P + padding
         memory = item * (a * padded + b * padded // N) // 4
         # passes over the model per step: stages 0-1 send the accumulated gradients once; stage 2
-        # reduce-scatters every micro-batch's; stage 3 also gathers the weights twice per micro-batch
+        # reduce-scatters every micro-batch's; stage 3 also gathers the weights twice per micro-batch,
+        # and the tied embedding a third time (for each of its units' forwards; it stays whole from
+        # the head's backward through the embeddings')
         passes = {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[s]
-        traffic = passes * (N - 1) * item * P // N + (3 * k * (N - 1) * item * wte // N if s == 3 else 0)
+        traffic = passes * (N - 1) * item * P // N + (k * (N - 1) * item * wte // N if s == 3 else 0)
         # each padded entry can be sent 3 times, and a byte is rounded per collective call
         sent_ok = all(abs(x - traffic) <= 3 * item * padding + 100 for x in sent)
         ok &= sum(held.values()) == memory and sent_ok
@@ -187,17 +187,16 @@ def main():
         paper = ", ".join(formula(*PAPER[s]) for s in range(4))
         print(f"  (the paper's count, mixed precision, 2 + 2 + 12 bytes: {paper})")
         print("\npeak bytes per rank during a step: training state, and every NumPy array (activations"
-              "\nincluded); stage 3 always recomputes (so that it can free the gathered weights)")
+              "\nincluded)")
         print(f"  {'stage':<7}{'state':>15}{'state':>15}{'all arrays':>17}{'all arrays':>17}")
         print(f"  {'':<7}{'no recompute':>15}{'recompute':>15}{'no recompute':>17}{'recompute':>17}")
         for s in range(4):
-            plain = (f"{results[s][2]:>15,}", f"{results[s][3]:>17,}") if s < 3 else (f"{'-':>15}", f"{'-':>17}")
-            print(f"  {s:<7}{plain[0]}{recomputed[s][2]:>15,}{plain[1]}{recomputed[s][3]:>17,}")
+            print(f"  {s:<7}{results[s][2]:>15,}{recomputed[s][2]:>15,}{results[s][3]:>17,}{recomputed[s][3]:>17,}")
         print("\nbytes sent per rank per step on the data-parallel group (ring model | formula)")
         for s, *_, sent, traffic, padding, passes in rows:
-            tied = f" + {passes} (N-1)/N x {item}VC" if s == 3 else ""
+            tied = f" + {k} (N-1)/N x {item}VC" if s == 3 else ""
             print(f"  stage {s}  {sent:>13,} | {traffic:>13,}   {passes} (N-1)/N x {item}P{tied}")
-        print("  (VC: the tied embedding, used by two units of stage 3 and gathered for each)")
+        print("  (VC: the tied embedding, used by two units of stage 3: gathered for each forward, once for both backwards)")
 
     return lesson.finish(comm, not ok, report, "Every stage equals the single-device run and holds and sends "
                          "what the formulas say (plus padding).")

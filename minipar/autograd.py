@@ -39,8 +39,35 @@ def is_grad_enabled():
 class Context:
     """Attribute bag for what a forward saves for its backward. Cleared once backward has run."""
 
+    by_reference = ()  # (attribute, parameter, shape) of what forward saved by reference, see below
+
     def __init__(self):
         self.needs_input_grad = ()
+
+
+_released = [False]  # whether any parameter may be released between forward and backward (ZeRO-3)
+
+
+def save_parameters_by_reference():
+    """From now on, a parameter with a ``held_by`` (a ZeRO-3 optimizer, which empties its data
+    between uses) is saved for backward by reference: an op's ``ctx.weight = weight`` keeps the
+    Parameter, and the engine hands backward the parameter's data as it is then, gathered again
+    by its holder (FSDP frees and refills a parameter's storage under the saved tensor instead;
+    NumPy cannot free an array's memory while a view of it lives). Every op here saves the weight
+    array it received as it is; a view of it would keep the gathered buffer alive, which the
+    holder detects."""
+    _released[0] = True
+
+
+def _save_by_reference(ctx, args, arrays):
+    """Swap the saved arrays of released-able parameters on ``ctx`` for references."""
+    held = [(a, array) for a, array in zip(args, arrays) if getattr(a, "held_by", None) is not None]
+    if not held:
+        return
+    saved = [(name, a, array.shape) for name, value in vars(ctx).items() for a, array in held if value is array]
+    for name, _, _ in saved:
+        setattr(ctx, name, None)
+    ctx.by_reference = saved
 
 
 class Function:
@@ -66,6 +93,8 @@ class Function:
         if track:
             ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         out = cls.forward(ctx, *arrays, **kwargs)
+        if track and _released[0]:
+            _save_by_reference(ctx, args, arrays)
         outs = out if isinstance(out, tuple) else (out,)
         results = tuple(Tensor._wrap(o, requires_grad=track) for o in outs)
         if track:

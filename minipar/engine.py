@@ -165,7 +165,13 @@ def backward(tensor, grad=None):
 
 def call_backward(fn, ctx, out_grads, inputs):
     """``fn.backward`` on the node's output gradients: one gradient per input (None where the
-    input needs none), possibly in a broadcast shape that ``deliver`` sums down."""
+    input needs none), possibly in a broadcast shape that ``deliver`` sums down. A parameter the
+    forward saved by reference (``autograd.save_parameters_by_reference``) is put back first."""
+    for name, param, shape in ctx.by_reference:
+        if param.data.shape != shape:
+            raise RuntimeError(f"{fn.__name__}.backward needs a parameter of shape {shape} that its holder has "
+                               f"not gathered (its data has shape {param.data.shape})")
+        setattr(ctx, name, param.data)
     in_grads = fn.backward(ctx, *out_grads)
     if not isinstance(in_grads, tuple):
         in_grads = (in_grads,)

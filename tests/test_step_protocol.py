@@ -27,7 +27,7 @@ PROTOCOL = ("no_sync", "finish_gradients", "grad_norm", "clip_grad_norm", "step"
 # each class's own communication, the one method a reader looks for
 DISTINGUISHING = {DataParallelAdamW: ["all_reduce_bucket"], ZeRO1: ["reduce_scatter_gradients"],
                   ZeRO2: ["reduce_scatter_group"], ZeRO3: ["gather_parameters", "release_parameters",
-                                                           "reduce_scatter_unit"]}
+                                                           "reduce_scatter_group"]}
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ from minipar.dtypes import as_dtype, is_16bit, is_float
 from minipar.engine import _unbroadcast
 
 FLOAT32 = "float32"
-BOOKKEEPING = ("narrow", "input_shapes", "needs_input_grad")  # what the wrapper itself keeps on ctx
+BOOKKEEPING = ("narrow", "input_shapes", "needs_input_grad", "by_reference")  # kept on ctx, not saved arrays
 
 
 def _widen(a):

@@ -261,8 +261,11 @@ class GPT(WholeModel, Module):
 
     def wrap_units(self, runner):
         """From now on run each unit ``name`` of the forward as ``runner(name, run, x)`` instead of
-        ``run(x)``: the hook point a ZeRO-3 optimizer gathers and releases parameters at."""
-        self._runner = runner
+        ``run(x)``: the hook point a ZeRO-3 optimizer gathers and releases parameters at. A second
+        wrap goes around the first (ZeRO-3's gathers around a recomputation's checkpoint)."""
+        inner = self._runner
+        self._runner = runner if inner is None else (
+            lambda name, run, x: runner(name, lambda x: inner(name, run, x), x))
 
     def _run_unit(self, name, run, x):
         return run(x) if self._runner is None else self._runner(name, run, x)

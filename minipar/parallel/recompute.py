@@ -7,8 +7,7 @@ and backpropagates the incoming gradient through that fresh graph. The parameter
 receive their gradients from that inner backward, exactly as without checkpointing. The price is
 one more forward of ``fn``; the saving is every activation inside it.
 
-Two things must repeat exactly in the second run: the dropout masks, and, for ZeRO-3, the
-parameters, which ``before`` gathers and ``after`` frees around each of the two runs. A mask is a
+The dropout masks must repeat exactly in the second run. A mask is a
 function of the layer and of where the tokens are (``minipar.rng``): the model's DropoutRNG is set
 back to what it said at the first run (iteration, rows, positions), then restored, because the
 backward may run while another micro-batch's forward is the current one.
@@ -27,10 +26,6 @@ from minipar.dtypes import is_float
 from minipar.engine import hold_hooks
 
 
-def _nothing():
-    return None
-
-
 _RERUNS = [0]  # how many recomputations are running now
 
 
@@ -44,56 +39,40 @@ class Checkpoint(Function):
     defers_weights = False  # its parameter inputs are anchors; the inner backward splits B and W itself
 
     @staticmethod
-    def forward(ctx, x, anchor, fn, rng, before, after, before_backward, after_backward, *params):
+    def forward(ctx, x, anchor, fn, rng, *params):
         ctx.x, ctx.fn, ctx.rng, ctx.n_params = x, fn, rng, len(params)
         ctx.rng_state = rng.state() if rng is not None else None
-        ctx.hooks = (before, after, before_backward, after_backward)
-        before()
-        try:
-            with no_grad():
-                y = fn(Tensor._wrap(x))
-        finally:
-            after()
+        with no_grad():
+            y = fn(Tensor._wrap(x))
         return y.data
 
     @staticmethod
     def backward(ctx, grad):
-        before, after, before_backward, after_backward = ctx.hooks
-        before()
+        float_input = is_float(ctx.x.dtype)
+        x = Tensor._wrap(ctx.x, requires_grad=float_input)
+        if ctx.rng is not None:  # draw the same dropout masks as the first run
+            now = ctx.rng.state()
+            ctx.rng.set_state(ctx.rng_state)
+        _RERUNS[0] += 1
         try:
-            before_backward()
-            float_input = is_float(ctx.x.dtype)
-            x = Tensor._wrap(ctx.x, requires_grad=float_input)
-            if ctx.rng is not None:  # draw the same dropout masks as the first run
-                now = ctx.rng.state()
-                ctx.rng.set_state(ctx.rng_state)
-            _RERUNS[0] += 1
-            try:
-                y = ctx.fn(x)
-            finally:
-                _RERUNS[0] -= 1
-            if ctx.rng is not None:
-                ctx.rng.set_state(now)
-            with hold_hooks():
-                y.backward(grad)
+            y = ctx.fn(x)
         finally:
-            after()
-        after_backward()
-        return ((x.grad if float_input else None),) + (None,) * (7 + ctx.n_params)
+            _RERUNS[0] -= 1
+        if ctx.rng is not None:
+            ctx.rng.set_state(now)
+        with hold_hooks():
+            y.backward(grad)
+        return ((x.grad if float_input else None),) + (None,) * (3 + ctx.n_params)
 
 
-def checkpoint(fn, x, params=(), rng=None, before=_nothing, after=_nothing, before_backward=_nothing,
-               after_backward=_nothing):
+def checkpoint(fn, x, params=(), rng=None):
     """``fn(x)`` that keeps only ``x`` for backward and recomputes the rest there.
 
     ``rng``: the model's DropoutRNG, so that dropout inside ``fn`` draws the same masks twice.
-    ``before``/``after`` run around each execution of ``fn`` (ZeRO-3 gathers and frees the
-    parameters there); ``before_backward`` and ``after_backward`` run around the backward of
-    ``fn``'s parameters (ZeRO-3 gives them gradient buffers, then sends those).
     ``params``: the parameters ``fn`` uses (for gradient hooks, see the module docstring).
     ``x`` may be integer ids (an embedding): the result still depends on the parameters inside,
     which an ``anchor`` that requires grad tells the engine even when ``params`` is empty.
     """
     x = x if isinstance(x, Tensor) else Tensor(xp.asarray(x))
     anchor = Tensor(numpy.zeros(0), requires_grad=True)
-    return Checkpoint.apply(x, anchor, fn, rng, before, after, before_backward, after_backward, *params)
+    return Checkpoint.apply(x, anchor, fn, rng, *params)

@@ -1,40 +1,46 @@
-"""ZeRO stage 3: parameters sharded too; each layer's are gathered just in time and freed after.
+"""ZeRO stage 3: parameters sharded too; each unit's are gathered just in time and freed after.
 
 Every rank keeps only its pieces of the parameters (see ``zero.py`` for the layout). Around each
-unit of the model (the embeddings, each transformer block, the final LayerNorm with the head):
+unit of the model (the embeddings, each transformer block, the final LayerNorm with the head), as
+FSDP does (Zhao et al. 2023):
 
-    forward   all-gather the unit's parameters, run it without recording a graph, free them
-    backward  all-gather them again, run the unit again with a graph (``recompute.checkpoint``),
-              backpropagate, reduce-scatter the unit's gradients into the shards, free them all
+    forward   all-gather the unit's parameters, run it (recording its graph), free them
+    backward  all-gather them again before the unit's backward (``UnitBackward``, an identity on
+              the unit's output whose backward comes before every op of the unit's), accumulate
+              the gradients into one flat buffer per group, and as soon as a group's gradients are
+              complete (the gradient hooks data parallelism uses) reduce-scatter them into the
+              shards and free the group's parameters and buffer
 
-Running the unit without a graph in forward is what makes freeing real: a recorded graph would keep
-the gathered weights alive (a linear layer saves its weight for backward). So stage 3 here always
-recomputes, trading one extra forward per unit for holding only one unit's parameters at a time.
+Freeing is real because the graph keeps parameters by reference, not their arrays
+(``autograd.save_parameters_by_reference``): the whole buffer's last owner is this optimizer, and
+releasing a unit after its forward checks that nothing else holds the buffer. So a rank holds one
+or two units' parameters at a time, and no unit runs twice (recomputation, ``--recompute``, is a
+separate choice, as in FSDP and DeepSpeed).
 
 The units are the model's (FSDP's "wrapping units"): ``model.units()`` names them in forward order
 with the parameters each uses, and ``model.wrap_units(runner)`` makes the model's forward run each
-through ``runner(name, run, x)``, here ``checkpoint`` with the gathers around it. A parameter two
-units use (the tied embedding: the embeddings and the head) is a group of its own, gathered for
-each; its gradient arrives in two parts, each reduce-scattered and added to the same shard.
+through ``runner(name, run, x)``. A parameter two units use (the tied embedding: the embeddings
+and the head) is a group of its own, gathered for each unit's forward; in backward its gradient is
+complete only after both units' backwards, so the head's backward gathers it and it stays whole
+until the embeddings' backward is over, then its two parts go out summed, once.
 
 Prefetch (DeepSpeed's, by a recorded order): the all-gather of the next unit starts as soon as
 this one's parameters are whole, so it travels while this unit computes. Which unit runs next
-depends on the schedule (micro-batches, a pipeline's 1F1B, the recomputation in backward), so it
-is not guessed: every training step records the units in the order it gathers them, and the next
-step follows that record, one unit ahead (one more unit's parameters held: the bound). If the
-last unit's forward is followed by its own backward, that gather starts when the forward frees
-it. A step that departs from the record (another schedule, another number of micro-batches)
-waits for what it prefetched, drops it, and records afresh; an optimizer step changes the
-parameters, so nothing is prefetched across one; evaluation (no graph) neither records nor
-prefetches.
+depends on the schedule (micro-batches, the backward after the forward), so it is not guessed:
+every training step records the units in the order it gathers them, and the next step follows
+that record, one unit ahead (one more unit's parameters held: the bound). The last unit's forward
+is followed by its own backward, so its gather starts again as its forward frees it. A step that
+departs from the record (another number of micro-batches) waits for what it prefetched, drops it,
+and records afresh; an optimizer step changes the parameters, so nothing is prefetched across
+one; evaluation (no graph) neither records nor prefetches.
 """
 
 import math
+import sys
 
-from minipar.autograd import is_grad_enabled
+from minipar.autograd import Function, is_grad_enabled, save_parameters_by_reference
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
-from minipar.parallel.recompute import checkpoint
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW, refuse_unsupported
 
@@ -53,6 +59,21 @@ def unit_groups(units):
         order += [[p] for p in shared] + ([rest] if rest else [])
         seen.update(id(p) for p in shared)
     return order
+
+
+class UnitBackward(Function):
+    """Identity on a unit's output. Every op of the unit comes before it in forward, so its backward
+    comes before theirs: the moment to gather the unit's parameters and give them gradient buffers."""
+
+    @staticmethod
+    def forward(ctx, y, zero, name):
+        ctx.zero, ctx.name = zero, name
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.zero.before_unit_backward(ctx.name)
+        return grad, None, None
 
 
 class ZeRO3(ShardedAdamW):
@@ -75,17 +96,20 @@ class ZeRO3(ShardedAdamW):
         for g in groups:  # one group's flat copy at a time, not the whole model's
             self.master[g.shard] = g.flatten([p.data for p in g.params], dtype)[slice(*g.own())]
         self._empty = xp.empty(0, dtype)
-        self._gathered = set()  # ids of the groups whose parameters are whole right now
+        self._whole = {}  # id(group) -> its whole parameters, while gathered
+        self._flats = {}  # id(group) -> its gradient buffer, from its backward's start to its reduce-scatter
         self._prefetched = {}  # id(group) -> (the all-gather's Request, its whole buffer)
         self._record, self._plan, self._next = [], None, 0  # units gathered this step; the last step's
         self.unit_gathers = {"prefetched": 0, "on demand": 0}  # how each unit's parameters came, so far
         for p in params:  # ... and keeps only its pieces
             p.held_by = self
             p.data = self._empty
+        save_parameters_by_reference()
         super().__init__(model, comm, lr, betas, eps, weight_decay, groups=groups, policy=policy)
         self.ledger.add("parameters", self.master.nbytes)
-        group_of = {id(p): g for g in groups for p in g.params}
-        self._unit_groups = {name: list({id(group_of[id(p)]): group_of[id(p)] for p in used}.values())
+        self._group_of = {id(p): g for g in groups for p in g.params}
+        self._ready = {id(g): 0 for g in groups}  # gradients complete this backward, per group
+        self._unit_groups = {name: list({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
         model.wrap_units(self._run_unit)
 
@@ -99,19 +123,22 @@ class ZeRO3(ShardedAdamW):
         """The whole size of a parameter this optimizer holds in shards (its data may be empty)."""
         return math.prod(self.shapes[id(p)])
 
+    # ---- forward ------------------------------------------------------------------------------
     def _run_unit(self, name, run, x):
-        """Run one of the model's units: gathered for its forward (no graph kept), gathered again for
-        its backward, which recomputes it, and its gradients reduce-scattered after."""
+        """Run one of the model's units with its parameters gathered, then free them: its graph
+        holds them by reference, and ``UnitBackward`` gathers them again for its backward."""
         groups = self._unit_groups[name]
-        params = [p for g in groups for p in g.params]
-        return checkpoint(run, x, params, rng=self.model.rng,
-                          before=lambda: self._gather_unit(name, groups),
-                          after=lambda: self._release_unit(groups),
-                          before_backward=lambda: self.gradient_buffers(groups),
-                          after_backward=lambda: self.reduce_scatter_unit(groups))
+        self._gather_unit(name, groups)
+        try:
+            y = run(x)
+        finally:
+            self.release_parameters(groups, check=True)
+            self._prefetch_next()  # the next unit may be this one (the last unit's backward)
+        return UnitBackward.apply(y, self, name) if y.requires_grad else y
 
     def _gather_unit(self, name, groups):
-        """Gather a unit (from its prefetch, if one is on the way), then start the next one's."""
+        """Gather a unit's groups that are not whole (from their prefetch, if one is on the way),
+        then start the next recorded unit's."""
         if is_grad_enabled():
             self._record.append(name)
             if self._plan is not None and self._plan[self._next:self._next + 1] == [name]:
@@ -119,21 +146,18 @@ class ZeRO3(ShardedAdamW):
             elif self._plan is not None:  # another order than the last step's: record afresh
                 self._drop_prefetched()
                 self._plan = None
-        ready = all(id(g) in self._prefetched for g in groups)
+        todo = [g for g in groups if id(g) not in self._whole]
+        ready = all(id(g) in self._prefetched for g in todo)
         self.unit_gathers["prefetched" if ready else "on demand"] += 1
-        self.gather_parameters(groups)
+        self.gather_parameters(todo)
         self._prefetch_next()
-
-    def _release_unit(self, groups):
-        self.release_parameters(groups)
-        self._prefetch_next()  # the next unit may be this one (the last unit's backward)
 
     def _prefetch_next(self):
         """Start the all-gathers of the next recorded unit's groups that are not whole already."""
         if self._plan is None or self._next >= len(self._plan) or not is_grad_enabled():
             return
         for g in self._unit_groups[self._plan[self._next]]:
-            if id(g) not in self._gathered and id(g) not in self._prefetched:
+            if id(g) not in self._whole and id(g) not in self._prefetched:
                 whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
                 self._prefetched[id(g)] = (g.comm.iall_gather(self.master[g.shard].copy(), out=whole), whole)
                 self.ledger.add("parameters", whole.nbytes)
@@ -148,9 +172,8 @@ class ZeRO3(ShardedAdamW):
         """ZeRO-3's communication before a unit runs: all-gather the groups' parameters (or wait
         for their prefetch) into whole buffers the parameters point into."""
         for g in groups:
-            if id(g) in self._gathered:
+            if id(g) in self._whole:
                 raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
-            self._gathered.add(id(g))
             if id(g) in self._prefetched:
                 request, whole = self._prefetched.pop(id(g))
                 request.wait()
@@ -158,37 +181,68 @@ class ZeRO3(ShardedAdamW):
                 whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
                 g.comm.all_gather(self.master[g.shard].copy(), out=whole)
                 self.ledger.add("parameters", whole.nbytes)
-            flat = whole.reshape(-1)
-            for p, part in zip(g.params, g.unflatten(flat)):
+            self._whole[id(g)] = whole
+            for p, part in zip(g.params, g.unflatten(whole.reshape(-1))):
                 p.data = part.reshape(self.shapes[id(p)])
 
-    def release_parameters(self, groups):
-        """After a unit ran: drop the whole parameters again."""
+    def release_parameters(self, groups, check=False):
+        """Drop the groups' whole parameters. ``check``: after a forward, nothing but the
+        parameters may hold the buffer (a graph that kept a view of it would keep it alive)."""
         for g in groups:
-            self._gathered.discard(id(g))
+            whole = self._whole.pop(id(g), None)
+            if whole is None:
+                continue
             for p in g.params:
                 p.data = self._empty
-            self.ledger.remove("parameters", g.padded * self.master.itemsize)
+            self.ledger.remove("parameters", whole.nbytes)
+            if check and sys.getrefcount(whole) > 2:  # the name ``whole`` and getrefcount's argument
+                raise RuntimeError(
+                    "ZeRO-3 could not free a unit's gathered parameters: an op saved a view of a "
+                    "parameter for backward instead of the array it received (see "
+                    "autograd.save_parameters_by_reference)")
 
-    def gradient_buffers(self, groups):
-        """Before a unit's backward: one flat zeroed buffer per group, its parameters' gradients
-        views into it, so that the engine accumulates straight into what will be sent."""
-        self._flats = []
+    # ---- backward -----------------------------------------------------------------------------
+    def before_unit_backward(self, name):
+        """Before a unit's backward: its parameters whole again, and each group a flat zeroed
+        gradient buffer its parameters' gradients are views into, so that the engine accumulates
+        straight into what will be sent."""
+        groups = self._unit_groups[name]
+        self._gather_unit(name, groups)
         for g in groups:
+            if id(g) in self._flats:
+                continue
             flat = xp.zeros(g.padded, self.grad_dtype)
             for p, part in zip(g.params, g.unflatten(flat)):
                 p.grad = part.reshape(self.shapes[id(p)])
             self.ledger.add("gradients", flat.nbytes)
-            self._flats.append(flat)
+            self._flats[id(g)] = flat
 
-    def reduce_scatter_unit(self, groups):
-        """ZeRO-3's communication after a unit's backward: reduce-scatter its gradient buffers
-        into the owners' pieces and drop the views."""
-        for g, flat in zip(groups, self._flats):
-            self.reduce_scatter(g, flat, counted=True)
-            for p in g.params:
-                p.grad = None
-        self._flats = []
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        g = self._group_of[id(p)]
+        self._ready[id(g)] += 1
+        if self._ready[id(g)] == len(g.params):
+            self.reduce_scatter_group(g)
+
+    def reduce_scatter_group(self, g):
+        """ZeRO-3's communication once backward has finished a group: reduce-scatter its gradient
+        buffer into the owners' pieces, and free the buffer and the group's parameters."""
+        self._ready[id(g)] = 0
+        flat = self._flats.pop(id(g), None)
+        if flat is None:
+            raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
+                               "model's forward (its units) to make the graph")
+        self.reduce_scatter(g, flat, counted=True)
+        for p in g.params:
+            p.grad = None
+        self.release_parameters([g])
+        self._prefetch_next()
+
+    def _send_rest(self):
+        """Groups some parameter of which got no gradient: send what they have now."""
+        for g in self.groups:
+            if id(g) in self._flats:
+                self.reduce_scatter_group(g)
 
     def step(self, grad_scale=1.0):  # the updated pieces stay where they are: the next forward gathers them
         self.finish_gradients()
@@ -198,6 +252,7 @@ class ZeRO3(ShardedAdamW):
     def zero_grad(self):
         """The step's end, taken or skipped (fp16's overflow): its record is the next step's plan."""
         super().zero_grad()
+        self._ready = dict.fromkeys(self._ready, 0)
         self._drop_prefetched()
         self._plan = self._record if self._record else self._plan
         self._record, self._next = [], 0

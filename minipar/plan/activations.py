@@ -159,25 +159,22 @@ def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, que
     """Activation bytes at the peak on a rank holding ``layers`` blocks (``moe_layers`` of them
     MoE), with ``in_flight`` chunk activations alive (``layers`` over its v chunks: in_flight x
     layers / v layer-activations).
-    Full recomputation, and ZeRO-3, which runs every unit (embeddings, blocks, head) under a
-    checkpoint, keep each recomputed unit's input only; ``transient``: add the one layer whose
-    forward is run again inside its backward (a graph walked between forward and backward, as
-    ``bench/memory_breakdown.py`` walks it, does not see it)."""
+    Full recomputation keeps each recomputed layer's input only; ``transient``: add the one layer
+    whose forward is run again inside its backward (a graph walked between forward and backward,
+    as ``bench/memory_breakdown.py`` walks it, does not see it). ZeRO-3 keeps what the same layout
+    without it keeps: its graph holds the parameters by reference, not their gathered copies."""
     b, s, t = layout.micro_batch_size, model.seq_length // layout.cp, layout.tp
     sbh = d * s * b * model.hidden_size
     shard = t if layout.sequence_parallel else 1
-    every_unit = layout.zero_stage == 3
-    recompute = layout.recompute or every_unit
+    recompute = layout.recompute
     one = layer_bytes(model, layout, d, query_block)
     experts = moe_bytes(model, layout, d) if moe_layers else 0  # an MoE block's bytes beyond a dense one's
     held = layers * sbh // shard if recompute else layers * one + moe_layers * experts
     kept = in_flight * held // layout.vpp + (one + max(experts, 0) if recompute and transient else 0)
     passes = -(-in_flight // layout.vpp)  # the micro-batches alive in the first (or last) chunk
-    if first_stage and not every_unit:  # the embeddings' rows, their sum, dropout's mask and output (measured: 4 s b h)
+    if first_stage:  # the embeddings' rows, their sum, dropout's mask and output (measured: 4 s b h)
         kept += passes * 4 * sbh // shard
     logits = 2 * b * s * -(-model.vocab_size // t) * d  # the head's output and the loss's softmax
-    if last_stage and every_unit:  # the head unit's input, and its output the loss keeps
-        kept += passes * (sbh // shard + logits)
-    elif last_stage:  # ln_f's xhat and output, the head's input (3 s b h), the logits and their softmax
+    if last_stage:  # ln_f's xhat and output, the head's input (3 s b h), the logits and their softmax
         kept += passes * (3 * sbh // shard + logits)
     return kept

@@ -9,7 +9,7 @@ they take turns. Three terms, each calibrated by a micro-benchmark (lesson 11 me
   launches   m x (layers of the stage x (1 + 1/3 per recomputed forward) x layer_overhead
              + the embedding and the head's edge_overhead): a layer pass is a forward and a
              backward (3 forwards' worth of launches, Narayanan et al.'s FLOP ratio, so a
-             recomputed forward adds 1/3). minipar's ZeRO-3 runs every unit again in backward.
+             recomputed forward adds 1/3).
              Ring attention computes a layer's attention in CP passes, one per K,V block, forward
              and backward, where one device makes one: (CP - 1) x (forwards + 1) passes more per
              layer and micro-batch, each ring_pass_overhead.
@@ -31,12 +31,11 @@ from .traffic import group_calls
 
 def layer_passes(model, layout, global_batch, stage):
     """(layer passes, edge passes) one rank of ``stage`` runs per step, in forward-and-backward
-    units: a recomputed forward (full recomputation, or minipar's ZeRO-3 unit) adds 1/3."""
+    units: a recomputed forward (full recomputation) adds 1/3."""
     m = micro_batches(layout, global_batch)
-    again = 1 / 3 if layout.recompute or layout.zero_stage == 3 else 0.0
+    again = 1 / 3 if layout.recompute else 0.0
     layers = len(stage_layers(model, layout, stage))
-    ends = sum(edges(layout, stage))
-    return m * layers * (1 + again), m * ends * (1 + (1 / 3 if layout.zero_stage == 3 else 0.0))
+    return m * layers * (1 + again), m * sum(edges(layout, stage))
 
 
 def ring_passes(model, layout, global_batch, stage):

@@ -20,7 +20,7 @@ activation of one micro-batch:
        parameters' bytes P d (Rajbhandari et al. 2020); stage 2: the reduce-scatter every
        micro-batch; stage 3: each unit's parameters all-gathered before its forward and its
        backward and its gradients reduce-scattered, every micro-batch (the tied embedding is in
-       two units, so counted twice). Experts' gradients go over "edp", the N / EP ranks that hold
+       two units: gathered for each forward, once for both backwards). Experts' gradients go over "edp", the N / EP ranks that hold
        the same experts.
   pp   per micro-batch, each chunk sends its output forward (unless it is the model's last) and
        its input's gradient back (unless it is the first): S, divided by t under sequence
@@ -120,15 +120,18 @@ def _count(model, layout, global_batch, stage, dtype):
         elif z in (1, 2):
             charge(dp, "reduce_scatter", dense * g, n, m if z == 2 else 1)
             charge(dp, "all_gather", dense * w, n)
-        else:  # ZeRO-3: the tied embedding is a parameter of two units
-            units = dense + (padded_vocab(model.vocab_size, t) // t * h if first and last else 0)
-            charge(dp, "all_gather", units * w, n, 2 * m)
-            charge(dp, "reduce_scatter", units * g, n, m)
-            # in calls, one per parameter group a unit uses (``zero3.unit_groups``): the embedding's
-            # wte and wpe, each block, the head's wte and ln_f: L + 4, each gathered twice, reduced once
-            # (its bytes are the same; its latency steps and calls are L + 4 times as many)
-            calls[dp] += 3 * m * (len(layers) + 4 - 1)
-            steps[dp] += 3 * m * (len(layers) + 4 - 1) * latency_steps("all_gather", n)
+        else:  # ZeRO-3: the tied embedding is a parameter of two units, gathered for each forward
+            tied = padded_vocab(model.vocab_size, t) // t * h if first and last else 0
+            charge(dp, "all_gather", dense * w, n, 2 * m)
+            charge(dp, "all_gather", tied * w, n, m)
+            charge(dp, "reduce_scatter", dense * g, n, m)
+            # in calls, one per parameter group (``zero3.unit_groups``: wte, wpe, each block, ln_f:
+            # G = L + 3) and use: per micro-batch G + 1 gathers for the forwards (wte for both its
+            # units), G for the backwards (wte stays whole from the head's through the embeddings'),
+            # G reduce-scatters; 3 (G - 1) more calls and latency steps than the 4 charged above
+            more = 3 * m * (len(layers) + 3 - 1)
+            calls[dp] += more
+            steps[dp] += more * latency_steps("all_gather", n)
         if z > 0:
             charge(dp, "all_reduce", NORM, n)
     if experts and n // lay.ep > 1:

@@ -1,0 +1,95 @@
+"""ZeRO-3 on one rank: each unit runs once, its gathered parameters are freed after its forward
+although the graph needs them in backward, and the gradients equal the plain model's. (Against
+the single-device run on several ranks: tests/mpi/zero.py.)"""
+
+import numpy as np
+import pytest
+
+import minipar
+from minipar import functional as F
+from minipar.autograd import Tensor, save_parameters_by_reference
+from minipar.models import GPT, GPTConfig
+from minipar.nn import Parameter
+from minipar.parallel import ProcessGrid
+from minipar.parallel.zero3 import ZeRO3
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=13, dropout=0.0)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    minipar.set_default_dtype("float64")
+    yield
+    minipar.set_default_dtype("float32")
+
+
+def _pair():
+    minipar.manual_seed(0)
+    plain = GPT(CONFIG)
+    sharded = GPT(CONFIG, ProcessGrid(1, 1))
+    sharded.load_state_dict(plain.state_dict())
+    return plain, sharded, ZeRO3(sharded, ProcessGrid(1, 1).dp_group)
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 13, (3, 6)), rng.integers(0, 13, (3, 6))
+
+
+def test_each_unit_runs_once_and_the_gradients_are_the_plain_models():
+    plain, sharded, opt = _pair()
+    runs = []
+    for block in sharded.transformer.h:
+        forward = block.forward
+        block.forward = lambda x, forward=forward: runs.append(1) or forward(x)
+    x, y = _batch(1)
+    plain(x, y)[1].backward()
+    sharded(x, y)[1].backward()
+    assert len(runs) == CONFIG.n_layer  # no unit is recomputed in backward
+    grads = opt.full_gradients()
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        np.testing.assert_allclose(grads[id(q)], p.grad.reshape(-1), rtol=1e-12, atol=1e-14)
+
+
+def test_forward_leaves_no_unit_gathered_while_its_graph_waits():
+    _, sharded, opt = _pair()
+    x, y = _batch(2)
+    for step in range(2):  # the second step follows the first one's record: the head is prefetched
+        _, loss = sharded(x, y)
+        assert all(p.data.size == 0 for p in sharded.parameters())
+        prefetched = sum(whole.nbytes for _, whole in opt._prefetched.values())
+        assert opt.ledger.now["parameters"] == opt.master.nbytes + prefetched
+        assert (prefetched > 0) == (step == 1)
+        loss.backward()
+        assert opt.ledger.now["parameters"] == opt.master.nbytes  # every group freed after its backward
+        opt.step()
+        opt.zero_grad()
+
+
+def test_an_op_that_keeps_a_view_of_a_gathered_weight_is_caught():
+    _, sharded, _ = _pair()
+    wte = sharded.transformer.wte.weight
+    # x @ W^T through a transpose op: the graph keeps the transposed view, and with it the buffer
+    sharded.logits = lambda x: F.matmul(sharded.transformer.ln_f(x), wte.transpose())
+    with pytest.raises(RuntimeError, match="could not free a unit's gathered parameters"):
+        sharded(*_batch(3))
+
+
+def test_a_parameter_saved_by_reference_is_read_at_backward_and_must_be_there():
+    w = Parameter(np.random.default_rng(5).standard_normal((4, 3)))
+    w.held_by = "a holder"  # what ZeRO-3 sets: this parameter's data comes and goes
+    save_parameters_by_reference()
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    whole = w.data
+    y = F.linear(x, w)
+    w.data = whole[:0]  # released after forward
+    with pytest.raises(RuntimeError, match="has not gathered"):
+        y.sum().backward()
+    y = F.linear(x, w.__class__(whole))  # unheld (saved as it is): what x's gradient is
+    y.sum().backward()
+    expected, x.grad = x.grad.copy(), None
+    w.data = whole
+    y = F.linear(x, w)  # held: backward reads what the parameter holds then
+    w.data = 2 * whole  # gathered again, into another buffer
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad, 2 * expected)
