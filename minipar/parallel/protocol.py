@@ -22,7 +22,7 @@ plus ``lr`` (the schedule sets it), ``step_count`` and ``state_arrays()`` for ch
 ``nonfinite_gradients()`` to name what diverged. Each class's distinguishing communication is one
 named method: ``DataParallelAdamW.all_reduce_bucket``, ``ZeRO1.reduce_scatter_gradients``,
 ``ZeRO2.reduce_scatter_group``, ``ZeRO3.gather_parameters`` / ``release_parameters`` /
-``reduce_scatter_unit``. ``zero_stage`` is read in one place, ``make_optimizer`` (``optimizers.py``).
+``reduce_scatter_group``. ``zero_stage`` is read in one place, ``make_optimizer`` (``optimizers.py``).
 
 What the protocol asks of the model: ``parameters()``, ``named_parameters()``, ``grid`` (the
 ProcessGrid its parameters' placements name groups of, for the norm over TP and PP; ``Module``'s is

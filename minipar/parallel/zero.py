@@ -33,7 +33,7 @@ The classes follow the step protocol (``protocol.py``). ``ShardedAdamW`` (here) 
 stages share: the layout, the sharded AdamW, the pending reduce-scatters, the norm, the step's
 all-gather. Each stage's own communication is one method: ``ZeRO1.reduce_scatter_gradients``
 (``zero1.py``, after backward), ``ZeRO2.reduce_scatter_group`` (``zero2.py``, from the gradient hook during
-backward), and ``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_scatter_unit``
+backward), and ``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_scatter_group``
 (``zero3.py``, around each unit of the model).
 """
 

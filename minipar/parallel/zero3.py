@@ -208,6 +208,7 @@ class ZeRO3(ShardedAdamW):
         straight into what will be sent."""
         groups = self._unit_groups[name]
         self._gather_unit(name, groups)
+        self._collect(keep=self.IN_FLIGHT)  # the last unit's send may be done: its buffer goes first
         for g in groups:
             if id(g) in self._flats:
                 continue
@@ -232,10 +233,10 @@ class ZeRO3(ShardedAdamW):
         if flat is None:
             raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
                                "model's forward (its units) to make the graph")
-        self.reduce_scatter(g, flat, counted=True)
         for p in g.params:
             p.grad = None
-        self.release_parameters([g])
+        self.release_parameters([g])  # first: the send below may wait for an earlier one
+        self.reduce_scatter(g, flat, counted=True)
         self._prefetch_next()
 
     def _send_rest(self):
