@@ -45,7 +45,7 @@ class Context:
         self.needs_input_grad = ()
 
 
-_released = [False]  # whether any parameter may be released between forward and backward (ZeRO-3)
+_by_reference = [False]  # whether a parameter may be released between forward and backward (ZeRO-3)
 
 
 def save_parameters_by_reference():
@@ -56,7 +56,7 @@ def save_parameters_by_reference():
     NumPy cannot free an array's memory while a view of it lives). Every op here saves the weight
     array it received as it is; a view of it would keep the gathered buffer alive, which the
     holder detects."""
-    _released[0] = True
+    _by_reference[0] = True
 
 
 def _save_by_reference(ctx, args, arrays):
@@ -93,7 +93,7 @@ class Function:
         if track:
             ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         out = cls.forward(ctx, *arrays, **kwargs)
-        if track and _released[0]:
+        if track and _by_reference[0]:
             _save_by_reference(ctx, args, arrays)
         outs = out if isinstance(out, tuple) else (out,)
         results = tuple(Tensor._wrap(o, requires_grad=track) for o in outs)
