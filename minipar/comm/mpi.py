@@ -136,15 +136,17 @@ class MPICommunicator(Communicator):
         self._direct = not polite and self.size > 1
 
     # The plain all_reduce, reduce_scatter and all_gather of host arrays that MPI takes as they
-    # are, on a rank that waits in MPI's blocking calls, go straight to MPI: a small collective
-    # takes a few microseconds, and each microsecond of Python around it costs about two (measured
-    # on 2 ranks at 4 KiB: the Python between calls evicts MPI's own code and data from the
-    # caches). Everything else (GPU arrays, bfloat16, polite waits, one rank, bad input) takes
-    # the general path below, which checks and stages it.
+    # are, on a rank that waits in MPI's blocking calls, go straight to MPI: the common case, and
+    # the one where Python costs most, since a small collective takes a few microseconds and each
+    # microsecond of Python between two of them costs about two (bench/collectives.py, 2 ranks at
+    # 4 KiB). Everything else (GPU arrays, bfloat16, polite waits, one rank, bad input) takes the
+    # general path below, which checks, stages and explains. The bytes are base.ring_bytes's,
+    # written out: calling it would cost as much as the rest of this Python together.
     def all_reduce(self, x, op="sum"):
         mpi_op = _OPS.get(op)
         if self._direct and mpi_op is not None and _as_is(x):
-            self.stats.record("all_reduce", *ring_bytes("all_reduce", x.nbytes, self.size))
+            share = 2 * (self.size - 1) * x.nbytes // self.size
+            self.stats.record("all_reduce", share, share)
             self.comm.Allreduce(MPI.IN_PLACE, x, mpi_op)
             return x
         return self._all_reduce(x, op, wait=True)
@@ -152,18 +154,24 @@ class MPICommunicator(Communicator):
     def reduce_scatter(self, x, op="sum", out=None):
         mpi_op = _OPS.get(op)
         if self._direct and mpi_op is not None and _as_is(x) and x.ndim and not x.shape[0] % self.size:
-            out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x.dtype, "reduce_scatter", x)
-            if _as_is(out):
-                self.stats.record("reduce_scatter", *ring_bytes("reduce_scatter", x.nbytes, self.size))
+            shape = (x.shape[0] // self.size,) + x.shape[1:]
+            if out is None:
+                out = numpy.empty(shape, x.dtype)
+            if type(out) is numpy.ndarray and out.dtype == x.dtype and out.flags.c_contiguous and out.shape == shape:
+                share = (self.size - 1) * x.nbytes // self.size
+                self.stats.record("reduce_scatter", share, share)
                 self.comm.Reduce_scatter_block(x, out, mpi_op)
                 return out
         return self._reduce_scatter(x, op, out, wait=True)
 
     def all_gather(self, x, out=None):
         if self._direct and _as_is(x):
-            out = self._out(out, (self.size,) + x.shape, x.dtype, "all_gather", x)
-            if _as_is(out):
-                self.stats.record("all_gather", *ring_bytes("all_gather", out.nbytes, self.size))
+            shape = (self.size,) + x.shape
+            if out is None:
+                out = numpy.empty(shape, x.dtype)
+            if type(out) is numpy.ndarray and out.dtype == x.dtype and out.flags.c_contiguous and out.shape == shape:
+                share = (self.size - 1) * out.nbytes // self.size
+                self.stats.record("all_gather", share, share)
                 self.comm.Allgather(x, out)
                 return out
         return self._all_gather(x, out, wait=True)
@@ -193,8 +201,8 @@ class MPICommunicator(Communicator):
         mpi_op = _mpi_op(op, x.dtype)
         buf, then = _stage(x, "all_reduce", copy_back=True)
         return self._run("all_reduce", x.nbytes, x,
-                         lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op),
-                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op), wait, then=then)
+                         lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op),
+                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op), wait, then=then)
 
     def _out(self, out, shape, dtype, what, like):
         if out is None:  # on the device of the input
@@ -213,8 +221,8 @@ class MPICommunicator(Communicator):
             out[...] = x
         buf, then = _stage(out, "reduce_scatter", copy_back=True)
         return self._run("reduce_scatter", x.nbytes, out,
-                         lambda: self.comm.Reduce_scatter_block(x_buf, buf, op=mpi_op),
-                         lambda: self.comm.Ireduce_scatter_block(x_buf, buf, op=mpi_op), wait, then=then)
+                         lambda: self.comm.Reduce_scatter_block(x_buf, buf, mpi_op),
+                         lambda: self.comm.Ireduce_scatter_block(x_buf, buf, mpi_op), wait, then=then)
 
     def _all_gather(self, x, out, wait):
         x_buf, _ = _stage(x, "all_gather", copy_back=False)
