@@ -137,11 +137,11 @@ class MPICommunicator(Communicator):
 
     # The plain all_reduce, reduce_scatter and all_gather of host arrays that MPI takes as they
     # are, on a rank that waits in MPI's blocking calls, go straight to MPI: the common case, and
-    # the one where Python costs most, since a small collective takes a few microseconds and each
-    # microsecond of Python between two of them costs about two (bench/collectives.py, 2 ranks at
-    # 4 KiB). Everything else (GPU arrays, bfloat16, polite waits, one rank, bad input) takes the
-    # general path below, which checks, stages and explains. The bytes are base.ring_bytes's,
-    # written out: calling it would cost as much as the rest of this Python together.
+    # the one where Python costs most, since a small collective takes a few microseconds and a
+    # microsecond of Python between two of them costs up to two (docs/benchmarks.md, small
+    # collectives). Everything else (GPU arrays, bfloat16, polite waits, one rank, bad input)
+    # takes the general path below, which checks, stages and explains. The bytes are
+    # base.ring_bytes's, written out: calling it would cost as much as the rest of this Python.
     def all_reduce(self, x, op="sum"):
         mpi_op = _OPS.get(op)
         if self._direct and mpi_op is not None and _as_is(x):
