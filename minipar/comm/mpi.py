@@ -92,9 +92,14 @@ _AS_IS = frozenset(numpy.dtype(t) for t in ("float16", "float32", "float64", "in
                                             "uint8", "uint16", "uint32", "uint64"))
 
 
+def _as_is(x):
+    """Whether MPI takes ``x`` as it is: a C-contiguous host array of a dtype MPI has."""
+    return type(x) is numpy.ndarray and x.dtype in _AS_IS and x.flags.c_contiguous
+
+
 def _stage(x, what, copy_back):
     """(the buffer MPI reads or writes, what to run once the operation is done) for ``x``."""
-    if type(x) is numpy.ndarray and x.dtype in _AS_IS and x.flags.c_contiguous:
+    if _as_is(x):
         return x, None
     _buffer(x, what)
     if isinstance(x, numpy.ndarray):
@@ -128,6 +133,48 @@ class MPICommunicator(Communicator):
         self.comm, self.name, self.polite = comm, name, polite
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stats = CommStats()
+        self._direct = not polite and self.size > 1
+
+    # The plain all_reduce, reduce_scatter and all_gather of host arrays that MPI takes as they
+    # are, on a rank that waits in MPI's blocking calls, go straight to MPI: the common case, and
+    # the one where Python costs most, since a small collective takes a few microseconds and a
+    # microsecond of Python between two of them costs up to two (docs/benchmarks.md, small
+    # collectives). Everything else (GPU arrays, bfloat16, polite waits, one rank, bad input)
+    # takes the general path below, which checks, stages and explains. The bytes are
+    # base.ring_bytes's, written out: calling it would cost as much as the rest of this Python.
+    def all_reduce(self, x, op="sum"):
+        mpi_op = _OPS.get(op)
+        if self._direct and mpi_op is not None and _as_is(x):
+            share = 2 * (self.size - 1) * x.nbytes // self.size
+            self.stats.record("all_reduce", share, share)
+            self.comm.Allreduce(MPI.IN_PLACE, x, mpi_op)
+            return x
+        return self._all_reduce(x, op, wait=True)
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        mpi_op = _OPS.get(op)
+        if self._direct and mpi_op is not None and _as_is(x) and x.ndim and not x.shape[0] % self.size:
+            shape = (x.shape[0] // self.size,) + x.shape[1:]
+            if out is None:
+                out = numpy.empty(shape, x.dtype)
+            if type(out) is numpy.ndarray and out.dtype == x.dtype and out.flags.c_contiguous and out.shape == shape:
+                share = (self.size - 1) * x.nbytes // self.size
+                self.stats.record("reduce_scatter", share, share)
+                self.comm.Reduce_scatter_block(x, out, mpi_op)
+                return out
+        return self._reduce_scatter(x, op, out, wait=True)
+
+    def all_gather(self, x, out=None):
+        if self._direct and _as_is(x):
+            shape = (self.size,) + x.shape
+            if out is None:
+                out = numpy.empty(shape, x.dtype)
+            if type(out) is numpy.ndarray and out.dtype == x.dtype and out.flags.c_contiguous and out.shape == shape:
+                share = (self.size - 1) * out.nbytes // self.size
+                self.stats.record("all_gather", share, share)
+                self.comm.Allgather(x, out)
+                return out
+        return self._all_gather(x, out, wait=True)
 
     def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None, then=None, charged=None):
         """Charge ``op`` to the byte account (the ring model's bytes for ``nbytes``, or
@@ -154,8 +201,8 @@ class MPICommunicator(Communicator):
         mpi_op = _mpi_op(op, x.dtype)
         buf, then = _stage(x, "all_reduce", copy_back=True)
         return self._run("all_reduce", x.nbytes, x,
-                         lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op),
-                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op), wait, then=then)
+                         lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op),
+                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op), wait, then=then)
 
     def _out(self, out, shape, dtype, what, like):
         if out is None:  # on the device of the input
@@ -167,17 +214,15 @@ class MPICommunicator(Communicator):
     def _reduce_scatter(self, x, op, out, wait):
         mpi_op = _mpi_op(op, x.dtype)
         x_buf, _ = _stage(x, "reduce_scatter", copy_back=False)
-        if x.shape[0] % self.size:
-            raise ValueError(
-                f"reduce_scatter: axis 0 of length {x.shape[0]} does not split into {self.size} chunks"
-            )
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter: axis 0 of shape {x.shape} does not split into {self.size} chunks")
         out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x.dtype, "reduce_scatter", x)
         if self.size == 1:
             out[...] = x
         buf, then = _stage(out, "reduce_scatter", copy_back=True)
         return self._run("reduce_scatter", x.nbytes, out,
-                         lambda: self.comm.Reduce_scatter_block(x_buf, buf, op=mpi_op),
-                         lambda: self.comm.Ireduce_scatter_block(x_buf, buf, op=mpi_op), wait, then=then)
+                         lambda: self.comm.Reduce_scatter_block(x_buf, buf, mpi_op),
+                         lambda: self.comm.Ireduce_scatter_block(x_buf, buf, mpi_op), wait, then=then)
 
     def _all_gather(self, x, out, wait):
         x_buf, _ = _stage(x, "all_gather", copy_back=False)
