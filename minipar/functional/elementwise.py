@@ -151,7 +151,8 @@ class GELU(Function):
         d/dx = s + 2 c x (1 + 3 a x^2) s (1 - s)
 
     Forward keeps x and s (s in [0, 1]: a 16-bit model holds it in 16 bits as it held tanh(z)).
-    exp(-2z) = inf for x below about -10 gives s = 0, GELU's value there in float32 anyway.
+    exp(-2z) = inf for x below about -9.3 gives s = 0: GELU there is below float32's smallest
+    normal number anyway.
     These are the largest activations of the model (4x the hidden size), so the ufunc chains run
     in place, block by block: a block's three arrays (3 x 64 KiB) stay in the core's L2 cache for
     the whole chain (``backend.blocks``).
