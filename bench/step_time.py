@@ -7,6 +7,11 @@ Both frameworks run the same model from the same weights at the same thread coun
 of each is printed so you can see they compute the same thing. Steps alternate between the two in
 rounds, so a slow spell of a shared machine hits both. PyTorch is optional
 (``pip install torch==2.13.0``, a CPU wheel); without it only minipar is timed.
+
+Beside each step time stands its matmul floor: the step's matrix products alone (the shapes of
+``step_products``, the operands transposed as backward reads them), on random operands, through the
+framework's own matmul (NumPy's BLAS for minipar, PyTorch's for PyTorch). No step can be faster;
+step / floor says how much a framework adds around its products.
 """
 
 import argparse
@@ -46,13 +51,45 @@ except ImportError:
     torch = None
 
 
-def step_flops(cfg, batch):
-    """Matmul FLOPs of one step: forward 2mnk per product, backward twice that.
-    Per token and layer: qkv 6C^2, attn proj 2C^2, MLP 16C^2 (times 2 for multiply-add), and
-    q k^T plus att v, 2 T C each (times 2); plus the tied head 2 C V."""
+def step_products(cfg, batch):
+    """The matrix products of one step as (m, k, n, a transposed, b transposed, count): a is m x k,
+    b is k x n, "transposed" when backward reads it as the transpose of a stored array, count the
+    independent products of that shape (a batch). Linear layers (N rows, W stored out x in):
+    y = x W^T, dx = g W, dW = g^T x. Attention per sequence and head (T x D): S = q k^T, y = P v;
+    backward dP = dy v^T, dv = P^T dy, dq = dS k, dk = dS^T q (``step_flops`` counts them)."""
     C, T, L, V = cfg.n_embd, cfg.block_size, cfg.n_layer, cfg.vocab_size
-    per_token = L * (24 * C * C + 4 * T * C) + 2 * C * V
-    return 3 * per_token * batch * T
+    N, D, heads = batch * T, C // cfg.n_head, batch * cfg.n_head
+
+    def linear(n_in, n_out):
+        return [(N, n_in, n_out, False, True, 1), (N, n_out, n_in, False, False, 1),
+                (n_out, N, n_in, True, False, 1)]
+
+    layer = linear(C, 3 * C) + linear(C, C) + linear(C, 4 * C) + linear(4 * C, C)
+    layer += [(T, D, T, False, True, heads), (T, T, D, False, False, heads),
+              (T, D, T, False, True, heads), (T, T, D, True, False, heads),
+              (T, T, D, False, False, heads), (T, T, D, True, False, heads)]
+    return layer * L + linear(C, V)
+
+
+def step_flops(products):
+    """Matmul FLOPs of one step, 2mnk per product: per token and layer, forward, qkv 6C^2, attention
+    projection 2C^2, MLP 16C^2, q k^T and P v 2TC each; the tied head 2CV; backward twice that."""
+    return sum(2 * m * k * n * count for m, k, n, _, _, count in products)
+
+
+def matmul_floor(products, matmul, rand, transpose):
+    """A step of nothing but ``products`` with ``matmul`` on operands from ``rand(shape)``."""
+    def operand(batch, rows, cols, transposed):
+        shape = ((batch,) if batch > 1 else ()) + ((cols, rows) if transposed else (rows, cols))
+        return transpose(rand(shape)) if transposed else rand(shape)
+
+    pairs = [(operand(c, m, k, ta), operand(c, k, n, tb)) for m, k, n, ta, tb, c in products]
+
+    def step():
+        for a, b in pairs:
+            matmul(a, b)
+
+    return step
 
 
 def minipar_runner(cfg, x, y):
@@ -147,9 +184,15 @@ def main():
     y = rng.integers(0, cfg.vocab_size, (ARGS.batch_size, cfg.block_size))
     model, ours = minipar_runner(cfg, x, y)
     runners = {"minipar": ours}
+    products = step_products(cfg, ARGS.batch_size)
+    rng32 = numpy.random.default_rng(1)
+    floors = {"minipar": matmul_floor(products, numpy.matmul, lambda s: rng32.standard_normal(s, numpy.float32),
+                                      lambda a: a.swapaxes(-1, -2))}
     if torch is not None:
         torch.set_num_threads(ARGS.threads)
         runners["pytorch"] = torch_runner(cfg, model.state_dict(), x, y)
+        floors["pytorch"] = matmul_floor(products, torch.matmul, lambda s: torch.randn(s),
+                                         lambda a: a.transpose(-1, -2))
     print(f"config: n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
           f"block_size={cfg.block_size} batch={ARGS.batch_size} vocab={cfg.vocab_size}, "
           f"{model.num_parameters():,} parameters, threads={ARGS.threads}")
@@ -159,18 +202,24 @@ def main():
     if "pytorch" in first and abs(first["pytorch"] - first["minipar"]) > 1e-5 * abs(first["pytorch"]):
         print("the two models disagree on the first loss: the comparison would be meaningless")
         return 1
+    for floor in floors.values():
+        floor()  # warm-up
     times = {name: [] for name in runners}
+    floor_times = {name: [] for name in runners}
     for _ in range(ARGS.rounds):
         for name, step in runners.items():
             times[name] += timed(step, ARGS.steps)
+            floor_times[name] += timed(floors[name], ARGS.steps)
 
-    flops = step_flops(cfg, ARGS.batch_size)
+    flops = step_flops(products)
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    print(f"\n{'framework':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GFLOP/s':>8}")
+    floor = {name: sorted(t)[len(t) // 2] for name, t in floor_times.items()}
+    print(f"\n{'framework':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GFLOP/s':>8} "
+          f"{'floor ms':>9} {'step/floor':>10}")
     for name, t in times.items():
         print(f"{name:<10} {1e3 * median[name]:>10.1f} {1e3 * min(t):>8.1f} {1e3 * max(t):>8.1f} "
-              f"{flops / median[name] / 1e9:>8.1f}")
-    print(f"matmul FLOPs per step: {flops / 1e9:.2f} G")
+              f"{flops / median[name] / 1e9:>8.1f} {1e3 * floor[name]:>9.1f} {median[name] / floor[name]:>9.2f}x")
+    print(f"matmul FLOPs per step: {flops / 1e9:.2f} G; floor: the step's products alone, medians")
     if torch is None:
         print("PyTorch not installed: pip install torch==2.13.0 to compare")
     else:

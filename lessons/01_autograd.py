@@ -44,8 +44,9 @@ RULE = dict(eps=1e-6, rtol=1e-6, atol=1e-8)
 
 
 def forgetful_gelu_backward(ctx, grad):
-    """GELU's backward with d tanh(z)/dz taken as 1 instead of 1 - tanh(z)^2."""
-    x, t = ctx.x, ctx.t
+    """GELU's backward with d tanh(z)/dz taken as 1 instead of 1 - tanh(z)^2 (GELU's forward keeps
+    s = sigmoid(2z), and tanh(z) = 2s - 1)."""
+    x, t = ctx.x, 2 * ctx.s - 1
     c, a = (2.0 / numpy.pi) ** 0.5, 0.044715
     return (grad.reshape(-1) * (0.5 * (1 + t) + 0.5 * x * c * (1 + 3 * a * x * x))).reshape(grad.shape)
 

@@ -134,12 +134,12 @@ class AdamW(Optimizer):
         v += tmp
         if decay != 1.0:
             p *= decay
-        # p -= step_size * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        # p -= step_size m / (sqrt(v) r + eps), r = 1 / sqrt(1 - b2^t), taken as
+        # p -= (step_size / r) m / (sqrt(v) + eps / r): one pass fewer over the block
         xp.sqrt(v, out=tmp)
-        tmp *= rsqrt_bc2
-        tmp += self.eps
+        tmp += self.eps / rsqrt_bc2
         xp.divide(m, tmp, out=tmp)
-        tmp *= step_size
+        tmp *= step_size / rsqrt_bc2
         p -= tmp
 
 

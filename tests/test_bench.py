@@ -15,7 +15,7 @@ def test_step_time_benchmark_runs_and_reports():
                           "--block-size", "16", "--batch-size", "2", "--steps", "1", "--rounds", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "first loss  minipar" in run.stdout and "GFLOP/s" in run.stdout
+    assert "first loss  minipar" in run.stdout and "GFLOP/s" in run.stdout and "step/floor" in run.stdout
     if "first loss  pytorch" in run.stdout:  # both models computed the same first loss
         assert "minipar / pytorch" in run.stdout
 

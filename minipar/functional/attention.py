@@ -49,15 +49,23 @@ def _mT(x):
     return x.swapaxes(-1, -2)
 
 
-def _sequence_groups(B):
-    """The sequences taken together: one at a time on the CPU, so that a sequence's scores stay in
-    cache; all of them on the GPU, where every launch costs and one batched product is best."""
-    size = max(B, 1) if on_gpu() else 1
+# On the CPU a block's scores (sequences x heads x keys x queries) are kept within this many bytes,
+# half the L2 cache of one core of a recent x86 (512 KiB-2 MiB), beside the q, k and v they read.
+_CACHED_SCORES = 1 << 18
+
+
+def _sequence_groups(B, H, T, block, itemsize):
+    """The sequences taken together: on the CPU as many as keep a block's scores in cache (each
+    group is a few more Python calls of NumPy per block, each ~1-2 us, ~10% of the op at T = 128
+    one sequence at a time); all of them on the GPU, where every launch costs and one batched
+    product is best."""
+    size = max(B, 1) if on_gpu() else max(1, _CACHED_SCORES // (H * T * block * itemsize))
     return [(b, min(b + size, B)) for b in range(0, B, size)]
 
 
 def _query_blocks(T, size):
-    """[(q0, q1, future)]: the blocks of queries, with future[key, query] True where key > query."""
+    """[(q0, q1, future)]: the blocks of queries, with future[key, query] True where key > query.
+    Made once by forward and once by backward, and dropped after: nothing is held between them."""
     out = []
     for q0 in range(0, T, size):
         q1 = min(q0 + size, T)
@@ -73,7 +81,7 @@ def _probs_t(q, k, q0, q1, future, scale):
     xp.copyto(pt, -xp.inf, where=future)
     pt -= pt.max(axis=-2, keepdims=True)
     xp.exp(pt, out=pt)
-    pt /= sum_along(pt, -2)[..., None, :]
+    pt *= (1.0 / sum_along(pt, -2))[..., None, :]  # a product per score, a division per query
     return pt
 
 
@@ -104,13 +112,14 @@ class CausalAttention(Function):
         C = C3 // 3
         scale = 1.0 / math.sqrt(C // n_head)
         ctx.block = max(T, 1) if on_gpu() else query_block
-        ctx.groups, ctx.copy = _sequence_groups(B), on_gpu()
+        ctx.groups, ctx.copy = _sequence_groups(B, n_head, T, ctx.block, qkv.dtype.itemsize), on_gpu()
         probs_t, keep_t = [], []  # per (sequence group, query block): (S, H, keys q1, queries q1 - q0)
         out = xp.empty((B, T, C), qkv.dtype)
+        blocks = _query_blocks(T, ctx.block)
         for b0, b1 in ctx.groups:
             q, k, v = _heads(qkv[b0:b1], n_head, 3, ctx.copy)
             y = _heads(out[b0:b1], n_head, 1, ctx.copy)[0]
-            for q0, q1, future in _query_blocks(T, ctx.block):
+            for q0, q1, future in blocks:
                 pt = _probs_t(q, k, q0, q1, future, scale)
                 mask = _keep_t(key, dropout_p, where, b0, b1, q0, q1, qkv.dtype) if dropout_p > 0 else None
                 if not recompute:
@@ -129,25 +138,33 @@ class CausalAttention(Function):
     @staticmethod
     def backward(ctx, grad):
         qkv, n_head, scale = ctx.qkv, ctx.n_head, ctx.scale
-        dqkv = xp.zeros_like(qkv)  # dk and dv sum over the query blocks that see each key
-        step = 0
-        for b0, b1 in ctx.groups:
+        blocks = _query_blocks(qkv.shape[1], ctx.block)
+        # dk and dv sum over the query blocks that see each key. The last block sees every key,
+        # so going through the blocks last to first, it writes them and the others add to them:
+        # nothing is zeroed first.
+        dqkv = xp.empty_like(qkv)
+        for group, (b0, b1) in enumerate(ctx.groups):
             q, k, v = _heads(qkv[b0:b1], n_head, 3, ctx.copy)
             dq, dk, dv = dheads = _heads(dqkv[b0:b1], n_head, 3, ctx.copy)
             dy = _heads(grad[b0:b1], n_head, 1, ctx.copy)[0]
-            for q0, q1, future in _query_blocks(qkv.shape[1], ctx.block):
+            for index in reversed(range(len(blocks))):
+                q0, q1, future = blocks[index]
                 if ctx.recompute:
                     pt = _probs_t(q, k, q0, q1, future, scale)
                     mask = _keep_t(*ctx.dropout, b0, b1, q0, q1, qkv.dtype) if ctx.dropout else None
                 else:
-                    pt, mask = ctx.probs_t[step], ctx.keep_t[step]
-                    step += 1
+                    held = group * len(blocks) + index  # forward's order: group by group, block by block
+                    pt, mask = ctx.probs_t[held], ctx.keep_t[held]
                     if mask is not None and ctx.narrow is not None:
                         # held in 16 bits, 1/(1-p) was rounded (1/0.9 to 1.109 in bf16), a bias
                         # on every gradient through the mask: rebuild it from the survivors
                         mask = scaled(mask != 0, ctx.p, mask.dtype)
+                first = q1 == qkv.shape[1]  # the last block: the first to reach dk and dv
                 dy_block = dy[..., q0:q1, :]
-                dv[..., :q1, :] += matmul(pt if mask is None else pt * mask, dy_block)  # dv = (P * R)^T dy
+                dv_block = matmul(pt if mask is None else pt * mask, dy_block,  # dv = (P * R)^T dy
+                                  out=dv[..., :q1, :] if first else None)
+                if not first:
+                    dv[..., :q1, :] += dv_block
                 dpt = matmul(v[..., :q1, :], _mT(dy_block))  # dP^T = v dy^T
                 if mask is not None:
                     dpt *= mask
@@ -156,7 +173,9 @@ class CausalAttention(Function):
                 dpt *= pt
                 dpt *= scale
                 matmul(_mT(dpt), k[..., :q1, :], out=dq[..., q0:q1, :])  # dq = dS k
-                dk[..., :q1, :] += matmul(dpt, q[..., q0:q1, :])  # dk = dS^T q
+                dk_block = matmul(dpt, q[..., q0:q1, :], out=dk[..., :q1, :] if first else None)  # dk = dS^T q
+                if not first:
+                    dk[..., :q1, :] += dk_block
             if ctx.copy:
                 dqkv[b0:b1] = _merge(dheads)
         return dqkv, None, None, None, None, None, None
