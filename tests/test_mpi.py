@@ -204,8 +204,9 @@ def test_context_parallel_lesson_fails_on_a_planted_bug():
     ("collectives.py", ["--max-size", "64K", "--rounds", "1"]),
     ("waiting.py", []),
     ("zero_memory.py", ["--n-embd", "64", "--budget-mb", "16"]),
+    ("sender_computes.py", ["--compute-ms", "20", "--sizes", "128K", "--repeats", "1"]),
 ])
 def test_benchmarks_run(bench, args):
     out = check_mpi(2, os.path.join(ROOT, "bench", bench), *args, timeout=300)
     assert {"collectives.py": "lowest throughput ratio", "waiting.py": "polite",
-            "zero_memory.py": "deepest GPT"}[bench] in out
+            "zero_memory.py": "deepest GPT", "sender_computes.py": "waited for the sender's compute"}[bench] in out

@@ -1,7 +1,10 @@
 """A step's receives, each posted ahead of the compute that comes before it.
 
 MPI moves a large message by rendezvous: the sender's data cannot leave before the receiver has
-posted the matching receive, and then only while one of the two is inside an MPI call. Posted at
+posted the matching receive, and then only while one of the two is inside an MPI call (MPICH on
+one node copies it in one step the receiver runs alone, cross-memory attach, where the system
+allows it; without it the receiver also waits for the sender's next MPI call:
+``bench/sender_computes.py``). Posted at
 the moment the schedule needs the message, a receive starts that handshake only then, and the
 rank waits for the whole transfer on top of whatever idle time the schedule has. Posted one
 receive of its kind ahead (the next activation while this one's forward runs, the next gradient
