@@ -34,11 +34,7 @@ from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 
-
-def size_arg(text):
-    units = {"K": 1 << 10, "M": 1 << 20}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+from collectives import size_arg  # "64K", "4M": a script beside this one
 
 
 def main():

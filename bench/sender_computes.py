@@ -22,10 +22,7 @@ from mpi4py import MPI
 
 from minipar.comm.mpi import MPICommunicator
 
-
-def size_arg(text):
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]) if text[-1] in "KM" else int(text)
+from collectives import size_arg  # "64K", "4M": a script beside this one
 
 
 def main():
