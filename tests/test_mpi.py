@@ -210,3 +210,27 @@ def test_benchmarks_run(bench, args):
     out = check_mpi(2, os.path.join(ROOT, "bench", bench), *args, timeout=300)
     assert {"collectives.py": "lowest throughput ratio", "waiting.py": "polite",
             "zero_memory.py": "deepest GPT", "sender_computes.py": "waited for the sender's compute"}[bench] in out
+
+
+def test_an_abort_waits_until_the_launcher_has_read_the_error():
+    """The launcher reads a rank's output from a pipe; MPI_Abort while the error is still in the
+    pipe would lose it. Here the "launcher" reads only after a pause: the wait must outlast it."""
+    import threading
+    import time
+
+    from minipar.comm.start import let_output_through
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"rank 1: the error\n")
+    got = []
+
+    def launcher():
+        time.sleep(0.3)
+        got.append(os.read(read_end, 100))
+
+    thread = threading.Thread(target=launcher)
+    thread.start()
+    let_output_through(linger=0.0, fds=(write_end,))
+    assert got == [b"rank 1: the error\n"], "returned before the launcher read the pipe"
+    thread.join()
+    os.close(read_end), os.close(write_end)

@@ -30,7 +30,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.backend import xp
 from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
-from minipar.comm.start import abort_on_uncaught_exception
+from minipar.comm.start import abort_on_uncaught_exception, let_output_through
 from minipar.dtypes import bfloat16, is_bfloat16
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
@@ -315,7 +315,9 @@ class MPICommunicator(Communicator):
         return None if sub == MPI.COMM_NULL else MPICommunicator(sub, name, self.polite)
 
     def abort(self, code=1):
-        """End every rank of the job now (a failed check on one rank must not leave others waiting)."""
+        """End every rank of the job now (a failed check on one rank must not leave others
+        waiting), once the launcher has this rank's last words."""
+        let_output_through()
         self.comm.Abort(code)
 
 

@@ -8,7 +8,9 @@ exception into an abort of every rank. A plain ``python script.py`` never touche
 """
 
 import os
+import stat
 import sys
+import time
 
 # What MPICH's (and Intel's) launcher, Open MPI's and PMIx-based launchers set in every rank.
 LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -32,10 +34,46 @@ def abort_on_uncaught_exception():
 
     def hook(kind, value, traceback):
         previous(kind, value, traceback)
-        sys.stderr.flush()
+        let_output_through()
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook, _hooked = hook, True
+
+
+def let_output_through(limit=3.0, linger=0.3, fds=(1, 2)):
+    """Call before ``MPI_Abort``: wait until the launcher has read what this rank wrote.
+
+    MPICH's launcher reads each rank's stdout and stderr from a pipe, in the same event loop that
+    receives the abort. If it handles the abort first, it kills the job with the error message
+    still in the pipe: CI once saw a failing job end with exit code 1 and no output at all. So
+    wait (at most ``limit`` seconds) until both pipes are empty, then ``linger`` a little so the
+    launcher passes the text on, and another rank failing at the same moment can finish its own.
+    """
+    import fcntl
+    import termios
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    pipes = []
+    for fd in fds:
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                pipes.append(fd)
+        except OSError:
+            pass
+    unread = bytearray(4)
+    deadline = time.monotonic() + limit
+    while pipes and time.monotonic() < deadline:
+        try:
+            pipes = [fd for fd in pipes if fcntl.ioctl(fd, termios.FIONREAD, unread) == 0
+                     and int.from_bytes(unread, sys.byteorder) > 0]
+        except OSError:  # FIONREAD on a pipe's write end is Linux's; elsewhere just linger
+            break
+        time.sleep(0.01)
+    time.sleep(linger)
 
 
 def start_mpi_first():
