@@ -12,15 +12,8 @@ would stall a protocol between the two ranks' polls and add to a pipeline's bubb
 ``MINIPAR_WAIT=polite`` or ``=blocking`` overrides the choice.
 
 ``world()`` works without any launcher: a script started as plain ``python`` is a world of 1.
-
-GPU arrays: MPI gets a CuPy array's device memory directly only when the MPI library says it is
-CUDA-aware (``MPIX_Query_cuda_support``, which MPICH and Open MPI both have); otherwise each array is
-staged through host memory (copied down, moved, copied back when the operation completes). On GPUs
-the collectives normally go through NCCL (``nccl.py``), which uses this class for what NCCL cannot
-do: host arrays, point-to-point messages, and the case of two ranks on one GPU.
 """
 
-import functools
 import math
 import os
 
@@ -30,94 +23,8 @@ from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.backend import xp
 from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
+from minipar.comm.buffers import OPS, as_is, check_buffer, reduction_op, stage
 from minipar.comm.start import abort_on_uncaught_exception, let_output_through
-from minipar.dtypes import bfloat16, is_bfloat16
-
-_OPS = {"sum": MPI.SUM, "max": MPI.MAX}
-
-
-def _wire(x):
-    """What MPI is handed for ``x``: bfloat16 (ml_dtypes), which MPI has no type for, travels as
-    its 16-bit patterns (uint16), and its sums go through ``_bfloat16_op``; float16 is MPI's own."""
-    return x.view(numpy.uint16) if is_bfloat16(x.dtype) else x
-
-
-@functools.cache
-def _bfloat16_op(op):
-    """A user-defined MPI reduction over bfloat16 carried as uint16: each pairwise sum (or max) in
-    bfloat16, as ml_dtypes computes it (in float32, rounded once)."""
-    ufunc = {"sum": numpy.add, "max": numpy.maximum}[op]
-
-    def reduce(inbuf, inoutbuf, datatype):
-        into = numpy.frombuffer(inoutbuf, bfloat16)
-        ufunc(numpy.frombuffer(inbuf, bfloat16), into, out=into)
-
-    return MPI.Op.Create(reduce, commute=True)
-
-
-def _buffer(x, what):
-    if not isinstance(x, numpy.ndarray) and not hasattr(x, "__cuda_array_interface__"):
-        raise TypeError(f"{what}: the MPI communicator moves NumPy or CuPy arrays, got {type(x).__name__}")
-    if x.dtype == bool:
-        raise ValueError(f"{what}: MPI has no portable boolean type; send x.astype('int8')")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{what}: MPI needs a C-contiguous array; pass xp.ascontiguousarray(x)")
-    return x
-
-
-@functools.cache
-def cuda_aware():
-    """Whether the loaded MPI library moves GPU memory itself (MINIPAR_MPI_CUDA_AWARE=0/1 overrides)."""
-    choice = os.environ.get("MINIPAR_MPI_CUDA_AWARE")
-    if choice in ("0", "1"):
-        return choice == "1"
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as maps:  # the libmpi mpi4py loaded (Linux)
-            libraries = {line.split()[-1] for line in maps if "libmpi" in line.split("/")[-1]}
-    except OSError:
-        return False
-    for path in sorted(libraries):
-        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
-        if query is not None:
-            query.restype = ctypes.c_int
-            return query() == 1
-    return False
-
-
-# host arrays of these dtypes go to MPI as they are: the common case, checked first and cheaply,
-# since a small collective's own time is a few microseconds
-_AS_IS = frozenset(numpy.dtype(t) for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
-                                            "uint8", "uint16", "uint32", "uint64"))
-
-
-def _as_is(x):
-    """Whether MPI takes ``x`` as it is: a C-contiguous host array of a dtype MPI has."""
-    return type(x) is numpy.ndarray and x.dtype in _AS_IS and x.flags.c_contiguous
-
-
-def _stage(x, what, copy_back):
-    """(the buffer MPI reads or writes, what to run once the operation is done) for ``x``."""
-    if _as_is(x):
-        return x, None
-    _buffer(x, what)
-    if isinstance(x, numpy.ndarray):
-        return _wire(x), None
-    import cupy  # pragma: no cover - GPU only
-
-    cupy.cuda.get_current_stream().synchronize()  # kernels still writing x must finish first
-    if cuda_aware():
-        return _wire(x), None
-    host = x.get()
-    return _wire(host), ((lambda: x.set(host)) if copy_back else None)
-
-
-@functools.cache  # on every collective's path: the checks run once per (op, dtype)
-def _mpi_op(op, dtype=None):
-    if op not in _OPS:
-        raise ValueError(f"reduction op must be one of {sorted(_OPS)}, got {op!r}")
-    return _bfloat16_op(op) if is_bfloat16(dtype) else _OPS[op]
 
 
 def _done():
@@ -143,8 +50,8 @@ class MPICommunicator(Communicator):
     # takes the general path below, which checks, stages and explains. The bytes are
     # base.ring_bytes's, written out: calling it would cost as much as the rest of this Python.
     def all_reduce(self, x, op="sum"):
-        mpi_op = _OPS.get(op)
-        if self._direct and mpi_op is not None and _as_is(x):
+        mpi_op = OPS.get(op)
+        if self._direct and mpi_op is not None and as_is(x):
             share = 2 * (self.size - 1) * x.nbytes // self.size
             self.stats.record("all_reduce", share, share)
             self.comm.Allreduce(MPI.IN_PLACE, x, mpi_op)
@@ -152,8 +59,8 @@ class MPICommunicator(Communicator):
         return self._all_reduce(x, op, wait=True)
 
     def reduce_scatter(self, x, op="sum", out=None):
-        mpi_op = _OPS.get(op)
-        if self._direct and mpi_op is not None and _as_is(x) and x.ndim and not x.shape[0] % self.size:
+        mpi_op = OPS.get(op)
+        if self._direct and mpi_op is not None and as_is(x) and x.ndim and not x.shape[0] % self.size:
             shape = (x.shape[0] // self.size,) + x.shape[1:]
             if out is None:
                 out = numpy.empty(shape, x.dtype)
@@ -165,7 +72,7 @@ class MPICommunicator(Communicator):
         return self._reduce_scatter(x, op, out, wait=True)
 
     def all_gather(self, x, out=None):
-        if self._direct and _as_is(x):
+        if self._direct and as_is(x):
             shape = (self.size,) + x.shape
             if out is None:
                 out = numpy.empty(shape, x.dtype)
@@ -198,8 +105,8 @@ class MPICommunicator(Communicator):
 
     # Each collective is written once, as _op(..., wait); the base class names its two forms.
     def _all_reduce(self, x, op, wait):
-        mpi_op = _mpi_op(op, x.dtype)
-        buf, then = _stage(x, "all_reduce", copy_back=True)
+        mpi_op = reduction_op(op, x.dtype)
+        buf, then = stage(x, "all_reduce", copy_back=True)
         return self._run("all_reduce", x.nbytes, x,
                          lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op),
                          lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op), wait, then=then)
@@ -209,55 +116,55 @@ class MPICommunicator(Communicator):
             return (numpy if isinstance(like, numpy.ndarray) else xp).empty(shape, dtype)
         if out.shape != shape or out.dtype != dtype:
             raise ValueError(f"{what}: out must be {shape} {dtype}, got {out.shape} {out.dtype}")
-        return _buffer(out, what)
+        return check_buffer(out, what)
 
     def _reduce_scatter(self, x, op, out, wait):
-        mpi_op = _mpi_op(op, x.dtype)
-        x_buf, _ = _stage(x, "reduce_scatter", copy_back=False)
+        mpi_op = reduction_op(op, x.dtype)
+        x_buf, _ = stage(x, "reduce_scatter", copy_back=False)
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"reduce_scatter: axis 0 of shape {x.shape} does not split into {self.size} chunks")
         out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x.dtype, "reduce_scatter", x)
         if self.size == 1:
             out[...] = x
-        buf, then = _stage(out, "reduce_scatter", copy_back=True)
+        buf, then = stage(out, "reduce_scatter", copy_back=True)
         return self._run("reduce_scatter", x.nbytes, out,
                          lambda: self.comm.Reduce_scatter_block(x_buf, buf, mpi_op),
                          lambda: self.comm.Ireduce_scatter_block(x_buf, buf, mpi_op), wait, then=then)
 
     def _all_gather(self, x, out, wait):
-        x_buf, _ = _stage(x, "all_gather", copy_back=False)
+        x_buf, _ = stage(x, "all_gather", copy_back=False)
         out = self._out(out, (self.size,) + x.shape, x.dtype, "all_gather", x)
         if self.size == 1:
             out[0] = x
-        buf, then = _stage(out, "all_gather", copy_back=True)
+        buf, then = stage(out, "all_gather", copy_back=True)
         return self._run("all_gather", out.nbytes, out, lambda: self.comm.Allgather(x_buf, buf),
                          lambda: self.comm.Iallgather(x_buf, buf), wait, then=then)
 
     def _all_to_all(self, x, out, wait):
-        x_buf, _ = _stage(x, "all_to_all", copy_back=False)
+        x_buf, _ = stage(x, "all_to_all", copy_back=False)
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"all_to_all: axis 0 of shape {x.shape} does not split into {self.size} chunks")
         out = self._out(out, x.shape, x.dtype, "all_to_all", x)
         if self.size == 1:
             out[...] = x
-        buf, then = _stage(out, "all_to_all", copy_back=True)
+        buf, then = stage(out, "all_to_all", copy_back=True)
         return self._run("all_to_all", x.nbytes, out, lambda: self.comm.Alltoall(x_buf, buf),
                          lambda: self.comm.Ialltoall(x_buf, buf), wait, then=then)
 
     def _all_to_all_v(self, x, send_counts, recv_counts, wait):
-        x_buf, _ = _stage(x, "all_to_all_v", copy_back=False)
+        x_buf, _ = stage(x, "all_to_all_v", copy_back=False)
         (sc, sd, rc, rd), shape, charged = all_to_all_v_plan(x, send_counts, recv_counts, self.rank, self.size)
         out = self._out(None, shape, x.dtype, "all_to_all_v", x)
         if self.size == 1:
             out[...] = x
-        buf, then = _stage(out, "all_to_all_v", copy_back=True)
+        buf, then = stage(out, "all_to_all_v", copy_back=True)
         kind = from_numpy_dtype(x_buf.dtype)  # Alltoallv's counts are in elements of this type
         send, recv = [x_buf, (sc.tolist(), sd.tolist()), kind], [buf, (rc.tolist(), rd.tolist()), kind]
         return self._run("all_to_all_v", x.nbytes, out, lambda: self.comm.Alltoallv(send, recv),
                          lambda: self.comm.Ialltoallv(send, recv), wait, then=then, charged=charged)
 
     def _broadcast(self, x, root, wait):
-        buf, then = _stage(x, "broadcast", copy_back=True)
+        buf, then = stage(x, "broadcast", copy_back=True)
         return self._run("broadcast", x.nbytes, x, lambda: self.comm.Bcast(buf, root=root),
                          lambda: self.comm.Ibcast(buf, root=root), wait, root=root, then=then)
 
@@ -268,7 +175,7 @@ class MPICommunicator(Communicator):
         return self._run("barrier", 0, None, _nothing, self.comm.Ibarrier, wait=False)
 
     def isend(self, x, dest, tag=0):
-        buf, _ = _stage(x, "send", copy_back=False)
+        buf, _ = stage(x, "send", copy_back=False)
         self.stats.record("send", x.nbytes, 0)
         request = self.comm.Isend(buf, dest, tag)
         return Request(request.Test, keep=buf, block=self._block(request))  # keep: until the send completes
@@ -277,7 +184,7 @@ class MPICommunicator(Communicator):
         """Receive into ``out``, which must be exactly as large as the message (a larger buffer
         would keep stale values in its tail, so that is an error too). Peers agree on shapes and
         dtypes beforehand: MPI moves bytes and cannot tell float32 from float64 of the same size."""
-        buf, then = _stage(out, "recv", copy_back=True)
+        buf, then = stage(out, "recv", copy_back=True)
         request, status = self.comm.Irecv(buf, source, tag), MPI.Status()
         arrived = []
 
