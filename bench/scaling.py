@@ -15,6 +15,13 @@ each alike, and the figure kept is the median over rounds.
                  with the textbook unit costs, is idle time no implementation can remove
     efficiency = speed-up / ideal
 
+For a pipeline three bubbles stand side by side: the schedule's with equal stages (the formula's),
+the one its stages' measured costs leave with messages free (the trainer's ``bubble_expected``:
+the simulator replaying the schedule with each stage's median forward, backward and W), and the
+one measured. The second's excess over the first is the stages' imbalance (the last runs the head
+and the loss; on a shared machine one core may also run slower than the other); the third's over
+the second is what messages and the executor's own work cost.
+
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
 parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
 plain one-rank step runs the whole batch of 16 at once, which is what a pipeline has to beat.
@@ -45,7 +52,7 @@ LAYOUTS = {
     "dp": (["--dp", "{n}"], "dense", None),
     "zero1": (["--zero-stage", "1"], "dense", None),
     "zero2": (["--zero-stage", "2"], "dense", None),
-    "dp+recompute": (["--dp", "{n}", "--recompute"], "dense", None),  # ZeRO-3's fair reference: it always recomputes
+    "dp+recompute": (["--dp", "{n}", "--recompute"], "dense", None),  # what ZeRO-3 cost when it recomputed
     "zero3": (["--zero-stage", "3"], "dense", None),
     "tp": (["--tp", "{n}"], "dense", None),
     "tp+sp": (["--tp", "{n}", "--sequence-parallel"], "dense", None),
@@ -59,6 +66,9 @@ LAYOUTS = {
     "cp-ulysses": (["--cp", "{n}", "--cp-comm-type", "a2a"], "dense", None),
     "ep": (["--ep", "{n}"], "moe", None),
 }
+
+
+BUBBLES = "bubble: equal stages, these stages, measured"
 
 
 def ideal(layout, n):
@@ -77,8 +87,8 @@ def ideal(layout, n):
 
 
 def step_ms(ranks, flags, steps, skip):
-    """Median step time (ms) and measured bubble of one launch, from its --log-json rows after
-    the first ``skip``."""
+    """Median step time (ms), measured bubble and the bubble of the stages' costs (None without a
+    pipeline) of one launch, from its --log-json rows after the first ``skip``."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(ranks), "-m", "minipar.train", *flags,
@@ -89,7 +99,9 @@ def step_ms(ranks, flags, steps, skip):
             raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         with open(log) as fh:
             rows = [json.loads(line) for line in fh]
-    return statistics.median(r["ms"] for r in rows[skip:]), statistics.median(r["bubble"] for r in rows[skip:])
+    rows = rows[skip:]
+    expected = statistics.median(r["bubble_expected"] for r in rows) if "bubble_expected" in rows[0] else None
+    return statistics.median(r["ms"] for r in rows), statistics.median(r["bubble"] for r in rows), expected
 
 
 def model_flags(kind, size):
@@ -121,13 +133,15 @@ def main():
     size = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     times = {key: [] for key in [("one", m) for m in models] + layouts}
     measured = {name: [] for name in layouts}  # the pipelines' idle share, as the trainer logs it
+    expected = {name: [] for name in layouts}  # the bubble of the stages' measured costs
     for _ in range(args.rounds):
         for model in models:
             times[("one", model)].append(step_ms(1, model_flags(model, size), args.steps, args.skip)[0])
         for name in layouts:
-            ms, bubble = step_ms(args.ranks, flags_of(name, args.ranks, size), args.steps, args.skip)
+            ms, bubble, of_costs = step_ms(args.ranks, flags_of(name, args.ranks, size), args.steps, args.skip)
             times[name].append(ms)
             measured[name].append(bubble)
+            expected[name].append(of_costs)
     one = {m: statistics.median(times[("one", m)]) for m in models}
     n = args.ranks
     rows = []
@@ -136,21 +150,22 @@ def main():
         base = one[LAYOUTS[name][1]]
         best, bubble = ideal(name, n)
         speedup = base / t
-        rows.append((name, base, t, speedup, float(best), speedup / float(best), float(bubble),
-                     statistics.median(measured[name])))
+        idle = ""
+        if LAYOUTS[name][2]:
+            idle = (f"{float(bubble):.3f}, {statistics.median(expected[name]):.3f}, "
+                    f"{statistics.median(measured[name]):.3f}")
+        rows.append((name, base, t, speedup, float(best), speedup / float(best), idle))
     print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "
           f"GPT of {args.n_layer} layers, hidden {args.n_embd}, 4 heads, T 128, batch {BATCH}")
     if args.markdown:
-        print("\n| layout | 1 rank ms | N ranks ms | speed-up | ideal | efficiency | bubble: schedule, measured |\n"
+        print(f"\n| layout | 1 rank ms | N ranks ms | speed-up | ideal | efficiency | {BUBBLES} |\n"
               "| --- | --- | --- | --- | --- | --- | --- |")
-        for name, base, t, s, best, eff, bubble, seen in rows:
-            idle = f"{bubble:.3f}, {seen:.3f}" if LAYOUTS[name][2] else ""
+        for name, base, t, s, best, eff, idle in rows:
             print(f"| {name} | {base:.1f} | {t:.1f} | {s:.2f}x | {best:.2f}x | {eff:.2f} | {idle} |")
     else:
         print(f"\n{'layout':<12} {'1 rank ms':>10} {f'{n} ranks ms':>11} {'speed-up':>9} {'ideal':>6} "
-              f"{'efficiency':>10}  bubble: schedule, measured")
-        for name, base, t, s, best, eff, bubble, seen in rows:
-            idle = f"{bubble:.3f}, {seen:.3f}" if LAYOUTS[name][2] else ""
+              f"{'efficiency':>10}  {BUBBLES}")
+        for name, base, t, s, best, eff, idle in rows:
             print(f"{name:<12} {base:>10.1f} {t:>11.1f} {s:>8.2f}x {best:>5.2f}x {eff:>10.2f}  {idle}")
 
 

@@ -39,7 +39,9 @@ from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.weight_stash import WeightStash
-from minipar.parallel.pipeline.schedules import COMPUTE, shape_of
+from minipar.parallel.pipeline import stage_times
+from minipar.parallel.pipeline.schedules import shape_of
+from minipar.parallel.validate import SPLIT_BACKWARD
 from minipar.train_report import Reports
 
 
@@ -49,13 +51,6 @@ def learning_rate(it, args):
         return args.lr * (it + 1) / args.warmup_iters
     progress = (it - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
-
-
-def local_bubble(timeline):
-    """The idle fraction of this rank's step: 1 - (forwards, backwards, B's and W's) / (first start to last end)."""
-    work = [(s, e) for op, _, _, s, e in timeline if op in COMPUTE]
-    span = work[-1][1] - timeline[0][3]
-    return 1.0 - sum(e - s for s, e in work) / span if span > 0 else 0.0
 
 
 class Trainer(Reports):
@@ -81,6 +76,8 @@ class Trainer(Reports):
             self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
                                              optimizer=self.opt, recompute=args.recompute)
         self.end = args.max_iters  # the run's last iteration + 1 (PipeDream-2BW drains before it)
+        # chunks per rank; PipeDream-2BW's step runs the next batch's forwards too: no replay for it
+        self.v, self.replayable = args.vpp, not isinstance(self.executor, PipeDream2BW)
         self.start, self._n_params = 0, None
         if weights is not None:
             full.load_full_state(model, self.opt, weights, grid)
@@ -133,8 +130,13 @@ class Trainer(Reports):
         bad = [] if math.isfinite(self.norm) or self.opt.skipped_step else self._nonfinite()
         self.opt.zero_grad()
         loss = record.loss if self.reports_loss else 0.0
-        totals = self.world.all_reduce(numpy.array([loss, local_bubble(record.timeline)]))
-        return float(totals[0]), self.norm, float(totals[1]) / self.world.size, bad
+        # one all-reduce: the loss, and every stage's summary averaged over the stage's ranks
+        g = self.grid
+        table = numpy.zeros((g.pp, 2 + 3 * self.v))
+        table[g.pp_rank] = stage_times.summary(record.timeline, self.v) / (self.world.size // g.pp)
+        totals = self.world.all_reduce(numpy.concatenate([[loss], table.ravel()]))
+        self.stages = totals[1:].reshape(table.shape)
+        return float(totals[0]), self.norm, stage_times.bubble(self.stages), bad
 
     def _groups(self):
         g = self.grid
@@ -193,6 +195,10 @@ class Trainer(Reports):
                 mfu = model_flops / (ms / 1e3) / peak
                 record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
                           "mfu": mfu}
+                expected = stage_times.expected(args.schedule, args.micro_batches, self.v, self.stages,
+                                                args.schedule in SPLIT_BACKWARD) if self.replayable else None
+                if expected is not None:  # the bubble of these stages' costs alone (stage_times)
+                    record.update(bubble_expected=expected, stage_ms=stage_times.costs_ms(self.stages, self.v))
                 if self.opt.policy is not None:  # mixed precision: the scale the step's loss was multiplied by
                     record.update(loss_scale=self.loss_scale, skipped=self.opt.skipped_step)
                     if self.opt.skipped_step:  # the scaled gradients overflowed: no norm (JSON has no inf)
