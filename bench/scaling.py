@@ -16,11 +16,11 @@ each alike, and the figure kept is the median over rounds.
     efficiency = speed-up / ideal
 
 For a pipeline three bubbles stand side by side: the schedule's with equal stages (the formula's),
-the one its stages' measured costs leave with messages free (the trainer's ``bubble_expected``:
-the simulator replaying the schedule with each stage's median forward, backward and W), and the
+the one the step's own compute leaves with messages free (the trainer's ``bubble_expected``: the
+simulator replaying the schedule with every forward, backward and W as long as it took), and the
 one measured. The second's excess over the first is the stages' imbalance (the last runs the head
-and the loss; on a shared machine one core may also run slower than the other); the third's over
-the second is what messages and the executor's own work cost.
+and the loss) and the micro-batches' unevenness (on a shared machine some run slower); the third's
+over the second is what messages and the executor's own work cost.
 
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
 parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
@@ -68,7 +68,7 @@ LAYOUTS = {
 }
 
 
-BUBBLES = "bubble: equal stages, these stages, measured"
+BUBBLES = "bubble: equal stages, its compute, measured"
 
 
 def ideal(layout, n):
@@ -87,8 +87,8 @@ def ideal(layout, n):
 
 
 def step_ms(ranks, flags, steps, skip):
-    """Median step time (ms), measured bubble and the bubble of the stages' costs (None without a
-    pipeline) of one launch, from its --log-json rows after the first ``skip``."""
+    """Median step time (ms), measured bubble and the bubble of the step's compute alone (None
+    without a pipeline) of one launch, from its --log-json rows after the first ``skip``."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(ranks), "-m", "minipar.train", *flags,
@@ -133,7 +133,7 @@ def main():
     size = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     times = {key: [] for key in [("one", m) for m in models] + layouts}
     measured = {name: [] for name in layouts}  # the pipelines' idle share, as the trainer logs it
-    expected = {name: [] for name in layouts}  # the bubble of the stages' measured costs
+    expected = {name: [] for name in layouts}  # the bubble of the step's compute alone
     for _ in range(args.rounds):
         for model in models:
             times[("one", model)].append(step_ms(1, model_flags(model, size), args.steps, args.skip)[0])

@@ -41,7 +41,6 @@ from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.schedules import shape_of
-from minipar.parallel.validate import SPLIT_BACKWARD
 from minipar.train_report import Reports
 
 
@@ -132,8 +131,10 @@ class Trainer(Reports):
         loss = record.loss if self.reports_loss else 0.0
         # one all-reduce: the loss, and every stage's summary averaged over the stage's ranks
         g = self.grid
-        table = numpy.zeros((g.pp, 2 + 3 * self.v))
-        table[g.pp_rank] = stage_times.summary(record.timeline, self.v) / (self.world.size // g.pp)
+        m = self.args.micro_batches if self.replayable else None  # PipeDream-2BW's: no replay
+        table = numpy.zeros((g.pp, stage_times.width(g.pp, self.v, m)))
+        table[g.pp_rank] = stage_times.summary(record.timeline, g.pp, self.v, m)
+        table /= self.world.size // g.pp
         totals = self.world.all_reduce(numpy.concatenate([[loss], table.ravel()]))
         self.stages = totals[1:].reshape(table.shape)
         return float(totals[0]), self.norm, stage_times.bubble(self.stages), bad
@@ -195,10 +196,10 @@ class Trainer(Reports):
                 mfu = model_flops / (ms / 1e3) / peak
                 record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
                           "mfu": mfu}
-                expected = stage_times.expected(args.schedule, args.micro_batches, self.v, self.stages,
-                                                args.schedule in SPLIT_BACKWARD) if self.replayable else None
-                if expected is not None:  # the bubble of these stages' costs alone (stage_times)
-                    record.update(bubble_expected=expected, stage_ms=stage_times.costs_ms(self.stages, self.v))
+                m = args.micro_batches
+                expected = stage_times.expected(args.schedule, self.v, m, self.stages)
+                if expected is not None:  # the bubble of this step's compute alone (stage_times)
+                    record.update(bubble_expected=expected, stage_ms=stage_times.costs_ms(self.stages, self.v, m))
                 if self.opt.policy is not None:  # mixed precision: the scale the step's loss was multiplied by
                     record.update(loss_scale=self.loss_scale, skipped=self.opt.skipped_step)
                     if self.opt.skipped_step:  # the scaled gradients overflowed: no norm (JSON has no inf)

@@ -92,7 +92,7 @@ def per_chunk(cost, schedules, v):
 
 
 def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None, forward_only=False,
-             shape="round-robin"):
+             shape="round-robin", durations=None):
     """Replay ``schedules`` ({rank: [Instruction]}) and return a Simulation; raises RuntimeError on
     a deadlock or a broken schedule (``forward_only``: an evaluation schedule, no backwards).
     ``forward``, ``backward``, ``weight`` and ``recompute`` (added to each backward's first half):
@@ -100,7 +100,9 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     2 and 0. With the backward split (zero-bubble schedules), ``backward`` is B's cost and
     ``weight`` W's, which such a schedule must be given; a fused backward costs backward + weight
     (weight 0 when None), so one set of costs (F, B, W) compares every schedule. ``shape``: how
-    the chunks are placed (``Pipeline``), "v" for ZB-V."""
+    the chunks are placed (``Pipeline``), "v" for ZB-V. ``durations``: {(rank, op, mb, chunk): time}
+    of instructions that took their own time (a measured step, micro-batch by micro-batch), in
+    place of their chunk's cost."""
     p = len(schedules)
     pipe = Pipeline(p, m, v, shape)
     split = any(ins.op == BACKWARD_WEIGHT for s in schedules.values() for ins in s)
@@ -141,6 +143,8 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
                     _account(r, ins, alive, split_done)
                     peak[r] = max(peak[r], len(alive[r]))
                     took = cost[ins.op][r, ins.chunk]
+                    if durations is not None:
+                        took = durations.get((r, ins.op, ins.mb, ins.chunk), took)
                     timeline[r].append((ins.op, ins.mb, ins.chunk, clock[r], clock[r] + took))
                     clock[r] += took
                     busy[r] += took

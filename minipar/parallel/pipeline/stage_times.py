@@ -1,50 +1,56 @@
 """What a training step's timelines say about its pipeline: the bubble it had, and the bubble its
-stages' own costs leave when messages take no time.
+own compute leaves when messages take no time.
 
 Each rank sums up its timeline (``summary``): the time it computed, its span (its first
-instruction's start to its last forward's or backward's end), and its median forward, backward (or
-B) and W per chunk. The trainer averages these over the ranks of each stage in the step's one
-all-reduce, so every rank holds a table of one row per stage.
+instruction's start to its last forward's or backward's end), and how long each of its forwards,
+backwards (or B's) and W's took. The trainer averages these over the ranks of each stage in the
+step's one all-reduce, so every rank holds a table of one row per stage.
 
 The bubble is the mean over stages of 1 - busy / makespan, the makespan being the longest span:
 every rank starts its step at about the same moment (the previous step ended in an all-reduce) and
 its timeline with it (a later stage's first instruction is a receive), so no two ranks' clocks are
-compared, and it holds across hosts. Measuring
-each rank against its own span instead would let the last stage, which starts the step waiting
-and finishes before the first, hide part of its idle time (with equal stages, 1F1B's p = 2,
-m = 8 would read 0.076 instead of the formula's 1/9).
+compared, and it holds across hosts. Measuring each rank against its own span instead would let
+the last stage, which starts the step waiting and finishes before the first, hide part of its idle
+time (with equal stages, 1F1B's p = 2, m = 8 would read 0.076 instead of the formula's 1/9).
 
-``expected`` replays the schedule (``simulate``) with the stages' measured costs. The formula
-(p - 1)/(m + p - 1) assumes equal stages; these stages are as they ran (the last also runs the
-head and the loss), so the measured bubble's excess over ``expected`` is what waiting for
-messages and the executor's own work between instructions cost.
+``expected`` replays the schedule (``simulate``) with every instruction's measured duration and
+free messages. The formula (p - 1)/(m + p - 1) assumes equal stages that take the same time for
+every micro-batch; the replay keeps the stages as they ran (the last also runs the head and the
+loss) and each micro-batch's own time (a machine shared with other work slows some of them, and
+in 1F1B a late one holds up the other stage). So the measured bubble's excess over ``expected`` is
+what waiting for messages and the executor's own work between instructions cost, and nothing else.
 """
-
-import statistics
 
 import numpy
 
 from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, build,
                                                  shape_of)
 from minipar.parallel.pipeline.simulate import simulate
+from minipar.parallel.validate import SPLIT_BACKWARD
 
-# the cost rows of a summary: forwards, backwards (whole, or their input half B), W
+# the kinds of compute a summary holds durations of: forwards, backwards (whole, or B), W's
 KINDS = ((FORWARD,), (BACKWARD, BACKWARD_INPUT), (BACKWARD_WEIGHT,))
-SIMULATE_UP_TO = 4096  # chunk-passes p x v x m: beyond this the replay is not worth its time each step
+SIMULATE_UP_TO = 4096  # chunk-passes p x v x m: beyond this no durations travel and nothing is replayed
 
 
-def summary(timeline, v):
-    """One rank's [busy, span, F per chunk, B per chunk, W per chunk] in seconds (2 + 3 v numbers)."""
-    out = numpy.zeros(2 + 3 * v)
-    work = [(op, chunk, e - s) for op, _, chunk, s, e in timeline if op in COMPUTE]
+def width(p, v, m):
+    """Numbers in a stage's summary: busy and span, then (with a pipeline short enough to replay
+    every step) each kind's duration per chunk and micro-batch. ``m`` None: no replay."""
+    return 2 + 3 * v * m if m is not None and 1 < p and p * v * m <= SIMULATE_UP_TO else 2
+
+
+def summary(timeline, p, v, m):
+    """One rank's [busy, span, durations (kind, chunk, micro-batch)] in seconds (``width`` numbers)."""
+    out = numpy.zeros(width(p, v, m))
+    work = [(op, mb, chunk, e - s) for op, mb, chunk, s, e in timeline if op in COMPUTE]
     if not work:
         return out
-    out[0] = sum(t for _, _, t in work)
+    out[0] = sum(t for *_, t in work)
     out[1] = max(e for op, _, _, _, e in timeline if op in COMPUTE) - timeline[0][3]
-    for row, kinds in enumerate(KINDS):
-        for chunk in range(v):
-            times = [t for op, c, t in work if op in kinds and c == chunk]
-            out[2 + row * v + chunk] = statistics.median(times) if times else 0.0
+    if len(out) > 2:
+        each = out[2:].reshape(3, v, m)
+        for op, mb, chunk, t in work:
+            each[_kind(op), chunk, mb] = t
     return out
 
 
@@ -54,21 +60,30 @@ def bubble(table):
     return float(numpy.mean(1.0 - table[:, 0] / makespan)) if makespan > 0 else 0.0
 
 
-def costs_ms(table, v):
+def costs_ms(table, v, m):
     """Each stage's median forward, backward (or B) and W per chunk, in milliseconds, for a log."""
-    per = table[:, 2:].reshape(len(table), 3, v) * 1e3
-    return {name: per[:, row].round(3).tolist() for row, name in enumerate(("forward", "backward", "weight"))}
+    each = table[:, 2:].reshape(len(table), 3, v, m) * 1e3
+    return {name: numpy.median(each[:, kind], axis=-1).round(3).tolist()
+            for kind, name in enumerate(("forward", "backward", "weight"))}
 
 
-def expected(schedule, m, v, table, split):
-    """The bubble of ``schedule`` with the stages' measured costs and free messages (None when the
-    replay would be too long to run every step). ``split``: the backward runs as B and W."""
+def expected(schedule, v, m, table):
+    """The bubble of ``schedule`` when every instruction takes the time it took (``table``) and
+    messages none; None when the table has no durations (no pipeline, or too long to replay)."""
     p = len(table)
-    if p == 1 or p * v * m > SIMULATE_UP_TO:
+    if table.shape[1] != 2 + 3 * v * m:
         return None
+    each = table[:, 2:].reshape(p, 3, v, m)
+    split = schedule in SPLIT_BACKWARD
     # whole microseconds: the simulator's exact arithmetic stays on small integers
-    us = numpy.maximum(1, numpy.round(table[:, 2:].reshape(p, 3, v) * 1e6)).astype(int)
-    cost = [{(r, c): int(us[r, row, c]) for r in range(p) for c in range(v)} for row in range(3)]
-    sim = simulate(build(schedule, p, m, v), m, v, forward=cost[0], backward=cost[1],
-                   weight=cost[2] if split else None, shape=shape_of(schedule))
+    us = numpy.maximum(1, numpy.round(each * 1e6)).astype(int)
+    fused = BACKWARD_INPUT if split else BACKWARD
+    durations = {(r, op, mb, c): int(us[r, kind, c, mb]) for r in range(p) for c in range(v) for mb in range(m)
+                 for kind, op in enumerate((FORWARD, fused, BACKWARD_WEIGHT)) if kind < 2 or split}
+    sim = simulate(build(schedule, p, m, v), m, v, weight=1 if split else None, shape=shape_of(schedule),
+                   durations=durations)
     return float(sum(sim.bubble.values()) / p)
+
+
+def _kind(op):
+    return next(k for k, ops in enumerate(KINDS) if op in ops)
