@@ -3,7 +3,9 @@
 import os
 import re
 import subprocess
+import sys
 import sysconfig
+import time
 
 import pytest
 
@@ -212,11 +214,12 @@ def test_benchmarks_run(bench, args):
             "zero_memory.py": "deepest GPT", "sender_computes.py": "waited for the sender's compute"}[bench] in out
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pipe's unread bytes are asked of Linux (FIONREAD)")
 def test_an_abort_waits_until_the_launcher_has_read_the_error():
     """The launcher reads a rank's output from a pipe; MPI_Abort while the error is still in the
-    pipe would lose it. Here the "launcher" reads only after a pause: the wait must outlast it."""
+    pipe would lose it. Here the "launcher" reads only after a pause: the wait must outlast it,
+    and end when the pipe is empty, not at its limit. Nobody reading: it gives up at the limit."""
     import threading
-    import time
 
     from minipar.comm.start import let_output_through
 
@@ -230,7 +233,23 @@ def test_an_abort_waits_until_the_launcher_has_read_the_error():
 
     thread = threading.Thread(target=launcher)
     thread.start()
-    let_output_through(linger=0.0, fds=(write_end,))
+    start = time.monotonic()
+    let_output_through(limit=60.0, linger=0.0, fds=(write_end,))
     assert got == [b"rank 1: the error\n"], "returned before the launcher read the pipe"
+    assert time.monotonic() - start < 60.0, "waited out its limit with the pipe already empty"
     thread.join()
+    os.write(write_end, b"nobody reads this\n")
+    start = time.monotonic()
+    let_output_through(limit=0.2, linger=0.0, fds=(write_end,))
+    assert time.monotonic() - start >= 0.2
     os.close(read_end), os.close(write_end)
+
+
+def test_the_abort_hook_survives_a_closed_stdout():
+    """A rank started with its stdout closed has sys.stdout None: the wait before the abort must
+    not raise, or the abort would never be called and the other ranks would wait forever."""
+    code = ("import sys; sys.stdout = None; from minipar.comm.start import let_output_through; "
+            "let_output_through(limit=0.1, linger=0.0); print('returned', file=sys.stderr)")
+    done = subprocess.run([PYTHON, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and "returned" in done.stderr, done.stderr

@@ -224,8 +224,10 @@ class MPICommunicator(Communicator):
     def abort(self, code=1):
         """End every rank of the job now (a failed check on one rank must not leave others
         waiting), once the launcher has this rank's last words."""
-        let_output_through()
-        self.comm.Abort(code)
+        try:
+            let_output_through()
+        finally:
+            self.comm.Abort(code)
 
 
 def usable_cores():

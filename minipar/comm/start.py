@@ -33,9 +33,11 @@ def abort_on_uncaught_exception():
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
-        previous(kind, value, traceback)
-        let_output_through()
-        MPI.COMM_WORLD.Abort(1)
+        try:
+            previous(kind, value, traceback)
+            let_output_through()
+        finally:
+            MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook, _hooked = hook, True
 
@@ -48,32 +50,40 @@ def let_output_through(limit=3.0, linger=0.3, fds=(1, 2)):
     still in the pipe: CI once saw a failing job end with exit code 1 and no output at all. So
     wait (at most ``limit`` seconds) until both pipes are empty, then ``linger`` a little so the
     launcher passes the text on, and another rank failing at the same moment can finish its own.
+    How many bytes a pipe holds is asked of its write end (FIONREAD), which Linux answers; on
+    other systems this only lingers. Never raises: it stands between a failure and the abort.
     """
-    import fcntl
-    import termios
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
+        except Exception:  # closed, None (a rank started with its stdout closed), or broken
             pass
-    pipes = []
-    for fd in fds:
+    if sys.platform.startswith("linux"):
         try:
-            if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                pipes.append(fd)
-        except OSError:
+            _wait_for_pipes(fds, time.monotonic() + limit)
+        except Exception:
             pass
-    unread = bytearray(4)
-    deadline = time.monotonic() + limit
-    while pipes and time.monotonic() < deadline:
-        try:
-            pipes = [fd for fd in pipes if fcntl.ioctl(fd, termios.FIONREAD, unread) == 0
-                     and int.from_bytes(unread, sys.byteorder) > 0]
-        except OSError:  # FIONREAD on a pipe's write end is Linux's; elsewhere just linger
-            break
-        time.sleep(0.01)
     time.sleep(linger)
+
+
+def _wait_for_pipes(fds, deadline):
+    import fcntl
+    import termios
+
+    pipes = [fd for fd in fds if _is_pipe(fd)]
+    unread = bytearray(4)
+    while pipes and time.monotonic() < deadline:
+        pipes = [fd for fd in pipes if fcntl.ioctl(fd, termios.FIONREAD, unread) == 0
+                 and int.from_bytes(unread, sys.byteorder) > 0]
+        if pipes:
+            time.sleep(0.01)
+
+
+def _is_pipe(fd):
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:  # closed
+        return False
 
 
 def start_mpi_first():
