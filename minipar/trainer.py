@@ -196,9 +196,12 @@ class Trainer(Reports):
                 mfu = model_flops / (ms / 1e3) / peak
                 record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
                           "mfu": mfu}
+                # the bubble of this step's compute alone (stage_times): a replay of up to 4096
+                # chunk-passes, 0.1 s at that size, so only for a log; on every rank alike, so that
+                # every rank starts the next step together
                 m = args.micro_batches
-                expected = stage_times.expected(args.schedule, self.v, m, self.stages)
-                if expected is not None:  # the bubble of this step's compute alone (stage_times)
+                expected = stage_times.expected(args.schedule, self.v, m, self.stages) if args.log_json else None
+                if expected is not None:
                     record.update(bubble_expected=expected, stage_ms=stage_times.costs_ms(self.stages, self.v, m))
                 if self.opt.policy is not None:  # mixed precision: the scale the step's loss was multiplied by
                     record.update(loss_scale=self.loss_scale, skipped=self.opt.skipped_step)

@@ -30,6 +30,11 @@ def close(a, b, tol=1e-5):
     return set(a) <= set(b) and all(abs(a[i] - b[i]) <= tol * abs(b[i]) for i in a)
 
 
+def rows(log):
+    with open(log) as fh:
+        return [json.loads(line) for line in fh]
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The single-device run the layouts are compared with: 20 steps."""
@@ -56,6 +61,12 @@ def test_zero_bubble_schedule_from_the_command_line(single, tmp_path, schedule):
     code, out, _ = train(4, "--max-iters", "20", "--pp", "2", "--schedule", *schedule, "--log-json", log)
     assert code == 0 and f"schedule {schedule[0]}" in out, out
     assert len(losses(log)) == 20 and close(losses(log), single)
+    # each row: the bubble against the makespan and the bubble of its compute alone, B and W apart
+    v = 2 if schedule[0] == "zb-v" else 1
+    for row in rows(log):
+        assert 0 <= row["bubble_expected"] < 1 and 0 <= row["bubble"] < 1
+        assert all(len(row["stage_ms"][kind]) == 2 and all(len(c) == v and min(c) > 0 for c in row["stage_ms"][kind])
+                   for kind in ("forward", "backward", "weight")), row["stage_ms"]
 
 
 def test_pipedream_2bw_from_the_command_line(single, tmp_path):
@@ -67,6 +78,7 @@ def test_pipedream_2bw_from_the_command_line(single, tmp_path):
     assert code == 0 and "schedule pipedream-2bw" in out and "stash" in out, out
     got = losses(log)
     assert len(got) == 20 and close({0: got[0]}, single) and not close(got, single)
+    assert not any("bubble_expected" in row for row in rows(log))  # its step spans two batches: no replay
 
 
 def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):

@@ -67,3 +67,18 @@ def test_no_durations_without_a_pipeline_past_the_limit_or_for_pipedream():
     m = stage_times.SIMULATE_UP_TO // 2 + 1
     assert stage_times.width(2, 1, m) == 2 and stage_times.width(2, 1, None) == 2
     assert stage_times.expected("1f1b", 1, m, np.ones((2, 2))) is None
+
+
+@pytest.mark.parametrize("name,p,m,v", [("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("zb-v", 2, 8, 2),
+                                        ("zb-h2", 3, 6, 1)])
+def test_random_durations_come_back_through_the_table(name, p, m, v):
+    """Every instruction its own random duration: the table keeps each in its (kind, chunk,
+    micro-batch) place, so the replay is the step to rounding."""
+    rng = np.random.default_rng(7)
+    split = name.startswith("zb")
+    plan = S.build(name, p, m, v)
+    durations = {(r, ins.op, ins.mb, ins.chunk): Fraction(int(rng.integers(500, 3000)), 1000)
+                 for r, s in plan.items() for ins in s if ins.op in S.COMPUTE}
+    sim = simulate(plan, m, v, weight=1 if split else None, shape=S.shape_of(name), durations=durations)
+    table = table_of(sim, p, v, m)
+    assert stage_times.expected(name, v, m, table) == pytest.approx(stage_times.bubble(table), rel=1e-9)

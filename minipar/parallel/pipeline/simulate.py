@@ -114,14 +114,16 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     cost = {FORWARD: per_chunk(forward, schedules, v), BACKWARD_WEIGHT: w,
             BACKWARD_INPUT: {k: b[k] + extra[k] for k in b},
             BACKWARD: {k: b[k] + extra[k] + w[k] for k in b}}
-    clock = {r: Fraction(0) for r in schedules}
+    # whole numbers until a cost is a Fraction: a replay of measured durations in integer
+    # microseconds then runs on ints, several times faster
+    clock = {r: 0 for r in schedules}
     at = {r: 0 for r in schedules}  # next instruction per rank
     sent = {}  # message key -> time it was sent
     received = Counter()
     alive = {r: set() for r in schedules}  # (mb, chunk) forwarded, its backward (or W) not yet run
     split_done = {r: set() for r in schedules}  # (mb, chunk) whose B has run, waiting for its W
     peak = {r: 0 for r in schedules}
-    busy = {r: Fraction(0) for r in schedules}
+    busy = {r: 0 for r in schedules}
     timeline = {r: [] for r in schedules}
     while any(at[r] < len(s) for r, s in schedules.items()):
         moved = False
@@ -167,7 +169,7 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
             raise RuntimeError(f"rank {r} does not run every micro-batch once through each chunk")
     makespan = max(clock.values())
     sim = Simulation(makespan, busy, timeline, peak, messages=len(sent))
-    sim.bubble = {r: (makespan - busy[r]) / makespan for r in schedules}
+    sim.bubble = {r: Fraction(makespan - busy[r]) / makespan for r in schedules}
     sim.period = max(t[-1][4] - t[0][3] for t in timeline.values() if t)
     return sim
 

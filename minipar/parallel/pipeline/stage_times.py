@@ -21,6 +21,8 @@ in 1F1B a late one holds up the other stage). So the measured bubble's excess ov
 what waiting for messages and the executor's own work between instructions cost, and nothing else.
 """
 
+from functools import lru_cache
+
 import numpy
 
 from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, build,
@@ -75,14 +77,20 @@ def expected(schedule, v, m, table):
         return None
     each = table[:, 2:].reshape(p, 3, v, m)
     split = schedule in SPLIT_BACKWARD
-    # whole microseconds: the simulator's exact arithmetic stays on small integers
+    # whole microseconds: the simulator's clocks stay ints
     us = numpy.maximum(1, numpy.round(each * 1e6)).astype(int)
     fused = BACKWARD_INPUT if split else BACKWARD
     durations = {(r, op, mb, c): int(us[r, kind, c, mb]) for r in range(p) for c in range(v) for mb in range(m)
                  for kind, op in enumerate((FORWARD, fused, BACKWARD_WEIGHT)) if kind < 2 or split}
-    sim = simulate(build(schedule, p, m, v), m, v, weight=1 if split else None, shape=shape_of(schedule),
+    sim = simulate(_plan(schedule, p, m, v), m, v, weight=1 if split else None, shape=shape_of(schedule),
                    durations=durations)
     return float(sum(sim.bubble.values()) / p)
+
+
+@lru_cache(maxsize=4)
+def _plan(schedule, p, m, v):
+    """The schedule's instruction lists, built once per run, not once per step."""
+    return build(schedule, p, m, v)
 
 
 def _kind(op):
