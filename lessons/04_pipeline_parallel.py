@@ -41,7 +41,7 @@ delayed rule, not synchronous training; the two loss curves are drawn in --out.
 The timelines are drawn in --out: one Gantt picture per schedule as measured, one simulated, and a
 Chrome trace (open it in Perfetto or chrome://tracing). Read next: docs/pipeline_parallel.md.
 
-What to look at: the bubble table (theory = "sim, unit"; "sim, costs" and measured are this
+What to look at: the bubble table (theory = "sim, unit"; "sim, step" and measured are this
 machine), the costs (backward is not 2 forwards here), the activations held (m for GPipe, p - rank
 for 1F1B) and the bytes sent. With --show-schedules each rank's instructions are printed in
 order: F3 is the forward of micro-batch 3, B3 its backward, and in the interleaved table F3.1 is
@@ -52,7 +52,7 @@ Exercises (predict first, then run the command and read the table named):
    interleaved (v = 2) for m = 4, 8 and 16, then run
    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --micro-batches 4   (then 8, then 16)
    and see whether "measured" follows it (on 2 cores it hardly moves: see the note). Then with
-   a core per rank, -n 2 --schedule 1f1b --micro-batches 2 (4, 8, 16): does it follow "sim, costs"?
+   a core per rank, -n 2 --schedule 1f1b --micro-batches 2 (4, 8, 16): does it follow "sim, step"?
 2. Predict the "activations held" rows for --micro-batches 16 on 4 ranks, GPipe and 1F1B, and why
    only one of them grows with m. The bytes table below it shows the same in megabytes.
 3. Write down 1F1B's order for 2 stages and 4 micro-batches (rank 0 runs two forwards before its

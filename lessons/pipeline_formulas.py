@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from minipar.parallel.pipeline import schedules, trace
+from minipar.parallel.pipeline import schedules, stage_times, trace
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble, zero_bubble_idle
 
 SPLIT = ("zb-h1", "zb-h2", "zb-v")  # the backward split into B and W
@@ -100,24 +100,25 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
         ok &= costs_r is None or list(costs_r["peak_alive"]) == list(costs["peak_alive"])  # recompute holds as many
         per_rank = bytes_sent(name, p, m, vv, act_bytes)
         ok &= costs["sent"] == per_rank[grid.pp_rank]  # every rank checks its own
-        # the schedule again with this run's costs: each chunk's median forward, backward (or B)
-        # and W on each rank, and with recompute what its backward took beyond the plain run's
+        # each stage's median forward, backward (or B) and W, and with recompute what its backward
+        # took beyond the plain run's: the costs table
         op = trace.op_costs(costs["timelines"])
         split = name in SPLIT
         fwd, bwd = op[schedules.FORWARD], op[schedules.BACKWARD_INPUT if split else schedules.BACKWARD]
-        weight = op[schedules.BACKWARD_WEIGHT] if split else None
-        on_costs = [simulate(plan, m, vv, forward=fwd, backward=bwd, weight=weight, shape=shape)]
-        measured = [trace.bubble(costs["timelines"])]
         extra = {k: 0.0 for k in fwd}
         if recomputed:
             op_r = trace.op_costs(costs_r["timelines"])
             extra = {k: max(b - bwd[k], 0.0) for k, b in op_r[schedules.BACKWARD].items()}  # noise: >= 0
-            on_costs.append(simulate(plan, m, vv, forward=op_r[schedules.FORWARD], backward=bwd, recompute=extra))
-            measured.append(trace.bubble(costs_r["timelines"]))
+        # the schedule again with every forward and backward of the measured step as long as it
+        # took, messages free (what the trainer logs as bubble_expected): measured minus this is
+        # what the messages and the executor cost
+        runs = [costs] + ([costs_r] if recomputed else [])
+        replayed = [replay(name, run["timelines"], p, vv, m) for run in runs]
+        measured = [trace.bubble(run["timelines"]) for run in runs]
         mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
         mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks] if recomputed else None
         ok &= mem_r is None or all(b < a for a, b in zip(mem, mem_r))
-        lines.append(SimpleNamespace(name=name, v=vv, text=text, theory=theory, units=units, on_costs=on_costs,
+        lines.append(SimpleNamespace(name=name, v=vv, text=text, theory=theory, units=units, replayed=replayed,
                                      measured=measured, alive=alive, held=formula_text, mem=mem, mem_r=mem_r,
                                      per_rank=per_rank,
                                      stage_costs={k: (fwd[k], bwd[k], extra[k]) for k in sorted(fwd)}))
@@ -129,3 +130,9 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
                         f"{tag}: measured on this machine", chunks=vv)
             trace.chrome_trace(costs["timelines"], os.path.join(args.out, f"{name}_trace.json"), chunks=vv)
     return lines, ok
+
+
+def replay(name, timelines, p, v, m):
+    """The bubble of the step in ``timelines`` ({pipeline rank: timeline}) with free messages."""
+    table = np.stack([stage_times.summary(timelines[r], p, v, m) for r in range(p)])
+    return stage_times.expected(name, v, m, table)

@@ -25,19 +25,19 @@ def report(args, grid, results, runs, lines, tol, two_bw=None):
 def print_costs(args, grid, lines):
     p = grid.pp
     print("\nbubble: the idle fraction of a step (convention: idle time / makespan), mean over the ranks\n"
-          f"  {'schedule':<15}{'formula':<17}{'theory':>6}{'sim, unit':>11}{'sim, costs':>12}{'measured':>10}"
+          f"  {'schedule':<15}{'formula':<17}{'theory':>6}{'sim, unit':>11}{'sim, step':>12}{'measured':>10}"
           "   measured per rank")
     for ln in lines:
-        for tag, unit, sim, bubbles in zip(("", "+r"), ln.units, ln.on_costs, ln.measured):
+        for tag, unit, replayed, bubbles in zip(("", "+r"), ln.units, ln.replayed, ln.measured):
             b = list(bubbles.values())
             theory = "-" if ln.theory is None else f"{float(ln.theory):.3f}"
             print(f"  {ln.name + tag:<15}{ln.text:<17}{theory:>6}{float(unit.bubble[0]):>11.3f}"
-                  f"{float(np.mean(list(sim.bubble.values()))):>12.3f}{np.mean(b):>10.3f}   "
+                  f"{replayed:>12.3f}{np.mean(b):>10.3f}   "
                   + (" ".join(f"{x:.2f}" for x in b) if p <= 4 else f"{min(b):.2f} to {max(b):.2f}"))
     print("  +r: with recompute. sim, unit: F 1, B 1, W 1 (a fused backward 2; +1 recompute) on equal\n"
           "  stages, the formula (-: none, too few micro-batches for the zero-bubble steady state); sim,\n"
-          "  costs: each stage's, measured in the run (below). Neither counts the messages. measured:\n"
-          "  the last step.")
+          "  step: the last step replayed with each forward and backward as long as it took (costs\n"
+          "  below), messages free. measured: the last step; minus sim, step: what the messages cost.")
     vv = lines[0].v
     print(f"\nmeasured costs of a {'chunk' if vv > 1 else 'stage'} (ms, median over the micro-batches of "
           f"{lines[0].name}'s last step)\n  {'rank' + ('.chunk' if vv > 1 else ''):<12}{'forward':>9}"
@@ -52,7 +52,7 @@ def print_costs(args, grid, lines):
         print(f"\n{grid.layout.world_size} ranks on {cores} cores: ranks that compute at once share a core (the costs\n"
               "above stretch), and a waiting rank lends its core to the others, so the measured bubble\n"
               "hardly moves with m here (try --micro-batches 4 and 16). With a core per rank it follows\n"
-              f'"sim, costs" (-n {cores} here; the table in docs/pipeline_parallel.md).')
+              f'"sim, step" (-n {cores} here; the table in docs/pipeline_parallel.md).')
     print("\nactivations held: the most micro-batches a rank had run forward but not yet backward (or W)")
     print(f"  {'schedule':<13}" + "".join(f"{'rank ' + str(r):>9}" for r in range(p)) + "   formula")
     for ln in lines:
