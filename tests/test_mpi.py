@@ -235,14 +235,24 @@ def test_an_abort_waits_until_the_launcher_has_read_the_error():
     thread.start()
     start = time.monotonic()
     let_output_through(limit=60.0, linger=0.0, fds=(write_end,))
-    assert got == [b"rank 1: the error\n"], "returned before the launcher read the pipe"
+    assert unread(write_end) == 0, "returned before the launcher read the pipe"
     assert time.monotonic() - start < 60.0, "waited out its limit with the pipe already empty"
     thread.join()
+    assert got == [b"rank 1: the error\n"]
     os.write(write_end, b"nobody reads this\n")
     start = time.monotonic()
     let_output_through(limit=0.2, linger=0.0, fds=(write_end,))
     assert time.monotonic() - start >= 0.2
     os.close(read_end), os.close(write_end)
+
+
+def unread(fd):
+    import fcntl
+    import termios
+
+    count = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return int.from_bytes(count, sys.byteorder)
 
 
 def test_the_abort_hook_survives_a_closed_stdout():
