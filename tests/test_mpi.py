@@ -221,7 +221,7 @@ def test_an_abort_waits_until_the_launcher_has_read_the_error():
     and end when the pipe is empty, not at its limit. Nobody reading: it gives up at the limit."""
     import threading
 
-    from minipar.comm.start import let_output_through
+    from minipar.comm.start import let_output_through, unread_bytes
 
     read_end, write_end = os.pipe()
     os.write(write_end, b"rank 1: the error\n")
@@ -235,7 +235,7 @@ def test_an_abort_waits_until_the_launcher_has_read_the_error():
     thread.start()
     start = time.monotonic()
     let_output_through(limit=60.0, linger=0.0, fds=(write_end,))
-    assert unread(write_end) == 0, "returned before the launcher read the pipe"
+    assert unread_bytes(write_end) == 0, "returned before the launcher read the pipe"
     assert time.monotonic() - start < 60.0, "waited out its limit with the pipe already empty"
     thread.join()
     assert got == [b"rank 1: the error\n"]
@@ -244,15 +244,6 @@ def test_an_abort_waits_until_the_launcher_has_read_the_error():
     let_output_through(limit=0.2, linger=0.0, fds=(write_end,))
     assert time.monotonic() - start >= 0.2
     os.close(read_end), os.close(write_end)
-
-
-def unread(fd):
-    import fcntl
-    import termios
-
-    count = bytearray(4)
-    fcntl.ioctl(fd, termios.FIONREAD, count)
-    return int.from_bytes(count, sys.byteorder)
 
 
 def test_the_abort_hook_survives_a_closed_stdout():

@@ -67,16 +67,21 @@ def let_output_through(limit=3.0, linger=0.3, fds=(1, 2)):
 
 
 def _wait_for_pipes(fds, deadline):
+    pipes = [fd for fd in fds if _is_pipe(fd)]
+    while pipes and time.monotonic() < deadline:
+        pipes = [fd for fd in pipes if unread_bytes(fd) > 0]
+        if pipes:
+            time.sleep(0.01)
+
+
+def unread_bytes(fd):
+    """Bytes written to the pipe ``fd`` (either end) that its reader has not read yet (Linux)."""
     import fcntl
     import termios
 
-    pipes = [fd for fd in fds if _is_pipe(fd)]
-    unread = bytearray(4)
-    while pipes and time.monotonic() < deadline:
-        pipes = [fd for fd in pipes if fcntl.ioctl(fd, termios.FIONREAD, unread) == 0
-                 and int.from_bytes(unread, sys.byteorder) > 0]
-        if pipes:
-            time.sleep(0.01)
+    count = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return int.from_bytes(count, sys.byteorder)
 
 
 def _is_pipe(fd):
