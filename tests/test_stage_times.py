@@ -17,8 +17,8 @@ def table_of(sim, p, v, m):
     The executor's timeline starts with the step's first instruction, on a later stage a receive
     posted at the start; the simulator's lists only forwards and backwards."""
     start = [(S.RECV_ACT, 0, 0, 0.0, 0.0)]
-    return np.stack([stage_times.summary(start + [(op, mb, c, float(s), float(e)) for op, mb, c, s, e in sim.timeline[r]],
-                                         p, v, m) for r in range(p)])
+    timelines = [start + [(op, mb, c, float(s), float(e)) for op, mb, c, s, e in sim.timeline[r]] for r in range(p)]
+    return np.stack([stage_times.summary(timeline, p, v, m) for timeline in timelines])
 
 
 @pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 8, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 8, 1),

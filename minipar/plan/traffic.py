@@ -20,8 +20,8 @@ activation of one micro-batch:
        parameters' bytes P d (Rajbhandari et al. 2020); stage 2: the reduce-scatter every
        micro-batch; stage 3: each unit's parameters all-gathered before its forward and its
        backward and its gradients reduce-scattered, every micro-batch (the tied embedding is in
-       two units: gathered for each forward, once for both backwards). Experts' gradients go over "edp", the N / EP ranks that hold
-       the same experts.
+       two units: gathered for each forward, once for both backwards). Experts' gradients go
+       over "edp", the N / EP ranks that hold the same experts.
   pp   per micro-batch, each chunk sends its output forward (unless it is the model's last) and
        its input's gradient back (unless it is the first): S, divided by t under sequence
        parallelism. The tied embedding's two gradients are all-reduced over "embedding" once.

@@ -44,15 +44,15 @@ def width(p, v, m):
 def summary(timeline, p, v, m):
     """One rank's [busy, span, durations (kind, chunk, micro-batch)] in seconds (``width`` numbers)."""
     out = numpy.zeros(width(p, v, m))
-    work = [(op, mb, chunk, e - s) for op, mb, chunk, s, e in timeline if op in COMPUTE]
+    work = [event for event in timeline if event[0] in COMPUTE]
     if not work:
         return out
-    out[0] = sum(t for *_, t in work)
-    out[1] = max(e for op, _, _, _, e in timeline if op in COMPUTE) - timeline[0][3]
+    out[0] = sum(e - s for *_, s, e in work)
+    out[1] = max(e for *_, e in work) - timeline[0][3]
     if len(out) > 2:
         each = out[2:].reshape(3, v, m)
-        for op, mb, chunk, t in work:
-            each[_kind(op), chunk, mb] = t
+        for op, mb, chunk, s, e in work:
+            each[_kind(op), chunk, mb] = e - s
     return out
 
 
