@@ -2,6 +2,7 @@
 
     ./run_mpi.sh -n 2 bench/collectives.py
     ./run_mpi.sh -n 4 bench/collectives.py --max-size 16M
+    ./run_mpi.sh -n 2 bench/collectives.py --wrappers --rounds 61   # what a little Python costs
 
 For each size, the same operation runs through ``Communicator`` (its checks and byte accounting,
 then MPI's blocking call on ranks with a core each, or a non-blocking start and a polite wait on
@@ -60,17 +61,55 @@ def timed(comm, fn, reps):
     return float(comm.all_reduce(elapsed, op="max")[0])
 
 
+def wrappers(comm, rounds):
+    """What a little Python costs a small all-reduce on the clock: raw mpi4py against the same call
+    inside a function, a method, a method that first runs a 3-step loop, and minipar's, at 4 KiB,
+    the calls alternating in rounds (median over rounds of raw's throughput over each's)."""
+    raw, x = comm.comm, np.ones(1024, np.float32)
+    call, in_place, total = raw.Allreduce, MPI.IN_PLACE, MPI.SUM
+
+    def function(buf):
+        call(in_place, buf, total)
+
+    class Wrapper:
+        def method(self, buf):
+            call(in_place, buf, total)
+
+        def looping(self, buf):
+            for _ in range(3):
+                pass
+            call(in_place, buf, total)
+
+    w = Wrapper()
+    ways = {"raw mpi4py": lambda: call(in_place, x, total), "in a function": lambda: function(x),
+            "in a method": lambda: w.method(x), "a method with a 3-step loop": lambda: w.looping(x),
+            "minipar": lambda: comm.all_reduce(x)}
+    samples = {name: [] for name in ways}
+    for r in range(rounds):
+        for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            samples[name].append(timed(comm, ways[name], 200))
+    if comm.rank == 0:
+        print(f"\nall_reduce of 4 KiB, {rounds} rounds: the same call wrapped in a little Python")
+        for name, times in samples.items():
+            ratio = float(np.median(np.array(samples["raw mpi4py"]) / np.array(times)))
+            print(f"  {name:<30}{np.median(times) * 1e6:>7.2f} us{ratio:>7.3f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--min-size", type=size_arg, default="4K")
     p.add_argument("--max-size", type=size_arg, default="64M")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--wrappers", action="store_true", help="only the cost of wrapping a 4 KiB all-reduce in Python")
     args = p.parse_args()
     comm = world()
     n = comm.size
     if n < 2:
         print("run on 2 or more ranks: ./run_mpi.sh -n 2 bench/collectives.py")
         return 2
+    if args.wrappers:
+        wrappers(comm, args.rounds)
+        return 0
     if comm.rank == 0:
         print(f"{n} ranks; median of {args.rounds} rounds; float32 buffers; load average {os.getloadavg()[0]:.1f}\n")
         print(f"{'op':<15}{'size':>9}{'minipar us':>12}{'raw us':>10}{'ratio':>7}{'busbw GB/s':>12}")

@@ -23,8 +23,18 @@ from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.backend import xp
 from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
-from minipar.comm.buffers import OPS, as_is, check_buffer, reduction_op, stage
+from minipar.comm.buffers import AS_IS, check_buffer, reduction_op, stage
 from minipar.comm.start import abort_on_uncaught_exception, let_output_through
+
+
+IN_PLACE, SUM, ndarray = MPI.IN_PLACE, MPI.SUM, numpy.ndarray
+
+
+def _charge(traffic, share):
+    """A direct path's byte account: one call moving ``share`` bytes each way."""
+    traffic.calls += 1
+    traffic.bytes_sent += share
+    traffic.bytes_received += share
 
 
 def _done():
@@ -41,45 +51,53 @@ class MPICommunicator(Communicator):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stats = CommStats()
         self._direct = not polite and self.size > 1
+        # what the direct paths below use, looked up once (each lookup costs 20-50 ns): mpi4py's
+        # bound methods, the ring model's shares as numerators over the size, and the byte
+        # account (reset() clears it in place)
+        self._mpi_allreduce, self._mpi_reduce_scatter, self._mpi_allgather = (
+            comm.Allreduce, comm.Reduce_scatter_block, comm.Allgather)
+        self._twice_others, self._others = 2 * (self.size - 1), self.size - 1
+        self._traffic = self.stats.by_op
 
-    # The plain all_reduce, reduce_scatter and all_gather of host arrays that MPI takes as they
-    # are, on a rank that waits in MPI's blocking calls, go straight to MPI: the common case, and
-    # the one where Python costs most, since a small collective takes a few microseconds and a
-    # microsecond of Python between two of them costs up to two (docs/benchmarks.md, small
-    # collectives). Everything else (GPU arrays, bfloat16, polite waits, one rank, bad input)
-    # takes the general path below, which checks, stages and explains. The bytes are
-    # base.ring_bytes's, written out: calling it would cost as much as the rest of this Python.
+    # The sums of all_reduce and reduce_scatter and the all_gather of host arrays that MPI takes as
+    # they are (flat buffers for the last two), on a rank that waits in MPI's blocking calls, go
+    # straight to MPI: the common case, and the one where Python costs most. A small collective
+    # takes a few microseconds, and Python between two of them costs 2-4 times what it costs in
+    # a loop of its own (docs/benchmarks.md, small collectives). Everything else (GPU arrays,
+    # bfloat16, "max", other shapes, polite waits, one rank, bad input) takes the general path
+    # below, which checks, stages and explains. ``buffers.as_is`` and ``base.ring_bytes`` are
+    # written out here, and the shapes are compared by sizes: the calls and the shape tuples
+    # would cost as much as the rest.
     def all_reduce(self, x, op="sum"):
-        mpi_op = OPS.get(op)
-        if self._direct and mpi_op is not None and as_is(x):
-            share = 2 * (self.size - 1) * x.nbytes // self.size
-            self.stats.record("all_reduce", share, share)
-            self.comm.Allreduce(MPI.IN_PLACE, x, mpi_op)
+        if (op == "sum" and self._direct and type(x) is ndarray and x.dtype in AS_IS
+                and x.flags.c_contiguous):
+            self._mpi_allreduce(IN_PLACE, x, SUM)
+            _charge(self._traffic["all_reduce"], self._twice_others * x.nbytes // self.size)
             return x
         return self._all_reduce(x, op, wait=True)
 
     def reduce_scatter(self, x, op="sum", out=None):
-        mpi_op = OPS.get(op)
-        if self._direct and mpi_op is not None and as_is(x) and x.ndim and not x.shape[0] % self.size:
-            shape = (x.shape[0] // self.size,) + x.shape[1:]
+        n = self.size
+        if (op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype in AS_IS
+                and x.flags.c_contiguous and not x.size % n):
             if out is None:
-                out = numpy.empty(shape, x.dtype)
-            if type(out) is numpy.ndarray and out.dtype == x.dtype and out.flags.c_contiguous and out.shape == shape:
-                share = (self.size - 1) * x.nbytes // self.size
-                self.stats.record("reduce_scatter", share, share)
-                self.comm.Reduce_scatter_block(x, out, mpi_op)
+                out = numpy.empty(x.size // n, x.dtype)
+            if (type(out) is ndarray and out.ndim == 1 and out.size * n == x.size and out.dtype == x.dtype
+                    and out.flags.c_contiguous):
+                self._mpi_reduce_scatter(x, out, SUM)
+                _charge(self._traffic["reduce_scatter"], self._others * x.nbytes // n)
                 return out
         return self._reduce_scatter(x, op, out, wait=True)
 
     def all_gather(self, x, out=None):
-        if self._direct and as_is(x):
-            shape = (self.size,) + x.shape
+        n = self.size
+        if self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype in AS_IS and x.flags.c_contiguous:
             if out is None:
-                out = numpy.empty(shape, x.dtype)
-            if type(out) is numpy.ndarray and out.dtype == x.dtype and out.flags.c_contiguous and out.shape == shape:
-                share = (self.size - 1) * out.nbytes // self.size
-                self.stats.record("all_gather", share, share)
-                self.comm.Allgather(x, out)
+                out = numpy.empty((n, x.size), x.dtype)
+            if (type(out) is ndarray and out.ndim == 2 and len(out) == n and out.size == x.size * n
+                    and out.dtype == x.dtype and out.flags.c_contiguous):
+                self._mpi_allgather(x, out)
+                _charge(self._traffic["all_gather"], self._others * out.nbytes // n)
                 return out
         return self._all_gather(x, out, wait=True)
 

@@ -134,18 +134,24 @@ bad_inputs = [("all_reduce", (x32,), {"op": "mean"}), ("all_reduce", (np.ones((4
               ("reduce_scatter", (x64,), {"out": np.empty((2, 4))}),
               ("reduce_scatter", (x64,), {"out": np.empty((2, 3), np.float32)}),
               ("all_gather", (x32,), {"out": np.empty((N, 2 * N))}),
-              ("all_gather", (x32,), {"out": np.empty((N + 1, 2 * N), np.float32)})]
+              ("all_gather", (x32,), {"out": np.empty((N + 1, 2 * N), np.float32)}),
+              ("all_gather", (x32,), {"out": np.empty((N, 2 * N + 1), np.float32)}),
+              ("all_gather", (x32,), {"out": np.empty(2 * N * N, np.float32)}),
+              ("reduce_scatter", (x32,), {"out": np.empty(3, np.float32)}),
+              ("reduce_scatter", (x32,), {"out": np.empty(2)}),
+              ("reduce_scatter", (x32,), {"out": np.empty((1, 2), np.float32)})]
 if N > 1:
     bad_inputs.append(("reduce_scatter", (np.ones(2 * N + 1),), {}))
 results = {}
 for mode in ("polite", "blocking"):
     c = MPICommunicator(comm.comm, mode, polite=mode == "polite")
-    rs_out, ag_out = np.empty((2, 3)), np.empty((N, 2 * N), np.float32)
+    rs_out, rs_flat, ag_out = np.empty((2, 3)), np.empty(2, np.float32), np.empty((N, 2 * N), np.float32)
     got = [c.all_reduce(x64.copy()), c.all_reduce(x32.copy(), op="max"), c.all_reduce(x16.copy()),
-           c.reduce_scatter(x64), c.reduce_scatter(x16), c.all_gather(x32), c.all_gather(x16)]
-    check(c.reduce_scatter(x64, out=rs_out) is rs_out and c.all_gather(x32, out=ag_out) is ag_out,
-          f"{mode}: out= is the result")
-    got += [rs_out, ag_out]
+           c.reduce_scatter(x64), c.reduce_scatter(x32), c.reduce_scatter(x16), c.all_gather(x32),
+           c.all_gather(x16), c.all_gather(x64)]
+    check(c.reduce_scatter(x64, out=rs_out) is rs_out and c.reduce_scatter(x32, out=rs_flat) is rs_flat
+          and c.all_gather(x32, out=ag_out) is ag_out, f"{mode}: out= is the result")
+    got += [rs_out, rs_flat, ag_out]
     for name, args, kwargs in bad_inputs:
         try:
             getattr(c, name)(*args, **kwargs)
