@@ -19,11 +19,13 @@ import argparse
 import os
 import sys
 import time
+import timeit
 
 import numpy as np
 from mpi4py import MPI
 
 from minipar.comm import world
+from minipar.comm.mpi import MPICommunicator
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n}
@@ -61,12 +63,25 @@ def timed(comm, fn, reps):
     return float(comm.all_reduce(elapsed, op="max")[0])
 
 
-def wrappers(comm, rounds):
-    """What a little Python costs a small all-reduce on the clock: raw mpi4py against the same call
-    inside a function, a method, a method that first runs a 3-step loop, and minipar's, at 4 KiB,
-    the calls alternating in rounds (median over rounds of raw's throughput over each's)."""
-    raw, x = comm.comm, np.ones(1024, np.float32)
-    call, in_place, total = raw.Allreduce, MPI.IN_PLACE, MPI.SUM
+class _NoMPI:
+    """A communicator's mpi4py side that does nothing: what a way's Python costs on its own."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Allreduce(self, *args):
+        pass
+
+    Reduce_scatter_block = Allgather = Allreduce
+
+
+def _ways(mpi, comm, x):
+    """{name: call}: one 4 KiB all-reduce of ``x`` through ``mpi`` (mpi4py's communicator), bare
+    and wrapped in a little Python, and through minipar's ``comm`` over it."""
+    call, in_place, total = mpi.Allreduce, MPI.IN_PLACE, MPI.SUM
 
     def function(buf):
         call(in_place, buf, total)
@@ -81,18 +96,30 @@ def wrappers(comm, rounds):
             call(in_place, buf, total)
 
     w = Wrapper()
-    ways = {"raw mpi4py": lambda: call(in_place, x, total), "in a function": lambda: function(x),
+    return {"raw mpi4py": lambda: call(in_place, x, total), "in a function": lambda: function(x),
             "in a method": lambda: w.method(x), "a method with a 3-step loop": lambda: w.looping(x),
             "minipar": lambda: comm.all_reduce(x)}
+
+
+def wrappers(comm, rounds):
+    """What a little Python costs a small all-reduce on the clock: raw mpi4py against the same call
+    inside a function, a method, a method that first runs a 3-step loop, and minipar's, at 4 KiB,
+    the calls alternating in rounds (median over rounds of raw's throughput over each's). Beside
+    each: its Python alone, the same calls on an mpi4py side that does nothing, in a loop."""
+    x = np.ones(1024, np.float32)
+    ways = _ways(comm.comm, comm, x)
+    alone = _ways(_NoMPI(), MPICommunicator(_NoMPI(), "no MPI", polite=False), x)
     samples = {name: [] for name in ways}
     for r in range(rounds):
         for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
             samples[name].append(timed(comm, ways[name], 200))
     if comm.rank == 0:
-        print(f"\nall_reduce of 4 KiB, {rounds} rounds: the same call wrapped in a little Python")
+        print(f"all_reduce of 4 KiB, {rounds} rounds: the same call wrapped in a little Python\n")
+        print(f"  {'way':<30}{'us':>7}{'ratio':>7}{'its Python alone, us':>22}")
         for name, times in samples.items():
             ratio = float(np.median(np.array(samples["raw mpi4py"]) / np.array(times)))
-            print(f"  {name:<30}{np.median(times) * 1e6:>7.2f} us{ratio:>7.3f}")
+            python = min(timeit.repeat(alone[name], number=200000, repeat=5)) / 200000
+            print(f"  {name:<30}{np.median(times) * 1e6:>7.2f}{ratio:>7.3f}{python * 1e6:>22.3f}")
 
 
 def main():
