@@ -34,7 +34,7 @@ import numpy
 import minipar
 from minipar.backend import add_device_flag, use_device
 from minipar.cli import Parser, parse
-from minipar.functional.elementwise import GELU
+from minipar.functional.gelu import GELU
 from minipar.gradcheck import gradcheck, op_cases
 from minipar.models import GPT, GPTConfig
 

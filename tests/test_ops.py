@@ -154,7 +154,7 @@ def test_gelu_in_place_chains_equal_the_plain_formula(dtype, rtol, atol):
     """GELU runs in place, block by block in cache, as x sigmoid(2z); ``gelu_reference`` is the tanh
     formula as it reads, evaluated in float64 at the same inputs. In float32 both ways round
     alike: the derivative is off by ~1e-6 near x = 6 (1 - t^2, or 1 - s, cancels), the value by ~5e-7."""
-    from minipar.functional.elementwise import gelu_backward_reference, gelu_reference
+    from minipar.functional.gelu import gelu_backward_reference, gelu_reference
 
     x = numpy.linspace(-6, 6, 200_001)  # long enough to cross several blocks
     numpy.testing.assert_allclose(gelu_reference(x),

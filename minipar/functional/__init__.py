@@ -2,7 +2,8 @@
 
 Each op is a ``Function`` (see ``minipar.autograd``) in one of these files:
 
-* ``elementwise``: add, sub, mul, div, neg, pow, exp, log, tanh, gelu, masked_fill, dropout
+* ``elementwise``: add, sub, mul, div, neg, pow, exp, log, tanh, masked_fill, dropout
+* ``gelu``: gelu (GPT-2's tanh approximation, its ufunc chains run in cache)
 * ``reduction``: sum, mean, softmax, log_softmax, layer_norm
 * ``shape``: reshape, transpose, getitem, split, concat
 * ``linalg``: matmul, linear, embedding
@@ -24,7 +25,6 @@ from minipar.functional.elementwise import (
     dropout,
     exp,
     fresh_key,
-    gelu,
     log,
     masked_fill,
     mul,
@@ -33,6 +33,7 @@ from minipar.functional.elementwise import (
     sub,
     tanh,
 )
+from minipar.functional.gelu import gelu
 from minipar.functional.linalg import embedding, linear, matmul
 from minipar.functional.loss import cross_entropy
 from minipar.functional.reduction import layer_norm, log_softmax, mean, softmax, sum
