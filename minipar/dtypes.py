@@ -13,20 +13,49 @@ CuPy arrays take the same dtype object. The default is a setting of the process,
 ``ml_dtypes`` is one of minipar's dependencies, but everything except bfloat16 runs on NumPy
 alone (a bare interpreter on a lent GPU machine imports minipar from the checkout): without it,
 asking for bfloat16 is an error that names the package, and nothing else changes.
+
+It is imported when bfloat16 is first asked for (``as_dtype("bfloat16")``, ``dtypes.bfloat16``),
+not with minipar: ml_dtypes 0.7 takes ~0.9 s to import (0.6: 0.1 s), and every rank of every
+launch would pay it. Until something has imported it no array can be bfloat16, so asking whether
+a dtype is (``is_bfloat16``, ``is_16bit``) never imports it.
 """
+
+import sys
 
 import numpy
 
-try:
-    import ml_dtypes
-except ImportError:
-    ml_dtypes = None
-
-bfloat16 = numpy.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else None
 float16 = numpy.dtype(numpy.float16)
-SIXTEEN_BIT = tuple(d for d in (bfloat16, float16) if d is not None)
 FLOAT_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_FLOATS = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64), float16)
 _default_dtype = numpy.dtype(numpy.float32)
+_bfloat16 = None  # ml_dtypes' bfloat16, once ml_dtypes is imported
+
+
+def _ml_dtypes():
+    """The ml_dtypes module, imported now if nothing has yet; None without the package."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return ml_dtypes
+
+
+def _loaded_bfloat16():
+    """bfloat16's dtype if ml_dtypes has been imported (by minipar or anyone), else None."""
+    global _bfloat16
+    if _bfloat16 is None:
+        module = sys.modules.get("ml_dtypes")
+        if module is not None and hasattr(module, "bfloat16"):  # not while it is still importing
+            _bfloat16 = numpy.dtype(module.bfloat16)
+    return _bfloat16
+
+
+def __getattr__(name):
+    """``dtypes.bfloat16`` (and ``from minipar.dtypes import bfloat16``): imports ml_dtypes; None
+    without it."""
+    if name == "bfloat16":
+        return _loaded_bfloat16() if _ml_dtypes() is not None else None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def as_dtype(dtype):
@@ -34,9 +63,9 @@ def as_dtype(dtype):
     if dtype is None:  # numpy.dtype(None) would quietly mean float64
         raise ValueError("no dtype given: name one of " + ", ".join(FLOAT_DTYPES))
     if isinstance(dtype, str) and dtype == "bfloat16":
-        if bfloat16 is None:
+        if _ml_dtypes() is None:
             raise ValueError("bfloat16 needs the ml_dtypes package (a dependency of minipar): pip install ml-dtypes")
-        return bfloat16
+        return _loaded_bfloat16()
     try:
         return numpy.dtype(dtype)
     except TypeError as exc:
@@ -45,17 +74,20 @@ def as_dtype(dtype):
 
 def is_float(dtype):
     """Whether ``dtype`` is one of the floats the engine computes in (bfloat16's kind is "V")."""
-    return numpy.dtype(dtype) in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64), *SIXTEEN_BIT)
+    dt = numpy.dtype(dtype)
+    return dt in _FLOATS or is_bfloat16(dt)
 
 
 def is_16bit(dtype):
-    return numpy.dtype(dtype) in SIXTEEN_BIT
+    dt = numpy.dtype(dtype)
+    return dt == float16 or is_bfloat16(dt)
 
 
 def is_bfloat16(dtype):
     """Ask this, never ``dtype == bfloat16`` at a call site: without ml_dtypes ``bfloat16`` is None,
     and NumPy reads ``dtype == None`` as float64."""
-    return bfloat16 is not None and numpy.dtype(dtype) == bfloat16
+    bf16 = _loaded_bfloat16()
+    return bf16 is not None and numpy.dtype(dtype) == bf16
 
 
 def compute_dtype(dtype):
@@ -67,7 +99,7 @@ def compute_dtype(dtype):
 
 def finfo(dtype):
     """NumPy's finfo, which refuses ml_dtypes' bfloat16: ml_dtypes has its own."""
-    return ml_dtypes.finfo(dtype) if is_bfloat16(dtype) else numpy.finfo(dtype)
+    return sys.modules["ml_dtypes"].finfo(dtype) if is_bfloat16(dtype) else numpy.finfo(dtype)
 
 
 def set_default_dtype(dtype):

@@ -212,3 +212,29 @@ def test_the_auxiliary_losses_carry_the_loss_scale():
         grads[name] = model.transformer.h[0].mlp.router.weight.grad.astype(np.float64) / S
     err = {n: np.abs(grads[n] - grads["fp32"]).max() / np.abs(grads["fp32"]).max() for n in ("told", "untold")}
     assert err["told"] < 0.02 and err["untold"] > 0.5, err
+
+
+def test_ml_dtypes_is_imported_only_once_bfloat16_is_asked_for():
+    """ml_dtypes 0.7 takes ~1 s to import, in every rank of every launch: a float32 step, the
+    communicators and the checkpoints never import it; asking for bfloat16 does."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import numpy as np
+import minipar.checkpoint, minipar.comm, minipar.train
+from minipar.dtypes import as_dtype, is_16bit, is_bfloat16, is_float
+from minipar.models import GPT, GPTConfig
+model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=16))
+ids = np.arange(16).reshape(2, 8) % 16
+model(ids, ids)[1].backward()
+assert is_float("float32") and not is_16bit("float32") and not is_bfloat16("float64") and is_16bit("float16")
+print("before:", "ml_dtypes" in sys.modules)
+bf16 = as_dtype("bfloat16")
+assert is_bfloat16(bf16) and is_16bit(bf16) and is_float(bf16)
+print("after:", "ml_dtypes" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["before:", "False", "after:", "True"], out.stdout

@@ -15,9 +15,8 @@ import json
 import os
 import re
 
-import numpy
-
 from minipar.checkpoint.files import is_plain
+from minipar.dtypes import as_dtype
 
 FORMAT = "minipar-sharded-checkpoint-2"  # 2: a box's checksum covers its key, dtype and shape too
 ITER_NAME = re.compile(r"iter_[0-9]{7,}")
@@ -96,8 +95,8 @@ def _whole(minimum=0):
 
 def _dtype_name(v):
     try:
-        return isinstance(v, str) and numpy.dtype(v).name == v
-    except (TypeError, ValueError):
+        return isinstance(v, str) and as_dtype(v).name == v  # as_dtype: "bfloat16" too
+    except ValueError:
         return False
 
 

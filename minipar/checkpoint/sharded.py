@@ -45,6 +45,7 @@ from minipar.checkpoint.files import fsync_dir, remove, write_file
 from minipar.checkpoint.index import FORMAT, CheckpointError, find, read_index
 from minipar.checkpoint.pieces import pieces, weights_dtype
 from minipar.checkpoint.retention import prune, remove_stale_partials
+from minipar.dtypes import as_dtype
 
 __all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "prune", "read_index",
            "remove_stale_partials", "save"]
@@ -53,7 +54,7 @@ __all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "
 def _checksum(key, dtype, shape, array):
     """SHA-256 of a box: its name, dtype and shape as well as its bytes, so that a header edited to
     another dtype or shape of the same size does not pass."""
-    h = hashlib.sha256(f"{key}:{numpy.dtype(dtype).name}:{list(shape)}".encode())
+    h = hashlib.sha256(f"{key}:{as_dtype(dtype).name}:{list(shape)}".encode())  # as_dtype: "bfloat16" too
     h.update(numpy.ascontiguousarray(array).tobytes())
     return h.hexdigest()
 

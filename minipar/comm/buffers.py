@@ -17,7 +17,7 @@ import os
 import numpy
 from mpi4py import MPI
 
-from minipar.dtypes import bfloat16, is_bfloat16
+from minipar.dtypes import as_dtype, is_bfloat16
 
 OPS = {"sum": MPI.SUM, "max": MPI.MAX}
 
@@ -32,7 +32,7 @@ def wire(x):
 def bfloat16_op(op):
     """A user-defined MPI reduction over bfloat16 carried as uint16: each pairwise sum (or max) in
     bfloat16, as ml_dtypes computes it (in float32, rounded once)."""
-    ufunc = {"sum": numpy.add, "max": numpy.maximum}[op]
+    ufunc, bfloat16 = {"sum": numpy.add, "max": numpy.maximum}[op], as_dtype("bfloat16")
 
     def reduce(inbuf, inoutbuf, datatype):
         into = numpy.frombuffer(inoutbuf, bfloat16)
