@@ -15,7 +15,7 @@ receives nor returns an array that something else still holds.
 import contextlib
 
 from minipar.backend import to_numpy, xp
-from minipar.dtypes import get_default_dtype, is_float
+from minipar.dtypes import as_dtype, get_default_dtype, is_float
 from minipar.engine import Node, backward
 
 _grad_enabled = True
@@ -128,8 +128,8 @@ class Tensor:
         if isinstance(data, Tensor):
             data = data.data
         array = xp.asarray(data)
-        if dtype is not None:
-            array = array.astype(dtype, copy=False)
+        if dtype is not None:  # as_dtype: NumPy knows the name "bfloat16" only once ml_dtypes is imported
+            array = array.astype(as_dtype(dtype), copy=False)
         elif is_float(array.dtype) or (array.dtype.kind in "biu" and requires_grad):
             array = array.astype(get_default_dtype(), copy=False)
         if requires_grad and not is_float(array.dtype):
@@ -172,7 +172,7 @@ class Tensor:
 
     def __array__(self, dtype=None, copy=None):
         array = to_numpy(self.data)
-        return array if dtype is None else array.astype(dtype, copy=False)
+        return array if dtype is None else array.astype(as_dtype(dtype), copy=False)
 
     def item(self):
         return self.data.item()

@@ -238,6 +238,9 @@ print("after:", "ml_dtypes" in sys.modules)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["before:", "False", "after:", "True"], out.stdout
-    by_name = "from minipar.dtypes import is_16bit, is_float; assert is_16bit('bfloat16') and is_float('bfloat16')"
-    out = subprocess.run([sys.executable, "-c", by_name], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    for by_name in ("from minipar.dtypes import is_16bit, is_float; "
+                    "assert is_16bit('bfloat16') and is_float('bfloat16')",
+                    "from minipar.autograd import Tensor; from minipar.dtypes import is_16bit; "
+                    "assert is_16bit(Tensor([1.0], dtype='bfloat16').data.dtype)"):
+        out = subprocess.run([sys.executable, "-c", by_name], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
