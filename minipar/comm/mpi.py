@@ -31,7 +31,8 @@ IN_PLACE, SUM, ndarray = MPI.IN_PLACE, MPI.SUM, numpy.ndarray
 
 
 def _charge(traffic, share):
-    """A direct path's byte account: one call moving ``share`` bytes each way."""
+    """A direct path's byte account: one call moving ``share`` bytes each way, charged before MPI
+    is called, as ``_run`` charges the general path's."""
     traffic.calls += 1
     traffic.bytes_sent += share
     traffic.bytes_received += share
@@ -71,8 +72,8 @@ class MPICommunicator(Communicator):
     def all_reduce(self, x, op="sum"):
         if (op == "sum" and self._direct and type(x) is ndarray and x.dtype in AS_IS
                 and x.flags.c_contiguous):
-            self._mpi_allreduce(IN_PLACE, x, SUM)
             _charge(self._traffic["all_reduce"], self._twice_others * x.nbytes // self.size)
+            self._mpi_allreduce(IN_PLACE, x, SUM)
             return x
         return self._all_reduce(x, op, wait=True)
 
@@ -84,8 +85,8 @@ class MPICommunicator(Communicator):
                 out = numpy.empty(x.size // n, x.dtype)
             if (type(out) is ndarray and out.ndim == 1 and out.size * n == x.size and out.dtype == x.dtype
                     and out.flags.c_contiguous):
-                self._mpi_reduce_scatter(x, out, SUM)
                 _charge(self._traffic["reduce_scatter"], self._others * x.nbytes // n)
+                self._mpi_reduce_scatter(x, out, SUM)
                 return out
         return self._reduce_scatter(x, op, out, wait=True)
 
@@ -96,8 +97,8 @@ class MPICommunicator(Communicator):
                 out = numpy.empty((n, x.size), x.dtype)
             if (type(out) is ndarray and out.ndim == 2 and len(out) == n and out.size == x.size * n
                     and out.dtype == x.dtype and out.flags.c_contiguous):
-                self._mpi_allgather(x, out)
                 _charge(self._traffic["all_gather"], self._others * out.nbytes // n)
+                self._mpi_allgather(x, out)
                 return out
         return self._all_gather(x, out, wait=True)
 
