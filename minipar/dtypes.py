@@ -77,23 +77,27 @@ def _numpy_dtype(dtype):
     return as_dtype(dtype) if isinstance(dtype, str) and dtype == "bfloat16" else numpy.dtype(dtype)
 
 
+def _is_bfloat16_dtype(dt):
+    """Whether the numpy.dtype ``dt`` is bfloat16, never comparing it with None."""
+    bf16 = _loaded_bfloat16()
+    return bf16 is not None and dt == bf16
+
+
 def is_float(dtype):
     """Whether ``dtype`` is one of the floats the engine computes in (bfloat16's kind is "V")."""
     dt = _numpy_dtype(dtype)
-    return dt in _FLOATS or is_bfloat16(dt)
+    return dt in _FLOATS or _is_bfloat16_dtype(dt)
 
 
 def is_16bit(dtype):
     dt = _numpy_dtype(dtype)
-    return dt == float16 or is_bfloat16(dt)
+    return dt == float16 or _is_bfloat16_dtype(dt)
 
 
 def is_bfloat16(dtype):
     """Ask this, never ``dtype == bfloat16`` at a call site: without ml_dtypes ``bfloat16`` is None,
     and NumPy reads ``dtype == None`` as float64."""
-    dt = _numpy_dtype(dtype)
-    bf16 = _loaded_bfloat16()
-    return bf16 is not None and dt == bf16
+    return _is_bfloat16_dtype(_numpy_dtype(dtype))
 
 
 def compute_dtype(dtype):
