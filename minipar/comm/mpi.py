@@ -30,14 +30,6 @@ from minipar.comm.start import abort_on_uncaught_exception, let_output_through
 IN_PLACE, SUM, ndarray = MPI.IN_PLACE, MPI.SUM, numpy.ndarray
 
 
-def _charge(traffic, share):
-    """A direct path's byte account: one call moving ``share`` bytes each way, charged before MPI
-    is called, as ``_run`` charges the general path's."""
-    traffic.calls += 1
-    traffic.bytes_sent += share
-    traffic.bytes_received += share
-
-
 def _done():
     return True
 
@@ -53,12 +45,10 @@ class MPICommunicator(Communicator):
         self.stats = CommStats()
         self._direct = not polite and self.size > 1
         # what the direct paths below use, looked up once (each lookup costs 20-50 ns): mpi4py's
-        # bound methods, the ring model's shares as numerators over the size, and the byte
-        # account (reset() clears it in place)
+        # bound methods, and the ring model's shares as numerators over the size
         self._mpi_allreduce, self._mpi_reduce_scatter, self._mpi_allgather = (
             comm.Allreduce, comm.Reduce_scatter_block, comm.Allgather)
         self._twice_others, self._others = 2 * (self.size - 1), self.size - 1
-        self._traffic = self.stats.by_op
 
     # The sums of all_reduce and reduce_scatter and the all_gather of host arrays that MPI takes as
     # they are (flat buffers for the last two), on a rank that waits in MPI's blocking calls, go
@@ -72,7 +62,8 @@ class MPICommunicator(Communicator):
     def all_reduce(self, x, op="sum"):
         if (op == "sum" and self._direct and type(x) is ndarray and x.dtype in AS_IS
                 and x.flags.c_contiguous):
-            _charge(self._traffic["all_reduce"], self._twice_others * x.nbytes // self.size)
+            share = self._twice_others * x.nbytes // self.size
+            self.stats.record("all_reduce", share, share)
             self._mpi_allreduce(IN_PLACE, x, SUM)
             return x
         return self._all_reduce(x, op, wait=True)
@@ -85,7 +76,8 @@ class MPICommunicator(Communicator):
                 out = numpy.empty(x.size // n, x.dtype)
             if (type(out) is ndarray and out.ndim == 1 and out.size * n == x.size and out.dtype == x.dtype
                     and out.flags.c_contiguous):
-                _charge(self._traffic["reduce_scatter"], self._others * x.nbytes // n)
+                share = self._others * x.nbytes // n
+                self.stats.record("reduce_scatter", share, share)
                 self._mpi_reduce_scatter(x, out, SUM)
                 return out
         return self._reduce_scatter(x, op, out, wait=True)
@@ -97,7 +89,8 @@ class MPICommunicator(Communicator):
                 out = numpy.empty((n, x.size), x.dtype)
             if (type(out) is ndarray and out.ndim == 2 and len(out) == n and out.size == x.size * n
                     and out.dtype == x.dtype and out.flags.c_contiguous):
-                _charge(self._traffic["all_gather"], self._others * out.nbytes // n)
+                share = self._others * out.nbytes // n
+                self.stats.record("all_gather", share, share)
                 self._mpi_allgather(x, out)
                 return out
         return self._all_gather(x, out, wait=True)
