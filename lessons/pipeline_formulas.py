@@ -85,7 +85,8 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
     act_bytes = (args.batch_size // m // grid.dp) * args.block_size * n_embd * np.dtype(args.dtype).itemsize
     stage_ranks = [grid.layout.rank(pp=r) for r in range(p)]
     lines, ok = [], True
-    for name, vv in runs:
+    drawers = min(comm.size, os.cpu_count() or 1)  # the pictures shared out: a core draws while another does
+    for index, (name, vv) in enumerate(runs):
         plan, shape = schedules.build(name, p, m, vv), schedules.shape_of(name)
         recomputed = (name, True) in results
         text, theory = bubble(name, p, m, vv)
@@ -112,9 +113,9 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
         # the schedule again with every forward and backward of the measured step as long as it
         # took, messages free (what the trainer logs as bubble_expected): measured minus this is
         # what the messages and the executor cost
-        runs = [costs] + ([costs_r] if recomputed else [])
-        replayed = [replay(name, run["timelines"], p, vv, m) for run in runs]
-        measured = [trace.bubble(run["timelines"]) for run in runs]
+        timed = [costs] + ([costs_r] if recomputed else [])
+        replayed = [replay(name, run["timelines"], p, vv, m) for run in timed]
+        measured = [trace.bubble(run["timelines"]) for run in timed]
         mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
         mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks] if recomputed else None
         ok &= mem_r is None or all(b < a for a, b in zip(mem, mem_r))
@@ -122,7 +123,7 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
                                      measured=measured, alive=alive, held=formula_text, mem=mem, mem_r=mem_r,
                                      per_rank=per_rank,
                                      stage_costs={k: (fwd[k], bwd[k], extra[k]) for k in sorted(fwd)}))
-        if comm.rank == 0:
+        if index % drawers == comm.rank:
             tag = f"{name}, p={p}, m={m}" + (f", v={vv}" if vv > 1 else "")
             trace.gantt(units[0].timeline, os.path.join(args.out, f"{name}_simulated.png"),
                         f"{tag}: unit costs, bubble {float(units[0].bubble[0]):.3f}", chunks=vv, unit="units")
