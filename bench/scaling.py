@@ -58,6 +58,7 @@ LAYOUTS = {
     "tp+sp": (["--tp", "{n}", "--sequence-parallel"], "dense", None),
     "gpipe": (PIPE + ["--schedule", "gpipe"], "dense", "gpipe"),
     "1f1b": (PIPE + ["--schedule", "1f1b"], "dense", "1f1b"),
+    "1f1b-slack": (PIPE + ["--schedule", "1f1b-slack"], "dense", "1f1b-slack"),
     "interleaved": (PIPE + ["--schedule", "interleaved", "--vpp", "2"], "dense", "interleaved"),
     "zb-h1": (PIPE + ["--schedule", "zb-h1"], "dense", "zb-h1"),
     "zb-h2": (PIPE + ["--schedule", "zb-h2"], "dense", "zb-h2"),

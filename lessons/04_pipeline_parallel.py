@@ -67,6 +67,10 @@ Exercises (predict first, then run the command and read the table named):
    above or below synchronous training's, then look at out/pipeline/pipedream_2bw_loss.png after
    --schedule pipedream-2bw --steps 30. (--plant-bug there updates the weights in place: the
    in-flight micro-batches' backwards then use the next version.)
+7. 1F1B-slack runs one more warm-up forward than 1F1B on every rank but the last. Predict its
+   "theory" bubble and its "activations held" row for p = 2, m = 8, then run it and 1F1B a few
+   times each with a core per rank and compare "sim, step" (docs/pipeline_parallel.md, "Slack"):
+   ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b-slack   (then --schedule 1f1b)
 """
 
 import os
@@ -96,6 +100,7 @@ FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual_stages": "--
          "n_layer": "--n-layer", "global_batch": "--batch-size", "block_size": "--block-size",
          "schedule": "--schedule"}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # then PipeDream-2BW
+ON_REQUEST = ("1f1b-slack",)  # run only when named with --schedule: 1F1B's twin on unit costs
 RECOMPUTED = ("gpipe", "1f1b", "interleaved")  # also run with activation recompute
 TWO_BW = "pipedream-2bw"
 
@@ -103,7 +108,8 @@ TWO_BW = "pipedream-2bw"
 def runs_of(args):
     """(schedule, chunks per rank) of each run: interleaved with --virtual-stages, ZB-V's V two."""
     chunks = {"interleaved": args.virtual_stages, "zb-v": 2}
-    return [(name, chunks.get(name, 1)) for name in SCHEDULES if args.schedule in (None, name)]
+    names = SCHEDULES if args.schedule is None else [args.schedule] * (args.schedule in SCHEDULES + ON_REQUEST)
+    return [(name, chunks.get(name, 1)) for name in names]
 
 
 def run_config(n, args, pp, schedule, v):
@@ -140,7 +146,8 @@ def flags(p):
     p.add_argument("--pp", type=int, help="pipeline stages (DP = ranks / PP); default: the most the "
                    "other flags allow")
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--schedule", help=f"run only this one: {', '.join(SCHEDULES + (TWO_BW,))} (default: all)")
+    p.add_argument("--schedule", help=f"run only this one: {', '.join(SCHEDULES + ON_REQUEST + (TWO_BW,))} "
+                   f"(default: all but {', '.join(ON_REQUEST)})")
     p.add_argument("--virtual-stages", type=int, help="chunks per rank, interleaved schedule (default 2)")
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
@@ -150,7 +157,7 @@ def flags(p):
 
 
 def check(args, ranks):
-    if args.schedule not in (None, *SCHEDULES, TWO_BW):  # validate's line, naming every schedule
+    if args.schedule not in (None, *SCHEDULES, *ON_REQUEST, TWO_BW):  # validate's line, naming every schedule
         return problems(RunConfig(schedule=args.schedule), FLAGS)
     if args.virtual_stages is None:  # 2 for the interleaved run; GPipe and 1F1B alone need 1
         args.virtual_stages = 2 if args.schedule in (None, "interleaved") else 1

@@ -52,6 +52,8 @@ def held(name, p, m, v):
         return [m] * p, "m"
     if name == "1f1b":
         return [min(p - r, m) for r in range(p)], "p - rank"
+    if name == "1f1b-slack":
+        return [min(p - r + (r < p - 1), m) for r in range(p)], "p - rank + 1, the last rank 1"
     if name == "interleaved":
         return ([min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)],
                 f"(p-rank-1)*2+(v-1)*p+1 chunks of 1/{v} stage")

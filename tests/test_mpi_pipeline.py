@@ -15,6 +15,7 @@ from mpi_run import ROOT, check_mpi, run_mpi
     (2, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2"]),
     (4, ["--pp", "4", "--schedule", "gpipe", "--m", "4", "--recompute"]),
     (4, ["--pp", "4", "--schedule", "1f1b", "--m", "6"]),
+    (4, ["--pp", "4", "--schedule", "1f1b-slack", "--m", "6"]),
     (4, ["--pp", "4", "--schedule", "interleaved", "--v", "2", "--m", "8", "--recompute"]),
     (4, ["--pp", "2", "--schedule", "1f1b", "--m", "2"]),  # PP 2 x DP 2
     (4, ["--pp", "2", "--tp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2"]),

@@ -22,7 +22,7 @@ from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
 
 CASES = [(name, p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12)
-         for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
+         for name, v in (("gpipe", 1), ("1f1b", 1), ("1f1b-slack", 1), ("interleaved", 2), ("interleaved", 3))
          if name != "interleaved" or m % p == 0]
 
 
@@ -32,9 +32,32 @@ def test_every_schedule_runs_to_the_end_with_the_formula_bubble(name, p, m, v):
     assert all(b == theoretical_bubble(p, m, v) for b in sim.bubble.values())
     assert sim.makespan == 3 * (v * m + p - 1)  # forward 1 + backward 2 per chunk-time
     assert sim.messages == 2 * m * (p * v - 1)  # an activation and a gradient per chunk boundary
-    expected = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)]}.get(
+    expected = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)],
+                "1f1b-slack": [min(p - r + (r < p - 1), m) for r in range(p)]}.get(
         name, [min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)])
     assert [sim.peak_alive[r] for r in range(p)] == expected
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_slack_absorbs_a_late_instruction_that_stalls_1f1b(p):
+    """In 1F1B every message arrives just in time, so one late instruction on the first rank
+    lengthens the whole step; 1F1B-slack's extra forward in flight takes it up. Over many steps
+    whose every forward and backward runs up to 20% long or short (a shared machine), its bubble
+    stays near the formula where 1F1B's grows."""
+    m, steady = 8, 3 * (8 + p - 1)  # F = 1, B = 2
+    for late in [(0, S.FORWARD, 4, 0), (0, S.BACKWARD, 3, 0)]:
+        durations = {late: (1 if late[1] == S.FORWARD else 2) + 1}
+        spans = [simulate(S.build(name, p, m), m, durations=durations).makespan for name in ("1f1b", "1f1b-slack")]
+        assert spans == [steady + 1, steady], (late, spans)
+    rng = np.random.default_rng(0)
+    mean = {"1f1b": 0.0, "1f1b-slack": 0.0}
+    for _ in range(50):
+        took = {(r, op, mb, 0): Fraction(round(1000 * cost * rng.uniform(0.8, 1.2)), 1000)
+                for r in range(p) for op, cost in ((S.FORWARD, 1), (S.BACKWARD, 2)) for mb in range(m)}
+        for name in mean:
+            mean[name] += float(sum(simulate(S.build(name, p, m), m, durations=took).bubble.values())) / p / 50
+    formula = float(theoretical_bubble(p, m, 1))
+    assert mean["1f1b-slack"] < 1.03 * formula and mean["1f1b"] > 1.05 * mean["1f1b-slack"], (mean, formula)
 
 
 @pytest.mark.parametrize("p,m,v", [(1, 3, 1), (2, 4, 1), (4, 8, 2), (3, 6, 3)])

@@ -91,7 +91,8 @@ def test_pipeline_messages_per_chunk_and_micro_batch():
 
 
 def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms():
-    for schedule, p, m, v in (("1f1b", 4, 8, 1), ("gpipe", 2, 6, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4)):
+    for schedule, p, m, v in (("1f1b", 4, 8, 1), ("1f1b-slack", 4, 8, 1), ("1f1b-slack", 3, 2, 1), ("gpipe", 2, 6, 1),
+                              ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4)):
         simulated, alive, source = bubble.pipeline(schedule, p, m, v)
         assert source == "simulator" and simulated == theoretical_bubble(p, m, v)
         bubble.pipeline.cache_clear()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "pipedream-2bw")  # the names pipeline/schedules.py builds
+SCHEDULES = ("gpipe", "1f1b", "1f1b-slack", "interleaved", "zb-h1", "zb-h2", "zb-v", "pipedream-2bw")  # the names pipeline/schedules.py builds
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules that run the weights' gradients (W) apart from B
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # the last two: mixed precision's model dtypes
 CP_COMM_TYPES = ("p2p", "a2a")  # ring attention, DeepSpeed-Ulysses (parallel/context.py)

@@ -10,6 +10,7 @@ A schedule of p x v x m chunk-passes costs the simulator a few microseconds each
 ``SIMULATE_UP_TO`` of them (the 1T model's 64 stages x 512 micro-batches) the planner takes the
 closed forms instead, and says so (``source``): the bubble above, and the peak in flight of the
 first stage, from the schedules' warm-up rules (``schedules.py``): GPipe m, 1F1B min(p, m),
+1F1B-slack min(p + 1, m),
 interleaved min(2 (p - 1) + (v - 1) p + 1, v m) chunk activations. The zero-bubble schedules
 ZB-H1 and ZB-H2 (Qi et al. 2024; minipar's ``schedules.py``) split the backward into B and W, each
 taken as half of it (F 1, B 1, W 1): bubble (p - 1)/(3 m + p - 1) once m >= p (ZB-H1) or
@@ -59,6 +60,8 @@ def pipeline(schedule, p, m, v=1, recompute=False):
         alive = [m] * p
     elif schedule == "interleaved":
         alive = [min(2 * (p - r - 1) + (v - 1) * p + 1, v * m) for r in range(p)]
+    elif schedule == "1f1b-slack":  # one more forward in flight on every rank but the last
+        alive = [min(p - r + (r < p - 1), m) for r in range(p)]
     else:
         alive = [min(p - r, m) for r in range(p)]
     return theoretical_bubble(p, m, v), tuple(alive), "closed form"

@@ -14,6 +14,13 @@ around them by the same rule); what an instruction is, and which rank holds whic
 * ``one_f_one_b`` (PipeDream-Flush, Narayanan et al. 2021): rank r runs p - r - 1 warm-up forwards,
   then alternates one forward and one backward, then drains the remaining backwards. At most
   p - r micro-batches are alive: the memory of p micro-batches, whatever m is. Same bubble as GPipe.
+* ``one_f_one_b_slack``: 1F1B with one more warm-up forward on every rank but the last. With equal
+  and steady stages it runs exactly as 1F1B (the same bubble); the extra forward is slack: a
+  stage that runs a little late no longer makes its neighbour wait at once. In 1F1B each stage's
+  next forward and next backward both wait on a message its neighbour sends only just in time,
+  so every late instruction on one stage idles the other; with a forward queued ahead, the next
+  stage always has one to run. The price is one more micro-batch's activations on ranks 0 to
+  p - 2 (p - r + 1 instead of p - r). docs/pipeline_parallel.md measures what it buys.
 * ``interleaved_one_f_one_b`` (Narayanan et al. 2021, Megatron-LM): 1F1B over v chunks per rank;
   each step of the pipeline is 1/v as long, so the fill and drain shrink v-fold.
 * ``zb_h1``, ``zb_h2``, ``zb_v`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward
@@ -76,14 +83,21 @@ def gpipe(p, m, rank):
     return _with_communication(Pipeline(p, m), rank, compute)
 
 
-def one_f_one_b(p, m, rank):
+def one_f_one_b(p, m, rank, slack=0):
+    """1F1B; with ``slack`` = k, every rank but the last runs k more warm-up forwards (1F1B-slack)."""
     check(p, m)
-    warmup = min(p - rank - 1, m)  # the forwards in flight when the first gradient comes back
+    # the forwards in flight when the first gradient comes back; the last rank's backward needs
+    # only its own forward, so more in flight there would only hold memory
+    warmup = min(p - rank - 1 + (slack if rank < p - 1 else 0), m)
     compute = [(FORWARD, i, 0) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: one forward, then the oldest backward
         compute += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
     compute += [(BACKWARD, i, 0) for i in range(m - warmup, m)]
     return _with_communication(Pipeline(p, m), rank, compute)
+
+
+def one_f_one_b_slack(p, m, rank):
+    return one_f_one_b(p, m, rank, slack=1)
 
 
 def zb_h1(p, m, rank):
@@ -187,7 +201,7 @@ def forward_only(p, m, v, rank, shape="round-robin"):
     return _with_communication(Pipeline(p, m, v, shape), rank, [(FORWARD, mb, c) for mb, c in order])[:-1]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b,
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-slack": one_f_one_b_slack, "interleaved": interleaved_one_f_one_b,
              "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v, "pipedream-2bw": pipedream_2bw}
 SHAPES = {"zb-v": "v"}  # how a schedule places the chunks, when not round-robin
 
