@@ -25,23 +25,43 @@ def scalar(x):
 
 
 def floats(op, *operands):
-    """The operands as float Tensors of one dtype; ``None`` and Python numbers pass through."""
-    tensors = [x for x in operands if isinstance(x, Tensor)]
-    for t in tensors:
-        if not is_float(t.dtype):
-            raise TypeError(f"{op}: needs float tensors, got {t.dtype}; cast with Tensor(x, dtype=...)")
-    dtypes = sorted({t.dtype.name for t in tensors})
-    if len(dtypes) > 1:
-        raise TypeError(
-            f"{op}: operands are {' and '.join(dtypes)}; cast one of them explicitly so that no "
-            "silent upcast happens"
-        )
-    dtype = dtypes[0] if dtypes else get_default_dtype()
+    """The operands as float Tensors of one dtype; ``None`` and Python numbers pass through.
+
+    Every op of every step asks this, so the usual case, tensors of one float dtype, compares
+    dtype objects and asks ``is_float`` once; names (``dtype.name`` is a Python property, about
+    2 us) are read only to word an error."""
+    dtype = None
+    for x in operands:
+        if isinstance(x, Tensor):
+            if dtype is None:
+                dtype = x.dtype
+            elif x.dtype != dtype:
+                _refuse(op, operands)
+    if dtype is None:
+        dtype = get_default_dtype()
+    elif not is_float(dtype):
+        _refuse(op, operands)
     out = [
         x if x is None or isinstance(x, (Tensor, numbers.Number)) else Tensor(x, dtype=dtype)
         for x in operands
     ]
     return out[0] if len(out) == 1 else out
+
+
+def _refuse(op, operands):
+    """Raise the error of operands that are not float tensors of one dtype (the first problem in
+    order: a tensor that is not float, then dtypes that differ). Returns where only the byte
+    order differs, which NumPy computes with."""
+    tensors = [x for x in operands if isinstance(x, Tensor)]
+    for t in tensors:
+        if not is_float(t.dtype):
+            raise TypeError(f"{op}: needs float tensors, got {t.dtype}; cast with Tensor(x, dtype=...)")
+    names = sorted({t.dtype.name for t in tensors})
+    if len(names) > 1:
+        raise TypeError(
+            f"{op}: operands are {' and '.join(names)}; cast one of them explicitly so that no "
+            "silent upcast happens"
+        )
 
 
 def axes(op, axis, ndim):

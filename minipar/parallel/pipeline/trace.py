@@ -79,7 +79,7 @@ def gantt(timelines, path, title, chunks=1, unit="ms"):
     ranks = sorted(timelines)
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(ranks) + 1.2))
     for row, r in enumerate(ranks):
-        bars = {}  # (op, chunk) -> its (start, width)s: one artist each, not one a bar (a third faster)
+        bars = {}  # (op, chunk) -> its (start, width)s: one artist per kind, not per bar (a third faster)
         for op, mb, chunk, start, end in timelines[r]:
             if op not in COLORS:
                 continue
