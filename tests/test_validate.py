@@ -28,7 +28,7 @@ def test_a_good_run_has_no_problem_and_its_sizes_are_derived():
     (dict(tp=0), "TP must be a positive integer, got 0"),
     (dict(n_layer=2.5), "n_layer must be a positive integer, got 2.5"),
     (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
-    (dict(schedule="zb"), "is not a pipeline schedule: choose one of gpipe, 1f1b, interleaved"),
+    (dict(schedule="zb"), "is not a pipeline schedule: choose one of gpipe, 1f1b, 1f1b-slack, interleaved"),
     (dict(dtype="int8"), "choose float32 or float64 or bfloat16 or float16"),
     (dict(dropout=1.0), "dropout must be a number in [0, 1)"),
     (dict(tp=3, n_head=6, n_embd=48, block_size=18), "8 ranks do not split into TP x PP = 3 x 2 groups: launch a multiple of 6 ranks"),
