@@ -28,8 +28,8 @@ def floats(op, *operands):
     """The operands as float Tensors of one dtype; ``None`` and Python numbers pass through.
 
     Every op of every step asks this, so the usual case, tensors of one float dtype, compares
-    dtype objects and asks ``is_float`` once; names (``dtype.name`` is a Python property, about
-    2 us) are read only to word an error."""
+    dtype objects and asks ``is_float`` once; names (``dtype.name`` is a Python property, 4.8 us
+    in NumPy 2.4) are read only to word an error."""
     dtype = None
     for x in operands:
         if isinstance(x, Tensor):

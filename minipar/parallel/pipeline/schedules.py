@@ -201,8 +201,9 @@ def forward_only(p, m, v, rank, shape="round-robin"):
     return _with_communication(Pipeline(p, m, v, shape), rank, [(FORWARD, mb, c) for mb, c in order])[:-1]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-slack": one_f_one_b_slack, "interleaved": interleaved_one_f_one_b,
-             "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v, "pipedream-2bw": pipedream_2bw}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-slack": one_f_one_b_slack,
+             "interleaved": interleaved_one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v,
+             "pipedream-2bw": pipedream_2bw}
 SHAPES = {"zb-v": "v"}  # how a schedule places the chunks, when not round-robin
 
 
