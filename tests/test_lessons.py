@@ -63,6 +63,24 @@ def test_lesson_scaffolding_prints_the_table_and_exits_1_on_a_mismatch(monkeypat
     assert not lesson.within(1e-5, {"loss": float("nan")})  # NaN is a mismatch, not a pass
 
 
+def test_lesson_4s_activation_formulas_equal_the_simulator(monkeypatch):
+    """The "activations held" column of lesson 4, formula by formula, against the simulator's
+    count, for every schedule it runs (1F1B-slack only on request, so no MPI test reaches it)."""
+    monkeypatch.syspath_prepend(LESSONS)
+    formulas = importlib.import_module("pipeline_formulas")
+    from minipar.parallel.pipeline import schedules
+    from minipar.parallel.pipeline.simulate import simulate
+    for name in ("gpipe", "1f1b", "1f1b-slack", "interleaved", "zb-h1", "zb-h2", "zb-v"):
+        v = 2 if name in ("interleaved", "zb-v") else 1
+        for p, m in ((2, 4), (4, 8), (3, 2)):
+            if name == "interleaved" and m % p:
+                continue
+            sim = simulate(schedules.build(name, p, m, v), m, v, shape=schedules.shape_of(name),
+                           **formulas.unit_costs(name))
+            held, _ = formulas.held(name, p, m, v)
+            assert held in (None, [sim.peak_alive[r] for r in range(p)]), (name, p, m, held, sim.peak_alive)
+
+
 def test_gemm_kernel_lesson_passes():
     run = run_lesson("07_gemm_kernel.py")
     assert run.returncode == 0, run.stdout + run.stderr
