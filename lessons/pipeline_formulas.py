@@ -6,7 +6,8 @@ of its backward B = 1, the weights' half W = 1; a fused backward (GPipe, 1F1B, i
 B + W = 2, the textbook model. The bubble is idle time / the step's length (the makespan), each
 rank's: with p ranks, m micro-batches and v chunks per rank,
 
-    gpipe, 1f1b      (p-1)(F+B+W) / (m(F+B+W) + (p-1)(F+B+W))  = (p-1)/(m+p-1)
+    gpipe, 1f1b,     (p-1)(F+B+W) / (m(F+B+W) + (p-1)(F+B+W))  = (p-1)/(m+p-1)
+    1f1b-slack
     interleaved      (p-1)/(v*m+p-1)
     zb-h1            idle (p-1)(F+B-W) = p-1, step 3m + p-1:        (p-1)/(3m+p-1)
     zb-h2            idle (p-1) max(F, F+B-2W) = p-1 (none inside each rank's span; the slant of
@@ -87,8 +88,7 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
     act_bytes = (args.batch_size // m // grid.dp) * args.block_size * n_embd * np.dtype(args.dtype).itemsize
     stage_ranks = [grid.layout.rank(pp=r) for r in range(p)]
     lines, ok = [], True
-    drawers = min(comm.size, os.cpu_count() or 1)  # the pictures shared out: a core draws while another does
-    for index, (name, vv) in enumerate(runs):
+    for name, vv in runs:
         plan, shape = schedules.build(name, p, m, vv), schedules.shape_of(name)
         recomputed = (name, True) in results
         text, theory = bubble(name, p, m, vv)
@@ -125,7 +125,7 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
                                      measured=measured, alive=alive, held=formula_text, mem=mem, mem_r=mem_r,
                                      per_rank=per_rank,
                                      stage_costs={k: (fwd[k], bwd[k], extra[k]) for k in sorted(fwd)}))
-        if index % drawers == comm.rank:
+        if comm.rank == 0:
             tag = f"{name}, p={p}, m={m}" + (f", v={vv}" if vv > 1 else "")
             trace.gantt(units[0].timeline, os.path.join(args.out, f"{name}_simulated.png"),
                         f"{tag}: unit costs, bubble {float(units[0].bubble[0]):.3f}", chunks=vv, unit="units")

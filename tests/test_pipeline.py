@@ -40,8 +40,9 @@ def test_every_schedule_runs_to_the_end_with_the_formula_bubble(name, p, m, v):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_slack_absorbs_a_late_instruction_that_stalls_1f1b(p):
-    """In 1F1B every message arrives just in time, so one late instruction on the first rank
-    lengthens the whole step; 1F1B-slack's extra forward in flight takes it up. Over many steps
+    """In 1F1B's steady state every message arrives just in time, so one late instruction there
+    on the first rank lengthens the whole step; 1F1B-slack's extra forward in flight takes it up
+    (its first forward and last backward delay both, as docs/pipeline_parallel.md says). Over many steps
     whose every forward and backward runs up to 20% long or short (a shared machine), its bubble
     stays near the formula where 1F1B's grows."""
     m, steady = 8, 3 * (8 + p - 1)  # F = 1, B = 2

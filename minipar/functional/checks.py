@@ -49,9 +49,8 @@ def floats(op, *operands):
 
 
 def _refuse(op, operands):
-    """Raise the error of operands that are not float tensors of one dtype (the first problem in
-    order: a tensor that is not float, then dtypes that differ). Returns where only the byte
-    order differs, which NumPy computes with."""
+    """Raise the error of operands that are not float tensors of one dtype: the first problem in
+    order, a tensor that is not float, then dtypes that differ."""
     tensors = [x for x in operands if isinstance(x, Tensor)]
     for t in tensors:
         if not is_float(t.dtype):

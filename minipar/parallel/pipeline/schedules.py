@@ -16,10 +16,10 @@ around them by the same rule); what an instruction is, and which rank holds whic
   p - r micro-batches are alive: the memory of p micro-batches, whatever m is. Same bubble as GPipe.
 * ``one_f_one_b_slack``: 1F1B with one more warm-up forward on every rank but the last. With equal
   and steady stages it runs exactly as 1F1B (the same bubble); the extra forward is slack: a
-  stage that runs a little late no longer makes its neighbour wait at once. In 1F1B each stage's
-  next forward and next backward both wait on a message its neighbour sends only just in time,
-  so every late instruction on one stage idles the other; with a forward queued ahead, the next
-  stage always has one to run. The price is one more micro-batch's activations on ranks 0 to
+  stage that runs a little late no longer makes its neighbour wait at once. In 1F1B's steady state
+  each stage's next forward and next backward both wait on a message its neighbour sends only
+  just in time, so a late instruction there idles the other stage; with a forward queued ahead,
+  the next stage always has one to run. The price is one more micro-batch's activations on ranks 0 to
   p - 2 (p - r + 1 instead of p - r). docs/pipeline_parallel.md measures what it buys.
 * ``interleaved_one_f_one_b`` (Narayanan et al. 2021, Megatron-LM): 1F1B over v chunks per rank;
   each step of the pipeline is 1/v as long, so the fill and drain shrink v-fold.
