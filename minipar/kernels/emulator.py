@@ -101,7 +101,7 @@ def matmul(a, b, out=None, *, naive=False, mode="parallel", seed=0, source=None)
     """``a @ b`` on NumPy arrays, computed by gemm.cu's kernel running on the CPU."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-    lib = library(a.dtype if a.dtype.name in gemm.TILES else "float32", source)  # plan() checks dtypes
+    lib = library(a.dtype if gemm.dtype_name(a.dtype) in gemm.TILES else "float32", source)  # plan() checks dtypes
     return gemm.run(a, b, out, partial(_launch, lib, naive, mode, seed), numpy)
 
 
