@@ -108,7 +108,7 @@ TWO_BW = "pipedream-2bw"
 def runs_of(args):
     """(schedule, chunks per rank) of each run: interleaved with --virtual-stages, ZB-V's V two."""
     chunks = {"interleaved": args.virtual_stages, "zb-v": 2}
-    names = SCHEDULES if args.schedule is None else [args.schedule] * (args.schedule in SCHEDULES + ON_REQUEST)
+    names = SCHEDULES if args.schedule is None else [n for n in SCHEDULES + ON_REQUEST if n == args.schedule]
     return [(name, chunks.get(name, 1)) for name in names]
 
 

@@ -45,7 +45,8 @@ def test_slack_absorbs_a_late_instruction_that_stalls_1f1b(p):
     (its first forward and last backward delay both, as docs/pipeline_parallel.md says). Over many steps
     whose every forward and backward runs up to 20% long or short (a shared machine), its bubble
     stays near the formula where 1F1B's grows."""
-    m, steady = 8, 3 * (8 + p - 1)  # F = 1, B = 2
+    m = 8
+    steady = 3 * (m + p - 1)  # F = 1, B = 2
     for late in [(0, S.FORWARD, 4, 0), (0, S.BACKWARD, 3, 0)]:
         durations = {late: (1 if late[1] == S.FORWARD else 2) + 1}
         spans = [simulate(S.build(name, p, m), m, durations=durations).makespan for name in ("1f1b", "1f1b-slack")]
