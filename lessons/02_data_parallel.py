@@ -68,7 +68,7 @@ def main():
     dp, N, k = grid.dp_group, grid.dp, args.micro_batches
     config = GPTConfig(**CONFIG)
     batches = lesson.batches(args, config.block_size)
-    reference = lesson.reference_run(config, batches, args.seed, max_norm=1.0)
+    reference = lesson.reference_run(comm, config, batches, args.seed, max_norm=1.0)
 
     # the same steps on N ranks, each on 1/N of every batch
     minipar.manual_seed(args.seed)

@@ -184,7 +184,7 @@ def main():
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, dropout=args.dropout)
     batches = lesson.batches(args, config.block_size)
-    reference = lesson.reference_run(config, batches, args.seed)
+    reference = lesson.reference_run(comm, config, batches, args.seed)
     variants = [False] + ([True] if args.tp > 1 else [])
     peak = measured_peak(comm, minipar.get_default_dtype())  # all ranks at once (a collective)
     results = {sp: run(args, config, grid, batches, reference, sp, peak) for sp in variants}

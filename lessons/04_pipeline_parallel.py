@@ -258,7 +258,7 @@ def main():
     p, m = grid.pp, args.micro_batches
     config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dropout=0.1)
     batches = lesson.batches(args, config.block_size)
-    reference = lesson.reference_run(config, batches, args.seed)
+    reference = lesson.reference_run(comm, config, batches, args.seed)
     runs = runs_of(args)
     if args.show_schedules and comm.rank == 0:
         print("Each rank's instructions in order, one row per time slot. F3: the forward of micro-batch 3,\n"
@@ -273,7 +273,8 @@ def main():
     ok = lesson.within(tol, *(errors for errors, _ in results.values())) and costs_ok
     two_bw = None
     if args.schedule in (None, TWO_BW):
-        delayed = lesson.reference_run(config, batches, args.seed, delay=1)
+        # on the last rank, while rank 0 draws the timelines
+        delayed = lesson.reference_run(comm, config, batches, args.seed, delay=1, root=comm.size - 1)
         errors, losses, stash = pipedream_run(comm, args, config, grid, batches, delayed)
         apart = max(abs(a - b) for a, b in zip(losses, reference.losses))
         ok &= lesson.within(tol, errors) and (len(batches) < 2 or apart > tol)

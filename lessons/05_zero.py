@@ -140,7 +140,7 @@ def main():
     config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size,
                        dropout=0.1)
     batches = lesson.batches(args, config.block_size)
-    reference = lesson.reference_run(config, batches, args.seed, max_norm=1.0)
+    reference = lesson.reference_run(comm, config, batches, args.seed, max_norm=1.0)
     results = {stage: parallel_run(stage, args, config, grid, batches, reference) for stage in range(4)}
     recomputed = {stage: parallel_run(stage, args, config, grid, batches, reference, recompute=True)
                   for stage in range(4)}

@@ -147,7 +147,7 @@ def main():
     config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD, block_size=BLOCK_SIZE, dropout=0.1)
     grid = ProcessGrid(tp=args.tp, pp=args.pp)
     batches = lesson.batches(args, config.block_size)
-    reference = lesson.reference_run(config, batches, args.seed, max_norm=MAX_NORM)  # on every rank: it is small
+    reference = lesson.reference_run(comm, config, batches, args.seed, max_norm=MAX_NORM)
 
     # the same on the grid
     minipar.manual_seed(args.seed)

@@ -171,7 +171,8 @@ def main():
                        moe_z_loss_coeff=args.z_loss_coeff)
     batches = lesson.batches(args, config.block_size)
     # every rank routes its batch / DP rows: the reference routes those groups (DP = the ranks)
-    reference = lesson.reference_run(config, batches, args.seed, routing=RoutingGroups(rows=args.batch_size // comm.size))
+    reference = lesson.reference_run(comm, config, batches, args.seed,
+                                     routing=RoutingGroups(rows=args.batch_size // comm.size))
     peak = measured_peak(comm, minipar.get_default_dtype())  # all ranks at once (a collective)
     results = {ep: run(args, config, ep, batches, reference, peak) for ep in expert_sizes(args, comm.size)}
     split_ok = uneven_split()

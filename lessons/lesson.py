@@ -31,6 +31,8 @@ from minipar.models.moe import step_statistics
 from minipar.optim import AdamW, clip_grad_norm
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
+from computed_once import computed_once
+
 # how far a parallel run may be from one device: rounding in another summation order
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 # AdamW for every run; eps = 1e-5 so that nearly cancelled gradients are not full steps (minipar.verify)
@@ -97,12 +99,20 @@ class Reference:
     routing: dict = None  # a mixture of experts': the first step's ``step_statistics``
 
 
-def reference_run(config, batches, seed, max_norm=None, routing=None, delay=0):
-    """The single-device run, on every rank (the GPT is small): AdamW (``HYPER``) from ``seed``
-    over ``batches``, each whole batch at once, the gradients clipped to ``max_norm`` if given.
-    ``routing``: the RoutingGroups a parallel mixture of experts routes (``models/moe.py``).
-    ``delay``: each step's gradient is taken at the weights that many updates back (PipeDream-2BW's
-    W(t+1) = W(t) - lr grad f(W(t-1)) is delay 1; W(-1) = W(0)), and updates the newest ones."""
+def reference_run(comm, config, batches, seed, max_norm=None, routing=None, delay=0, root=0):
+    """The single-device run, on rank ``root`` alone and sent to every rank (``computed_once``): AdamW
+    (``HYPER``) from ``seed`` over ``batches``, each whole batch at once, the gradients clipped to
+    ``max_norm`` if given. ``routing``: the RoutingGroups a parallel mixture of experts routes
+    (``models/moe.py``). ``delay``: each step's gradient is taken at the weights that many updates
+    back (PipeDream-2BW's W(t+1) = W(t) - lr grad f(W(t-1)) is delay 1; W(-1) = W(0)), and
+    updates the newest ones."""
+    def run():
+        return vars(_single_device(config, batches, seed, max_norm, routing, delay))
+
+    return Reference(**computed_once(comm, run, root))
+
+
+def _single_device(config, batches, seed, max_norm, routing, delay):
     minipar.manual_seed(seed)
     model = GPT(config, moe_routing=routing)
     opt = AdamW(model.parameters(), **HYPER)
