@@ -58,13 +58,13 @@ def test_dropout_runs_are_deterministic_too(tmp_path, corpus):
 def test_loss_falls_on_the_default_corpus(tmp_path):
     log = str(tmp_path / "log.jsonl")
     plot = str(tmp_path / "loss.png")
-    run = train("--max-iters", "60", "--eval-interval", "30", "--log-json", log, "--plot", plot,
-                "--sample", "20")
+    run = train("--max-iters", "40", "--eval-interval", "20", "--log-json", log, "--plot", plot,
+                "--sample", "20")  # at iteration 39 on 2026-12-01: loss 2.77, validation 2.79
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in open(log)]
     assert records[0]["loss"] > 5.0  # ln 256 = 5.55 for a uniform guess
     assert records[-1]["loss"] < 3.2 and records[-1]["val_loss"] < 3.2
-    assert "iter    59 | loss" in run.stdout and "tok/s" in run.stdout and "sample:" in run.stdout
+    assert "iter    39 | loss" in run.stdout and "tok/s" in run.stdout and "sample:" in run.stdout
     assert open(plot, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
