@@ -76,7 +76,7 @@ def main():
     opt = DataParallelAdamW(model, dp, bucket_bytes=args.bucket_kb << 10, **lesson.HYPER)
     compare = lesson.Comparison(reference)
     overlap, sent = [], []
-    # MFU of these steps alone (the reference run above shares the cores on every rank)
+    # MFU of these steps alone (not of the reference run above, on rank 0 while the others waited)
     peak, seconds = measured_peak(comm, model.parameters()[0].dtype), []
     for step, (x, y) in enumerate(batches):
         start = time.perf_counter()

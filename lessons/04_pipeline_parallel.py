@@ -273,7 +273,7 @@ def main():
     ok = lesson.within(tol, *(errors for errors, _ in results.values())) and costs_ok
     two_bw = None
     if args.schedule in (None, TWO_BW):
-        # on the last rank, while rank 0 draws the timelines
+        # on the last rank, while rank 0 draws the timelines (costs_beside_formulas, no collective after)
         delayed = lesson.reference_run(comm, config, batches, args.seed, delay=1, root=comm.size - 1)
         errors, losses, stash = pipedream_run(comm, args, config, grid, batches, delayed)
         apart = max(abs(a - b) for a, b in zip(losses, reference.losses))

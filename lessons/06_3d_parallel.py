@@ -158,8 +158,8 @@ def main():
     run = PipelineExecutor(model, grid, args.schedule, args.micro_batches, optimizer=opt)
     lines = gather_text(comm, who_holds_what(grid, model, opt))
     compare = lesson.Comparison(reference, loss="loss (worst step)")
-    # MFU of the parallel steps alone: the reference run above, which every rank repeats on the
-    # cores they share, is not timed; the peak is timed by all ranks at once (a collective)
+    # MFU of the parallel steps alone: the reference run above (on rank 0, the others waiting) is
+    # not timed; the peak is timed by all ranks at once (a collective)
     peak, seconds = measured_peak(comm, model.parameters()[0].dtype), []
     for step, (x, y) in enumerate(batches):
         start = time.perf_counter()

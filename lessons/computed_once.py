@@ -22,21 +22,23 @@ ARRAY = "__array__"  # the placeholder's one key
 
 
 def computed_once(comm, compute, root=0):
-    """``compute()`` on rank ``root``, the tree it returns on every rank of ``comm`` (a collective)."""
+    """``compute()`` on rank ``root``, the tree it returns on every rank of ``comm`` (a collective).
+    Every rank, the root too and a world of one, gets the tree rebuilt from the outline: the same
+    types everywhere (tuples become lists, NumPy scalars Python numbers), and what cannot travel
+    fails on one rank as it would on eight."""
     if comm.rank == root:
-        result = compute()
-        if comm.size == 1:
-            return result
         chunks = []
-        outline = np.frombuffer(json.dumps(_outline(result, chunks)).encode(), np.uint8).copy()
+        outline = np.frombuffer(json.dumps(_outline(compute(), chunks)).encode(), np.uint8).copy()
         payload = np.concatenate([np.zeros(0, np.uint8)] + chunks)
-        comm.broadcast(np.array([outline.size, payload.size], np.int64), root)
+        if comm.size > 1:
+            comm.broadcast(np.array([outline.size, payload.size], np.int64), root)
     else:
         sizes = comm.broadcast(np.zeros(2, np.int64), root)
         outline, payload = np.empty(int(sizes[0]), np.uint8), np.empty(int(sizes[1]), np.uint8)
-    comm.broadcast(outline, root)
-    comm.broadcast(payload, root)
-    return result if comm.rank == root else _rebuilt(json.loads(outline.tobytes()), payload)
+    if comm.size > 1:
+        comm.broadcast(outline, root)
+        comm.broadcast(payload, root)
+    return _rebuilt(json.loads(outline.tobytes()), payload)
 
 
 def _outline(value, chunks):

@@ -67,54 +67,59 @@ def test_lesson_scaffolding_prints_the_table_and_exits_1_on_a_mismatch(monkeypat
 
 
 class Broadcasts:
-    """Rank ``rank`` of two whose broadcasts from the other rank receive what that rank sent
-    (``sent``, shared by the pair): two ranks of one job, run one after the other."""
+    """Rank ``rank`` of ``size`` whose broadcasts from another rank receive what that rank sent
+    (``sent``, shared by the ranks): ranks of one job, run one after the other."""
 
-    size = 2
-
-    def __init__(self, rank, sent):
-        self.rank, self.sent = rank, sent
+    def __init__(self, rank, sent, size=2):
+        self.rank, self.sent, self.size = rank, sent, size
 
     def broadcast(self, x, root=0):
+        assert self.size > 1, "a world of one has no one to broadcast to"
         if self.rank == root:
             self.sent.append(x.copy())
         else:
-            x[...] = self.sent.pop(0)  # raises if the shapes disagree
+            source = self.sent.pop(0)
+            assert x.shape == source.shape and x.dtype == source.dtype, (x.shape, x.dtype, source.shape, source.dtype)
+            x[...] = source
         return x
 
 
 @pytest.mark.parametrize("root", [0, 1])
 def test_computed_once_sends_the_roots_tree_to_the_other_ranks(monkeypatch, root):
-    """Arrays of every dtype a lesson holds (bfloat16 too), 0-d and empty ones, numbers, NaN, None and
-    strings, in dicts and lists: the other rank gets them equal, in their dtypes, as arrays of its own."""
+    """Arrays of every dtype a lesson holds (bfloat16 too), 0-d and empty ones, numbers, NaN, None,
+    strings and tuples, in dicts and lists: every rank, the root too, gets them equal, in their
+    dtypes, as arrays of its own; the same on a world of one, which broadcasts nothing."""
     monkeypatch.syspath_prepend(LESSONS)
     computed_once = importlib.import_module("computed_once").computed_once
     rng = numpy.random.default_rng(0)
     tree = {"losses": [5.5, float("nan"), 1 / 3], "logits": rng.standard_normal((2, 3, 5)).astype(numpy.float32),
             "params": {"h.0.w": rng.standard_normal((4, 3)), "tiny": numpy.array(2.5),
                        "none": numpy.zeros((0, 7), numpy.int64), "half": numpy.arange(6).astype(as_dtype("bfloat16"))},
-            "routing": {"layers": [1, 3], "tokens": numpy.arange(6).reshape(2, 3), "aux": numpy.float32(0.25)},
+            "routing": {"layers": (1, 3), "tokens": numpy.arange(6).reshape(2, 3), "aux": numpy.float32(0.25),
+                        "dropped": numpy.int64(3)},
             "nothing": None, "name": "ref", "view": rng.standard_normal((6, 4))[:, 1::2]}
-    sent, calls = [], []
-    ranks = sorted((0, 1), key=lambda r: r != root)  # the root first: it fills ``sent``
-    got = {r: computed_once(Broadcasts(r, sent), lambda: calls.append(1) or tree, root=root) for r in ranks}
-    assert calls == [1] and not sent and got[root] is tree  # computed once; the root keeps its own
-    other = got[1 - root]
 
     def same(a, b):
         if isinstance(b, dict):
-            assert list(a) == list(b)
+            assert type(a) is dict and list(a) == list(b)
             return all(same(a[k], b[k]) for k in b)
-        if isinstance(b, list):
-            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(b, (list, tuple)):
+            return type(a) is list and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
         if isinstance(b, numpy.ndarray):
-            assert a.dtype == b.dtype and a.shape == b.shape and a.flags.owndata and a.base is None
+            assert a.dtype == b.dtype and a.shape == b.shape and a.flags.owndata and a is not b
             return numpy.array_equal(a.reshape(-1).view(numpy.uint8), b.reshape(-1).copy().view(numpy.uint8))  # bits
-        return a == b or (a != a and b != b) or (isinstance(b, numpy.generic) and a == b.item())
+        if isinstance(b, numpy.generic):
+            return type(a) is type(b.item()) and a == b.item()
+        return type(a) is type(b) and (a == b or (a != a and b != b))
 
-    assert same(other, tree)
-    with pytest.raises(TypeError, match="string keys"):
-        computed_once(Broadcasts(0, []), lambda: {1: numpy.ones(2)})
+    sent, calls = [], []
+    ranks = sorted((0, 1), key=lambda r: r != root)  # the root first: it fills ``sent``
+    got = {r: computed_once(Broadcasts(r, sent), lambda: calls.append(1) or tree, root=root) for r in ranks}
+    assert calls == [1] and not sent and all(same(got[r], tree) for r in ranks)
+    assert same(computed_once(Broadcasts(0, [], size=1), lambda: tree), tree)
+    for size in (1, 2):  # refused alike on one rank and on two
+        with pytest.raises(TypeError, match="string keys"):
+            computed_once(Broadcasts(0, [], size=size), lambda: {1: numpy.ones(2)})
 
 
 def test_lesson_4s_activation_formulas_equal_the_simulator(monkeypatch):

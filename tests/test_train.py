@@ -59,7 +59,7 @@ def test_loss_falls_on_the_default_corpus(tmp_path):
     log = str(tmp_path / "log.jsonl")
     plot = str(tmp_path / "loss.png")
     run = train("--max-iters", "40", "--eval-interval", "20", "--log-json", log, "--plot", plot,
-                "--sample", "20")  # at iteration 39 on 2026-12-01: loss 2.77, validation 2.79
+                "--sample", "20")  # loss 2.77, validation 2.79 at iteration 39
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in open(log)]
     assert records[0]["loss"] > 5.0  # ln 256 = 5.55 for a uniform guess

@@ -169,6 +169,7 @@ struct Scheduler {
             if (exit) barrier->arrive_and_drop(); else barrier->arrive_and_wait();
             return;
         }
+        bool wait_for_turn;
         {
             std::lock_guard<std::mutex> lock(mu);
             exit ? ++exited : ++arrived;
@@ -181,8 +182,9 @@ struct Scheduler {
             } else if (exited == 0) {
                 new_phase();
             }
+            wait_for_turn = !exit && !divergent;  // read under the lock: another thread may set it
         }
-        if (!exit && !divergent) turn[tid]->acquire();
+        if (wait_for_turn) turn[tid]->acquire();
     }
 };
 
@@ -275,7 +277,8 @@ static int run(bool naive, const void* A, const void* B, void* C, int M, int N, 
 
 extern "C" {
 
-// Returns 0 on success, 2 if a block's threads did not all meet at the same barriers.
+// Returns 0 on success, 2 if a block's threads did not all meet at the same barriers, 3 on a
+// misaligned 16-byte load or store.
 int emulate_gemm(int trans_a, int trans_b, int naive, const void* A, const void* B, void* C, int M, int N,
                  int K, int lda, int ldb, int ldc, long long sa, long long sb, long long sc, int batch,
                  int mode, unsigned seed) {
