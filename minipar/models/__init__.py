@@ -1,3 +1,4 @@
-from minipar.models.gpt import GPT, GPTConfig
+from minipar.models.config import GPTConfig
+from minipar.models.gpt import GPT
 
 __all__ = ["GPT", "GPTConfig"]
