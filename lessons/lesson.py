@@ -101,12 +101,11 @@ class Reference:
 
 def reference_run(comm, config, batches, seed, max_norm=None, routing=None, delay=0, root=0):
     """The single-device run, on rank ``root`` alone and sent to every rank (``computed_once``; a
-    collective: every rank of ``comm`` calls it, with the same ``root``): AdamW
-    (``HYPER``) from ``seed`` over ``batches``, each whole batch at once, the gradients clipped to
-    ``max_norm`` if given. ``routing``: the RoutingGroups a parallel mixture of experts routes
-    (``models/moe.py``). ``delay``: each step's gradient is taken at the weights that many updates
-    back (PipeDream-2BW's W(t+1) = W(t) - lr grad f(W(t-1)) is delay 1; W(-1) = W(0)), and
-    updates the newest ones."""
+    collective: every rank of ``comm`` calls it, with the same ``root``): AdamW (``HYPER``) from
+    ``seed`` over ``batches``, each whole batch at once, the gradients clipped to ``max_norm`` if
+    given. ``routing``: the RoutingGroups a parallel mixture of experts routes (``models/moe.py``).
+    ``delay``: each step's gradient is taken at the weights that many updates back (PipeDream-2BW's
+    W(t+1) = W(t) - lr grad f(W(t-1)) is delay 1; W(-1) = W(0)), and updates the newest ones."""
     def run():
         return vars(_single_device(config, batches, seed, max_norm, routing, delay))
 
