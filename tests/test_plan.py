@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from minipar.comm.base import ring_bytes
+from minipar.comm.stats import ring_bytes
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import memory, validate
 from minipar.parallel.pipeline.simulate import theoretical_bubble

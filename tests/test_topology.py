@@ -109,3 +109,30 @@ def test_expert_parallel_groups_are_carved_out_of_data_parallel_ones():
     assert Layout(1, 1, 4).groups("edp") == Layout(1, 1, 4).groups("dp_cp")
     with pytest.raises(ValueError, match="EP=3 does not divide DP=4"):
         Layout(1, 1, 4, ep=3)
+
+
+def test_comm_stats_tally_ring_collectives_and_charge_them_when_read():
+    from minipar.comm.stats import CommStats, ring_bytes
+
+    stats = CommStats(3)
+    held = stats.tallies["all_reduce"]  # what a communicator's direct path adds to
+    held.calls += 1
+    held.nbytes += 10
+    stats.count("all_reduce", 11)
+    stats.count("broadcast", 8, is_root=True)
+    stats.record("send", 5, 0)
+    by_op = stats.by_op
+    # the model charges the calls' bytes together: 2 (N-1)/N of 21, rounded down once (28, where
+    # two calls rounded apart would be 13 + 14 = 27)
+    assert (by_op["all_reduce"].calls, by_op["all_reduce"].bytes_sent, by_op["all_reduce"].bytes_received) == (2, 28, 28)
+    assert (by_op["broadcast"].bytes_sent, by_op["broadcast"].bytes_received) == ring_bytes("broadcast", 8, 3, True) == (8, 0)
+    assert (by_op["send"].calls, by_op["send"].bytes_sent) == (1, 5)
+    assert set(by_op) == {"all_reduce", "broadcast", "send"} and by_op["all_gather"].calls == 0
+    by_op["all_reduce"].calls = 99  # a copy: reading cannot change the count
+    assert stats.by_op["all_reduce"].calls == 2 and stats.total().bytes_sent == 28 + 8 + 5
+    stats.reset()
+    assert not stats.by_op and stats.total().calls == 0
+    assert stats.tallies["all_reduce"] is held and held.calls == held.nbytes == 0  # zeroed where it is held
+    held.calls += 1
+    held.nbytes += 6
+    assert stats.by_op["all_reduce"].bytes_sent == 8

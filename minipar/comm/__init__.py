@@ -4,7 +4,8 @@
 touches MPI. On GPUs (``--device cuda``) it is an NCCL communicator where NCCL can be used.
 """
 
-from minipar.comm.base import CommStats, Communicator, Request, ring_bytes, wait_all
+from minipar.comm.base import Communicator, Request, wait_all
+from minipar.comm.stats import CommStats, ring_bytes
 
 
 _gpu_world = None

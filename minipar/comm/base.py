@@ -1,4 +1,4 @@
-"""What every communicator offers, how waits avoid spinning, and how bytes are counted.
+"""What every communicator offers, and how waits avoid spinning.
 
 A ``Communicator`` is a group of ranks (the whole world, or a tensor-, pipeline- or data-parallel
 group) with the operations parallel training needs, on contiguous xp arrays:
@@ -16,33 +16,15 @@ group) with the operations parallel training needs, on contiguous xp arrays:
     send / recv           point to point; the i- forms return a Request
     barrier()
 
-Byte accounting. MPI does not say how many bytes its algorithms put on the wire, so each
-collective is charged what the bandwidth-optimal ring algorithm moves per rank, the convention of
-NCCL's "bus bandwidth" (Patarasuk & Yuan 2009; Thakur et al. 2005), with S the bytes of the full
-buffer and N ranks:
-
-    all_reduce      2 (N-1)/N S sent and received  (a reduce-scatter, then an all-gather)
-    reduce_scatter    (N-1)/N S                     (S = the input, all N chunks)
-    all_gather        (N-1)/N S                     (S = the output, all N chunks)
-    all_to_all        (N-1)/N S                     (S = the input: every chunk but one's own
-                                                     leaves, and as many arrive)
-    all_to_all_v    what actually leaves and arrives: the rows sent to (received from) the
-                    other ranks times the bytes of a row (its own rows stay; no ring model)
-    broadcast       S received by every rank but the root, S sent by every rank but the last
-                    of the chain (a pipelined chain from the root: N-1 links carry S each)
-    send / recv     the message itself
-    barrier         nothing (counted as a call)
-
-``lessons/00_collectives.py`` builds the ring all-reduce from send/recv, where every byte is a real
-message, and shows that its count equals the all_reduce line above.
+Every call is counted, and charged bytes by a model: ``stats.py``.
 """
 
 import os
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy
+
+from minipar.comm.stats import CommStats
 
 # How a rank waits. MPICH's blocking calls spin at 100% CPU; with 8 ranks on 2 cores a spinning
 # rank takes the core from the rank it is waiting for. But MPI only makes progress inside MPI
@@ -100,57 +82,6 @@ class Request:
 def wait_all(requests):
     """Wait for every request; returns their results in order."""
     return [r.wait() for r in requests]
-
-
-@dataclass(slots=True)
-class Traffic:
-    calls: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-
-class CommStats:
-    """Per operation kind: calls, bytes sent and bytes received by this rank (see the module
-    docstring for what a collective is charged). ``record`` is on every call's path: it takes
-    Python ints (``nbytes`` of an array is one) and does nothing else."""
-
-    def __init__(self):
-        self.by_op = defaultdict(Traffic)
-
-    def record(self, op, sent, received):
-        t = self.by_op[op]
-        t.calls += 1
-        t.bytes_sent += sent
-        t.bytes_received += received
-
-    def total(self):
-        out = Traffic()
-        for t in self.by_op.values():
-            out.calls += t.calls
-            out.bytes_sent += t.bytes_sent
-            out.bytes_received += t.bytes_received
-        return out
-
-    def reset(self):
-        self.by_op.clear()
-
-
-def ring_bytes(op, nbytes, size, is_root=False, is_last=False):
-    """(sent, received) bytes per rank that the ring model charges ``op`` on a buffer of
-    ``nbytes`` (see the table in the module docstring)."""
-    if size == 1 or op == "barrier":
-        return 0, 0
-    if op == "all_reduce":
-        share = 2 * (size - 1) * nbytes // size
-        return share, share
-    if op in ("reduce_scatter", "all_gather", "all_to_all"):
-        share = (size - 1) * nbytes // size
-        return share, share
-    if op == "broadcast":
-        # a pipelined chain from the root around the ring: every rank but the root receives S,
-        # every rank but the last of the chain (the root's left neighbour) passes S on
-        return (0 if is_last else nbytes), (0 if is_root else nbytes)
-    raise ValueError(f"no byte model for {op!r}")
 
 
 def all_to_all_v_plan(x, send_counts, recv_counts, rank, size):

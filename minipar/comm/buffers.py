@@ -77,6 +77,10 @@ def cuda_aware():
 AS_IS = frozenset(numpy.dtype(t) for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
                                             "uint8", "uint16", "uint32", "uint64"))
 
+# what mpi4py raises when it cannot take a buffer as it is (not contiguous, a dtype MPI has not,
+# counts or dtypes that do not match): as it parses the arguments, before MPI is called
+REFUSED = (BufferError, KeyError, ValueError, TypeError)
+
 
 def as_is(x):
     """Whether MPI takes ``x`` as it is: a C-contiguous host array of a dtype MPI has."""

@@ -22,9 +22,10 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.backend import xp
-from minipar.comm.base import CommStats, Communicator, Request, all_to_all_v_plan, ring_bytes
-from minipar.comm.buffers import AS_IS, check_buffer, reduction_op, stage
+from minipar.comm.base import Communicator, Request, all_to_all_v_plan
+from minipar.comm.buffers import AS_IS, REFUSED, check_buffer, reduction_op, stage
 from minipar.comm.start import abort_on_uncaught_exception, let_output_through
+from minipar.comm.stats import CommStats
 
 
 IN_PLACE, SUM, ndarray = MPI.IN_PLACE, MPI.SUM, numpy.ndarray
@@ -42,58 +43,80 @@ class MPICommunicator(Communicator):
     def __init__(self, comm, name, polite):
         self.comm, self.name, self.polite = comm, name, polite
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.stats = CommStats()
+        self.stats = CommStats(self.size)
         self._direct = not polite and self.size > 1
         # what the direct paths below use, looked up once (each lookup costs 20-50 ns): mpi4py's
-        # bound methods, and the ring model's shares as numerators over the size
+        # bound methods and the tallies they count into
         self._mpi_allreduce, self._mpi_reduce_scatter, self._mpi_allgather = (
             comm.Allreduce, comm.Reduce_scatter_block, comm.Allgather)
-        self._twice_others, self._others = 2 * (self.size - 1), self.size - 1
+        self._tally_all_reduce, self._tally_reduce_scatter, self._tally_all_gather = (
+            self.stats.tallies[op] for op in ("all_reduce", "reduce_scatter", "all_gather"))
 
-    # The sums of all_reduce and reduce_scatter and the all_gather of host arrays that MPI takes as
-    # they are (flat buffers for the last two), on a rank that waits in MPI's blocking calls, go
-    # straight to MPI: the common case, and the one where Python costs most. A small collective
-    # takes a few microseconds, and Python between two of them costs 2-4 times what it costs in
-    # a loop of its own (docs/benchmarks.md, small collectives). Everything else (GPU arrays,
-    # bfloat16, "max", other shapes, polite waits, one rank, bad input) takes the general path
-    # below, which checks, stages and explains. ``buffers.as_is`` and ``base.ring_bytes`` are
-    # written out here, and the shapes are compared by sizes: the calls and the shape tuples
-    # would cost as much as the rest.
+    # The sums of all_reduce and reduce_scatter and the all_gather of host arrays, on a rank that
+    # waits in MPI's blocking calls, go straight to MPI: the common case, and the one where Python
+    # costs most. A small collective takes a few microseconds, and Python between two of them
+    # costs 2-4 times what it costs in a loop of its own (docs/benchmarks.md, small collectives).
+    # So these paths check only what mpi4py does not: that x is a host array (mpi4py would hand a
+    # GPU array's address to an MPI that may not read GPU memory), and the shapes and layouts it
+    # does not see (it reads any contiguous buffer, Fortran order too, and does not compare an
+    # all-gather's two buffers). mpi4py checks the rest in C as it parses the buffers, before MPI
+    # is called: contiguity, a dtype MPI has (bfloat16 has none), matching counts and dtypes; MPI
+    # refuses a sum of booleans. What they refuse takes the general path, which checks, stages
+    # and explains. A call then counts itself in its tally: two additions.
     def all_reduce(self, x, op="sum"):
-        if (op == "sum" and self._direct and type(x) is ndarray and x.dtype in AS_IS
-                and x.flags.c_contiguous):
-            share = self._twice_others * x.nbytes // self.size
-            self.stats.record("all_reduce", share, share)
-            self._mpi_allreduce(IN_PLACE, x, SUM)
+        if op == "sum" and self._direct and type(x) is ndarray and (x.ndim == 1 or x.flags.c_contiguous):
+            try:
+                self._mpi_allreduce(IN_PLACE, x, SUM)
+            except REFUSED:
+                return self._all_reduce(x, op, wait=True)
+            except MPI.Exception as exc:
+                return self._refused_by_mpi(exc, lambda: self._all_reduce(x, op, wait=True))
+            tally = self._tally_all_reduce
+            tally.calls += 1
+            tally.nbytes += x.nbytes
             return x
         return self._all_reduce(x, op, wait=True)
 
     def reduce_scatter(self, x, op="sum", out=None):
-        n = self.size
-        if (op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype in AS_IS
-                and x.flags.c_contiguous and not x.size % n):
-            if out is None:
-                out = numpy.empty(x.size // n, x.dtype)
-            if (type(out) is ndarray and out.ndim == 1 and out.size * n == x.size and out.dtype == x.dtype
-                    and out.flags.c_contiguous):
-                share = self._others * x.nbytes // n
-                self.stats.record("reduce_scatter", share, share)
-                self._mpi_reduce_scatter(x, out, SUM)
-                return out
+        if op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1:
+            into = numpy.empty(len(x) // self.size, x.dtype) if out is None else out
+            if type(into) is ndarray and into.ndim == 1:
+                try:
+                    self._mpi_reduce_scatter(x, into, SUM)
+                except REFUSED:
+                    return self._reduce_scatter(x, op, out, wait=True)
+                except MPI.Exception as exc:
+                    return self._refused_by_mpi(exc, lambda: self._reduce_scatter(x, op, out, wait=True))
+                tally = self._tally_reduce_scatter
+                tally.calls += 1
+                tally.nbytes += x.nbytes
+                return into
         return self._reduce_scatter(x, op, out, wait=True)
 
     def all_gather(self, x, out=None):
         n = self.size
-        if self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype in AS_IS and x.flags.c_contiguous:
-            if out is None:
-                out = numpy.empty((n, x.size), x.dtype)
-            if (type(out) is ndarray and out.ndim == 2 and len(out) == n and out.size == x.size * n
-                    and out.dtype == x.dtype and out.flags.c_contiguous):
-                share = self._others * out.nbytes // n
-                self.stats.record("all_gather", share, share)
-                self._mpi_allgather(x, out)
-                return out
+        if self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype in AS_IS:
+            into = numpy.empty((n, len(x)), x.dtype) if out is None else out
+            if (type(into) is ndarray and into.ndim == 2 and len(into) == n and into.size == x.size * n
+                    and into.dtype is x.dtype and into.flags.c_contiguous):
+                try:
+                    self._mpi_allgather(x, into)
+                except REFUSED:
+                    return self._all_gather(x, out, wait=True)
+                tally = self._tally_all_gather
+                tally.calls += 1
+                tally.nbytes += into.nbytes
+                return into
         return self._all_gather(x, out, wait=True)
+
+    @staticmethod
+    def _refused_by_mpi(exc, general):
+        """An MPI error from a direct call: an operation the datatype has not (MPI checks its
+        arguments before it communicates) takes the general path to be explained; anything
+        else is raised."""
+        if exc.Get_error_class() != MPI.ERR_OP:
+            raise exc
+        return general()
 
     def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None, then=None, charged=None):
         """Charge ``op`` to the byte account (the ring model's bytes for ``nbytes``, or
@@ -102,8 +125,9 @@ class MPICommunicator(Communicator):
         ``then``: run once it is done."""
         if charged is None:
             is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
-            charged = ring_bytes(op, nbytes, self.size, is_root, is_last)
-        self.stats.record(op, *charged)
+            self.stats.count(op, nbytes, is_root, is_last)
+        else:
+            self.stats.record(op, *charged)
         if self.size == 1:
             return result if wait else Request(_done, result)
         if wait and not self.polite:

@@ -22,7 +22,7 @@ import sys
 
 import numpy
 
-from minipar.comm.base import Communicator, Request, all_to_all_v_plan, ring_bytes
+from minipar.comm.base import Communicator, Request, all_to_all_v_plan
 
 _ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 
@@ -115,8 +115,11 @@ class NCCLCommunicator(Communicator):
         return a Request (or, if ``wait``, its result)."""
         import cupy
 
-        is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
-        self.stats.record(op, *(charged or ring_bytes(op, nbytes, self.size, is_root, is_last)))
+        if charged is None:
+            is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
+            self.stats.count(op, nbytes, is_root, is_last)
+        else:
+            self.stats.record(op, *charged)
         compute = cupy.cuda.get_current_stream()
         self.stream.wait_event(compute.record())
         call(self.stream.ptr)

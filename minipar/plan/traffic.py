@@ -39,7 +39,7 @@ activation of one micro-batch:
 
 from collections import Counter
 
-from minipar.comm.base import ring_bytes
+from minipar.comm.stats import ring_bytes
 from minipar.parallel.tensor import padded_vocab
 
 from .shapes import PRECISIONS, micro_batches
