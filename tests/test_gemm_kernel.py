@@ -126,11 +126,12 @@ def test_a_missing_syncthreads_fails_every_time_one_thread_at_a_time(which, mode
         assert relative_error(emulator.matmul(a, b, mode=mode, seed=seed, source=source), a, b) > 0.1
 
 
-def test_a_barrier_only_some_threads_reach_is_reported():
+@pytest.mark.parametrize("mode", ["parallel", "reversed"])
+def test_a_barrier_only_some_threads_reach_is_reported(mode):
     source = planted("__syncthreads();  // the whole slab", "if (threadIdx.x % 2) __syncthreads();  //")
     a, b = operands(8, 8, 8, False, False, "float32")
     with pytest.raises(emulator.EmulatorError, match="did not all reach"):
-        emulator.matmul(a, b, mode="reversed", source=source)
+        emulator.matmul(a, b, mode=mode, source=source)
 
 
 def test_the_trace_counts_the_tiled_kernels_loads():

@@ -11,6 +11,8 @@
 //   * SERIAL: one thread runs at a time, from one barrier to the next, in an adversarial order
 //     (reversed, or shuffled by a seed). A missing __syncthreads() then fails every time: some
 //     thread reads a tile its neighbours have not written yet, or already overwrote.
+// In every mode a block whose threads passed different numbers of barriers is reported (a barrier
+// that only some threads reach: undefined behaviour on a GPU).
 // Built by emulator.py with g++ -std=c++20; the tile shapes come in as -D flags.
 
 #include <algorithm>
@@ -144,8 +146,11 @@ struct Scheduler {
     int pos = 0, arrived = 0, exited = 0;
     bool divergent = false;
     std::mt19937 rng;
+    // the barriers each thread passed: its own slot, read once the block is over
+    std::vector<int> passed;
 
-    Scheduler(Mode m, int threads, unsigned seed) : mode(m), n(threads), order(threads), rng(seed) {
+    Scheduler(Mode m, int threads, unsigned seed)
+        : mode(m), n(threads), order(threads), rng(seed), passed(threads, 0) {
         if (mode == PARALLEL) {
             barrier = std::make_unique<std::barrier<>>(threads);
             return;
@@ -165,6 +170,7 @@ struct Scheduler {
     }
     // This thread reached a barrier (exit = false) or the end of the kernel (exit = true).
     void arrive(int tid, bool exit) {
+        if (!exit) ++passed[tid];
         if (mode == PARALLEL) {
             if (exit) barrier->arrive_and_drop(); else barrier->arrive_and_wait();
             return;
@@ -185,6 +191,12 @@ struct Scheduler {
             wait_for_turn = !exit && !divergent;  // read under the lock: another thread may set it
         }
         if (wait_for_turn) turn[tid]->acquire();
+    }
+    // Whether the block's threads met at different numbers of barriers. In PARALLEL mode a thread
+    // that ends leaves the std::barrier and the others go on without it (as a GPU may), so only
+    // the counts tell; the serial modes also catch it as it happens (`divergent`).
+    bool uneven() const {
+        return std::any_of(passed.begin(), passed.end(), [&](int p) { return p != passed[0]; });
     }
 };
 
@@ -240,7 +252,7 @@ static int launch(Kernel kernel, dim3 grid, dim3 block, Mode mode, unsigned seed
         current = b;
         gate.arrive_and_wait();  // run it
         gate.arrive_and_wait();  // wait for it
-        code = scheduler->divergent ? 2 : g_misaligned ? 3 : 0;
+        code = scheduler->divergent || scheduler->uneven() ? 2 : g_misaligned ? 3 : 0;
         if (code) break;
     }
     done = true;
