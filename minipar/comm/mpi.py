@@ -28,7 +28,7 @@ from minipar.comm.start import abort_on_uncaught_exception, let_output_through
 from minipar.comm.stats import CommStats
 
 
-IN_PLACE, SUM, ndarray = MPI.IN_PLACE, MPI.SUM, numpy.ndarray
+IN_PLACE, SUM, ndarray, BOOL = MPI.IN_PLACE, MPI.SUM, numpy.ndarray, numpy.dtype(bool)
 
 
 def _done():
@@ -57,20 +57,20 @@ class MPICommunicator(Communicator):
     # costs most. A small collective takes a few microseconds, and Python between two of them
     # costs 2-4 times what it costs in a loop of its own (docs/benchmarks.md, small collectives).
     # So these paths check only what mpi4py does not: that x is a host array (mpi4py would hand a
-    # GPU array's address to an MPI that may not read GPU memory), and the shapes and layouts it
-    # does not see (it reads any contiguous buffer, Fortran order too, and does not compare an
-    # all-gather's two buffers). mpi4py checks the rest in C as it parses the buffers, before MPI
-    # is called: contiguity, a dtype MPI has (bfloat16 has none), matching counts and dtypes; MPI
-    # refuses a sum of booleans. What they refuse takes the general path, which checks, stages
-    # and explains. A call then counts itself in its tally: two additions.
+    # GPU array's address to an MPI that may not read GPU memory), the shapes and layouts it does
+    # not see (it reads any contiguous buffer, Fortran order too, and does not compare an
+    # all-gather's two buffers), and no sum of booleans (MPI refuses one only while its argument
+    # checks are on). mpi4py checks the rest in C as it parses the buffers, before MPI is called:
+    # contiguity, a dtype MPI has (bfloat16 has none), matching counts and dtypes. What it refuses
+    # takes the general path, which checks, stages and explains. A call then counts itself in its
+    # tally: two additions.
     def all_reduce(self, x, op="sum"):
-        if op == "sum" and self._direct and type(x) is ndarray and (x.ndim == 1 or x.flags.c_contiguous):
+        if (op == "sum" and self._direct and type(x) is ndarray and x.dtype is not BOOL
+                and (x.ndim == 1 or x.flags.c_contiguous)):
             try:
                 self._mpi_allreduce(IN_PLACE, x, SUM)
             except REFUSED:
                 return self._all_reduce(x, op, wait=True)
-            except MPI.Exception as exc:
-                return self._refused_by_mpi(exc, lambda: self._all_reduce(x, op, wait=True))
             tally = self._tally_all_reduce
             tally.calls += 1
             tally.nbytes += x.nbytes
@@ -78,15 +78,13 @@ class MPICommunicator(Communicator):
         return self._all_reduce(x, op, wait=True)
 
     def reduce_scatter(self, x, op="sum", out=None):
-        if op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1:
+        if op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype is not BOOL:
             into = numpy.empty(len(x) // self.size, x.dtype) if out is None else out
             if type(into) is ndarray and into.ndim == 1:
                 try:
                     self._mpi_reduce_scatter(x, into, SUM)
                 except REFUSED:
                     return self._reduce_scatter(x, op, out, wait=True)
-                except MPI.Exception as exc:
-                    return self._refused_by_mpi(exc, lambda: self._reduce_scatter(x, op, out, wait=True))
                 tally = self._tally_reduce_scatter
                 tally.calls += 1
                 tally.nbytes += x.nbytes
@@ -108,15 +106,6 @@ class MPICommunicator(Communicator):
                 tally.nbytes += into.nbytes
                 return into
         return self._all_gather(x, out, wait=True)
-
-    @staticmethod
-    def _refused_by_mpi(exc, general):
-        """An MPI error from a direct call: an operation the datatype has not (MPI checks its
-        arguments before it communicates) takes the general path to be explained; anything
-        else is raised."""
-        if exc.Get_error_class() != MPI.ERR_OP:
-            raise exc
-        return general()
 
     def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None, then=None, charged=None):
         """Charge ``op`` to the byte account (the ring model's bytes for ``nbytes``, or

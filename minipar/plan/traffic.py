@@ -1,9 +1,10 @@
 """Bytes each rank sends per step, per group: the numbers the communicators count (``group.stats``).
 
-Every collective is charged as ``comm.base.ring_bytes`` charges it (the ring algorithm's bytes per
-rank, NCCL's "bus bandwidth" convention: an all-reduce of S over N ranks 2 (N-1)/N S, a
-reduce-scatter or all-gather (N-1)/N S, an all-to-all (N-1)/N of its input), so a prediction and
-a measurement are the same arithmetic. Per micro-batch, with b its sequences, s = T/CP the
+Every collective is charged as ``comm.stats`` charges it (``ring_bytes``: the ring algorithm's
+bytes per rank, NCCL's "bus bandwidth" convention: an all-reduce of S over N ranks 2 (N-1)/N S, a
+reduce-scatter or all-gather (N-1)/N S, an all-to-all (N-1)/N of its input, applied to the bytes
+of all of a step's calls of one op in one group together), so a prediction and a measurement are
+the same arithmetic. Per micro-batch, with b its sequences, s = T/CP the
 positions of a rank, h the hidden size, t the TP size, d the bytes of a value and S = b s h d the
 activation of one micro-batch:
 
@@ -88,8 +89,10 @@ def _count(model, layout, global_batch, stage, dtype):
     moe_layers = sum(model.is_moe(i) for i in layers)
     first, last = edges(lay, stage)
 
+    ring = Counter()  # (group, op, size): the bytes of the buffers, charged once at the end
+
     def charge(group, op, nbytes, size, times=1):
-        out[group] += times * ring_bytes(op, nbytes, size)[0]
+        ring[group, op, size] += times * nbytes
         steps[group] += times * latency_steps(op, size)
         calls[group] += times
 
@@ -172,6 +175,8 @@ def _count(model, layout, global_batch, stage, dtype):
         steps["ep"] += m * moe * (2 * forwards + 2) * (e - 1)
         calls["ep"] += m * moe * (2 * forwards + 2)
         charge("ep", "all_reduce", NORM, e)
+    for (group, op, size), nbytes in ring.items():
+        out[group] += ring_bytes(op, nbytes, size)[0]
     sent = {g: v for g, v in out.items() if v}
     return sent, {g: v for g, v in steps.items() if g in sent}, {g: v for g, v in calls.items() if g in sent}
 
