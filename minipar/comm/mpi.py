@@ -23,7 +23,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.backend import xp
 from minipar.comm.base import Communicator, Request, all_to_all_v_plan
-from minipar.comm.buffers import AS_IS, REFUSED, check_buffer, reduction_op, stage
+from minipar.comm.buffers import REFUSED, check_buffer, reduction_op, stage
 from minipar.comm.start import abort_on_uncaught_exception, let_output_through
 from minipar.comm.stats import CommStats
 
@@ -59,11 +59,11 @@ class MPICommunicator(Communicator):
     # So these paths check only what mpi4py does not: that x is a host array (mpi4py would hand a
     # GPU array's address to an MPI that may not read GPU memory), the shapes and layouts it does
     # not see (it reads any contiguous buffer, Fortran order too, and does not compare an
-    # all-gather's two buffers), and no sum of booleans (MPI refuses one only while its argument
-    # checks are on). mpi4py checks the rest in C as it parses the buffers, before MPI is called:
-    # contiguity, a dtype MPI has (bfloat16 has none), matching counts and dtypes. What it refuses
-    # takes the general path, which checks, stages and explains. A call then counts itself in its
-    # tally: two additions.
+    # all-gather's two buffers), and no booleans (the general path refuses them; MPI refuses a
+    # sum of them only while its argument checks are on). mpi4py checks the rest in C as it
+    # parses the buffers, before MPI is called: contiguity, a dtype MPI has (bfloat16 has none),
+    # matching counts and dtypes. What it refuses takes the general path, which checks, stages
+    # and explains. A call then counts itself in its tally: two additions.
     def all_reduce(self, x, op="sum"):
         if (op == "sum" and self._direct and type(x) is ndarray and x.dtype is not BOOL
                 and (x.ndim == 1 or x.flags.c_contiguous)):
@@ -93,7 +93,7 @@ class MPICommunicator(Communicator):
 
     def all_gather(self, x, out=None):
         n = self.size
-        if self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype in AS_IS:
+        if self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype is not BOOL:
             into = numpy.empty((n, len(x)), x.dtype) if out is None else out
             if (type(into) is ndarray and into.ndim == 2 and len(into) == n and into.size == x.size * n
                     and into.dtype is x.dtype and into.flags.c_contiguous):
