@@ -1,9 +1,9 @@
 """How a communicator counts its calls and the bytes they move.
 
-MPI does not say how many bytes its algorithms put on the wire, so each
-collective is charged what the bandwidth-optimal ring algorithm moves per rank, the convention of
-NCCL's "bus bandwidth" (Patarasuk & Yuan 2009; Thakur et al. 2005), with S the bytes of the full
-buffer and N ranks:
+MPI does not say how many bytes its algorithms put on the wire, so each collective is charged
+what the bandwidth-optimal ring algorithm moves per rank, the convention of NCCL's "bus
+bandwidth" (Patarasuk & Yuan 2009; Thakur et al. 2005), with S the bytes of the full buffer and
+N ranks:
 
     all_reduce      2 (N-1)/N S sent and received  (a reduce-scatter, then an all-gather)
     reduce_scatter    (N-1)/N S                     (S = the input, all N chunks)
@@ -17,8 +17,9 @@ buffer and N ranks:
     send / recv     the message itself
     barrier         nothing (counted as a call)
 
-``lessons/00_collectives.py`` builds the ring all-reduce from send/recv, where every byte is a real
-message, and shows that its count equals the all_reduce line above.
+The first four are charged on the bytes of all their calls since the last reset, together
+(``CommStats``). ``lessons/00_collectives.py`` builds the ring all-reduce from send/recv, where
+every byte is a real message, and shows that its count equals the all_reduce line above.
 """
 
 from collections import defaultdict
