@@ -138,6 +138,10 @@ def check_args(args, world_size):
         why = export_dir_problem(args.export_hf)
         if why:
             problems.append(f"--export-hf {args.export_hf}: {why}")
+    if args.num_experts and (args.export_hf or (args.init_weights and os.path.isdir(args.init_weights))):
+        flag, path = ("--export-hf", args.export_hf) if args.export_hf else ("--init-weights", args.init_weights)
+        problems.append(f"{flag} {path}: GPT-2 has dense MLPs, and this model has --num-experts {args.num_experts}: "
+                        "keep a mixture of experts in minipar's own files (--export-weights, --save)")
     if args.plot:
         from minipar.plots import path_problem
 

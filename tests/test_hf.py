@@ -123,6 +123,7 @@ def test_a_snapshot_converts_and_round_trips_bit_for_bit(tmp_path, corpus):
     ([], {"activation_function": "relu"}, "activation_function is 'relu'; minipar computes 'gelu_new' only"),
     ([], {"n_inner": 48}, "n_inner is 48; minipar's MLP is 4 x n_embd = 64 wide"),
     ([], {"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon is 1e-06"),
+    (["--num-experts", "4"], {}, "--init-weights SNAP: GPT-2 has dense MLPs, and this model has --num-experts 4"),
 ])
 def test_a_snapshot_the_run_cannot_take_is_one_line(flags, config, message, tmp_path, corpus):
     snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()), **config)
@@ -130,6 +131,13 @@ def test_a_snapshot_the_run_cannot_take_is_one_line(flags, config, message, tmp_
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert message.replace("SNAP", snap) in lines[0]
+
+
+def test_a_mixture_of_experts_is_not_exported_as_gpt2(tmp_path, corpus):
+    out = str(tmp_path / "hf")
+    run = train("--num-experts", "4", "--max-iters", "1", "--export-hf", out, "--data", corpus, *RUN)
+    assert run.returncode == 2 and "GPT-2 has dense MLPs, and this model has --num-experts 4" in run.stderr
+    assert not os.path.exists(out)
 
 
 def test_a_tensor_parallel_checkpoint_exports_what_one_rank_exports(tmp_path, corpus):
