@@ -14,6 +14,7 @@ import pytest
 
 import minipar
 from minipar.checkpoint import sharded
+from minipar.checkpoint.index import seal
 from minipar.checkpoint.sharded import CheckpointError
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
@@ -107,7 +108,7 @@ def test_shard_files_must_be_plain_files_of_the_checkpoint(where, tmp_path):
         for entry in index["tensors"].values():
             for box in entry["boxes"]:
                 box["file"] = name
-        json.dump(index, open(os.path.join(step, "index.json"), "w"))
+        json.dump(seal(index), open(os.path.join(step, "index.json"), "w"))  # sealed again, as an editor would
         message = "not a plain name rank_NNNNN.safetensors"
     with pytest.raises(CheckpointError, match=message):
         _load(save)
@@ -153,6 +154,29 @@ def _mutations(index):
     return out
 
 
+def test_an_index_that_does_not_match_its_own_checksum_is_refused(tmp_path):
+    save = _saved(tmp_path)
+    index_file = os.path.join(save, "iter_0000001", "index.json")
+    good = open(index_file).read()
+    assert '"iteration": 1,' in good
+    for damaged in (good.replace('"iteration": 1,', '"iteration": 7,'),  # one digit, still a valid index
+                    good.replace('"optimizer_steps": 0', '"optimizer_steps": 100')):
+        open(index_file, "w").write(damaged)
+        with pytest.raises(CheckpointError, match="index.json does not match its own checksum: it was damaged or edited"):
+            _load(save)
+    index = json.loads(good)
+    for value in ("0" * 63, 5, DELETE):
+        if value is DELETE:
+            del index["sha256"]
+        else:
+            index["sha256"] = value
+        open(index_file, "w").write(json.dumps(index))
+        with pytest.raises(CheckpointError, match="field sha256 is"):
+            _load(save)
+    open(index_file, "w").write(json.dumps(json.loads(good), indent=4, sort_keys=True))  # written another way
+    assert _load(save)["optimizer_steps"] == 0
+
+
 
 def _name(path):
     name = ""
@@ -181,14 +205,14 @@ def test_every_malformed_index_field_is_one_checkpoint_error_naming_it(tmp_path)
             del parent[path[-1]]
         else:
             parent[path[-1]] = value
-        open(index_file, "w").write(json.dumps(index))
+        open(index_file, "w").write(json.dumps(seal(index)))  # sealed: the field checks must catch it
         with pytest.raises(CheckpointError) as caught:
             _load(save)
         message = str(caught.value)
         named = "'format' field" if path == ("format",) else _name(path)
         assert "\n" not in message and "index.json" in message and named in message, (path, message)
-    open(index_file, "w").write(good.replace("minipar-sharded-checkpoint-2", "minipar-sharded-checkpoint-1"))
-    with pytest.raises(CheckpointError, match="is a 'minipar-sharded-checkpoint-1' checkpoint; this minipar reads"):
+    open(index_file, "w").write(good.replace("minipar-sharded-checkpoint-3", "minipar-sharded-checkpoint-2"))
+    with pytest.raises(CheckpointError, match="is a 'minipar-sharded-checkpoint-2' checkpoint; this minipar reads"):
         sharded.read_index(save)
 
 

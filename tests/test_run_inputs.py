@@ -13,6 +13,7 @@ import pytest
 from mpi_run import ROOT, run_mpi
 from test_train import TINY, corpus, train  # noqa: F401 (corpus: a fixture)
 
+from minipar.checkpoint.index import seal
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
 
 
@@ -122,6 +123,6 @@ def test_a_trainer_state_without_its_fields_is_one_line(tmp_path, corpus):
     del index["trainer"]["rng"]
     index["trainer"]["seed"] = "1337"
     with open(index_file, "w") as f:
-        json.dump(index, f)
+        json.dump(seal(index), f)  # sealed again: the trainer's own checks must catch it
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
     assert one_line(run, "its trainer state has no whole number seed, rng.seed: it was not written by"), run.stderr

@@ -10,6 +10,7 @@ import numpy
 import pytest
 
 from minipar.checkpoint import load_weights
+from minipar.checkpoint.index import seal
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-iters", "2", "--sample", "0", "--plot", ""]
@@ -228,7 +229,7 @@ def test_a_checkpoint_that_counted_dropout_calls_is_refused_in_one_line(tmp_path
     assert set(index["trainer"]["rng"]) == {"seed"}  # the iteration, saved beside it, keys the masks
     index["trainer"]["rng"]["calls"] = 20
     with open(index_file, "w") as fh:
-        json.dump(index, fh)
+        json.dump(seal(index), fh)
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
     lines = run.stderr.strip().splitlines()
     assert run.returncode != 0 and len(lines) == 1 and "keyed by position" in lines[0], run.stderr

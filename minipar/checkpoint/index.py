@@ -7,10 +7,17 @@ or sends a message, ``read_index`` checks every name and field the checkpoint gi
   inside the save directory: never ``..``, an absolute path, or a link leading elsewhere;
 * the index's shard files are plain names ``rank_NNNNN.safetensors``, regular files (not links)
   inside the checkpoint directory, at the sizes the index records;
+* the index matches its own checksum (``seal``: the SHA-256 of its other fields), so a flipped
+  digit in an iteration or a step count is caught as the shards' flipped bits are;
 * every field of the index has its type and range (``validate``), so a damaged field is one
   CheckpointError naming the field and the file, never a KeyError or TypeError further on.
+
+A checksum finds damage, not an edit made on purpose (whoever edits a field can seal it again):
+the field checks and the shards' own checksums are what stop such an index from reaching memory
+it should not.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -18,7 +25,8 @@ import re
 from minipar.checkpoint.files import is_plain
 from minipar.dtypes import as_dtype
 
-FORMAT = "minipar-sharded-checkpoint-2"  # 2: a box's checksum covers its key, dtype and shape too
+FORMAT = "minipar-sharded-checkpoint-3"  # 3: the index is sealed by its own checksum; 2: a box's
+# checksum covers its key, dtype and shape too
 ITER_NAME = re.compile(r"iter_[0-9]{7,}")
 SHARD_NAME = re.compile(r"rank_[0-9]{5,}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -29,6 +37,14 @@ _MISSING = object()
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: the message names the file and the problem."""
+
+
+def seal(index):
+    """``index`` with its checksum, ``sha256``: the SHA-256 of its other fields written as canonical
+    JSON (sorted keys, no spaces), which reads back the same from the indented file."""
+    fields = {key: value for key, value in index.items() if key != "sha256"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return dict(fields, sha256=hashlib.sha256(text.encode()).hexdigest())
 
 
 def find(path):
@@ -138,9 +154,14 @@ def validate(index, index_file):
                               "or not a string): pass a checkpoint minipar saved")
     if index["format"] != FORMAT:
         raise CheckpointError(f"{index_file} is a {index['format']!r} checkpoint; this minipar reads "
-                              f"{FORMAT!r} only (its checksums cover each box's dtype and shape): "
-                              "load it with the minipar that wrote it, or start the run again")
+                              f"{FORMAT!r} only (its checksums cover the index itself, and each box's dtype "
+                              "and shape): load it with the minipar that wrote it, or start the run again")
     field, is_dict = _Fields(index_file), (lambda v: isinstance(v, dict))
+    sealed = field(index, "sha256", "", "64 lowercase hexadecimal digits",
+                   lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None)
+    if seal(index)["sha256"] != sealed:
+        raise CheckpointError(f"{index_file} does not match its own checksum: it was damaged or edited after "
+                              "it was written; load an earlier checkpoint")
     field(index, "iteration", "", "a whole number >= 0", _whole())
     field(index, "dtype", "", "a NumPy dtype name", _dtype_name)
     field(index, "model", "", "an object", is_dict)

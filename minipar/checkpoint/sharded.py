@@ -7,7 +7,8 @@ A checkpoint is a directory ``iter_0000020/`` in the save directory:
     rank_00000.json          their list: tensor, box of the whole tensor, dtype, checksum
     ...
     index.json               written last: the model, layout, iteration, trainer state, every
-                             tensor's whole shape and where each box of it is, every file's size
+                             tensor's whole shape and where each box of it is, every file's size,
+                             and its own checksum
 
 Saving is atomic at the level of the checkpoint. All ranks write into ``iter_0000020.partial/``;
 after a barrier, rank 0 merges the ranks' lists into ``index.json``, checks that the boxes cover
@@ -42,7 +43,7 @@ from safetensors.numpy import save as safetensors_bytes
 from minipar.backend import to_numpy, xp
 from minipar.checkpoint.boxes import intersect, region, volume
 from minipar.checkpoint.files import fsync_dir, remove, write_file
-from minipar.checkpoint.index import FORMAT, CheckpointError, find, read_index
+from minipar.checkpoint.index import FORMAT, CheckpointError, find, read_index, seal
 from minipar.checkpoint.pieces import pieces, weights_dtype
 from minipar.checkpoint.retention import prune, remove_stale_partials
 from minipar.dtypes import as_dtype
@@ -118,7 +119,7 @@ def _write_mine(stem, model, optimizer, grid):
 
 def _publish(directory, partial, final, index):
     """Rank 0: the index into the finished directory, the directory into place, then ``latest``."""
-    write_file(os.path.join(partial, "index.json"), json.dumps(index, indent=1).encode())
+    write_file(os.path.join(partial, "index.json"), json.dumps(seal(index), indent=1).encode())
     fsync_dir(partial)
     if os.path.lexists(final):  # the same iteration saved again: replace it, never half of it
         remove(final + ".old")
