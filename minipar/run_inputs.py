@@ -1,17 +1,20 @@
 """Every rank of a run reads the same inputs, and one run at a time writes a save directory.
 
 Each rank reads its flags' files on its own, before any communication, so that a bad flag is one
-line and never a hang. That leaves two ways for ranks to disagree without any error:
+line and never a hang. That leaves three ways for ranks to disagree without any error:
 
+* ranks launched with different flags (an MPMD launch, ``mpiexec -n 1 ... : -n 1 ...``): another
+  ZeRO stage or step count on one rank hangs the job, another seed or learning rate trains a
+  model no single run would;
 * ``--load DIR`` means ``DIR/latest``, which another run may move while this job starts: ranks
   that read it a moment apart load tensor-parallel shards of different iterations, then run
   different numbers of steps, and hang.
 * ``--data`` (or the default corpus, this Python's standard library) can change while the ranks
   read it, or differ between hosts: the ranks then train on different corpora and exit 0.
 
-So once the flags are agreed, rank 0 decides what is loaded and broadcasts it: the checkpoint
-directory it resolved (no rank reads ``latest`` again), the SHA-256 of that checkpoint's index,
-and the corpus's length and SHA-256. Every rank compares its own with them; a difference ends the
+So once the flags are agreed, rank 0 decides what is loaded and broadcasts it: its flags as
+parsed, the checkpoint directory it resolved (no rank reads ``latest`` again), the SHA-256 of that
+checkpoint's index, and the corpus's length and SHA-256. Every rank compares its own with them; a difference ends the
 job before training, one line, every rank with status 2.
 
 The save directory is claimed the same way before training (rank 0, ``checkpoint/lock.py``), and
@@ -44,8 +47,14 @@ def index_sha256(checkpoint):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def _flags(args):
+    """The parsed flags as JSON values (anything else as its text), ``--load`` left out: what it
+    names is compared by the checkpoint it resolves to."""
+    return json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "load"}, default=str))
+
+
 def _facts(args, data):
-    facts = {"corpus": [data.size, data.sha256]}
+    facts = {"flags": _flags(args), "corpus": [data.size, data.sha256]}
     if args.load:
         facts.update(checkpoint=os.path.abspath(args.load), index=index_sha256(args.load))
     return facts
@@ -58,6 +67,14 @@ def same_inputs(comm, args, data):
     if comm.rank == 0:
         return []
     problems = []
+    mine = _flags(args)
+    differ = sorted(set(mine) | set(theirs["flags"]), key=str)
+    differ = [k for k in differ if mine.get(k) != theirs["flags"].get(k)]
+    if differ:
+        shown = "; ".join(f"--{k.replace('_', '-')} {mine.get(k)!r}, rank 0's {theirs['flags'].get(k)!r}"
+                          for k in differ[:4])
+        problems.append(f"rank {comm.rank} was launched with other flags than rank 0 ({shown}"
+                        f"{'; and more' if len(differ) > 4 else ''}): launch every rank with the same command line")
     if theirs["corpus"] != [data.size, data.sha256]:
         (n0, h0), (n, h) = theirs["corpus"], (data.size, data.sha256)
         problems.append(f"--data {args.data or '(default corpus)'}: rank {comm.rank} read {n:,} bytes "

@@ -63,6 +63,13 @@ def test_a_resume_on_another_corpus_is_refused(tmp_path, corpus):
     assert "the data would differ from the run it continues" in run.stderr
 
 
+def test_ranks_launched_with_different_flags_all_stop_in_one_line(tmp_path):
+    code, out, _ = run_mpi(3, "run_inputs.py", "flags", tmp_path, timeout=60)
+    line = ("run_inputs: error: rank 1 was launched with other flags than rank 0 (--seed 7, rank 0's 1; "
+            "--zero-stage 1, rank 0's 0): launch every rank with the same command line")
+    assert code == 2 and out.count(line) == 1 and "loads" not in out, out
+
+
 def test_ranks_that_read_different_corpora_all_stop_in_one_line(tmp_path):
     code, out, _ = run_mpi(4, "run_inputs.py", "corpus", tmp_path, timeout=60)
     assert code == 2 and out.count("run_inputs: error: --data (default corpus): rank 1 read 1,151 bytes") == 1, out

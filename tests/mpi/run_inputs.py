@@ -1,5 +1,6 @@
 """Ranks that read different inputs, as they can when files change while a job starts.
 
+    flags DIR    rank 1 was launched with another seed and ZeRO stage: every rank must stop, one line
     corpus DIR   rank 1 reads one more byte of corpus than the others: every rank must stop, one line
     latest DIR   ranks resolved ``latest`` of DIR at different moments (iter 2 on rank 0, iter 4 on
                  the others): every rank must load rank 0's, and say which
@@ -17,7 +18,9 @@ from minipar.run_inputs import same_inputs
 mode, directory = sys.argv[1], sys.argv[2]
 comm = world()
 corpus = b"def f(x):\n    return x\n" * 50
-args = SimpleNamespace(data=None, load=None)
+args = SimpleNamespace(data=None, load=None, seed=1, zero_stage=0)
+if mode == "flags" and comm.rank == 1:
+    args.seed, args.zero_stage = 7, 1
 if mode == "corpus" and comm.rank == 1:
     corpus += b"\n"
 if mode == "latest":
