@@ -62,5 +62,10 @@ def _save(plt, fig, ax, path, title, ylabel):
     ax.grid(alpha=0.3)
     ax.legend()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    except OSError as exc:  # a full disk: a write's error names no file
+        exc.filename = exc.filename or path
+        raise
+    finally:
+        plt.close(fig)

@@ -245,6 +245,9 @@ def main(argv=None):
         return trainer.run()
     except CheckpointError as exc:  # a save that failed (a full disk): the last good one stays
         return _end(comm, parser.prog, f"--save: {exc}")
+    except OSError as exc:  # an output rank 0 writes (--log-json, --export-weights, --plot): a full disk
+        where = interrupted(args, trainer.model.rng.iteration).replace("interrupted", "stopped", 1)
+        return _end(comm, parser.prog, f"cannot write {exc.filename or 'an output'} ({exc.strerror or exc}): {where}")
     except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback
         if comm.rank == 0:
             print(f"{parser.prog}: {interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)

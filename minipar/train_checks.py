@@ -85,7 +85,10 @@ def _writable(flag, path):
         return f"{flag} {path}: cannot create {directory} ({exc.strerror})"
     if os.path.isdir(path) or not os.access(directory, os.W_OK):
         return f"{flag} {path}: not a writable file path"
-    return None
+    from minipar.checkpoint.files import cannot_create_in
+
+    why = cannot_create_in(directory)
+    return None if why is None else f"{flag} {path}: cannot create a file in {directory} ({why})"
 
 
 def check_args(args, world_size):

@@ -185,7 +185,10 @@ class Trainer(Reports):
         tokens_per_step = args.batch_size * args.block_size
         model_flops = tokens_per_step * model_flops_per_token(self.config)
         peak = measured_peak(self.world, self.model.parameters()[0].dtype)  # a collective, before the clock
-        with open(args.log_json if args.log_json and self.speaks else os.devnull, "a" if self.start else "w") as log:
+        # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
+        # leaves nothing for the close to fail on again
+        with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
+                  buffering=0) as log:
             clock = time.perf_counter()
             for it in range(self.start, end):
                 loss, norm, bubble, bad = self.step(it)
@@ -219,8 +222,11 @@ class Trainer(Reports):
                     self.save(it + 1)
                 clock = time.perf_counter()  # validation and saving are not a step's time
                 history.append(loss)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+                try:
+                    log.write((json.dumps(record) + "\n").encode())
+                except OSError as exc:  # train.py ends the job in one line naming the file
+                    exc.filename = exc.filename or args.log_json
+                    raise
                 if self.speaks and (it % args.log_interval == 0 or last):
                     val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
                     print(f"iter {it:>5} | loss {loss:.4f} | val {val} | lr {record['lr']:.2e} | "

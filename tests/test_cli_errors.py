@@ -1,6 +1,7 @@
 """Each bad input to the training CLI and the launcher is one line and exit status 2, never a
 traceback, and is found before training starts (issue 12)."""
 
+import errno
 import json
 import math
 import os
@@ -43,6 +44,33 @@ def test_the_launcher_refuses_more_ranks_than_it_can_count(ranks):
 def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, tmp_path):
     refused(train(*ONE_STEP, "--plot", plot, cwd=tmp_path), PROG, *words)
     assert not (tmp_path / "out" / "loss.xyz").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a directory no file can be created in")
+@pytest.mark.parametrize("flag", ["--log-json", "--export-weights", "--export-hf"])
+def test_an_output_no_file_can_be_created_for_is_refused_before_training(flag):
+    path = "/proc/minipar-out.safetensors" if flag == "--export-weights" else "/proc/minipar-out"
+    refused(train(*ONE_STEP, flag, path), PROG, f"{flag} {path}: ", "/proc")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file a write is for")
+def test_a_full_disk_at_the_end_of_a_run_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """The run's own outputs fail as its checkpoints do: one line, no traceback, no temporary left."""
+    from minipar import train as cli
+
+    weights = tmp_path / "w.safetensors"
+    write = os.write
+
+    def full(fd, data):  # ENOSPC for the weights' temporary file only, as on a full disk
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".w.safetensors."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    assert cli.main([*ONE_STEP, "--export-weights", str(weights)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"{PROG}cannot write {weights} (No space left on device): stopped at iteration 0"], lines
+    assert os.listdir(tmp_path) == []
 
 
 def write_safetensors(path, shapes, dtype):

@@ -46,6 +46,19 @@ def write_file(path, data):
         raise
 
 
+def cannot_create_in(directory):
+    """Why no file can be created in ``directory`` (its OSError's words), or None if one can: a file
+    is created and removed, since permission bits say yes where a read-only mount or a kernel file
+    system (/proc) says no."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".minipar-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def fsync_dir(path):
     """Make the renames inside directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -25,8 +25,9 @@ import tempfile
 
 import numpy
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save as safetensors_bytes
 
+from minipar.checkpoint.files import cannot_create_in
 from minipar.checkpoint.weights import check_dtypes
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -149,7 +150,8 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
     try:
-        save_file(to_hf(state), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})  # from_pretrained asks for "pt"
+        with open(os.path.join(tmp, WEIGHTS), "wb") as fh:  # an OSError on a full disk, naming the file
+            fh.write(safetensors_bytes(to_hf(state), metadata={"format": "pt"}))  # from_pretrained asks for "pt"
         with open(os.path.join(tmp, CONFIG), "w") as fh:
             json.dump(hf_config(config, dropout, token_ids), fh, indent=2)
             fh.write("\n")
@@ -172,21 +174,27 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a write's error names no file
+            exc.filename = directory
         raise
 
 
 def export_dir_problem(directory):
     """Why ``directory`` cannot take an export (None if it can): it must be new, empty, or a
     previous export (only a config.json, model.safetensors and tokenizer files)."""
+    parent = os.path.dirname(os.path.abspath(directory))
     if not os.path.exists(directory):
-        parent = os.path.dirname(os.path.abspath(directory))
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
             return f"cannot create {parent} ({exc.strerror})"
-        return None if os.access(parent, os.W_OK) else f"cannot write into {parent}"
+    why = cannot_create_in(parent)  # the export is written beside it, then renamed
+    if why is not None:
+        return f"cannot write into {parent} ({why})"
+    if not os.path.exists(directory):
+        return None
     if not os.path.isdir(directory):
         return "exists and is not a directory"
     known = {CONFIG, WEIGHTS, "tokenizer.json", "vocab.json", "merges.txt"}

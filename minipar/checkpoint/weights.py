@@ -1,20 +1,22 @@
 """Weights on disk: safetensors files with GPT-2 names, written atomically and verified on load.
 
 ``save_weights`` writes to a temporary file in the target directory, flushes it to disk and renames
-it over the target, so a crash leaves either the old file or the new one, never half of one. A
+it over the target (``files.write_file``), so a crash leaves either the old file or the new one,
+never half of one. A
 SHA-256 of every tensor's bytes goes into the file's metadata and is checked by ``load_weights``.
 No pickle anywhere: safetensors holds raw arrays and a JSON header only.
 """
 
 import hashlib
 import os
-import tempfile
 
 import numpy
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
+from safetensors.numpy import save as safetensors_bytes
 
 from minipar.backend import to_numpy
+from minipar.checkpoint.files import fsync_dir, write_file
 
 _DIGEST_KEY = "minipar.sha256"
 _FLOAT_DTYPES = ("F32", "F64")  # safetensors' names for the dtypes a run takes (--dtype)
@@ -30,29 +32,13 @@ def _digest(tensors):
 
 
 def save_weights(state, path):
-    """Write ``{name: array}`` to ``path`` (.safetensors) atomically."""
+    """Write ``{name: array}`` to ``path`` (.safetensors) atomically; an OSError (a full disk)
+    names ``path`` and leaves no temporary file behind."""
     tensors = {name: numpy.ascontiguousarray(to_numpy(a)) for name, a in state.items()}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={_DIGEST_KEY: _digest(tensors)})
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a weights file is not
-        os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself reaches the disk
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_file(path, safetensors_bytes(tensors, metadata={_DIGEST_KEY: _digest(tensors)}))
+    fsync_dir(directory)  # the rename itself reaches the disk
 
 
 def load_weights(path):
