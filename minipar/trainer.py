@@ -19,6 +19,7 @@ A gradient norm that is not finite stops the run before the optimizer step: ever
 same global norm, so every rank stops, and the ranks name the tensors that went bad.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -51,6 +52,12 @@ def learning_rate(it, args):
     progress = (it - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
 
+
+
+def _power_of_two(x):
+    """A loss scale as the power of two it is (2^16), or as a number if it is not one."""
+    exponent = math.log2(x) if x > 0 else 0.5
+    return f"2^{int(exponent)}" if exponent.is_integer() else f"{x:g}"
 
 class Trainer(Reports):
     def __init__(self, args, config, data, world, weights=None):
@@ -117,12 +124,16 @@ class Trainer(Reports):
             group.stats.reset()
         self.model.moe.reset()
         self.loss_scale = self.opt.loss_scale  # this step's, before its overflow check may move it
-        if isinstance(self.executor, PipeDream2BW):  # the next batch's forwards run during this step
-            following = (self.data.batch("train", it + 1, self.args.batch_size, self.args.block_size, self.args.seed)
-                         if it + 1 < self.end else None)
-            record = self.executor.step(x, y, optimizer_step=self._update, following=following)
-        else:
-            record = self.executor.step(x, y, optimizer_step=self._update)
+        # fp16's dynamic loss scale overflows on purpose now and then (the step is then skipped and
+        # the scale lowered), so NumPy's overflow warnings say nothing the progress line does not
+        quiet = numpy.errstate(over="ignore", invalid="ignore") if self.scaler is not None else contextlib.nullcontext()
+        with quiet:
+            if isinstance(self.executor, PipeDream2BW):  # the next batch's forwards run during this step
+                following = (self.data.batch("train", it + 1, self.args.batch_size, self.args.block_size,
+                                             self.args.seed) if it + 1 < self.end else None)
+                record = self.executor.step(x, y, optimizer_step=self._update, following=following)
+            else:
+                record = self.executor.step(x, y, optimizer_step=self._update)
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
         # routing over the whole step (a collective of a few numbers per layer)
         self.routing = step_statistics(self.model, self.world) if self.config.num_experts else None
@@ -232,7 +243,10 @@ class Trainer(Reports):
                     print(f"iter {it:>5} | loss {loss:.4f} | val {val} | lr {record['lr']:.2e} | "
                           f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter | "
                           f"bubble {bubble:.2f} | MFU {100 * mfu:4.1f}%"
-                          + (f" | aux {self.routing['aux_loss']:.4f}" if self.routing is not None else ""), flush=True)
+                          + (f" | aux {self.routing['aux_loss']:.4f}" if self.routing is not None else "")
+                          + (f" | scale {_power_of_two(self.loss_scale)}"
+                             + (", skipped: overflow" if self.opt.skipped_step else "") if self.scaler is not None else ""),
+                          flush=True)
         if args.max_iters == 0:  # nothing to train: measure the weights as they came
             val_loss = self.evaluate()
             if self.speaks:
