@@ -20,6 +20,9 @@ END_OF_TEXT = "<|endoftext|>"
 def tokenizer_files(directory):
     """The files that define the tokenizer in ``directory``: tokenizer.json, else vocab.json and
     merges.txt; raises ValueError naming what is missing."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory}: no such directory" if not os.path.lexists(directory) else
+                         f"{directory}: not a directory of tokenizer files")
     whole = os.path.join(directory, "tokenizer.json")
     if os.path.isfile(whole):
         return [whole]

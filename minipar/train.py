@@ -21,7 +21,7 @@ import sys
 
 from minipar.cli import FlagError, Parser, agree
 from minipar.parallel.validate import SCHEDULES
-from minipar.train_checks import check_args, check_files
+from minipar.train_checks import ROUTER_DEFAULTS, check_args, check_files
 
 DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
@@ -96,12 +96,16 @@ def build_parser():
     m.add_argument("--dropout", type=non_negative_float, default=0.0, help="dropout probability")
     e = p.add_argument_group("mixture of experts (Megatron-core's flags)")
     e.add_argument("--num-experts", type=positive_int, help="experts in each MoE layer (default: dense MLPs)")
-    e.add_argument("--moe-router-topk", type=positive_int, default=2, help="experts each token is routed to")
+    e.add_argument("--moe-router-topk", type=positive_int, default=ROUTER_DEFAULTS["moe_router_topk"],
+                   help="experts each token is routed to")
     e.add_argument("--moe-router-pre-softmax", action="store_true", help="weigh each chosen expert by its softmax probability over all experts, not renormalised over the top-k (the default for top-k > 1)")
-    e.add_argument("--moe-layer-freq", type=positive_int, default=1, help="every N-th block (from the first) has experts")
+    e.add_argument("--moe-layer-freq", type=positive_int, default=ROUTER_DEFAULTS["moe_layer_freq"],
+                   help="every N-th block (from the first) has experts")
     e.add_argument("--moe-expert-capacity-factor", type=float, help="token-slots an expert takes: factor x tokens x topk / experts, the most probable ones (default: dropless)")
-    e.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=0.0, help="weight of the load-balancing loss (Switch/GShard)")
-    e.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=0.0, help="weight of the router z-loss (ST-MoE)")
+    e.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=ROUTER_DEFAULTS["moe_aux_loss_coeff"],
+                   help="weight of the load-balancing loss (Switch/GShard)")
+    e.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=ROUTER_DEFAULTS["moe_z_loss_coeff"],
+                   help="weight of the router z-loss (ST-MoE)")
     g = p.add_argument_group("parallelism (DP = ranks / (TP x CP x PP))")
     g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=positive_int, default=1, help="tensor-parallel size")
     g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=positive_int, default=1, help="pipeline stages")

@@ -20,6 +20,11 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type":
          "ep": "--ep", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
          "moe_layer_freq": "--moe-layer-freq", "moe_expert_capacity_factor": "--moe-expert-capacity-factor"}
 
+# the mixture-of-experts flags' defaults (train.py's parser takes them from here): any other value
+# without --num-experts is a flag that would do nothing
+ROUTER_DEFAULTS = {"moe_router_topk": 2, "moe_router_pre_softmax": False, "moe_layer_freq": 1,
+                   "moe_expert_capacity_factor": None, "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0}
+
 
 def run_config(args, world_size):
     """The run the flags describe, as plain numbers (``minipar.parallel.validate``)."""
@@ -111,6 +116,11 @@ def check_args(args, world_size):
     args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
     if args.ep > 1 and not args.num_experts:
         problems.append(f"--ep {args.ep} splits the experts of mixture-of-experts layers: give --num-experts")
+    if not args.num_experts:  # the router's flags, set to other than their defaults, with no experts to route to
+        unused = ["--" + dest.replace("_", "-") for dest, default in ROUTER_DEFAULTS.items() if getattr(args, dest) != default]
+        if unused:
+            problems.append(f"{', '.join(unused)}: for mixture-of-experts layers, and this model has none: "
+                            "give --num-experts, or drop them")
     problems += mixed_precision_problems(args)
     if args.schedule == "pipedream-2bw":  # the stash is the model's own weights, and not saved
         if args.bf16 or args.fp16:

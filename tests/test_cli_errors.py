@@ -46,6 +46,16 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, 
     assert not (tmp_path / "out" / "loss.xyz").exists()
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--moe-router-topk", "3", "--moe-aux-loss-coeff", "0.01"],
+     ["--moe-router-topk, --moe-aux-loss-coeff: for mixture-of-experts layers, and this model has none"]),
+    (["--load", "no/such/dir"], ["--load: no/such/dir: no such directory"]),
+    (["--tokenizer", "no/such/dir"], ["--tokenizer no/such/dir: no/such/dir: no such directory"]),
+])
+def test_a_flag_that_would_do_nothing_or_names_nothing_is_refused(args, words, tmp_path):
+    refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a directory no file can be created in")
 @pytest.mark.parametrize("flag", ["--log-json", "--export-weights", "--export-hf"])
 def test_an_output_no_file_can_be_created_for_is_refused_before_training(flag):

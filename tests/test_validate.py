@@ -77,7 +77,7 @@ def test_messages_name_the_callers_flags():
     found = problems(RunConfig(world_size=2, pp=1, tp=2, n_head=3, n_embd=6, virtual_stages=2, schedule="1f1b", zero_stage=2,
                                sequence_parallel=True), FLAGS)
     assert "--n-head 3 is not divisible by --tp 2: each TP rank needs whole heads; choose --tp among the divisors of --n-head" in found
-    assert "--num-virtual-stages 2 needs --pp > 1 and --schedule interleaved" in found
+    assert "--num-virtual-stages 2 needs --pp > 1 and --schedule interleaved or zb-v" in found
     assert any("use --zero-stage 1 (or 0) with --sequence-parallel" in f for f in found)
     # a size set through the batch says which flag sets it
     found = problems(RunConfig(world_size=4, pp=2, schedule="interleaved", global_batch=8, micro_batch_size=4), FLAGS)

@@ -52,6 +52,9 @@ def find(path):
     ``latest`` file names one. Raises CheckpointError saying what is missing."""
     if os.path.isfile(os.path.join(path, "index.json")):
         return path  # a directory the user named: trusted as given
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such directory" if not os.path.lexists(path) else
+                              f"{path}: not a directory; give a save directory or one of its iter_* checkpoints")
     latest = os.path.join(path, "latest")
     if not os.path.lexists(latest):
         raise CheckpointError(f"{path}: no checkpoint here (no index.json, no 'latest' file); a save "

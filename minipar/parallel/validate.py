@@ -93,7 +93,7 @@ def resolve(cfg, names=None):
     one_rank = known("world_size") and pp == 1
     other = known("schedule") and cfg.schedule not in ("interleaved", "zb-v")
     if known("pp", "virtual_stages") and v > 1 and (one_rank or other):
-        needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved")] * other
+        needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved") + " or zb-v"] * other
         out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
     if known("schedule", "virtual_stages") and cfg.schedule == "zb-v" and v != 2:
         out.append(f"{say('schedule', 'zb-v')} places two chunks per rank in a V: it needs "
