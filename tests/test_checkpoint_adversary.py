@@ -246,6 +246,16 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(name, tmp_
     assert _load(save) == {"iteration": 1, "optimizer_steps": 0}
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file a write is for")
+def test_a_full_disk_at_the_first_save_does_not_promise_an_earlier_checkpoint(tmp_path, monkeypatch):
+    save = str(tmp_path / "ckpt")
+    model, opt, grid = _make()
+    _fail_writes_to(monkeypatch, tmp_path, "index.json")
+    with pytest.raises(CheckpointError, match="iter_0000001 was not saved: No space left on device .*; no earlier "
+                       "checkpoint was saved there: free space"):
+        sharded.save(save, 1, model, opt, grid, {})
+
+
 def test_a_resave_that_fails_between_its_renames_keeps_the_previous_one(tmp_path, monkeypatch):
     save = _saved(tmp_path)
     model, opt, grid = _make()

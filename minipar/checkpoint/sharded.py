@@ -153,10 +153,13 @@ def _rmdir_if_empty(path):
 
 def _not_saved(directory, final, exc):
     where = f" ({exc.filename})" if exc.filename else ""
-    return CheckpointError(
-        f"checkpoint {os.path.basename(final)} was not saved: {exc.strerror or exc}{where}; the previous "
-        f"checkpoint and {os.path.join(directory, 'latest')} are unchanged: free space there (or save "
-        "to another directory) and resume from the previous checkpoint")
+    latest = os.path.join(directory, "latest")
+    if os.path.lexists(latest):
+        kept = (f"the previous checkpoint and {latest} are unchanged: free space there (or save to another "
+                "directory) and resume from the previous checkpoint")
+    else:
+        kept = "no earlier checkpoint was saved there: free space (or save to another directory) and start again"
+    return CheckpointError(f"checkpoint {os.path.basename(final)} was not saved: {exc.strerror or exc}{where}; {kept}")
 
 
 def _merge(partial, n_ranks, iteration, model, grid, trainer_state, dtype):
