@@ -47,10 +47,27 @@ def index_sha256(checkpoint):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def _files_sha256(paths):
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
+
+
 def _flags(args):
-    """The parsed flags as JSON values (anything else as its text), ``--load`` left out: what it
-    names is compared by the checkpoint it resolves to."""
-    return json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "load"}, default=str))
+    """The flags as parsed and completed, as JSON values. ``--load`` and ``--data`` are left out:
+    what they name is compared below, by content, so that hosts may hold their own copies. A
+    tokenizer (``train_sources`` puts the object in ``args.tokenizer``) is compared by its files'
+    bytes."""
+    def value(v):
+        if hasattr(v, "files") and hasattr(v, "vocab_size"):
+            return {"tokenizer files sha256": _files_sha256(v.files)}
+        if v is None or isinstance(v, (bool, int, float, str, list, tuple, dict)):
+            return v
+        raise TypeError(f"run_inputs: a flag's value of type {type(v).__name__} cannot be compared across ranks")
+
+    return json.loads(json.dumps({k: value(v) for k, v in vars(args).items() if k not in ("load", "data")}))
 
 
 def _facts(args, data):

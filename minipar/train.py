@@ -17,6 +17,7 @@ prints them, and every rank exits with status 2, never a hang.
 
 import argparse
 import math
+import os
 import sys
 
 from minipar.cli import FlagError, Parser, agree
@@ -201,6 +202,23 @@ def _end(comm, prog, message):
     return 1
 
 
+def _an_output(args, path):
+    """Whether ``path`` is one of the files the run writes besides its checkpoints (each writer
+    names its output when it fails: a full disk)."""
+    outputs = (args.log_json, args.export_weights, args.export_hf, args.plot)
+    return path is not None and os.path.abspath(path) in {os.path.abspath(p) for p in outputs if p}
+
+
+def unwritten(args, iteration, trained):
+    """What survives an output that could not be written, and what to do about it."""
+    if not trained:
+        return interrupted(args, iteration).replace("interrupted", "stopped", 1)
+    if not args.save:
+        return "the run trained all its iterations, but saved no checkpoint: free space, and run again with --save DIR"
+    return (f"the run trained all its iterations, and its last checkpoint is in {args.save}: free space, and "
+            f"write the outputs from it with --load {args.save} --max-iters 0 and the same output flags")
+
+
 def interrupted(args, iteration):
     """The line a Ctrl-C ends the run with: where it stopped and which checkpoint survives (a save
     in progress is written aside and renamed at its end, so the previous one is whole)."""
@@ -249,9 +267,11 @@ def main(argv=None):
         return trainer.run()
     except CheckpointError as exc:  # a save that failed (a full disk): the last good one stays
         return _end(comm, parser.prog, f"--save: {exc}")
-    except OSError as exc:  # an output rank 0 writes (--log-json, --export-weights, --plot): a full disk
-        where = interrupted(args, trainer.model.rng.iteration).replace("interrupted", "stopped", 1)
-        return _end(comm, parser.prog, f"cannot write {exc.filename or 'an output'} ({exc.strerror or exc}): {where}")
+    except OSError as exc:
+        if not _an_output(args, exc.filename):  # not one of the run's own writes: a bug to be seen whole
+            raise
+        return _end(comm, parser.prog, f"cannot write {exc.filename} ({exc.strerror or exc}): "
+                    + unwritten(args, trainer.model.rng.iteration, trainer.trained))
     except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback
         if comm.rank == 0:
             print(f"{parser.prog}: {interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)

@@ -192,6 +192,7 @@ class Trainer(Reports):
         # so the same command run again with --load goes on to the next multiple.
         stop = (self.start // args.exit_interval + 1) * args.exit_interval if args.exit_interval else args.max_iters
         end = self.end = min(args.max_iters, stop)
+        self.trained = False
         history, val_history, val_loss = [], [], None
         tokens_per_step = args.batch_size * args.block_size
         model_flops = tokens_per_step * model_flops_per_token(self.config)
@@ -234,9 +235,11 @@ class Trainer(Reports):
                 clock = time.perf_counter()  # validation and saving are not a step's time
                 history.append(loss)
                 try:
-                    log.write((json.dumps(record) + "\n").encode())
+                    line = memoryview((json.dumps(record) + "\n").encode())
+                    while line:  # a raw write may take only part of it (a disk filling up)
+                        line = line[log.write(line):]
                 except OSError as exc:  # train.py ends the job in one line naming the file
-                    exc.filename = exc.filename or args.log_json
+                    exc.filename = args.log_json
                     raise
                 if self.speaks and (it % args.log_interval == 0 or last):
                     val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
@@ -258,6 +261,7 @@ class Trainer(Reports):
             if self.speaks:
                 print(f"stopped after {end} iterations (--exit-interval {args.exit_interval}); resume with --load {args.save}")
             return 0
+        self.trained = True  # what follows writes the outputs of a finished run
         self._finish(history, val_history)
         return 0
 

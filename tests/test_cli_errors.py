@@ -79,7 +79,8 @@ def test_a_full_disk_at_the_end_of_a_run_is_one_line_naming_the_file(tmp_path, m
     monkeypatch.setattr(os, "write", full)
     assert cli.main([*ONE_STEP, "--export-weights", str(weights)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"{PROG}cannot write {weights} (No space left on device): stopped at iteration 0"], lines
+    assert lines == [f"{PROG}cannot write {weights} (No space left on device): the run trained all its "
+                     "iterations, but saved no checkpoint: free space, and run again with --save DIR"], lines
     assert os.listdir(tmp_path) == []
 
 

@@ -95,3 +95,13 @@ def test_a_run_takes_its_vocabulary_from_the_tokenizer_and_samples_text(bpe, tmp
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert f"--vocab-size 256 disagrees with --tokenizer {bpe[0]}'s vocabulary" in lines[0]
+
+
+def test_ranks_agree_on_a_tokenizer_by_its_files(bpe, tmp_path):
+    """Every rank loads the tokenizer itself; the ranks compare it by its files' bytes, not the object."""
+    from mpi_run import run_train
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    code, out, _ = run_train(2, *TINY, "--tokenizer", bpe[0], "--data", str(tmp_path / "corpus.txt"),
+                             "--max-iters", "1", "--sample", "0")
+    assert code == 0 and "iter     0" in out, out

@@ -38,8 +38,7 @@ def write_file(path, data):
         os.replace(tmp, path)
     except OSError as exc:
         remove(tmp)
-        if exc.filename is None:  # os.write's error does not say which file it was writing
-            exc.filename = path
+        exc.filename = path  # os.write's error names no file, and the temporary's name is ours
         raise
     except BaseException:
         remove(tmp)

@@ -176,8 +176,8 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
             os.close(dir_fd)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.filename is None:  # a write's error names no file
-            exc.filename = directory
+        if isinstance(exc, OSError) and (exc.filename is None or str(exc.filename).startswith(tmp)):
+            exc.filename = directory  # a write into the export, which names no file or our temporary
         raise
 
 

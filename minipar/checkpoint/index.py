@@ -43,7 +43,8 @@ def seal(index):
     """``index`` with its checksum, ``sha256``: the SHA-256 of its other fields written as canonical
     JSON (sorted keys, no spaces), which reads back the same from the indented file."""
     fields = {key: value for key, value in index.items() if key != "sha256"}
-    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    # through JSON once first, so that the checksum sorts what a reader will hold (keys as text)
+    text = json.dumps(json.loads(json.dumps(fields)), sort_keys=True, separators=(",", ":"))
     return dict(fields, sha256=hashlib.sha256(text.encode()).hexdigest())
 
 
