@@ -84,6 +84,18 @@ def test_a_full_disk_at_the_end_of_a_run_is_one_line_naming_the_file(tmp_path, m
     assert os.listdir(tmp_path) == []
 
 
+def test_only_the_runs_own_outputs_fail_in_one_line():
+    """Any other OSError (a tokenizer file removed during the run) keeps its traceback: it is not
+    a write the user can fix by freeing space."""
+    from types import SimpleNamespace
+
+    from minipar.train import _an_output
+
+    args = SimpleNamespace(log_json="out/log.json", export_weights=None, export_hf="hf", plot="")
+    assert _an_output(args, os.path.abspath("out/log.json")) and _an_output(args, "hf")
+    assert not _an_output(args, "tok/tokenizer.json") and not _an_output(args, None) and not _an_output(args, "")
+
+
 def write_safetensors(path, shapes, dtype):
     """A safetensors file written by hand (NumPy has no bfloat16): the header's length as 8 bytes
     little-endian, the JSON header, then every tensor's bytes (zeros)."""
