@@ -14,8 +14,8 @@ line and never a hang. That leaves three ways for ranks to disagree without any 
 
 So once the flags are agreed, rank 0 decides what is loaded and broadcasts it: its flags as
 parsed, the checkpoint directory it resolved (no rank reads ``latest`` again), the SHA-256 of that
-checkpoint's index, and the corpus's length and SHA-256. Every rank compares its own with them; a difference ends the
-job before training, one line, every rank with status 2.
+checkpoint's index, and the corpus's length and SHA-256. Every rank compares its own with them;
+a difference ends the job before training, one line, every rank with status 2.
 
 The save directory is claimed the same way before training (rank 0, ``checkpoint/lock.py``), and
 a run does not write into a directory of checkpoints that it does not continue unless told to.

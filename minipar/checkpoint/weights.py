@@ -2,8 +2,8 @@
 
 ``save_weights`` writes to a temporary file in the target directory, flushes it to disk and renames
 it over the target (``files.write_file``), so a crash leaves either the old file or the new one,
-never half of one. A
-SHA-256 of every tensor's bytes goes into the file's metadata and is checked by ``load_weights``.
+never half of one. A SHA-256 of every tensor's bytes goes into the file's metadata and is checked
+by ``load_weights``.
 No pickle anywhere: safetensors holds raw arrays and a JSON header only.
 """
 
