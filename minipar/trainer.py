@@ -53,11 +53,11 @@ def learning_rate(it, args):
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
 
 
-
 def _power_of_two(x):
     """A loss scale as the power of two it is (2^16), or as a number if it is not one."""
     exponent = math.log2(x) if x > 0 else 0.5
     return f"2^{int(exponent)}" if exponent.is_integer() else f"{x:g}"
+
 
 class Trainer(Reports):
     def __init__(self, args, config, data, world, weights=None):
