@@ -5,6 +5,7 @@ experts. ``Reports`` is a mixin of ``Trainer``: it reads the trainer's args, gri
 and world, and sends nothing but the gathers its tables need (the hostnames once, at the start).
 """
 
+import math
 import socket
 import sys
 
@@ -53,7 +54,25 @@ def tp_warning(layout, hosts):
             "over the network; give each host a multiple of TP ranks, in rank order (docs/multi_node.md)")
 
 
+def _power_of_two(x):
+    """A loss scale as the power of two it is (2^16), or as a number if it is not one."""
+    exponent = math.log2(x) if x > 0 else 0.5
+    return f"2^{int(exponent)}" if exponent.is_integer() else f"{x:g}"
+
+
 class Reports:
+    def _progress(self, it, record, val_loss, tokens_per_second):
+        """The progress line of iteration ``it`` (``record``: its --log-json row)."""
+        val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
+        line = (f"iter {it:>5} | loss {record['loss']:.4f} | val {val} | lr {record['lr']:.2e} | "
+                f"{tokens_per_second:>8,.0f} tok/s | {record['ms']:7.1f} ms/iter | bubble {record['bubble']:.2f} | "
+                f"MFU {100 * record['mfu']:4.1f}%")
+        if self.routing is not None:
+            line += f" | aux {self.routing['aux_loss']:.4f}"
+        if self.scaler is not None:  # fp16: the scale this step's loss was multiplied by
+            line += f" | scale {_power_of_two(self.loss_scale)}" + (", skipped: overflow" if self.opt.skipped_step else "")
+        return line
+
     def _describe(self):
         n_params = self.model_parameters()  # a collective: before the rank check
         self.hosts = gather_text(self.world, socket.gethostname())  # once: rank 0 alone reads it

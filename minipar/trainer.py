@@ -53,12 +53,6 @@ def learning_rate(it, args):
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
 
 
-def _power_of_two(x):
-    """A loss scale as the power of two it is (2^16), or as a number if it is not one."""
-    exponent = math.log2(x) if x > 0 else 0.5
-    return f"2^{int(exponent)}" if exponent.is_integer() else f"{x:g}"
-
-
 class Trainer(Reports):
     def __init__(self, args, config, data, world, weights=None):
         self.args, self.config, self.data, self.world = args, config, data, world
@@ -242,14 +236,7 @@ class Trainer(Reports):
                     exc.filename = args.log_json
                     raise
                 if self.speaks and (it % args.log_interval == 0 or last):
-                    val = f"{val_loss:.4f}" if val_loss is not None else "  -   "
-                    print(f"iter {it:>5} | loss {loss:.4f} | val {val} | lr {record['lr']:.2e} | "
-                          f"{tokens_per_step / (ms / 1e3):>8,.0f} tok/s | {ms:7.1f} ms/iter | "
-                          f"bubble {bubble:.2f} | MFU {100 * mfu:4.1f}%"
-                          + (f" | aux {self.routing['aux_loss']:.4f}" if self.routing is not None else "")
-                          + (f" | scale {_power_of_two(self.loss_scale)}"
-                             + (", skipped: overflow" if self.opt.skipped_step else "") if self.scaler is not None else ""),
-                          flush=True)
+                    print(self._progress(it, record, val_loss, tokens_per_step / (ms / 1e3)), flush=True)
         if args.max_iters == 0:  # nothing to train: measure the weights as they came
             val_loss = self.evaluate()
             if self.speaks:
