@@ -127,6 +127,17 @@ def test_a_missing_syncthreads_fails_every_time_one_thread_at_a_time(which, mode
 
 
 @pytest.mark.parametrize("mode", ["parallel", "reversed"])
+def test_threads_meeting_at_different_barriers_are_reported(mode):
+    """As many barriers on every thread, but odd threads wait at another __syncthreads() call: the
+    counts agree, the call sites do not (undefined on a GPU)."""
+    source = planted("__syncthreads();  // everyone is done",
+                     'if (threadIdx.x % 2) { __syncthreads(); } else { __syncthreads(); asm volatile("" ::: "memory"); }  //')
+    a, b = operands(8, 8, 8, False, False, "float32")
+    with pytest.raises(emulator.EmulatorError, match="did not all reach"):
+        emulator.matmul(a, b, mode=mode, source=source)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "reversed"])
 def test_a_barrier_only_some_threads_reach_is_reported(mode):
     source = planted("__syncthreads();  // the whole slab", "if (threadIdx.x % 2) __syncthreads();  //")
     a, b = operands(8, 8, 8, False, False, "float32")

@@ -11,8 +11,8 @@
 //   * SERIAL: one thread runs at a time, from one barrier to the next, in an adversarial order
 //     (reversed, or shuffled by a seed). A missing __syncthreads() then fails every time: some
 //     thread reads a tile its neighbours have not written yet, or already overwrote.
-// In every mode a block whose threads passed different numbers of barriers is reported (a barrier
-// that only some threads reach: undefined behaviour on a GPU).
+// In every mode a block whose threads passed different numbers of barriers, or met at different
+// __syncthreads() calls, is reported (undefined behaviour on a GPU).
 // Built by emulator.py with g++ -std=c++20; the tile shapes come in as -D flags.
 
 #include <algorithm>
@@ -146,11 +146,13 @@ struct Scheduler {
     int pos = 0, arrived = 0, exited = 0;
     bool divergent = false;
     std::mt19937 rng;
-    // the barriers each thread passed: its own slot, read once the block is over
+    // the barriers each thread passed, and a hash of where each was called from: its own slot,
+    // read once the block is over
     std::vector<int> passed;
+    std::vector<std::uint64_t> sites;
 
     Scheduler(Mode m, int threads, unsigned seed)
-        : mode(m), n(threads), order(threads), rng(seed), passed(threads, 0) {
+        : mode(m), n(threads), order(threads), rng(seed), passed(threads, 0), sites(threads, 0) {
         if (mode == PARALLEL) {
             barrier = std::make_unique<std::barrier<>>(threads);
             return;
@@ -169,8 +171,11 @@ struct Scheduler {
         if (mode != PARALLEL) turn[tid]->acquire();
     }
     // This thread reached a barrier (exit = false) or the end of the kernel (exit = true).
-    void arrive(int tid, bool exit) {
-        if (!exit) ++passed[tid];
+    void arrive(int tid, bool exit, const void* site = nullptr) {
+        if (!exit) {
+            ++passed[tid];
+            sites[tid] = sites[tid] * 1099511628211ULL ^ reinterpret_cast<std::uintptr_t>(site);
+        }
         if (mode == PARALLEL) {
             if (exit) barrier->arrive_and_drop(); else barrier->arrive_and_wait();
             return;
@@ -192,17 +197,22 @@ struct Scheduler {
         }
         if (wait_for_turn) turn[tid]->acquire();
     }
-    // Whether the block's threads met at different numbers of barriers. In PARALLEL mode a thread
-    // that ends leaves the std::barrier and the others go on without it (as a GPU may), so only
-    // the counts tell; the serial modes also catch it as it happens (`divergent`).
+    // Whether the block's threads met at different numbers of barriers, or at different calls. In
+    // PARALLEL mode a thread that ends leaves the std::barrier and the others go on without it (as
+    // a GPU may), and no mode sees which call a thread waits at: only the counts and the sites tell
+    // (the serial modes also catch a missing arrival as it happens: `divergent`).
     bool uneven() const {
-        return std::any_of(passed.begin(), passed.end(), [&](int p) { return p != passed[0]; });
+        for (int t = 1; t < n; ++t)
+            if (passed[t] != passed[0] || sites[t] != sites[0]) return true;
+        return false;
     }
 };
 
 static Scheduler* g_scheduler = nullptr;
 static thread_local int t_tid = 0;
-void __syncthreads() { g_scheduler->arrive(t_tid, false); }
+// Not inlined, so that its return address names the call: threads that meet at barriers the
+// same number of times but at different __syncthreads() calls are reported too.
+__attribute__((noinline)) void __syncthreads() { g_scheduler->arrive(t_tid, false, __builtin_return_address(0)); }
 
 template <typename Kernel>
 static int launch(Kernel kernel, dim3 grid, dim3 block, Mode mode, unsigned seed) {
