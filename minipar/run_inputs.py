@@ -30,6 +30,7 @@ import numpy
 from minipar.checkpoint.index import ITER_NAME
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
 from minipar.cli import FlagError
+from minipar.tokenizer import BPETokenizer
 
 
 def broadcast_text(comm, text, root=0):
@@ -47,22 +48,14 @@ def index_sha256(checkpoint):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def _files_sha256(paths):
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            digest.update(hashlib.sha256(f.read()).digest())
-    return digest.hexdigest()
-
-
 def _flags(args):
     """The flags as parsed and completed, as JSON values. ``--load`` and ``--data`` are left out:
     what they name is compared below, by content, so that hosts may hold their own copies. A
     tokenizer (``train_sources`` puts the object in ``args.tokenizer``) is compared by its files'
-    bytes."""
+    bytes, the SHA-256 it keeps of them."""
     def value(v):
-        if hasattr(v, "files") and hasattr(v, "vocab_size"):
-            return {"tokenizer files sha256": _files_sha256(v.files)}
+        if isinstance(v, BPETokenizer):
+            return {"tokenizer sha256": v.sha256}
         if v is None or isinstance(v, (bool, int, float, str, list, tuple, dict)):
             return v
         raise TypeError(f"run_inputs: a flag's value of type {type(v).__name__} cannot be compared across ranks")
