@@ -119,7 +119,7 @@ def test_comm_stats_tally_ring_collectives_and_charge_them_when_read():
     held.calls += 1
     held.nbytes += 10
     stats.count("all_reduce", 11)
-    stats.count("broadcast", 8, is_root=True)
+    stats.count("broadcast", 8, rank=0, root=0)  # the root of 3: it sends, receives nothing
     stats.record("send", 5, 0)
     by_op = stats.by_op
     # the model charges the calls' bytes together: 2 (N-1)/N of 21, rounded down once (28, where

@@ -114,8 +114,7 @@ class MPICommunicator(Communicator):
         ``wait`` (blocking in MPI unless this rank must be polite), else return a Request.
         ``then``: run once it is done."""
         if charged is None:
-            is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
-            self.stats.count(op, nbytes, is_root, is_last)
+            self.stats.count(op, nbytes, self.rank, root)
         else:
             self.stats.record(op, *charged)
         if self.size == 1:

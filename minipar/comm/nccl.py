@@ -116,8 +116,7 @@ class NCCLCommunicator(Communicator):
         import cupy
 
         if charged is None:
-            is_root, is_last = root == self.rank, root is not None and (root - 1) % self.size == self.rank
-            self.stats.count(op, nbytes, is_root, is_last)
+            self.stats.count(op, nbytes, self.rank, root)
         else:
             self.stats.record(op, *charged)
         compute = cupy.cuda.get_current_stream()

@@ -61,11 +61,13 @@ class CommStats:
         self.tallies = {op: Tally() for op in RING_OPS}  # for the stats' life: hot paths hold them
         self._recorded = defaultdict(Traffic)
 
-    def count(self, op, nbytes, is_root=False, is_last=False):
-        """One call of ``op`` on a buffer of ``nbytes``: a ring-model collective is tallied, the
-        rest (broadcast, barrier) charged by ``ring_bytes`` at once."""
+    def count(self, op, nbytes, rank=0, root=None):
+        """One call of ``op`` on a buffer of ``nbytes`` by ``rank`` of the group: a ring-model
+        collective is tallied, the rest (broadcast from ``root``, barrier) charged by ``ring_bytes``
+        at once."""
         tally = self.tallies.get(op)
         if tally is None:
+            is_root, is_last = root == rank, root is not None and (root - 1) % self.size == rank
             self.record(op, *ring_bytes(op, nbytes, self.size, is_root, is_last))
         else:
             tally.calls += 1
