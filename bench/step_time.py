@@ -4,7 +4,10 @@
     python bench/step_time.py --threads 2
 
 Both frameworks run the same model from the same weights at the same thread count; the first loss
-of each is printed so you can see they compute the same thing. Steps alternate between the two in
+of each is printed so you can see they compute the same thing. PyTorch runs twice: "pytorch" with
+attention written out as minipar's is (scores, mask, softmax, product: each its own kernel), and
+"pytorch-sdpa" with ``scaled_dot_product_attention(is_causal=True)``, one fused kernel (flash
+attention on the CPU too), as nanoGPT calls it. Steps alternate between the two in
 rounds, so a slow spell of a shared machine hits both. PyTorch is optional
 (``pip install torch==2.13.0``, a CPU wheel); without it only minipar is timed.
 
@@ -106,7 +109,7 @@ def minipar_runner(cfg, x, y):
     return model, step
 
 
-def torch_runner(cfg, state, x, y):
+def torch_runner(cfg, state, x, y, fused):
     nn, F = torch.nn, torch.nn.functional
     C, H = cfg.n_embd, cfg.n_head
 
@@ -121,10 +124,13 @@ def torch_runner(cfg, state, x, y):
             B, T, _ = h.shape
             q, k, v = self.c_attn(self.ln_1(h)).split(C, dim=2)
             q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-            att = (q @ k.transpose(-2, -1)) * (1.0 / (C // H) ** 0.5)
-            mask = torch.ones(T, T, dtype=torch.bool).triu(1)
-            att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
-            h = h + self.attn_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+            if fused:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                att = (q @ k.transpose(-2, -1)) * (1.0 / (C // H) ** 0.5)
+                mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+                y = att.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+            h = h + self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
             return h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
 
     class TorchGPT(nn.Module):
@@ -190,18 +196,20 @@ def main():
                                       lambda a: a.swapaxes(-1, -2))}
     if torch is not None:
         torch.set_num_threads(ARGS.threads)
-        runners["pytorch"] = torch_runner(cfg, model.state_dict(), x, y)
-        floors["pytorch"] = matmul_floor(products, torch.matmul, lambda s: torch.randn(s),
-                                         lambda a: a.transpose(-1, -2))
+        torch_floor = matmul_floor(products, torch.matmul, lambda s: torch.randn(s), lambda a: a.transpose(-1, -2))
+        for name, fused in (("pytorch", False), ("pytorch-sdpa", True)):
+            runners[name] = torch_runner(cfg, model.state_dict(), x, y, fused)
+            floors[name] = torch_floor  # the same products: timed again beside each step
     print(f"config: n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
           f"block_size={cfg.block_size} batch={ARGS.batch_size} vocab={cfg.vocab_size}, "
           f"{model.num_parameters():,} parameters, threads={ARGS.threads}")
     first = {name: step() for name, step in runners.items()}  # also the warm-up step
     for name, loss in first.items():
-        print(f"first loss {name:>8}: {loss:.6f}")
-    if "pytorch" in first and abs(first["pytorch"] - first["minipar"]) > 1e-5 * abs(first["pytorch"]):
-        print("the two models disagree on the first loss: the comparison would be meaningless")
-        return 1
+        print(f"first loss {name:>12}: {loss:.6f}")
+    for name in runners:
+        if abs(first[name] - first["minipar"]) > 1e-5 * abs(first["minipar"]):
+            print(f"{name} and minipar disagree on the first loss: the comparison would be meaningless")
+            return 1
     for floor in floors.values():
         floor()  # warm-up
     times = {name: [] for name in runners}
@@ -214,16 +222,17 @@ def main():
     flops = step_flops(products)
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     floor = {name: sorted(t)[len(t) // 2] for name, t in floor_times.items()}
-    print(f"\n{'framework':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GFLOP/s':>8} "
+    print(f"\n{'framework':<12} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GFLOP/s':>8} "
           f"{'floor ms':>9} {'step/floor':>10}")
     for name, t in times.items():
-        print(f"{name:<10} {1e3 * median[name]:>10.1f} {1e3 * min(t):>8.1f} {1e3 * max(t):>8.1f} "
+        print(f"{name:<12} {1e3 * median[name]:>10.1f} {1e3 * min(t):>8.1f} {1e3 * max(t):>8.1f} "
               f"{flops / median[name] / 1e9:>8.1f} {1e3 * floor[name]:>9.1f} {median[name] / floor[name]:>9.2f}x")
     print(f"matmul FLOPs per step: {flops / 1e9:.2f} G; floor: the step's products alone, medians")
     if torch is None:
         print("PyTorch not installed: pip install torch==2.13.0 to compare")
-    else:
-        print(f"step time minipar / pytorch: {median['minipar'] / median['pytorch']:.2f}x")
+    for name in runners:
+        if name != "minipar":
+            print(f"step time minipar / {name}: {median['minipar'] / median[name]:.2f}x")
     return 0
 
 
