@@ -10,11 +10,14 @@ line and never a hang. That leaves three ways for ranks to disagree without any 
   that read it a moment apart load tensor-parallel shards of different iterations, then run
   different numbers of steps, and hang.
 * ``--data`` (or the default corpus, this Python's standard library) can change while the ranks
-  read it, or differ between hosts: the ranks then train on different corpora and exit 0.
+  read it, or differ between hosts: the ranks then train on different corpora and exit 0; so can
+  ``--init-weights``, and each rank would start from its own weights.
 
 So once the flags are agreed, rank 0 decides what is loaded and broadcasts it: its flags as
 parsed, the checkpoint directory it resolved (no rank reads ``latest`` again), the SHA-256 of that
-checkpoint's index, and the corpus's length and SHA-256. Every rank compares its own with them;
+checkpoint's index, the corpus's length and SHA-256, and the SHA-256 of the initial weights it
+loaded (``checkpoint.weights.digest``: by content, so hosts may hold their copies under other
+paths). Every rank compares its own with them;
 a difference ends the job before training, one line, every rank with status 2.
 
 The save directory is claimed the same way before training (rank 0, ``checkpoint/lock.py``), and
@@ -28,6 +31,7 @@ import os
 import numpy
 
 from minipar.checkpoint.index import ITER_NAME
+from minipar.checkpoint.weights import digest
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
 from minipar.cli import FlagError
 from minipar.tokenizer import BPETokenizer
@@ -48,9 +52,13 @@ def index_sha256(checkpoint):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+BY_CONTENT = ("load", "data", "init_weights")
+
+
 def _flags(args):
-    """The flags as parsed and completed, as JSON values. ``--load`` and ``--data`` are left out:
-    what they name is compared below, by content, so that hosts may hold their own copies. A
+    """The flags as parsed and completed, as JSON values. ``--load``, ``--data`` and
+    ``--init-weights`` are left out: what they name is compared below, by content, so that hosts
+    may hold their own copies. A
     tokenizer (``train_sources`` puts the object in ``args.tokenizer``) is compared by its files'
     bytes, the SHA-256 it keeps of them."""
     def value(v):
@@ -60,20 +68,23 @@ def _flags(args):
             return v
         raise TypeError(f"run_inputs: a flag's value of type {type(v).__name__} cannot be compared across ranks")
 
-    return json.loads(json.dumps({k: value(v) for k, v in vars(args).items() if k not in ("load", "data")}))
+    return json.loads(json.dumps({k: value(v) for k, v in vars(args).items() if k not in BY_CONTENT}))
 
 
-def _facts(args, data):
+def _facts(args, data, weights):
     facts = {"flags": _flags(args), "corpus": [data.size, data.sha256]}
+    if weights is not None:
+        facts["weights"] = digest(weights)
     if args.load:
         facts.update(checkpoint=os.path.abspath(args.load), index=index_sha256(args.load))
     return facts
 
 
-def same_inputs(comm, args, data):
+def same_inputs(comm, args, data, weights=None):
     """The problems (lines) of this rank's inputs against rank 0's; afterwards ``args.load`` is
-    rank 0's checkpoint directory on every rank. A collective: every rank calls it."""
-    theirs = json.loads(broadcast_text(comm, json.dumps(_facts(args, data)) if comm.rank == 0 else ""))
+    rank 0's checkpoint directory on every rank. ``weights``: the initial weights this rank loaded
+    (``--init-weights``). A collective: every rank calls it."""
+    theirs = json.loads(broadcast_text(comm, json.dumps(_facts(args, data, weights)) if comm.rank == 0 else ""))
     if comm.rank == 0:
         return []
     problems = []
@@ -91,6 +102,14 @@ def same_inputs(comm, args, data):
                         f"(sha256 {h[:12]}), rank 0 read {n0:,} (sha256 {h0[:12]}): the corpus changed "
                         "while the job started, or the hosts hold different files (the default corpus "
                         "is each host's Python standard library); give every rank the same file")
+    loaded, rank0 = digest(weights) if weights is not None else None, theirs.get("weights")
+    if (loaded is None) != (rank0 is None):
+        problems.append(f"rank {comm.rank} was launched {'without' if loaded is None else 'with'} --init-weights, "
+                        f"rank 0 {'with' if loaded is None else 'without'}: launch every rank with the same command line")
+    elif loaded != rank0:
+        problems.append(f"--init-weights {args.init_weights}: rank {comm.rank} loaded other weights than rank 0 "
+                        f"(sha256 {loaded[:12]}, rank 0's {rank0[:12]}): the file changed while the job started, "
+                        "or the hosts hold different files; give every rank the same weights")
     if args.load:
         args.load = theirs["checkpoint"]  # rank 0's choice, whatever `latest` says now
         try:

@@ -254,7 +254,7 @@ def main(argv=None):
     if comm.rank == 0:
         for note in data.notes:
             print(note, flush=True)
-    agree(comm, same_inputs(comm, args, data), parser.prog)  # rank 0's checkpoint and corpus, on every rank
+    agree(comm, same_inputs(comm, args, data, weights), parser.prog)  # rank 0's checkpoint, corpus, weights
     comm = world()  # on GPUs now NCCL's (a collective: every rank chose the device above)
     from minipar.checkpoint.sharded import CheckpointError
     from minipar.trainer import Trainer

@@ -76,6 +76,17 @@ def test_ranks_that_read_different_corpora_all_stop_in_one_line(tmp_path):
     assert "loads" not in out  # no rank went on
 
 
+@pytest.mark.parametrize("mode, message", [
+    ("weights", "--init-weights {}/copy_on_host_2.safetensors: rank 2 loaded other weights than rank 0"),
+    ("no-weights", "rank 2 was launched without --init-weights, rank 0 with")])
+def test_ranks_that_loaded_different_initial_weights_all_stop_in_one_line(tmp_path, mode, message):
+    """Compared by content: rank 1's equal copy under another name is no problem (the lowest rank
+    with a problem is the one that prints)."""
+    code, out, _ = run_mpi(3, "run_inputs.py", mode, tmp_path, timeout=60)
+    assert code == 2 and out.count("run_inputs: error: " + message.format(tmp_path)) == 1, out
+    assert out.count("error:") == 1 and "loads" not in out, out
+
+
 def test_every_rank_loads_the_checkpoint_rank_0_resolved(tmp_path, corpus):
     save = str(tmp_path / "ckpt")
     assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save-interval", "2", "--save", save).returncode == 0

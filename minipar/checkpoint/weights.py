@@ -22,12 +22,13 @@ _DIGEST_KEY = "minipar.sha256"
 _FLOAT_DTYPES = ("F32", "F64")  # safetensors' names for the dtypes a run takes (--dtype)
 
 
-def _digest(tensors):
+def digest(tensors):
+    """SHA-256 of ``{name: array}``: names, dtypes, shapes and bytes, in name order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        array = numpy.ascontiguousarray(tensors[name])
+        array = numpy.ascontiguousarray(to_numpy(tensors[name]))
         h.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
-        h.update(array.tobytes())
+        h.update(array.reshape(-1).view(numpy.uint8))  # the bytes in place, no copy
     return h.hexdigest()
 
 
@@ -37,7 +38,7 @@ def save_weights(state, path):
     tensors = {name: numpy.ascontiguousarray(to_numpy(a)) for name, a in state.items()}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    write_file(path, safetensors_bytes(tensors, metadata={_DIGEST_KEY: _digest(tensors)}))
+    write_file(path, safetensors_bytes(tensors, metadata={_DIGEST_KEY: digest(tensors)}))
     fsync_dir(directory)  # the rename itself reaches the disk
 
 
@@ -56,7 +57,7 @@ def load_weights(path):
     except SafetensorError as exc:
         raise ValueError(f"{path} is not a readable safetensors file ({exc})") from exc
     expected = metadata.get(_DIGEST_KEY)
-    if expected is not None and expected != _digest(tensors):
+    if expected is not None and expected != digest(tensors):
         raise ValueError(f"{path} is damaged: its tensors do not match the checksum written with them")
     return tensors
 
