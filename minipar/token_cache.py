@@ -11,9 +11,10 @@ at once leave a whole file or none.
 
 import hashlib
 import os
-import tempfile
 
 import numpy
+
+from minipar.checkpoint.files import write_file
 
 MAGIC = b"MINIPAR-TOKENS-1"
 HEADER = len(MAGIC) + 8 + 32
@@ -56,24 +57,9 @@ def _read(path):
 
 
 def _write(path, ids):
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     ids = numpy.ascontiguousarray(ids, dtype="<u2")
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tokens", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(MAGIC + len(ids).to_bytes(8, "little") + hashlib.sha256(ids.tobytes()).digest())
-            fh.write(ids.tobytes())
-            fh.flush()
-            os.fsync(fh.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; a cache beside the corpus is not
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_file(path, MAGIC + len(ids).to_bytes(8, "little") + hashlib.sha256(ids).digest() + ids.tobytes())
 
 
 def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):

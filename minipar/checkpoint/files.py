@@ -15,10 +15,14 @@ import stat
 import tempfile
 
 
+def umask():
+    mask = os.umask(0)  # the only way to read it is to set it, so put it straight back
+    os.umask(mask)
+    return mask
+
+
 def file_mode():
-    umask = os.umask(0)  # the only way to read it is to set it, so put it straight back
-    os.umask(umask)
-    return 0o666 & ~umask
+    return 0o666 & ~umask()
 
 
 def write_file(path, data):

@@ -27,7 +27,7 @@ import numpy
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as safetensors_bytes
 
-from minipar.checkpoint.files import cannot_create_in
+from minipar.checkpoint.files import cannot_create_in, file_mode, umask
 from minipar.checkpoint.weights import check_dtypes
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -160,8 +160,8 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb+") as fh:
                 os.fsync(fh.fileno())
-            os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp (and safetensors) make them private; an export is not
+            os.chmod(os.path.join(tmp, name), file_mode())
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp (and safetensors) make them private; an export is not
         old = None
         if os.path.exists(directory):  # a previous export (check_export_dir allowed it): moved aside
             old = tempfile.mkdtemp(prefix=".old-hf-", dir=parent)
@@ -203,8 +203,3 @@ def export_dir_problem(directory):
         return f"holds files an export would delete ({', '.join(others[:3])}): give a new or empty directory"
     return None
 
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
