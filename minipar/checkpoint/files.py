@@ -26,20 +26,25 @@ def file_mode():
 
 
 def write_file(path, data):
-    """Write the bytes ``data`` to ``path`` atomically and durably. An OSError (the disk is full)
-    leaves no temporary file behind and names ``path``."""
+    """Write the bytes ``data`` (or a list of buffers, one after the other) to ``path`` atomically
+    and durably; return how many bytes were written. An OSError (the disk is full) leaves no
+    temporary file behind and names ``path``."""
     directory, name = os.path.split(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+    written = 0
     try:
         try:
             os.fchmod(fd, file_mode())
-            view = memoryview(data)
-            while view:  # os.write may take only part of it
-                view = view[os.write(fd, view):]
+            for part in data if isinstance(data, list) else [data]:
+                view = memoryview(part).cast("B")
+                written += len(view)
+                while view:  # os.write may take only part of it
+                    view = view[os.write(fd, view):]
             os.fsync(fd)  # the bytes are on disk before the rename can name them
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        return written
     except OSError as exc:
         remove(tmp)
         exc.filename = path  # os.write's error names no file, and the temporary's name is ours

@@ -25,9 +25,9 @@ import tempfile
 
 import numpy
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save as safetensors_bytes
 
-from minipar.checkpoint.files import cannot_create_in, file_mode, umask
+from minipar.checkpoint.files import cannot_create_in, file_mode, umask, write_file
+from minipar.checkpoint.tensor_file import tensor_file
 from minipar.checkpoint.weights import check_dtypes
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -150,8 +150,8 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
     try:
-        with open(os.path.join(tmp, WEIGHTS), "wb") as fh:  # an OSError on a full disk, naming the file
-            fh.write(safetensors_bytes(to_hf(state), metadata={"format": "pt"}))  # from_pretrained asks for "pt"
+        # from_pretrained asks for "format": "pt"
+        write_file(os.path.join(tmp, WEIGHTS), tensor_file(to_hf(state), metadata={"format": "pt"}))
         with open(os.path.join(tmp, CONFIG), "w") as fh:
             json.dump(hf_config(config, dropout, token_ids), fh, indent=2)
             fh.write("\n")

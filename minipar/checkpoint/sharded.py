@@ -38,7 +38,6 @@ import os
 
 import numpy
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save as safetensors_bytes
 
 from minipar.backend import to_numpy, xp
 from minipar.checkpoint.boxes import intersect, region, volume
@@ -46,6 +45,7 @@ from minipar.checkpoint.files import fsync_dir, remove, write_file
 from minipar.checkpoint.index import FORMAT, CheckpointError, find, read_index, seal
 from minipar.checkpoint.pieces import pieces, weights_dtype
 from minipar.checkpoint.retention import prune, remove_stale_partials
+from minipar.checkpoint.tensor_file import tensor_file
 from minipar.dtypes import as_dtype
 
 __all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "prune", "read_index",
@@ -111,9 +111,8 @@ def _write_mine(stem, model, optimizer, grid):
                           "sha256": _checksum(key, array.dtype, array.shape, array)})
     listing = {"file": None, "bytes": 0, "boxes": boxes, "held": sorted(held)}
     if tensors:  # a replica that saves nothing writes no shard file
-        data = safetensors_bytes(tensors)
-        write_file(stem + ".safetensors", data)
-        listing.update(file=os.path.basename(stem) + ".safetensors", bytes=len(data))
+        written = write_file(stem + ".safetensors", tensor_file(tensors))
+        listing.update(file=os.path.basename(stem) + ".safetensors", bytes=written)
     write_file(stem + ".json", json.dumps(listing).encode())
 
 

@@ -13,10 +13,10 @@ import os
 import numpy
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
-from safetensors.numpy import save as safetensors_bytes
 
 from minipar.backend import to_numpy
 from minipar.checkpoint.files import fsync_dir, write_file
+from minipar.checkpoint.tensor_file import tensor_file
 
 _DIGEST_KEY = "minipar.sha256"
 _FLOAT_DTYPES = ("F32", "F64")  # safetensors' names for the dtypes a run takes (--dtype)
@@ -38,7 +38,7 @@ def save_weights(state, path):
     tensors = {name: numpy.ascontiguousarray(to_numpy(a)) for name, a in state.items()}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    write_file(path, safetensors_bytes(tensors, metadata={_DIGEST_KEY: digest(tensors)}))
+    write_file(path, tensor_file(tensors, metadata={_DIGEST_KEY: digest(tensors)}))
     fsync_dir(directory)  # the rename itself reaches the disk
 
 
