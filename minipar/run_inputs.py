@@ -31,8 +31,8 @@ import os
 import numpy
 
 from minipar.checkpoint.index import ITER_NAME
-from minipar.checkpoint.weights import digest
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
+from minipar.checkpoint.weights import digest
 from minipar.cli import FlagError
 from minipar.tokenizer import BPETokenizer
 
@@ -58,9 +58,8 @@ BY_CONTENT = ("load", "data", "init_weights")
 def _flags(args):
     """The flags as parsed and completed, as JSON values. ``--load``, ``--data`` and
     ``--init-weights`` are left out: what they name is compared below, by content, so that hosts
-    may hold their own copies. A
-    tokenizer (``train_sources`` puts the object in ``args.tokenizer``) is compared by its files'
-    bytes, the SHA-256 it keeps of them."""
+    may hold their own copies. A tokenizer (``train_sources`` puts the object in
+    ``args.tokenizer``) is compared by its files' bytes, the SHA-256 it keeps of them."""
     def value(v):
         if isinstance(v, BPETokenizer):
             return {"tokenizer sha256": v.sha256}

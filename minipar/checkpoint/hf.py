@@ -26,7 +26,7 @@ import tempfile
 import numpy
 from safetensors import SafetensorError, safe_open
 
-from minipar.checkpoint.files import cannot_create_in, file_mode, umask, write_file
+from minipar.checkpoint.files import cannot_create_in, umask, write_file
 from minipar.checkpoint.tensor_file import tensor_file
 from minipar.checkpoint.weights import check_dtypes
 
@@ -160,8 +160,7 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb+") as fh:
                 os.fsync(fh.fileno())
-            os.chmod(os.path.join(tmp, name), file_mode())
-        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp (and safetensors) make them private; an export is not
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; an export is not
         old = None
         if os.path.exists(directory):  # a previous export (check_export_dir allowed it): moved aside
             old = tempfile.mkdtemp(prefix=".old-hf-", dir=parent)
