@@ -28,7 +28,7 @@ Exercises (predict first, then run the command and read the row named):
    "all-to-one-and-back" rows).
 2. At 2 ranks the ring has nothing to gain. Predict the ring's row and the root's row for
    ./run_mpi.sh -n 2 lessons/00_collectives.py --size 1000 (1,000 float64 elements).
-3. --plant-bug leaves out one step of the reduce-scatter. Predict by how many bytes the ring's row
+3. --plant-bug leaves out the last step of the all-gather. Predict by how many bytes the ring's row
    falls short at 4 ranks, and whether the error row can still look like rounding:
    ./run_mpi.sh -n 4 lessons/00_collectives.py --plant-bug
 4. 10 elements do not cut into 3 equal chunks. Predict what the lesson does with them and the

@@ -32,8 +32,8 @@ import sys
 import numpy
 
 import minipar
-from minipar.backend import add_device_flag, use_device
-from minipar.cli import Parser, parse
+from minipar.backend import add_device_flag
+from minipar.cli import Parser, device_problems, parse
 from minipar.functional.gelu import GELU
 from minipar.gradcheck import gradcheck, op_cases
 from minipar.models import GPT, GPTConfig
@@ -64,8 +64,7 @@ def main():
     p = Parser(description="Gradient checks of every op and of the whole GPT.")
     p.add_argument("--plant-bug", action="store_true", help="break GELU's backward to see a failure")
     add_device_flag(p)  # on cuda every check runs on the GPU, matrix products in minipar's kernel
-    args = parse(p, None)  # a bad flag is one line and exit 2, as in the MPI lessons
-    use_device(args.device)
+    args = parse(p, None, device_problems)  # a bad flag (or no GPU) is one line and exit 2, as in the MPI lessons
     if args.plant_bug:
         GELU.backward = staticmethod(forgetful_gelu_backward)
         print("planted: GELU.backward now forgets the factor 1 - tanh^2\n")

@@ -35,8 +35,8 @@ import textwrap
 
 import numpy as np
 
-from minipar.backend import add_device_flag, use_device
-from minipar.cli import Parser, parse
+from minipar.backend import add_device_flag
+from minipar.cli import Parser, device_problems, parse
 from minipar.kernels import emulator, gemm
 
 TILES = gemm.TILES["float32"]
@@ -196,21 +196,11 @@ def on_the_gpu():
     return ok
 
 
-def device_problem(args):
-    """--device cuda without CuPy or a GPU: one line before the emulator runs, not a traceback
-    after it."""
-    try:
-        use_device(args.device)
-    except (ImportError, RuntimeError, ValueError) as exc:
-        return [f"--device {args.device}: {exc}"]
-    return []
-
-
 def main():
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--plant-bug", action="store_true", help="a wrong index in the emulated kernel's tile copy")
     add_device_flag(p)
-    args = parse(p, None, device_problem)  # a bad flag is one line and exit 2, as in the MPI lessons
+    args = parse(p, None, device_problems)  # a bad flag is one line and exit 2, as in the MPI lessons
     if emulator.compiler() is None:
         print("this lesson runs the kernel in a CPU emulator built with g++ (C++20): install g++")
         return 2

@@ -21,8 +21,8 @@ import numpy as np
 
 import minipar
 from minipar import backend
-from minipar.backend import add_device_flag, use_device
-from minipar.cli import Parser, parse
+from minipar.backend import add_device_flag
+from minipar.cli import Parser, device_problems, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
 from minipar.mfu import model_flops_per_token
@@ -58,17 +58,13 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
         add_device_flag(p)
         p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true", help=plant_bug)
+
     def problems(args):
-        # a lesson without --device runs on NumPy, but a MINIPAR_DEVICE it cannot honour is refused
-        unusable = None if training else backend.environment_problem()
         if training:
-            # taken here, among the flags, so that a missing CuPy or GPU is one line from one rank
-            # before the ranks agree, not a traceback from every rank after (as train_checks does)
-            try:
-                use_device(args.device)
-            except (ImportError, RuntimeError, ValueError) as exc:
-                unusable = f"--device {args.device}: {exc}"
-        return [unusable] * bool(unusable) + (check(args, comm.size) if check is not None else [])
+            found = device_problems(args)
+        else:  # a lesson without --device runs on NumPy, but a MINIPAR_DEVICE it cannot honour is refused
+            found = [backend.environment_problem()] if backend.environment_problem() else []
+        return found + (check(args, comm.size) if check is not None else [])
 
     args = parse(p, comm, problems)
     if training:

@@ -30,6 +30,19 @@ class Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
+def device_problems(args):
+    """Take ``args.device`` for this process (``backend.use_device``): [] if it can be used, else
+    one line (no CuPy, no GPU) to report with the other flags' problems, before the ranks agree,
+    rather than a traceback from every rank afterwards."""
+    from minipar.backend import use_device
+
+    try:
+        use_device(args.device)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        return [f"--device {args.device}: {exc}"]
+    return []
+
+
 def agree(comm, problems, prog):
     """End the job if any rank found a problem: the lowest such rank prints its problems as
     ``prog: error: ...`` lines, then every rank exits with status 2.

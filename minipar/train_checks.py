@@ -100,13 +100,10 @@ def check_args(args, world_size):
     """Every error a flag's own type cannot see, one line each, before anything is built or sent;
     raises FlagError with all of them. Fills in ``args.dp`` and ``args.micro_batches``."""
     from minipar import backend
+    from minipar.cli import device_problems
     from minipar.parallel.validate import resolve
 
-    problems = []
-    try:
-        backend.use_device(args.device)
-    except (ImportError, RuntimeError) as exc:
-        problems.append(f"--device {args.device}: {exc}")
+    problems = device_problems(args)
     if args.warmup_iters < 0:
         problems.append(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     if args.min_lr > args.lr:

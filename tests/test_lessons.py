@@ -192,8 +192,9 @@ def test_bad_flags_are_one_line_each_from_one_rank_before_any_message(lesson, ar
 
 
 @NEEDS_NO_CUPY
-def test_gemm_lesson_refuses_a_missing_gpu_in_one_line():
-    run = run_lesson("07_gemm_kernel.py", "--device", "cuda")
+@pytest.mark.parametrize("script", ["01_autograd.py", "07_gemm_kernel.py"])
+def test_single_process_lessons_refuse_a_missing_gpu_in_one_line(script):
+    run = run_lesson(script, "--device", "cuda")
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stdout + run.stderr
     assert run.stderr.count("error: --device cuda:") == 1 and run.stdout == "", run.stdout + run.stderr
 
