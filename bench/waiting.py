@@ -1,6 +1,7 @@
 """What waiting costs the rank being waited for, with more ranks than cores.
 
     ./run_mpi.sh -n 8 bench/waiting.py        # on a 2-core machine: 4 ranks per core
+    ./run_mpi.sh -n 8 bench/waiting.py --seconds 3
 
 Rank 0 does a fixed amount of matrix multiplication while every other rank waits for it inside an
 all-reduce. Three ways to wait are timed by the compute time of rank 0, the one doing the work:
@@ -10,6 +11,7 @@ all-reduce. Three ways to wait are timed by the compute time of rank 0, the one 
     polite     minipar's wait: poll, yield the core, then sleep (``comm.base.wait_without_spinning``)
 """
 
+import argparse
 import sys
 import time
 
@@ -29,20 +31,23 @@ def work(seconds_hint=1.0):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=1.0, help="rank 0's work per way of waiting, on an idle core")
+    args = p.parse_args()
     raw = MPI.COMM_WORLD
     rank, size = raw.Get_rank(), raw.Get_size()
     results = {}
     work(0.05)  # warm up BLAS and the allocator on every rank before anything is timed
     raw.Barrier()
     if rank == 0:
-        results["alone"] = work()
+        results["alone"] = work(args.seconds)
     request = raw.Ibarrier()  # rank 0 joins it after working: the others doze until then
     while not request.Test():
         time.sleep(0.05)
     for mode in ("blocking", "polite"):
         comm = MPICommunicator(raw, "world", polite=mode == "polite")
         comm.barrier()
-        seconds = work() if rank == 0 else 0.0
+        seconds = work(args.seconds) if rank == 0 else 0.0
         comm.all_reduce(np.zeros(1))  # everyone else waits here for rank 0
         results[mode] = seconds
     if rank == 0:
