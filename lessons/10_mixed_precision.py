@@ -31,8 +31,9 @@ Read next: minipar/precision.py, minipar/parallel/mixed_precision.py, docs/mixed
 Exercises (predict first, then run the command and read the table named):
 1. Predict bf16's total bytes at stage 1 and 8 ranks for the P printed, then check "bytes held"
    at ./run_mpi.sh -n 8 lessons/10_mixed_precision.py. By how much does ZeRO-1 help more in 16 bits?
-2. --fp16-initial-scale 4294967296 (Megatron's 2^32): predict how many of the first steps are
-   skipped before the scale fits float16's 65504 (section 2's "skipped" column).
+2. --fp16-initial-scale 4294967296 --steps 24 (Megatron's first scale, 2^32): predict how many
+   of the first steps are skipped before the scale fits float16's 65504 (section 2's "skipped"
+   column), and what fp16's last loss is then against float32's.
 3. --plant-bug: each rank decides from its own gradients (at ZeRO-0: under ZeRO-1 the run would
    hang; why?). Predict which numbers of section 3 change.
 """
@@ -93,18 +94,22 @@ def build(args, config, grid, stage, dtype, policy=None, scaler=None, agree=True
     return model, opt
 
 
-def train_step(model, opt, dp, step, x, y, plant=False):
-    """One step of data parallelism with a loss scale; returns (the global loss, skipped)."""
+def train_step(model, opt, dp, step, x, y, plant=False, hold=False):
+    """One step of data parallelism with a loss scale; returns (the global loss, skipped).
+    ``hold``: compute the loss and gradients but leave the weights, as a skipped step does."""
     model.rng.iteration = step
     xs, ys = split_batch(x, y, dp)
-    with model.rng.at(rows=np.array_split(np.arange(len(x)), dp.size)[dp.rank]):
+    # fp16's loss scale overflows on purpose (the step is then skipped): NumPy's warnings say nothing more
+    with model.rng.at(rows=np.array_split(np.arange(len(x)), dp.size)[dp.rank]), np.errstate(over="ignore",
+                                                                                              invalid="ignore"):
         _, loss = model(xs, ys)
         (scale_loss(loss, ys, total=token_count(y)) * opt.loss_scale).backward()
     opt.finish_gradients()
     if plant:  # after the sum over DP: only this rank holds it
         opt._gradients()[-1][0] = np.inf
-    opt.clip_grad_norm(1.0)
-    opt.step()
+    if not hold:
+        opt.clip_grad_norm(1.0)
+        opt.step()
     opt.zero_grad()
     return dp.all_reduce(np.array([loss.item() * len(xs)]))[0] / len(x), opt.skipped_step
 
@@ -147,18 +152,25 @@ def main():
             ok &= held == expected
             memory[name, stage] = (held, expected, padded)
 
-    # 2. the three precisions trained side by side
+    # 2. the three precisions trained side by side. Steps fp16 skipped (a loss scale too large
+    # for float16 at first) left its weights behind float32's: it is then compared with a float32
+    # run that holds its weights at the same steps
     curves, times, skipped = {}, {}, {}
     for name, (dtype, policy, scaler) in precisions.items():
         model, opt = build(args, config, grid, args.zero_stage, dtype, policy, scaler and scaler())
-        curves[name], times[name], skipped[name] = [], [], 0
+        curves[name], times[name], skipped[name] = [], [], []
         for step, (x, y) in enumerate(batches):
             start = time.perf_counter()
             loss, skip = train_step(model, opt, dp, step, x, y)
             times[name].append(time.perf_counter() - start)
             curves[name].append(loss)
-            skipped[name] += skip
-    gap = {n: max(abs(a - b) for a, b in zip(curves[n], curves["float32"])) for n in ("bf16", "fp16")}
+            skipped[name] += [step] * skip
+    reference = {"bf16": curves["float32"], "fp16": curves["float32"]}
+    if skipped["fp16"]:
+        model, opt = build(args, config, grid, args.zero_stage, "float32")
+        reference["fp16"] = [train_step(model, opt, dp, step, x, y, hold=step in skipped["fp16"])[0]
+                             for step, (x, y) in enumerate(batches)]
+    gap = {n: max(abs(a - b) for a, b in zip(curves[n], reference[n])) for n in ("bf16", "fp16")}
     ok &= max(gap.values()) < 0.1
 
     # 3. an overflow on one rank skips the step on every rank. The planted bug runs at stage 0:
@@ -202,7 +214,10 @@ def main():
         for name in curves:
             ms = 1e3 * np.median(times[name][1:] or times[name])
             print(f"  {name:<9}{curves[name][0]:>11.4f}{curves[name][-1]:>11.4f}{gap.get(name, 0.0):>8.4f}"
-                  f"{skipped[name]:>9}{ms:>9.1f}")
+                  f"{len(skipped[name]):>9}{ms:>9.1f}")
+        if skipped["fp16"]:
+            print(f"  (fp16 skipped steps {', '.join(map(str, skipped['fp16']))}:\n"
+                  "  its gap is to a float32 run that held its weights at those steps)")
         print("  (a CPU emulates 16-bit arithmetic: expect no speed-up here, and with more ranks than cores\n"
               "  the times are mostly waiting; docs/mixed_precision.md measures one process)")
         if args.plot:
