@@ -30,7 +30,8 @@ router makes out = in = N k (EP-1)/EP. Expert bytes per rank fall as 1/EP; the d
 Exercises.
   a. Run with --capacity-factor 0.5 and read how many slots are dropped. What does a dropped slot
      add to its token, and what carries the token on?
-  b. Raise --aux-loss-coeff to 1 and run --steps 20: does the spread of the slots per expert narrow?
+  b. Raise --aux-loss-coeff to 1 and run --steps 20: does the busiest expert's load come nearer the
+     mean from the first step to the last ("busiest expert / mean"), more than with the default?
   c. Predict the bytes of EP=8 from the uniform formula before running -n 8; why is the measured
      number not exactly it?
   d. --plant-bug combines with the wrong permutation (the rows come back in the order they arrived,
@@ -196,6 +197,10 @@ def main():
         for layer, loads, dropped in zip(ref["layers"], ref["tokens_per_expert"], ref["dropped"]):
             print(f"  layer {layer}: slots per expert {' '.join(f'{n:>4}' for n in loads)}   dropped {dropped} of "
                   f"{args.batch_size * args.block_size * k}")
+        spread = {name: [max(loads) / np.mean(loads) for loads in r["tokens_per_expert"]]
+                  for name, r in (("first", ref), ("last", reference.last_routing))}
+        print(f"  busiest expert / mean, per layer: first step {' '.join(f'{x:.2f}' for x in spread['first'])}, "
+              f"step {args.steps - 1} {' '.join(f'{x:.2f}' for x in spread['last'])} (1.00: even)")
         print(f"  balancing loss (x {args.aux_loss_coeff}) {ref['aux_loss']:.6f}: an even load gives 1 x the coefficient "
               f"per layer, {args.n_layer * args.aux_loss_coeff:g}")
         print(f"  z-loss (x {args.z_loss_coeff}) {ref['z_loss']:.6f}: equal logits give (ln E)^2 x the coefficient per "

@@ -93,6 +93,7 @@ class Reference:
     logits: object  # the first step's logits, (B, T, vocab)
     params: dict   # the parameters after the last step
     routing: dict = None  # a mixture of experts': the first step's ``step_statistics``
+    last_routing: dict = None  # ... and the last step's
 
 
 def reference_run(comm, config, batches, seed, max_norm=None, routing=None, delay=0, root=0):
@@ -126,13 +127,14 @@ def _single_device(config, batches, seed, max_norm, routing, delay):
         if step == 0:
             first = logits.data, {n: p.grad.copy() for n, p in model.named_parameters()}
             moe = step_statistics(model) if config.num_experts else None
+        last_moe = step_statistics(model) if config.num_experts else None
         if max_norm is not None:
             clip_grad_norm(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         versions = versions[1:] + [{n: p.data.copy() for n, p in model.named_parameters()}]
-    return Reference(losses, first[1], first[0], model.state_dict(), moe)
+    return Reference(losses, first[1], first[0], model.state_dict(), moe, last_moe)
 
 
 class Comparison:
