@@ -59,7 +59,7 @@ def _read(path):
 def _write(path, ids):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     ids = numpy.ascontiguousarray(ids, dtype="<u2")
-    write_file(path, MAGIC + len(ids).to_bytes(8, "little") + hashlib.sha256(ids).digest() + ids.tobytes())
+    write_file(path, [MAGIC + len(ids).to_bytes(8, "little") + hashlib.sha256(ids).digest(), ids])
 
 
 def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
