@@ -156,12 +156,12 @@ def adamw_reference(p, g, m, v, t, lr, betas, eps, weight_decay, decays):
     return p - lr * m_hat / (xp.sqrt(v_hat) + eps), m, v
 
 
-def clip_grad_norm(params, max_norm, norm=None):
-    """Scale all gradients by min(1, max_norm / ||g||), ||g|| the global L2 norm over every
-    parameter (or ``norm``, computed by the caller across ranks: minipar.parallel.grad_norm);
-    returns ||g|| before clipping."""
+def clip_grad_norm(params, max_norm):
+    """Scale all gradients by min(1, max_norm / ||g||), ||g|| the L2 norm over every parameter;
+    returns ||g|| before clipping. One device's: a parallel optimizer's ``clip_grad_norm`` takes
+    the norm across its ranks (minipar.parallel.grad_norm)."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = norm if norm is not None else math.sqrt(sum_of_squares(grads))
+    total = math.sqrt(sum_of_squares(grads))
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for g in grads:

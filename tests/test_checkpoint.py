@@ -34,6 +34,17 @@ def test_damaged_file_is_refused(tmp_path):
         load_weights(path)
 
 
+def test_a_header_edited_to_another_shape_of_the_same_bytes_is_refused(tmp_path):
+    """The checksum covers each tensor's shape (and dtype), not only its bytes."""
+    path = tmp_path / "w.safetensors"
+    save_weights({"a": numpy.arange(12, dtype=numpy.float32).reshape(4, 3)}, str(path))
+    raw = path.read_bytes()
+    assert raw.count(b'"shape":[4,3]') == 1
+    path.write_bytes(raw.replace(b'"shape":[4,3]', b'"shape":[3,4]'))  # the same length: a valid file
+    with pytest.raises(ValueError, match="damaged"):
+        load_weights(str(path))
+
+
 def test_failed_write_keeps_the_previous_file(tmp_path):
     path = str(tmp_path / "w.safetensors")
     save_weights({"a": numpy.ones(3, numpy.float32)}, path)

@@ -66,6 +66,31 @@ def test_an_edited_shard_header_is_refused(change, message, tmp_path):
         _load(save)
 
 
+def _edit_index(save, change):
+    """Change the index as an editor would, and seal it again: only the other checks may refuse it."""
+    path = os.path.join(save, "iter_0000001", "index.json")
+    index = json.load(open(path))
+    change(index)
+    open(path, "w").write(json.dumps(seal(index)))
+
+
+def test_a_box_read_as_another_dtype_fails_its_checksum_though_header_and_index_agree(tmp_path):
+    """The checksum covers the box's dtype and shape, not only its bytes: the same bytes as int32
+    are not the weights that were saved."""
+    save = _saved(tmp_path)
+    _edit_header(os.path.join(save, "iter_0000001", "rank_00000.safetensors"), WTE, lambda t: t.update(dtype="I32"))
+    _edit_index(save, lambda index: index["tensors"]["param/transformer.wte.weight"]["boxes"][0].update(dtype="int32"))
+    with pytest.raises(CheckpointError, match=f"{WTE}.* does not match its checksum"):
+        _load(save)
+
+
+def test_a_tensor_in_no_saved_box_is_refused_not_left_at_its_initial_values(tmp_path):
+    save = _saved(tmp_path)
+    _edit_index(save, lambda index: index["tensors"]["param/transformer.wte.weight"].update(boxes=[]))
+    with pytest.raises(CheckpointError, match="in no saved box"):
+        _load(save)
+
+
 @pytest.mark.parametrize("latest", ["../elsewhere", "/etc/passwd", "iter_0000001/../../elsewhere",
                                     "iter_1", " iter_0000001", "iter_0000001\nextra"])
 def test_latest_must_name_a_checkpoint_inside_the_save_directory(latest, tmp_path):

@@ -38,6 +38,7 @@ def test_permute_then_unpermute_gives_back_the_tokens():
     indices = numpy.array([[2, 0], [1, 2], [2, 3], [0, 1], [3, 2]])
     slots, counts = F.sort_by_expert(indices, 4)
     assert counts.tolist() == [2, 2, 4, 2] and (indices.reshape(-1)[slots] == numpy.sort(indices, None)).all()
+    assert slots.tolist() == [1, 6, 2, 7, 0, 3, 4, 9, 5, 8]  # within an expert, in token order (stable)
     weights = numpy.random.default_rng(1).random((5, 2))
     back = F.unpermute(F.permute(Tensor(x), slots, 2), Tensor(weights), slots)
     numpy.testing.assert_allclose(back.data, x * weights.sum(1, keepdims=True), rtol=1e-14)

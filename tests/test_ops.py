@@ -108,6 +108,17 @@ def test_softmax_is_stable_for_large_logits():
     assert numpy.isfinite(loss.item()) and loss.item() == pytest.approx(2e4, rel=1e-6)
 
 
+def test_each_row_is_shifted_by_its_own_max():
+    """Rows a thousand apart: a max taken over the whole batch would underflow the low row to 0/0."""
+    x = Tensor(numpy.array([[0.0, 1.0], [-1000.0, -999.0]]), requires_grad=True)
+    for out in (F.softmax(x), F.exp(F.log_softmax(x))):
+        numpy.testing.assert_allclose(out.data[1], out.data[0], rtol=1e-12)
+    loss = F.cross_entropy(x, numpy.array([1, 1]))
+    loss.backward()
+    assert loss.item() == pytest.approx(numpy.log1p(numpy.exp(-1.0)), rel=1e-6)  # float32
+    assert numpy.all(numpy.isfinite(x.grad)) and numpy.allclose(x.grad[0], x.grad[1], rtol=1e-12)
+
+
 def test_cross_entropy_means_over_non_ignored_targets_only():
     logits = numpy.random.default_rng(0).standard_normal((2, 3, 5)).astype(numpy.float32)
     targets = numpy.array([[1, -1, 2], [-1, -1, 4]])

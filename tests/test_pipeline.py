@@ -146,6 +146,14 @@ def test_the_simulator_catches_broken_schedules():
     unreceived = {**good, 1: [i for i in good[1] if not (i.op == S.RECV_ACT and i.mb == 1)]}
     with pytest.raises(RuntimeError, match="pair up"):
         simulate(unreceived, 2)
+    one_stage = S.build("1f1b", 1, 2)
+    with pytest.raises(RuntimeError, match="does not run every micro-batch once"):
+        simulate({0: [i for i in one_stage[0] if i.mb != 1]}, 2)  # micro-batch 1 left out
+    split = S.build("zb-h1", 2, 2)
+    first_b = next(n for n, i in enumerate(split[0]) if i.op == S.BACKWARD_INPUT)
+    b_twice = {**split, 0: split[0][: first_b + 1] + split[0][first_b:]}
+    with pytest.raises(RuntimeError, match="twice"):
+        simulate(b_twice, 2, weight=1)
 
 
 @pytest.mark.parametrize("call,message", [

@@ -9,12 +9,16 @@ import sys
 import threading
 import time
 
+from types import SimpleNamespace
+
 import pytest
 from mpi_run import ROOT, run_mpi
 from test_train import TINY, corpus, train  # noqa: F401 (corpus: a fixture)
 
+from minipar import run_inputs
 from minipar.checkpoint.index import seal
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
+from minipar.data import Dataset
 
 
 def one_line(run, message):
@@ -85,6 +89,32 @@ def test_ranks_that_loaded_different_initial_weights_all_stop_in_one_line(tmp_pa
     code, out, _ = run_mpi(3, "run_inputs.py", mode, tmp_path, timeout=60)
     assert code == 2 and out.count("run_inputs: error: " + message.format(tmp_path)) == 1, out
     assert out.count("error:") == 1 and "loads" not in out, out
+
+
+def _rank_1_against(monkeypatch, rank_0_args, rank_0_data):
+    """same_inputs as rank 1 sees it, rank 0's facts broadcast from ``rank_0_*`` (no MPI)."""
+    text = json.dumps(run_inputs._facts(rank_0_args, rank_0_data, None))
+    monkeypatch.setattr(run_inputs, "broadcast_text", lambda comm, mine, root=0: text)
+    return lambda args, data: run_inputs.same_inputs(SimpleNamespace(rank=1), args, data)
+
+
+def test_corpora_of_the_same_length_are_compared_by_content(monkeypatch):
+    args = SimpleNamespace(data="corpus.txt", load=None, seed=1)
+    one, other = Dataset(b"abcd" * 100), Dataset(b"abce" * 100)
+    problems = _rank_1_against(monkeypatch, args, one)(args, other)
+    assert len(problems) == 1 and problems[0].startswith("--data corpus.txt: rank 1 read 400 bytes"), problems
+    assert run_inputs.corpus_matches([one.size, one.sha256], other, "--data x").startswith("--load: the checkpoint")
+    assert run_inputs.corpus_matches([one.size, one.sha256], one, "--data x") is None
+
+
+def test_a_rank_that_reads_another_index_of_the_checkpoint_is_refused(monkeypatch, tmp_path):
+    (tmp_path / "index.json").write_text('{"iteration": 2}')
+    args, data = SimpleNamespace(data=None, load=str(tmp_path), seed=1), Dataset(b"x" * 10)
+    check = _rank_1_against(monkeypatch, args, data)
+    assert check(args, data) == []
+    (tmp_path / "index.json").write_text('{"iteration": 4}')  # this host's copy differs
+    problems = check(args, data)
+    assert len(problems) == 1 and "--load: rank 1 does not see the checkpoint rank 0 loads" in problems[0], problems
 
 
 def test_every_rank_loads_the_checkpoint_rank_0_resolved(tmp_path, corpus):

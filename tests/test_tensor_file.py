@@ -1,6 +1,7 @@
 """Our safetensors writer (``checkpoint/tensor_file.py``), read back by the safetensors library."""
 
 import json
+import os
 
 import ml_dtypes
 import numpy
@@ -55,3 +56,14 @@ def test_bfloat16_is_written_as_bf16():
 def test_a_dtype_safetensors_cannot_hold_is_refused_by_name():
     with pytest.raises(ValueError, match="tensor z: safetensors has no dtype for complex128"):
         tensor_file({"z": numpy.ones(2, complex)})
+
+
+def test_write_file_finishes_every_buffer_that_os_write_takes_only_part_of(tmp_path, monkeypatch):
+    """Linux writes at most about 2 GiB a call, and a pipe or a signal can cut a write short."""
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    parts = [b"header:", numpy.arange(50, dtype=numpy.float64), b"", numpy.arange(3, dtype=numpy.uint8)]
+    path = tmp_path / "f"
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    assert write_file(str(path), parts) == len(expected) == 7 + 400 + 3
+    assert path.read_bytes() == expected

@@ -125,6 +125,7 @@ def test_comm_stats_tally_ring_collectives_and_charge_them_when_read():
     # the model charges the calls' bytes together: 2 (N-1)/N of 21, rounded down once (28, where
     # two calls rounded apart would be 13 + 14 = 27)
     assert (by_op["all_reduce"].calls, by_op["all_reduce"].bytes_sent, by_op["all_reduce"].bytes_received) == (2, 28, 28)
+    assert ring_bytes("all_gather", 10, 4) == (7, 7)  # (N-1) S / N rounded once, not (N-1) (S // N) = 6
     assert (by_op["broadcast"].bytes_sent, by_op["broadcast"].bytes_received) == ring_bytes("broadcast", 8, 3, True) == (8, 0)
     assert (by_op["send"].calls, by_op["send"].bytes_sent) == (1, 5)
     assert set(by_op) == {"all_reduce", "broadcast", "send"} and by_op["all_gather"].calls == 0
@@ -136,3 +137,16 @@ def test_comm_stats_tally_ring_collectives_and_charge_them_when_read():
     held.calls += 1
     held.nbytes += 6
     assert stats.by_op["all_reduce"].bytes_sent == 8
+
+
+def test_a_broadcast_is_charged_rank_by_rank_along_the_chain_from_its_root():
+    """Root 1 of 4: every rank but the root receives S, every rank but the root's left neighbour
+    (rank 0, the chain's end) passes it on; at 4 ranks no two of them coincide."""
+    from minipar.comm.stats import CommStats
+
+    charged = []
+    for rank in range(4):
+        stats = CommStats(4)
+        stats.count("broadcast", 800, rank=rank, root=1)
+        charged.append((stats.by_op["broadcast"].bytes_sent, stats.by_op["broadcast"].bytes_received))
+    assert charged == [(0, 800), (800, 0), (800, 800), (800, 800)]

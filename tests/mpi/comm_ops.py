@@ -171,6 +171,18 @@ for a, b in zip(results["blocking"], results["polite"]):
     check(same, f"the direct and the general path disagree: {a} against {b}")
 ar_bytes = 2 * (N - 1) * (x64.nbytes + x32.nbytes + x16.nbytes + 2 * x32.nbytes + 8) // N  # charged once, all together
 check(results["blocking"][-1]["all_reduce"] == (5, ar_bytes, ar_bytes), f"all_reduce counted {results['blocking'][-1]}")
+if N > 1:  # and the direct paths are taken, not only right: a general path that fails is never reached
+    fast = MPICommunicator(comm.comm, "direct", polite=False)
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("a plain host array took the general path")
+
+    fast._all_reduce = fast._reduce_scatter = fast._all_gather = general_path
+    flat = x64.reshape(-1)
+    general = results["polite"]  # the same calls through the general path
+    for a, b in ((fast.all_reduce(x64.copy()), general[0]), (fast.reduce_scatter(flat), general[5].reshape(-1)),
+                 (fast.all_gather(x32), general[8])):
+        check(a.dtype == b.dtype and np.array_equal(a, b), "the direct paths give the general paths' results")
 comm.barrier()
 if r == 0:
     print(f"comm checks OK on {N} ranks")
