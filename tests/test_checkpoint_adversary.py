@@ -91,6 +91,24 @@ def test_a_tensor_in_no_saved_box_is_refused_not_left_at_its_initial_values(tmp_
         _load(save)
 
 
+def test_a_save_whose_boxes_miss_part_of_a_tensor_is_refused(tmp_path, monkeypatch):
+    """The writer rules' own check: the saved boxes of a tensor must add up to all of it. A rule
+    that left out one row (here planted in the embedding's piece) fails the save, not a later load."""
+    real = sharded.pieces
+
+    def one_row_short(*args):
+        out = real(*args)
+        for piece in out:
+            if piece.kind == "param" and piece.name.endswith("wte.weight"):
+                boxes = piece.global_boxes()
+                piece.global_boxes = lambda: [(start, (stop[0] - 1, *stop[1:]), view[:-1]) for start, stop, view in boxes]
+        return out
+
+    monkeypatch.setattr(sharded, "pieces", one_row_short)
+    with pytest.raises(RuntimeError, match=r"boxes of param/transformer.wte.weight overlap or cover 496 of 512"):
+        _saved(tmp_path)
+
+
 @pytest.mark.parametrize("latest", ["../elsewhere", "/etc/passwd", "iter_0000001/../../elsewhere",
                                     "iter_1", " iter_0000001", "iter_0000001\nextra"])
 def test_latest_must_name_a_checkpoint_inside_the_save_directory(latest, tmp_path):
