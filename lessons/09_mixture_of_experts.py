@@ -199,7 +199,7 @@ def main():
                   f"{args.batch_size * args.block_size * k}")
         spread = {name: [max(loads) / np.mean(loads) for loads in r["tokens_per_expert"]]
                   for name, r in (("first", ref), ("last", reference.last_routing))}
-        print(f"  busiest expert / mean, per layer: first step {' '.join(f'{x:.2f}' for x in spread['first'])}, "
+        print(f"  busiest expert / mean of the slots kept, per layer: first step {' '.join(f'{x:.2f}' for x in spread['first'])}, "
               f"step {args.steps - 1} {' '.join(f'{x:.2f}' for x in spread['last'])} (1.00: even)")
         print(f"  balancing loss (x {args.aux_loss_coeff}) {ref['aux_loss']:.6f}: an even load gives 1 x the coefficient "
               f"per layer, {args.n_layer * args.aux_loss_coeff:g}")

@@ -31,9 +31,10 @@ Read next: minipar/precision.py, minipar/parallel/mixed_precision.py, docs/mixed
 Exercises (predict first, then run the command and read the table named):
 1. Predict bf16's total bytes at stage 1 and 8 ranks for the P printed, then check "bytes held"
    at ./run_mpi.sh -n 8 lessons/10_mixed_precision.py. By how much does ZeRO-1 help more in 16 bits?
-2. --fp16-initial-scale 4294967296 --steps 24 (Megatron's first scale, 2^32): predict how many
-   of the first steps are skipped before the scale fits float16's 65504 (section 2's "skipped"
-   column), and what fp16's last loss is then against float32's.
+2. --fp16-initial-scale 4294967296 --steps 24 (Megatron's first scale, 2^32): each overflow
+   skips the step and halves the scale. Predict how many of the first steps are skipped before
+   the scaled gradients fit float16 (largest 65504; section 2's "skipped" column), and what fp16's
+   last loss is then against float32's.
 3. --plant-bug: each rank decides from its own gradients (at ZeRO-0: under ZeRO-1 the run would
    hang; why?). Predict which numbers of section 3 change.
 """
@@ -95,8 +96,10 @@ def build(args, config, grid, stage, dtype, policy=None, scaler=None, agree=True
 
 
 def train_step(model, opt, dp, step, x, y, plant=False, hold=False):
-    """One step of data parallelism with a loss scale; returns (the global loss, skipped).
-    ``hold``: compute the loss and gradients but leave the weights, as a skipped step does."""
+    """One step of data parallelism with a loss scale; returns (the global loss, skipped,
+    overflowed): whether the optimizer skipped the step, and whether any rank's gradients really
+    held an inf or NaN, seen here, not by the optimizer. ``hold``: compute the loss and gradients
+    but leave the weights, as a skipped step does."""
     model.rng.iteration = step
     xs, ys = split_batch(x, y, dp)
     # fp16's loss scale overflows on purpose (the step is then skipped): NumPy's warnings say nothing more
@@ -107,11 +110,13 @@ def train_step(model, opt, dp, step, x, y, plant=False, hold=False):
     opt.finish_gradients()
     if plant:  # after the sum over DP: only this rank holds it
         opt._gradients()[-1][0] = np.inf
+    overflowed = any(not np.isfinite(g).all() for g in opt._gradients())
+    overflowed = bool(dp.all_reduce(np.array([float(overflowed)]), op="max")[0])
     if not hold:
         opt.clip_grad_norm(1.0)
         opt.step()
     opt.zero_grad()
-    return dp.all_reduce(np.array([loss.item() * len(xs)]))[0] / len(x), opt.skipped_step
+    return dp.all_reduce(np.array([loss.item() * len(xs)]))[0] / len(x), opt.skipped_step, overflowed
 
 
 def digest(opt):
@@ -152,23 +157,26 @@ def main():
             ok &= held == expected
             memory[name, stage] = (held, expected, padded)
 
-    # 2. the three precisions trained side by side. Steps fp16 skipped (a loss scale too large
-    # for float16 at first) left its weights behind float32's: it is then compared with a float32
-    # run that holds its weights at the same steps
-    curves, times, skipped = {}, {}, {}
+    # 2. the three precisions trained side by side. A step is skipped exactly when its gradients
+    # overflowed (seen by the lesson itself). fp16's skips (a loss scale too large for float16 at
+    # first) leave its weights behind float32's, so its curve is held to a float32 run that holds
+    # its weights at the steps that overflowed
+    curves, times, skipped, overflowed = {}, {}, {}, {}
     for name, (dtype, policy, scaler) in precisions.items():
         model, opt = build(args, config, grid, args.zero_stage, dtype, policy, scaler and scaler())
-        curves[name], times[name], skipped[name] = [], [], []
+        curves[name], times[name], skipped[name], overflowed[name] = [], [], [], []
         for step, (x, y) in enumerate(batches):
             start = time.perf_counter()
-            loss, skip = train_step(model, opt, dp, step, x, y)
+            loss, skip, inf = train_step(model, opt, dp, step, x, y)
             times[name].append(time.perf_counter() - start)
             curves[name].append(loss)
             skipped[name] += [step] * skip
+            overflowed[name] += [step] * inf
+    ok &= all(skipped[n] == overflowed[n] for n in precisions) and len(skipped["fp16"]) < len(batches)
     reference = {"bf16": curves["float32"], "fp16": curves["float32"]}
-    if skipped["fp16"]:
+    if overflowed["fp16"]:
         model, opt = build(args, config, grid, args.zero_stage, "float32")
-        reference["fp16"] = [train_step(model, opt, dp, step, x, y, hold=step in skipped["fp16"])[0]
+        reference["fp16"] = [train_step(model, opt, dp, step, x, y, hold=step in overflowed["fp16"])[0]
                              for step, (x, y) in enumerate(batches)]
     gap = {n: max(abs(a - b) for a, b in zip(curves[n], reference[n])) for n in ("bf16", "fp16")}
     ok &= max(gap.values()) < 0.1
@@ -181,7 +189,7 @@ def main():
                        DynamicLossScaler(args.fp16_initial_scale, hysteresis=1), agree=not args.plant_bug)
     for step, (x, y) in enumerate(batches[: args.overflow_step + 1]):
         before, scale = digest(opt), opt.loss_scale
-        _, skip = train_step(model, opt, dp, step, x, y, plant=step == args.overflow_step and dp.rank == N - 1)
+        _, skip, _ = train_step(model, opt, dp, step, x, y, plant=step == args.overflow_step and dp.rank == N - 1)
     every = comm.all_gather(np.array([int(skip), int((digest(opt) == before).all()), opt.loss_scale]))
     overflow_ok = (every[:, 0] == 1).all() and (every[:, 1] == 1).all() and (every[:, 2] == scale / 2).all()
     ok &= bool(overflow_ok)
@@ -215,9 +223,14 @@ def main():
             ms = 1e3 * np.median(times[name][1:] or times[name])
             print(f"  {name:<9}{curves[name][0]:>11.4f}{curves[name][-1]:>11.4f}{gap.get(name, 0.0):>8.4f}"
                   f"{len(skipped[name]):>9}{ms:>9.1f}")
-        if skipped["fp16"]:
-            print(f"  (fp16 skipped steps {', '.join(map(str, skipped['fp16']))}:\n"
+        for name in curves:
+            if skipped[name] != overflowed[name]:
+                print(f"  {name} skipped steps {skipped[name]}, but its gradients overflowed at {overflowed[name]}")
+        if overflowed["fp16"]:
+            print(f"  (fp16's gradients overflowed at steps {', '.join(map(str, overflowed['fp16']))}:\n"
                   "  its gap is to a float32 run that held its weights at those steps)")
+        if len(skipped["fp16"]) == len(batches):
+            print("  fp16 skipped every step, so its curve shows nothing: lower --fp16-initial-scale or raise --steps")
         print("  (a CPU emulates 16-bit arithmetic: expect no speed-up here, and with more ranks than cores\n"
               "  the times are mostly waiting; docs/mixed_precision.md measures one process)")
         if args.plot:

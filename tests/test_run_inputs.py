@@ -117,6 +117,25 @@ def test_a_rank_that_reads_another_index_of_the_checkpoint_is_refused(monkeypatc
     assert len(problems) == 1 and "--load: rank 1 does not see the checkpoint rank 0 loads" in problems[0], problems
 
 
+def test_the_trainer_compares_the_initial_weights_each_rank_loaded(tmp_path):
+    """Through minipar.train: copies under two names train; a copy one number apart stops the job."""
+    import numpy
+
+    from minipar.checkpoint import save_weights
+    from minipar.models import GPT, GPTConfig
+
+    weights = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16)).state_dict()
+    save_weights(weights, str(tmp_path / "w0.safetensors"))
+    save_weights(weights, str(tmp_path / "w1.safetensors"))
+    flags = [*TINY, "--max-iters", "1", "--init-weights", str(tmp_path / "w{rank}.safetensors")]
+    code, out, _ = run_mpi(2, "train_per_rank.py", *flags, timeout=120)
+    assert code == 0 and "iter     0" in out, out
+    weights["transformer.wte.weight"][3, 2] += numpy.float32(1e-3)
+    save_weights(weights, str(tmp_path / "w1.safetensors"))
+    code, out, _ = run_mpi(2, "train_per_rank.py", *flags, timeout=120)
+    assert code == 2 and "rank 1 loaded other weights than rank 0" in out and "iter" not in out, out
+
+
 def test_every_rank_loads_the_checkpoint_rank_0_resolved(tmp_path, corpus):
     save = str(tmp_path / "ckpt")
     assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save-interval", "2", "--save", save).returncode == 0

@@ -23,7 +23,7 @@ def test_what_the_library_reads_back_is_what_was_written(tmp_path):
                "fortran": numpy.asfortranarray(rng.standard_normal((4, 3))),  # copied to C order
                "big-endian": numpy.arange(4, dtype=">f4")}
     path = str(tmp_path / "x.safetensors")
-    parts = tensor_file(tensors, metadata={"format": "pt", "steps": 3})
+    parts = tensor_file(tensors, metadata={"format": "pt", "steps": "3"})
     assert write_file(path, parts) == (tmp_path / "x.safetensors").stat().st_size
     back = load_file(path)
     assert back.keys() == tensors.keys()
@@ -53,9 +53,13 @@ def test_bfloat16_is_written_as_bf16():
     assert json.loads(head[8:])["w"] == {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}
 
 
-def test_a_dtype_safetensors_cannot_hold_is_refused_by_name():
+def test_what_safetensors_cannot_hold_is_refused_by_name():
     with pytest.raises(ValueError, match="tensor z: safetensors has no dtype for complex128"):
         tensor_file({"z": numpy.ones(2, complex)})
+    with pytest.raises(ValueError, match="cannot be named __metadata__"):
+        tensor_file({"__metadata__": numpy.ones(2)})
+    with pytest.raises(TypeError, match="metadata maps strings to strings"):
+        tensor_file({"a": numpy.ones(2)}, metadata={"steps": 3})
 
 
 def test_write_file_finishes_every_buffer_that_os_write_takes_only_part_of(tmp_path, monkeypatch):

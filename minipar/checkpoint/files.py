@@ -26,8 +26,8 @@ def file_mode():
 
 
 def write_file(path, data):
-    """Write the bytes ``data`` (or a list of buffers, one after the other) to ``path`` atomically
-    and durably; return how many bytes were written. An OSError (the disk is full) leaves no
+    """Write the bytes ``data`` (or a list of C-contiguous buffers, one after the other) to ``path``
+    atomically and durably; return how many bytes were written. An OSError (the disk is full) leaves no
     temporary file behind and names ``path``."""
     directory, name = os.path.split(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")

@@ -32,6 +32,10 @@ def tensor_file(tensors, metadata=None):
     """``[header, bytes of each array]`` of the safetensors file holding ``{name: array}``: write
     them one after the other (``files.write_file``). Arrays that are not C-contiguous little-endian
     are copied; the others are not."""
+    if "__metadata__" in tensors:
+        raise ValueError("a tensor cannot be named __metadata__: the header keeps that key for the metadata")
+    if metadata and not all(isinstance(v, str) and isinstance(k, str) for k, v in metadata.items()):
+        raise TypeError(f"safetensors metadata maps strings to strings, got {metadata!r}")
     arrays = {}
     for name, array in tensors.items():
         array = numpy.asarray(array, order="C")  # ascontiguousarray would make a 0-d array 1-d
@@ -43,7 +47,7 @@ def tensor_file(tensors, metadata=None):
     order = sorted(arrays, key=lambda name: (-arrays[name].dtype.itemsize, name))
     header, offset = {}, 0
     if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        header["__metadata__"] = dict(metadata)
     for name in order:
         a = arrays[name]
         header[name] = {"dtype": DTYPE_NAMES[a.dtype.name], "shape": list(a.shape),
