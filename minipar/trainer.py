@@ -31,6 +31,7 @@ import minipar
 from minipar import precision
 from minipar.checkpoint import full, sharded
 from minipar.checkpoint.boxes import volume
+from minipar.checkpoint.files import write_all
 from minipar.checkpoint.pieces import pieces
 from minipar.mfu import measured_peak, model_flops_per_token
 from minipar.models import GPT
@@ -229,9 +230,7 @@ class Trainer(Reports):
                 clock = time.perf_counter()  # validation and saving are not a step's time
                 history.append(loss)
                 try:
-                    line = memoryview((json.dumps(record) + "\n").encode())
-                    while line:  # a raw write may take only part of it (a disk filling up)
-                        line = line[log.write(line):]
+                    write_all(log.fileno(), (json.dumps(record) + "\n").encode())
                 except OSError as exc:  # train.py ends the job in one line naming the file
                     exc.filename = args.log_json
                     raise

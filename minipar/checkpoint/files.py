@@ -25,6 +25,16 @@ def file_mode():
     return 0o666 & ~umask()
 
 
+def write_all(fd, data):
+    """Write all of the buffer ``data`` to the file descriptor ``fd`` and return its length in
+    bytes: ``os.write`` may take only part of it (a disk filling up, a signal, over 2 GiB)."""
+    view = memoryview(data).cast("B")
+    size = len(view)
+    while view:
+        view = view[os.write(fd, view):]
+    return size
+
+
 def write_file(path, data):
     """Write the bytes ``data`` (or a list of C-contiguous buffers, one after the other) to ``path``
     atomically and durably; return how many bytes were written. An OSError (the disk is full) leaves no
@@ -36,10 +46,7 @@ def write_file(path, data):
         try:
             os.fchmod(fd, file_mode())
             for part in data if isinstance(data, list) else [data]:
-                view = memoryview(part).cast("B")
-                written += len(view)
-                while view:  # os.write may take only part of it
-                    view = view[os.write(fd, view):]
+                written += write_all(fd, part)
             os.fsync(fd)  # the bytes are on disk before the rename can name them
         finally:
             os.close(fd)
