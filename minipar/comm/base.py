@@ -116,6 +116,14 @@ class Communicator:
     size: int
     stats: CommStats
 
+    def _charge(self, op, nbytes, root=None, charged=None):
+        """Count one call of ``op`` in ``stats``: ``charged``, the (sent, received) of an uneven
+        exchange, as it is; else the byte model's charge for a buffer of ``nbytes`` (from ``root``)."""
+        if charged is None:
+            self.stats.count(op, nbytes, self.rank, root)
+        else:
+            self.stats.record(op, *charged)
+
     # Each implementation writes a collective once, as _op(..., wait): it runs to completion when
     # ``wait``, and else returns a Request. The two public forms of each are named here.
     def all_reduce(self, x, op="sum"):

@@ -113,10 +113,7 @@ class MPICommunicator(Communicator):
         ``charged``, the (sent, received) of an uneven exchange) and run it: to completion if
         ``wait`` (blocking in MPI unless this rank must be polite), else return a Request.
         ``then``: run once it is done."""
-        if charged is None:
-            self.stats.count(op, nbytes, self.rank, root)
-        else:
-            self.stats.record(op, *charged)
+        self._charge(op, nbytes, root, charged)
         if self.size == 1:
             return result if wait else Request(_done, result)
         if wait and not self.polite:

@@ -115,10 +115,7 @@ class NCCLCommunicator(Communicator):
         return a Request (or, if ``wait``, its result)."""
         import cupy
 
-        if charged is None:
-            self.stats.count(op, nbytes, self.rank, root)
-        else:
-            self.stats.record(op, *charged)
+        self._charge(op, nbytes, root, charged)
         compute = cupy.cuda.get_current_stream()
         self.stream.wait_event(compute.record())
         call(self.stream.ptr)
