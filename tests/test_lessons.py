@@ -24,16 +24,38 @@ def run_lesson(name, *args):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_autograd_lesson_passes():
-    run = run_lesson("01_autograd.py")
+# The single-process lessons' runs read by the tests below, ~4-8 s of one core each.
+SOLO_RUNS = (("01_autograd.py",), ("01_autograd.py", "--plant-bug"), ("07_gemm_kernel.py",),
+             ("07_gemm_kernel.py", "--plant-bug"))
+
+
+@pytest.fixture(scope="module")
+def solo_runs():
+    """{(lesson, *args): its finished run} for SOLO_RUNS, all started at once: each uses one core,
+    so two cores finish them in about half the time they take one after another."""
+    started = {run: subprocess.Popen([sys.executable, os.path.join(LESSONS, run[0]), *run[1:]],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for run in SOLO_RUNS}
+    try:
+        outputs = {run: p.communicate(timeout=300) for run, p in started.items()}
+        return {run: subprocess.CompletedProcess(p.args, p.returncode, *outputs[run]) for run, p in started.items()}
+    finally:
+        for p in started.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_autograd_lesson_passes(solo_runs):
+    run = solo_runs["01_autograd.py",]
     assert run.returncode == 0, run.stdout + run.stderr
     passed = re.search(r"(\d+)/(\d+) checks passed", run.stdout)
     assert passed and passed.group(1) == passed.group(2) and int(passed.group(2)) > 60
     assert "control was caught" in run.stdout
 
 
-def test_autograd_lesson_fails_on_a_planted_bug():
-    run = run_lesson("01_autograd.py", "--plant-bug")
+def test_autograd_lesson_fails_on_a_planted_bug(solo_runs):
+    run = solo_runs["01_autograd.py", "--plant-bug"]
     assert run.returncode == 1
     assert "FAIL" in run.stdout and "MISMATCH" in run.stdout
 
@@ -140,8 +162,8 @@ def test_lesson_4s_activation_formulas_equal_the_simulator(monkeypatch):
             assert held in (None, [sim.peak_alive[r] for r in range(p)]), (name, p, m, held, sim.peak_alive)
 
 
-def test_gemm_kernel_lesson_passes():
-    run = run_lesson("07_gemm_kernel.py")
+def test_gemm_kernel_lesson_passes(solo_runs):
+    run = solo_runs["07_gemm_kernel.py",]
     assert run.returncode == 0, run.stdout + run.stderr
     assert "naive    33,554,432 elements" in run.stdout and "tiled       262,144 elements" in run.stdout
     assert "without the first __syncthreads(): relative error" in run.stdout
@@ -149,8 +171,8 @@ def test_gemm_kernel_lesson_passes():
     assert "bfloat16  float32 accumulator" in run.stdout  # section 5: the 16-bit inputs' bound held
 
 
-def test_gemm_kernel_lesson_fails_on_a_planted_bug():
-    run = run_lesson("07_gemm_kernel.py", "--plant-bug")
+def test_gemm_kernel_lesson_fails_on_a_planted_bug(solo_runs):
+    run = solo_runs["07_gemm_kernel.py", "--plant-bug"]
     assert run.returncode == 1 and "MISMATCH" in run.stdout, run.stdout + run.stderr
 
 

@@ -205,7 +205,7 @@ def test_context_parallel_lesson_fails_on_a_planted_bug():
 @pytest.mark.parametrize("bench,args,expected", [
     ("collectives.py", ["--max-size", "64K", "--rounds", "1"], "lowest throughput ratio"),
     ("collectives.py", ["--wrappers", "--rounds", "1"], "its Python alone"),
-    ("waiting.py", [], "polite"),
+    ("waiting.py", ["--seconds", "0.2"], "polite"),
     ("zero_memory.py", ["--n-embd", "64", "--budget-mb", "16"], "deepest GPT"),
     ("sender_computes.py", ["--compute-ms", "20", "--sizes", "128K", "--repeats", "1"],
      "waited for the sender's compute"),
