@@ -1,5 +1,6 @@
 """Run a script on N MPI ranks from a test: a subprocess in its own process group, a timeout that
-kills the whole group, and every rank's output in the failure message."""
+kills the whole group, and every rank's output in the failure message. And single-process runs
+started side by side (``run_together``)."""
 
 import os
 import signal
@@ -59,6 +60,22 @@ def _kill_session(sid):
                     os.kill(int(entry), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def run_together(commands, timeout=300):
+    """{key: its CompletedProcess} for ``commands`` ({key: argv}), all started at once. For runs
+    of one process that keep one core busy each: two cores finish them in about half the time
+    they take one after another. Past ``timeout`` (for any one of them) every one is killed."""
+    started = {key: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+               for key, argv in commands.items()}
+    try:
+        outputs = {key: p.communicate(timeout=timeout) for key, p in started.items()}
+    finally:
+        for p in started.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {key: subprocess.CompletedProcess(p.args, p.returncode, *outputs[key]) for key, p in started.items()}
 
 
 def check_mpi(n, script, *args, timeout=120):

@@ -3,10 +3,11 @@
 
 import re
 import shutil
-import subprocess
 
 import numpy
 import pytest
+
+from mpi_run import run_together
 
 from minipar.kernels import emulator, gemm
 
@@ -176,29 +177,20 @@ ARCHS = ("sm_80", "sm_90")
 
 @pytest.fixture(scope="module")
 def nvcc_reports(tmp_path_factory):
-    """{arch: (nvcc's report, exit code)} for every kernel compiled for each arch. The compilers
-    run at once, one core each (each takes ~9 s here), and both end before the tests read them."""
+    """{arch: its nvcc run} for every kernel compiled for each arch, side by side (~9 s each)."""
     folder = tmp_path_factory.mktemp("nvcc")
     source = folder / "gemm_all.cu"
     source.write_text(instantiations())
-    runs = {arch: subprocess.Popen(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
-                                    "-o", str(folder / f"gemm_{arch}.cubin"), str(source)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for arch in ARCHS}
-    try:
-        return {arch: (run.communicate(timeout=300)[0], run.returncode) for arch, run in runs.items()}
-    finally:
-        for run in runs.values():
-            if run.poll() is None:
-                run.kill()
-                run.wait()
+    return run_together({arch: ["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
+                                "-o", str(folder / f"gemm_{arch}.cubin"), str(source)] for arch in ARCHS})
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_every_kernel_without_spills(arch, nvcc_reports):
-    report, code = nvcc_reports[arch]
-    assert code == 0, report
+    result = nvcc_reports[arch]
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     assert len(kernels) == 32, report  # 4 dtypes x (tiled, naive) x 4 transpose cases
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)

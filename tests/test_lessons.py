@@ -10,7 +10,7 @@ import sys
 import numpy
 import pytest
 
-from mpi_run import check_mpi, run_mpi
+from mpi_run import check_mpi, run_mpi, run_together
 
 from minipar.dtypes import as_dtype
 
@@ -31,19 +31,8 @@ SOLO_RUNS = (("01_autograd.py",), ("01_autograd.py", "--plant-bug"), ("07_gemm_k
 
 @pytest.fixture(scope="module")
 def solo_runs():
-    """{(lesson, *args): its finished run} for SOLO_RUNS, all started at once: each uses one core,
-    so two cores finish them in about half the time they take one after another."""
-    started = {run: subprocess.Popen([sys.executable, os.path.join(LESSONS, run[0]), *run[1:]],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for run in SOLO_RUNS}
-    try:
-        outputs = {run: p.communicate(timeout=300) for run, p in started.items()}
-        return {run: subprocess.CompletedProcess(p.args, p.returncode, *outputs[run]) for run, p in started.items()}
-    finally:
-        for p in started.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    """{(lesson, *args): its finished run} for SOLO_RUNS, side by side."""
+    return run_together({run: [sys.executable, os.path.join(LESSONS, run[0]), *run[1:]] for run in SOLO_RUNS})
 
 
 def test_autograd_lesson_passes(solo_runs):
