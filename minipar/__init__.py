@@ -1,8 +1,8 @@
 """minipar: parallel training of language models, built plainly and checked against one device."""
 
-from minipar.comm.start import start_mpi_first
+from minipar.start import start_mpi_first
 
-start_mpi_first()  # under an MPI launcher, before anything that can fail on one rank (see comm/start.py)
+start_mpi_first()  # under an MPI launcher, before anything that can fail on one rank (see start.py)
 
 
 from minipar.autograd import Tensor, backward, no_grad

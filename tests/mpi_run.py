@@ -14,15 +14,15 @@ LAUNCHER = os.path.join(ROOT, "run_mpi.sh")
 MPI_SCRIPTS = os.path.join(ROOT, "tests", "mpi")
 
 
-def run_mpi(n, script, *args, timeout=120, command=None):
+def run_mpi(n, script, *args, timeout=120, command=None, env=None):
     """Launch ``script`` (a path, or a file name under tests/mpi/) on ``n`` ranks through
-    run_mpi.sh, or through ``command`` (a list, e.g. a hand-typed mpiexec line). Returns
-    (exit code, combined output, seconds)."""
+    run_mpi.sh, or through ``command`` (a list, e.g. a hand-typed mpiexec line), with the
+    variables of ``env`` added to this process's. Returns (exit code, combined output, seconds)."""
     if command is None and not os.path.isabs(script) and not os.path.exists(script):
         script = os.path.join(MPI_SCRIPTS, script)
     cmd = command or [LAUNCHER, "-n", str(n), script, *[str(a) for a in args]]
     # The ranks run this test's interpreter (run_mpi.sh reads PYTHON), wherever it is installed.
-    env = dict(os.environ, PYTHON=sys.executable,
+    env = dict(os.environ, **(env or {}), PYTHON=sys.executable,
                PATH=sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", ""))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

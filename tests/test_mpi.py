@@ -214,6 +214,29 @@ def test_benchmarks_run(bench, args, expected):
     assert expected in check_mpi(2, os.path.join(ROOT, "bench", bench), *args, timeout=300)
 
 
+# Python runs a sitecustomize module found on PYTHONPATH as it starts, before the script: here it
+# makes NumPy fail to import on rank 1 alone, as on a node where it is missing or broken.
+BROKEN_NUMPY_ON_RANK_1 = """import os, sys
+if "1" in (os.environ.get("PMI_RANK"), os.environ.get("OMPI_COMM_WORLD_RANK")):
+    class BrokenNumPy:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "numpy":
+                raise ImportError("numpy is broken on this node (planted by the test)")
+    sys.meta_path.insert(0, BrokenNumPy())
+"""
+
+
+def test_a_rank_that_fails_before_numpy_loads_ends_the_job(tmp_path):
+    """``import minipar`` starts MPI before NumPy (start.py), so one rank's failing import aborts
+    the job. When the start still came after NumPy, rank 0 waited for rank 1 until killed."""
+    (tmp_path / "sitecustomize.py").write_text(BROKEN_NUMPY_ON_RANK_1)
+    script = tmp_path / "barrier.py"
+    script.write_text("import minipar\nfrom minipar.comm import world\nworld().barrier()\nprint('past the barrier')\n")
+    code, out, seconds = run_mpi(2, str(script), timeout=60, env={"PYTHONPATH": str(tmp_path)})
+    assert code != 0 and "numpy is broken on this node" in out and "past the barrier" not in out, out
+    assert seconds < 30, seconds
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pipe's unread bytes are asked of Linux (FIONREAD)")
 def test_an_abort_waits_until_the_launcher_has_read_the_error():
     """The launcher reads a rank's output from a pipe; MPI_Abort while the error is still in the
@@ -221,7 +244,7 @@ def test_an_abort_waits_until_the_launcher_has_read_the_error():
     and end when the pipe is empty, not at its limit. Nobody reading: it gives up at the limit."""
     import threading
 
-    from minipar.comm.start import let_output_through, unread_bytes
+    from minipar.start import let_output_through, unread_bytes
 
     read_end, write_end = os.pipe()
     os.write(write_end, b"rank 1: the error\n")
@@ -249,7 +272,7 @@ def test_an_abort_waits_until_the_launcher_has_read_the_error():
 def test_the_abort_hook_survives_a_closed_stdout():
     """A rank started with its stdout closed has sys.stdout None: the wait before the abort must
     not raise, or the abort would never be called and the other ranks would wait forever."""
-    code = ("import sys; sys.stdout = None; from minipar.comm.start import let_output_through; "
+    code = ("import sys; sys.stdout = None; from minipar.start import let_output_through; "
             "let_output_through(limit=0.1, linger=0.0); print('returned', file=sys.stderr)")
     done = subprocess.run([PYTHON, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           timeout=60, cwd=ROOT)

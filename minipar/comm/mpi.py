@@ -24,7 +24,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from minipar.backend import xp
 from minipar.comm.base import Communicator, Request, all_to_all_v_plan
 from minipar.comm.buffers import REFUSED, check_buffer, reduction_op, stage
-from minipar.comm.start import abort_on_uncaught_exception, let_output_through
+from minipar.start import abort_on_uncaught_exception, let_output_through
 from minipar.comm.stats import CommStats
 
 
