@@ -96,6 +96,33 @@ def _writable(flag, path):
     return None if why is None else f"{flag} {path}: cannot create a file in {directory} ({why})"
 
 
+def _inside(path, folder):
+    """True if ``path`` is ``folder`` or lies under it (links resolved; neither need exist yet)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def clashing_paths(args):
+    """Outputs that would destroy an input or each other, one line each: the corpus overwritten
+    by the log, a checkpoint written into the corpus's folder (and read back as text), two files
+    of one name, or anything inside --export-hf's folder, which the export replaces whole."""
+    files = [(f"--{flag.replace('_', '-')}", getattr(args, flag)) for flag in ("log_json", "export_weights", "plot")]
+    files = [(flag, path) for flag, path in files if path]
+    outputs = files + [(flag, path) for flag, path in (("--save", args.save), ("--export-hf", args.export_hf)) if path]
+    problems = [f"{a} and {b} both name {path}: each needs a file of its own"
+                for i, (a, path) in enumerate(files) for b, other in files[i + 1:] if _inside(path, other)]
+    if args.export_hf:
+        problems += [f"{flag} {path} is inside --export-hf {args.export_hf}, which the export replaces whole "
+                     "when the run ends: put it elsewhere" for flag, path in outputs
+                     if flag != "--export-hf" and _inside(path, args.export_hf)]
+    for source, given in (("--data", args.data), ("--init-weights", args.init_weights)):
+        # --export-weights over --init-weights writes the trained weights back, atomically: allowed
+        problems += [f"{flag} {path} would write into {source} {given}, an input of this run: put it elsewhere"
+                     for flag, path in outputs if given and _inside(path, given)
+                     and (flag, source) != ("--export-weights", "--init-weights")]
+    return problems
+
+
 def check_args(args, world_size):
     """Every error a flag's own type cannot see, one line each, before anything is built or sent;
     raises FlagError with all of them. Fills in ``args.dp`` and ``args.micro_batches``."""
@@ -158,11 +185,14 @@ def check_args(args, world_size):
         why = path_problem(args.plot)
         if why:
             problems.append(f"--plot {args.plot}: {why}")
-    for flag in ("log_json", "export_weights", "plot"):
-        if getattr(args, flag):
-            problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
-    if args.save:
-        problems.append(_writable("--save", os.path.join(args.save, "latest")))
+    clashes = clashing_paths(args)
+    problems += clashes
+    if not clashes:  # (_writable makes the folders a path needs: not inside the corpus)
+        for flag in ("log_json", "export_weights", "plot"):
+            if getattr(args, flag):
+                problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
+        if args.save:
+            problems.append(_writable("--save", os.path.join(args.save, "latest")))
     for flag in ("keep_checkpoints", "overwrite_checkpoints"):
         if getattr(args, flag) and not args.save:
             problems.append(f"--{flag.replace('_', '-')} is about the checkpoints of --save DIR: give --save")

@@ -56,6 +56,36 @@ def test_a_flag_that_would_do_nothing_or_names_nothing_is_refused(args, words, t
     refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--save", "D", "--export-hf", "D"], ["--save D is inside --export-hf D", "replaces whole"]),
+    (["--export-hf", "H", "--log-json", "H/log.jsonl"], ["--log-json H/log.jsonl is inside --export-hf H"]),
+    (["--log-json", "X.png", "--plot", "X.png"], ["--log-json and --plot both name X.png"]),
+    (["--log-json", "corpus.txt"], ["--log-json corpus.txt would write into --data corpus.txt, an input"]),
+    (["--data", "texts", "--save", "texts/ckpt"], ["--save texts/ckpt would write into --data texts"]),
+])
+def test_outputs_that_would_destroy_an_input_or_each_other_are_refused(args, words, tmp_path):
+    """An audit found each of these losing data with exit status 0: --export-hf replaced the folder
+    holding the checkpoints, the log overwrote the corpus, a checkpoint was read back as corpus text."""
+    (tmp_path / "texts").mkdir()
+    for corpus in (tmp_path / "corpus.txt", tmp_path / "texts" / "a.txt"):
+        corpus.write_text("the corpus, which no flag may overwrite " * 20)
+    refused(train(*ONE_STEP, "--data", "corpus.txt", *args, cwd=tmp_path), PROG, *words)
+    assert (tmp_path / "corpus.txt").read_text().startswith("the corpus") and os.listdir(tmp_path / "texts") == ["a.txt"]
+
+
+def test_exporting_the_weights_over_those_the_run_started_from_is_allowed():
+    from types import SimpleNamespace
+
+    from minipar.train_checks import clashing_paths
+
+    args = dict(log_json=None, export_weights="w.safetensors", plot=None, save="ckpt", export_hf=None,
+                data="corpus.txt", init_weights="w.safetensors")
+    assert clashing_paths(SimpleNamespace(**args)) == []
+    assert clashing_paths(SimpleNamespace(**dict(args, plot="w.safetensors"))) == [
+        "--export-weights and --plot both name w.safetensors: each needs a file of its own",
+        "--plot w.safetensors would write into --init-weights w.safetensors, an input of this run: put it elsewhere"]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a directory no file can be created in")
 @pytest.mark.parametrize("flag", ["--log-json", "--export-weights", "--export-hf"])
 def test_an_output_no_file_can_be_created_for_is_refused_before_training(flag):
