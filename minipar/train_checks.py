@@ -18,7 +18,8 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type":
          "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size", "dropout": "--dropout",
          "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype",
          "ep": "--ep", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
-         "moe_layer_freq": "--moe-layer-freq", "moe_expert_capacity_factor": "--moe-expert-capacity-factor"}
+         "moe_layer_freq": "--moe-layer-freq", "moe_expert_capacity_factor": "--moe-expert-capacity-factor",
+         "vocab_size": "--vocab-size"}
 
 # the mixture-of-experts flags' defaults (train.py's parser takes them from here): any other value
 # without --num-experts is a flag that would do nothing
@@ -34,6 +35,7 @@ def run_config(args, world_size):
                      cp_comm_type=args.cp_comm_type, virtual_stages=args.vpp,
                      schedule=args.schedule, global_batch=args.batch_size, micro_batch_size=args.micro_batch_size,
                      n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+                     vocab_size=args.vocab_size,
                      dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
                      recompute=args.recompute, dtype=model_dtype(args), fp32_grads=args.accumulate_allreduce_grads_in_fp32,
                      pipeline_layers=args.pipeline_layers, ep=args.ep, num_experts=args.num_experts,

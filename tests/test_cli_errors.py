@@ -191,6 +191,10 @@ def test_a_model_too_large_for_the_machine_is_refused_from_its_size(tmp_path):
     refused(run, PROG, "a model of 805,416,026,112 parameters needs about 12,886.7 GB on each rank",
             "activations not counted", "is available to each (MemAvailable", "--n-layer", "--tp")
     assert time.perf_counter() - start < 10
+    # a vocabulary of a billion tokens (the check once counted 256, and NumPy failed allocating 119 GiB)
+    run = subprocess.run([sys.executable, "-m", "minipar.train", "--vocab-size", "1000000000", "--plot", ""],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
+    refused(run, PROG, "a model of 128,000,809,728 parameters", "fix: a smaller --vocab-size;")
 
 
 @pytest.mark.parametrize("n_layer,n_embd,block_size", [(1, 16, 16), (3, 24, 8)])

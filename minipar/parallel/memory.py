@@ -87,6 +87,8 @@ def problem(cfg, free, names):
     elif cfg.zero_stage < 3:
         fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over DP={cfg.dp})")
     n = total_parameters(cfg)
+    if (cfg.vocab_size or 256) * cfg.n_embd > n / 2:  # the embedding (tied with the head) is most of it
+        fixes.insert(0, f"a smaller {name('vocab_size', 'vocabulary')}")
     state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments"
     return (f"a model of {n:,} parameters needs about {gb(need)} on each rank ({cfg.dtype} parameters, "
             f"gradients{state} on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
