@@ -39,8 +39,9 @@ What to look at: the grid and its groups, then "who holds what": each rank's blo
 share) of the heads, MLP columns and vocabulary, and its piece of the Adam state; the error table
 last, and under it the parallel steps' model FLOPs utilisation (MFU: the model's FLOPs per step
 over the step time and the machine's measured peak, minipar/mfu.py; the first step, which also
-compares the gradients, and the reference run are not timed). --schedule picks gpipe, 1f1b or interleaved (--virtual-stages, default 2) and --n-layer the
-depth, checked like the other flags.
+compares the gradients, and the reference run are not timed). --schedule picks gpipe, 1f1b,
+interleaved (--virtual-stages, default 2) or a zero-bubble schedule (zb-h1, zb-h2; zb-v, two
+chunks per rank in a V: lesson 4 shows them), and --n-layer the depth, checked like the other flags.
 
 Exercises (predict first, then run the command and read the row named):
 1. The design notes' 16-GPU example, PP4 x TP2 x DP2. From rank = tp + 2 dp + 4 pp, find rank 13's
@@ -68,6 +69,7 @@ from minipar.checkpoint.full import gather_full_state
 from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
+from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
 from minipar.parallel.validate import RunConfig, problems
@@ -94,8 +96,8 @@ def flags(p):
     p.add_argument("--pp", type=int, help="pipeline stages (default: from the number of ranks)")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch of a step")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
-    p.add_argument("--virtual-stages", type=int, help="chunks per rank, interleaved (default 2, else 1)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v")
+    p.add_argument("--virtual-stages", type=int, help="chunks per rank, interleaved and zb-v (default 2, else 1)")
     p.add_argument("--n-layer", type=int, default=4, help="the GPT's blocks")
 
 
@@ -104,7 +106,7 @@ def check(args, ranks):
     args.tp = tp if args.tp is None else args.tp
     args.pp = pp if args.pp is None else args.pp
     if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+        args.virtual_stages = 2 if args.schedule in ("interleaved", "zb-v") else 1
     # the run below: ZeRO-1, this model (whole heads per TP rank, whole blocks per stage)
     run = RunConfig(world_size=ranks, tp=args.tp, pp=args.pp, schedule=args.schedule, global_batch=args.batch_size,
                     micro_batches=args.micro_batches, n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD,
@@ -151,7 +153,7 @@ def main():
 
     # the same on the grid
     minipar.manual_seed(args.seed)
-    model = GPT(config, grid, virtual_stages=args.virtual_stages)
+    model = GPT(config, grid, virtual_stages=args.virtual_stages, pipeline_shape=schedules.shape_of(args.schedule))
     opt = ZeRO1(model, grid.dp_group, **lesson.HYPER)
     if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
         model.finalize_grads = lambda: None

@@ -87,8 +87,8 @@ def expert_sizes(args, ranks):
 
 def check(args, ranks):
     found = lesson.at_least_one(args, "--steps")
-    if args.aux_loss_coeff < 0 or args.z_loss_coeff < 0:
-        found.append("--aux-loss-coeff and --z-loss-coeff must be >= 0")
+    if not all(0 <= c < float("inf") for c in (args.aux_loss_coeff, args.z_loss_coeff)):  # nan too
+        found.append("--aux-loss-coeff and --z-loss-coeff must be finite and >= 0")
     for ep in expert_sizes(args, ranks):
         run = RunConfig(world_size=ranks, ep=ep, num_experts=args.num_experts, moe_router_topk=args.topk,
                         moe_expert_capacity_factor=args.capacity_factor, global_batch=args.batch_size,

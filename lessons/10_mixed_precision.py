@@ -80,6 +80,8 @@ def check(args, ranks):
     out = lesson.at_least_one(args, "--steps") + problems(run, FLAGS)
     if not 0 <= args.overflow_step < args.steps:
         out.append(f"--overflow-step {args.overflow_step} is not one of the {args.steps} steps (--steps)")
+    if not 1 <= args.fp16_initial_scale < float("inf"):  # the scaler's smallest scale is 1; nan fails too
+        out.append(f"--fp16-initial-scale must be finite and >= 1, got {args.fp16_initial_scale}")
     if args.plot and path_problem(args.plot):
         out.append(f"--plot {args.plot}: {path_problem(args.plot)}")
     return out

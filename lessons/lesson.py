@@ -61,7 +61,7 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
 
     def problems(args):
         if training:
-            found = device_problems(args)
+            found = device_problems(args) + ([f"--seed must be >= 0, got {args.seed}"] if args.seed < 0 else [])
         else:  # a lesson without --device runs on NumPy, but a MINIPAR_DEVICE it cannot honour is refused
             found = [backend.environment_problem()] if backend.environment_problem() else []
         return found + (check(args, comm.size) if check is not None else [])

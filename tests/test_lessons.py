@@ -190,6 +190,10 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("06_3d_parallel.py", ["--n-layer", "3"], "--n-layer 3 is not divisible by --pp x --virtual-stages", 1),
     ("06_3d_parallel.py", ["--schedule", "interleaved", "--micro-batches", "3"],
      "the interleaved schedule runs micro-batches in groups of --pp", 2),
+    ("02_data_parallel.py", ["--seed", "-1"], "--seed must be >= 0, got -1", 1),  # these four: once tracebacks
+    ("09_mixture_of_experts.py", ["--aux-loss-coeff", "nan"], "must be finite and >= 0", 1),
+    ("10_mixed_precision.py", ["--fp16-initial-scale", "0"], "--fp16-initial-scale must be finite and >= 1, got 0.0", 1),
+    ("06_3d_parallel.py", ["--schedule", "zb-v", "--virtual-stages", "3"], "it needs --virtual-stages 2, got 3", 2),
     pytest.param("02_data_parallel.py", ["--device", "cuda"], "--device cuda: the cuda device needs CuPy", 1,
                  marks=NEEDS_NO_CUPY),  # once a traceback from every rank, after the flags were agreed
 ])
