@@ -164,6 +164,10 @@ def check(args, ranks):
     args.pp, found = choose_pipeline(ranks, args)
     if args.steps < 2:
         found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")
+    if not args.out:
+        found.append("--out '': name the folder for the pictures and traces (. for this one)")
+    elif not found:  # (it makes the folder)
+        found += [why for why in [lesson.output_problem("--out", args.out, args.out)] if why]
     return found
 
 

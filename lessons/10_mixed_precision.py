@@ -41,6 +41,7 @@ Exercises (predict first, then run the command and read the table named):
 
 import contextlib
 import hashlib
+import os
 import sys
 import time
 
@@ -84,6 +85,8 @@ def check(args, ranks):
         out.append(f"--fp16-initial-scale must be finite and >= 1, got {args.fp16_initial_scale}")
     if args.plot and path_problem(args.plot):
         out.append(f"--plot {args.plot}: {path_problem(args.plot)}")
+    elif args.plot and not out:  # (it makes the folder)
+        out += [why for why in [lesson.output_problem("--plot", args.plot, os.path.dirname(os.path.abspath(args.plot)))] if why]
     return out
 
 

@@ -15,6 +15,7 @@ This module belongs to the lessons: minipar never imports it. A lesson finds it 
 script's folder comes first on ``sys.path`` (``python -m mpi4py`` keeps that rule).
 """
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 import minipar
 from minipar import backend
 from minipar.backend import add_device_flag
+from minipar.checkpoint.files import cannot_create_in
 from minipar.cli import Parser, device_problems, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
@@ -71,6 +73,20 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
         minipar.set_default_dtype(args.dtype)
         comm = world()  # on GPUs, NCCL's communicator now that the device is chosen
     return args, comm
+
+
+def output_problem(flag, given, folder):
+    """Why the files a lesson writes at its end cannot go into ``folder`` (for ``flag``'s value
+    ``given``), one line, or None: asked with the flags, not found after the whole run. Makes the
+    folder."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"{flag} {given}: {folder} is a file, not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        return f"{flag} {given}: cannot create {folder} ({exc.strerror})"
+    why = cannot_create_in(folder)
+    return None if why is None else f"{flag} {given}: cannot create a file in {folder} ({why})"
 
 
 def at_least_one(args, *flags):
