@@ -285,7 +285,11 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(name, tmp_
     message = str(caught.value)
     assert message.startswith("checkpoint iter_0000002 was not saved: No space left on device") and name in message
     assert "the previous checkpoint and " + os.path.join(save, "latest") + " are unchanged" in message
-    assert sorted(os.listdir(save)) == ["iter_0000001", "latest"]  # no partial files, no temporaries
+    # no partial files, no temporaries; a rank's own failure leaves the folder, empty: another
+    # rank may be about to open its file in it (removing it once made those ranks fail too)
+    partial = ["iter_0000002.partial"] if name.startswith("rank_") else []
+    assert sorted(os.listdir(save)) == ["iter_0000001", *partial, "latest"]
+    assert all(os.listdir(os.path.join(save, folder)) == [] for folder in partial)
     assert _load(save) == {"iteration": 1, "optimizer_steps": 0}
 
 
@@ -297,6 +301,13 @@ def test_a_full_disk_at_the_first_save_does_not_promise_an_earlier_checkpoint(tm
     with pytest.raises(CheckpointError, match="iter_0000001 was not saved: No space left on device .*; no earlier "
                        "checkpoint was saved there: free space"):
         sharded.save(save, 1, model, opt, grid, {})
+
+
+def test_a_save_refused_permission_says_to_make_the_folder_writable_not_to_free_space(tmp_path):
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path / "iter_0000003.partial"))
+    message = str(sharded._not_saved(str(tmp_path), str(tmp_path / "iter_0000003"), denied))
+    assert "was not saved: Permission denied" in message and "make it writable" in message, message
+    assert "free space" not in message
 
 
 def test_a_resave_that_fails_between_its_renames_keeps_the_previous_one(tmp_path, monkeypatch):
@@ -358,7 +369,8 @@ def test_a_really_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("checkpoint iter_0000002 was not saved: No space left on device")
-    assert lines[1] == "['iter_0000001', 'latest'] {'optimizer_steps': 0}", lines
+    # the shard did not fit: its rank's folder stays, empty, for the next start to remove
+    assert lines[1] == "['iter_0000001', 'iter_0000002.partial', 'latest'] {'optimizer_steps': 0}", lines
 
 
 def test_every_file_of_a_checkpoint_has_the_users_mode_and_no_temporary_is_left(tmp_path):

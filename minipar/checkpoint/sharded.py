@@ -17,7 +17,8 @@ A crash at any moment leaves the previous checkpoint, and ``latest``, as they we
 written whole or not at all, never through a planted link (``files.py``). A save that cannot write
 (the disk is full) raises CheckpointError on the rank that failed, saying that this checkpoint was
 not saved, why, and that the previous one and ``latest`` are unchanged; that rank's partial files
-are removed. The caller ends every rank: ``save`` is a collective the others are still inside.
+are removed, and the next start removes the folder. The caller ends every rank: ``save`` is a
+collective the others are still inside.
 
 Loading on any layout: every rank computes the boxes of the whole tensors its own pieces cover,
 reads the saved boxes that intersect them (only those: a TP=4 rank does not read the other
@@ -32,6 +33,7 @@ checkpoints and the one ``latest`` names.
 """
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -81,8 +83,7 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
         _write_mine(stem, model, optimizer, grid)
     except OSError as exc:
         remove(stem + ".safetensors")
-        remove(stem + ".json")
-        _rmdir_if_empty(partial)
+        remove(stem + ".json")  # (the folder stays: a rank yet to open its file would fail on its absence)
         raise _not_saved(directory, final, exc) from exc
     world.barrier()
     if world.rank == 0:
@@ -143,21 +144,16 @@ def _put_back(final, partial):
         pass  # find() still recovers iter_N.old, and the next start removes iter_N.partial
 
 
-def _rmdir_if_empty(path):
-    try:
-        os.rmdir(path)  # only when no other rank's files are in it: those ranks may still be writing
-    except OSError:
-        pass
-
-
 def _not_saved(directory, final, exc):
     where = f" ({exc.filename})" if exc.filename else ""
     latest = os.path.join(directory, "latest")
+    fix = ("free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+           "make it writable" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "fix that")
     if os.path.lexists(latest):
-        kept = (f"the previous checkpoint and {latest} are unchanged: free space there (or save to another "
-                "directory) and resume from the previous checkpoint")
+        kept = (f"the previous checkpoint and {latest} are unchanged: {fix} (or save to another directory) "
+                "and resume from the previous checkpoint")
     else:
-        kept = "no earlier checkpoint was saved there: free space (or save to another directory) and start again"
+        kept = f"no earlier checkpoint was saved there: {fix} (or save to another directory) and start again"
     return CheckpointError(f"checkpoint {os.path.basename(final)} was not saved: {exc.strerror or exc}{where}; {kept}")
 
 
