@@ -169,6 +169,8 @@ def check_args(args, world_size):
         if path is not None and not path.endswith(".safetensors") and not (flag == "init_weights" and os.path.isdir(path)):
             problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file"
                             + (" or a Hugging Face snapshot directory" if flag == "init_weights" else ""))
+    if args.sample < 0:
+        problems.append(f"--sample is a number of tokens to generate (0: none), got {args.sample}")
     if args.sample > 0 and not args.prompt:
         problems.append("--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0")
     if args.export_hf:

@@ -51,6 +51,7 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, 
      ["--moe-router-topk, --moe-aux-loss-coeff: for mixture-of-experts layers, and this model has none"]),
     (["--load", "no/such/dir"], ["--load: no/such/dir: no such directory"]),
     (["--tokenizer", "no/such/dir"], ["--tokenizer no/such/dir: no/such/dir: no such directory"]),
+    (["--sample", "-5"], ["--sample is a number of tokens to generate (0: none), got -5"]),  # was taken as 0
 ])
 def test_a_flag_that_would_do_nothing_or_names_nothing_is_refused(args, words, tmp_path):
     refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)
