@@ -72,7 +72,12 @@ def flags(p):  # the model and batch are fixed: every layout of them is run
 
 
 def check(args, ranks):
-    return lesson.at_least_one(args, "--steps")
+    found = lesson.at_least_one(args, "--steps")
+    if args.dtype != "float32":  # (the planner counts 4 bytes an element)
+        found.append(f"--dtype {args.dtype}: the planner predicts float32 runs, and this lesson checks them")
+    if not -1 <= args.require_spearman <= 1:  # nan too
+        found.append(f"--require-spearman {args.require_spearman}: a rank correlation lies in [-1, 1]")
+    return found
 
 
 def choices(world_size):
@@ -97,11 +102,11 @@ def label(layout):
     return " ".join(parts or ["1 rank"]) + (" SP" if layout.sequence_parallel else "") + f" Z{layout.zero_stage}"
 
 
-def trainer_args(layout, steps):
+def trainer_args(layout, steps, seed):
     flags = ["--n-layer", MODEL.num_layers, "--n-head", MODEL.num_attention_heads, "--n-embd", MODEL.hidden_size,
              "--block-size", MODEL.seq_length, "--batch-size", BATCH, "--dropout", MODEL.dropout, "--plot", "",
              "--sample", 0, "--tp", layout.tp, "--cp", layout.cp, "--pp", layout.pp, "--zero-stage", layout.zero_stage,
-             "--micro-batch-size", layout.micro_batch_size, "--max-iters", steps]
+             "--micro-batch-size", layout.micro_batch_size, "--max-iters", steps, "--seed", seed]
     return [str(f) for f in flags] + (["--sequence-parallel"] if layout.sequence_parallel else [])
 
 
@@ -135,10 +140,10 @@ def spearman(x, y):
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def setup(layout, comm, steps):
+def setup(layout, comm, steps, seed):
     """A Trainer of ``layout`` and the groups whose counters the lesson reads."""
     parser = build_parser()
-    args = parser.parse_args(trainer_args(layout, steps))
+    args = parser.parse_args(trainer_args(layout, steps, seed))
     check_args(args, comm.size)
     data, config = build(parser, args)
     trainer = Trainer(args, config, data, comm)
@@ -191,7 +196,7 @@ def main():
                               plant_bug="predict with a planner that forgets sequence parallelism's gradient sums")
     cores = min(usable_cores(), comm.size)
     layouts_run = choices(comm.size)
-    runs = [setup(layout, comm, args.steps) for layout in layouts_run]
+    runs = [setup(layout, comm, args.steps, args.seed) for layout in layouts_run]
     times, last_bubbles, (rate, beta, layer, edge, alpha, call, ring_pass) = rounds(runs, comm, args.steps, cores)
     machine = Machine(gpus=comm.size, gpus_per_node=comm.size, peak_tflops=rate / 1e12, efficiency=1.0,
                       intra_node_gbps=8 / beta / 1e9 if beta else 1e9, intra_node_latency_us=alpha * 1e6,
