@@ -35,6 +35,13 @@ def test_the_lesson_passes_on_four_ranks():
     assert "Expert parallelism equals the single-device mixture of experts, and sends what the routing says" in out
 
 
+def test_the_lesson_passes_with_every_expert_on_one_rank():
+    """EP = 1 (one rank, or no EP dividing the ranks): the lesson once counted no expert bytes
+    there, as it found experts by their gradients' group, which only EP > 1 gives them."""
+    out = check_mpi(1, LESSON_9, "--steps", "2", timeout=120)
+    assert "EP=1   2,117,632 bytes = 1/1 of them (1/EP)" in out, out
+
+
 def test_the_lesson_fails_on_a_planted_bug():
     code, out, _ = run_mpi(2, LESSON_9, "--plant-bug", timeout=300)
     assert code == 1 and "PLANTED BUG" in out and "MISMATCH" in out
