@@ -195,6 +195,7 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("10_mixed_precision.py", ["--fp16-initial-scale", "0"], "--fp16-initial-scale must be finite and >= 1, got 0.0", 1),
     ("06_3d_parallel.py", ["--schedule", "zb-v", "--virtual-stages", "3"], "it needs --virtual-stages 2, got 3", 2),
     ("11_which_parallelism.py", ["--dtype", "float64", "--require-spearman", "nan"], "the planner predicts float32", 2),
+    ("08_context_parallel.py", ["--cp", "0"], "--cp must be a positive integer, got 0", 1),  # once taken as the default
     ("04_pipeline_parallel.py", ["--out", "/dev/null"], "--out /dev/null: /dev/null is a file, not a folder", 1),
     ("10_mixed_precision.py", ["--plot", "/dev/null/loss.png"], "/dev/null is a file, not a folder", 1),  # once after the run
     pytest.param("02_data_parallel.py", ["--device", "cuda"], "--device cuda: the cuda device needs CuPy", 1,
