@@ -3,9 +3,11 @@ machine is refused before anything is allocated (``python -m minipar.train`` ask
 
 A rank holds a 1/(TP x PP) part of the parameters, their gradients and AdamW's two moments: four
 arrays of the parameters' size. ZeRO shards them over the DP (x CP) group stage by stage: the moments
-(stage 1), then the gradients (2), then the parameters (3). Activations are not counted: they
-depend on the batch, the schedule and recomputation, and for the models this refuses they are the
-smaller part. It imports nothing from minipar, like ``validate``, which resolves the sizes it reads.
+(stage 1), then the gradients (2), then the parameters (3). Of what a step allocates beside that,
+two arrays are counted, a floor that the batch alone decides: the step's token ids, and one
+micro-batch's logits (``batch_bytes``). The rest of the activations depend on the schedule and
+recomputation, and are not counted. It imports nothing from minipar, like ``validate``, which
+resolves the sizes it reads.
 
 A mixture-of-experts block holds a router (E h) and E experts of the MLP's 8 h^2 + 5 h in place of
 its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of its stage, and
@@ -69,6 +71,16 @@ def gb(n):
     return f"{n / 1e9:,.1f} GB"
 
 
+def batch_bytes(cfg):
+    """Bytes of two arrays every step allocates on some rank: the token ids, inputs and targets
+    of the whole global batch (int64, (B, T) each: every rank reads the batch, then takes its
+    rows), and one micro-batch's logits on the last stage ((rows, T / CP, V / TP) in the model's
+    dtype)."""
+    rows = cfg.micro_batch_size or cfg.global_batch // ((cfg.dp or 1) * (cfg.micro_batches or 1))
+    vocab = -(-(cfg.vocab_size or 256) // cfg.tp)
+    return 2 * 8 * cfg.global_batch * cfg.block_size + BYTES[cfg.dtype] * rows * (cfg.block_size // cfg.cp) * vocab
+
+
 def problem(cfg, free, names):
     """A line saying that ``cfg`` cannot fit in ``free`` (bytes, ranks sharing them, what they are,
     as ``backend.free_memory`` reads them; None: not known), naming the fixes by the caller's
@@ -76,7 +88,7 @@ def problem(cfg, free, names):
     if free is None:
         return None
     total, ranks, what = free
-    need, available = state_bytes(cfg), total / ranks
+    need, available = state_bytes(cfg) + batch_bytes(cfg), total / ranks
     if need <= available:
         return None
     name = names.get
@@ -89,8 +101,11 @@ def problem(cfg, free, names):
     n = total_parameters(cfg)
     if (cfg.vocab_size or 256) * cfg.n_embd > n / 2:  # the embedding (tied with the head) is most of it
         fixes.insert(0, f"a smaller {name('vocab_size', 'vocabulary')}")
+    if batch_bytes(cfg) > need / 2:
+        fixes.insert(0, f"a smaller {name('global_batch', 'batch')}")
     state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments"
-    return (f"a model of {n:,} parameters needs about {gb(need)} on each rank ({cfg.dtype} parameters, "
-            f"gradients{state} on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp or 1}, ZeRO "
-            f"stage {cfg.zero_stage}; activations not counted), but {gb(available)} is available to each "
+    return (f"this run needs about {gb(need)} on each rank: {gb(state_bytes(cfg))} for a model of {n:,} parameters "
+            f"({cfg.dtype} parameters, gradients{state} on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x "
+            f"{cfg.dp or 1}, ZeRO stage {cfg.zero_stage}) and {gb(batch_bytes(cfg))} for the batch's token ids and "
+            f"a micro-batch's logits (other activations not counted), but {gb(available)} is available to each "
             f"({what} {gb(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")
