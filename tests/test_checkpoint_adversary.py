@@ -393,13 +393,13 @@ def test_remove_stale_partials_removes_only_what_crashed_saves_left(tmp_path):
     (outside / "keep").write_text("x")
     shutil.copytree(os.path.join(save, "iter_0000002"), os.path.join(save, "iter_0000003.partial"))
     shutil.copytree(os.path.join(save, "iter_0000001"), os.path.join(save, "iter_0000001.old"))
-    shutil.copytree(os.path.join(save, "iter_0000001"), os.path.join(save, "iter_0000005.old"))  # find() recovers it
+    shutil.copytree(os.path.join(save, "iter_0000001"), os.path.join(save, "iter_0000005.old"))  # put back
     os.symlink(outside, os.path.join(save, "iter_0000004.partial"))
     open(os.path.join(save, ".latest.abc123.tmp"), "w").write("iter_00")
     open(os.path.join(save, "notes.partial"), "w").write("mine")
     removed = sharded.remove_stale_partials(save)
     assert removed == [".latest.abc123.tmp", "iter_0000001.old", "iter_0000003.partial", "iter_0000004.partial"]
-    assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", "iter_0000005.old", "latest", "notes.partial"]
+    assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", "iter_0000005", "latest", "notes.partial"]
     assert os.listdir(outside) == ["keep"] and sharded.remove_stale_partials(str(tmp_path / "none")) == []
     assert _load(save) == {"iteration": 2, "optimizer_steps": 0}
 

@@ -5,7 +5,8 @@ never called while a save is running: a save's own ``iter_N.partial`` is not sta
 
     remove_stale_partials(directory)   every ``iter_N.partial`` a crashed save left, the temporary
                                        files of ``latest``, and an ``iter_N.old`` whose ``iter_N``
-                                       is complete (a re-save that stopped before removing it)
+                                       is complete (a re-save that stopped before removing it); an
+                                       ``iter_N.old`` with no ``iter_N`` is renamed back to it
     prune(directory, keep)             the oldest complete checkpoints, so that at most ``keep``
                                        remain; never the one ``latest`` names
 
@@ -38,6 +39,11 @@ def remove_stale_partials(directory):
         if _STALE.fullmatch(name) or (old and _complete(directory, old.group(1))):
             remove(os.path.join(directory, name))
             removed.append(name)
+        elif old and _complete(directory, name) and not os.path.lexists(os.path.join(directory, old.group(1))):
+            # a re-save stopped between its two renames: this is the checkpoint find() resumes
+            # from, and under its own name again pruning sees it (as iter_N.old it stayed for good)
+            os.replace(os.path.join(directory, name), os.path.join(directory, old.group(1)))
+            fsync_dir(directory)
     return removed
 
 
