@@ -140,6 +140,9 @@ def check_args(args, world_size):
     if args.recompute and args.recompute_granularity == "selective":
         problems.append("--recompute is --recompute-granularity full: give one of them")
     args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
+    if args.cp_comm_type != "p2p" and args.cp == 1:
+        problems.append(f"--cp-comm-type {args.cp_comm_type} is how context-parallel ranks communicate, and --cp is 1: "
+                        "give --cp > 1, or drop it")
     if args.ep > 1 and not args.num_experts:
         problems.append(f"--ep {args.ep} splits the experts of mixture-of-experts layers: give --num-experts")
     if not args.num_experts:  # the router's flags, set to other than their defaults, with no experts to route to

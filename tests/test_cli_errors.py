@@ -52,6 +52,7 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, 
     (["--load", "no/such/dir"], ["--load: no/such/dir: no such directory"]),
     (["--tokenizer", "no/such/dir"], ["--tokenizer no/such/dir: no/such/dir: no such directory"]),
     (["--sample", "-5"], ["--sample is a number of tokens to generate (0: none), got -5"]),  # was taken as 0
+    (["--cp-comm-type", "a2a"], ["--cp-comm-type a2a is how context-parallel ranks communicate, and --cp is 1"]),
 ])
 def test_a_flag_that_would_do_nothing_or_names_nothing_is_refused(args, words, tmp_path):
     refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)
