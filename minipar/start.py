@@ -6,7 +6,7 @@ forever (seen with MPICH's launcher). So ``import minipar`` initialises MPI firs
 launcher's variables say this process is a rank, and installs a hook that turns an uncaught
 exception into an abort of every rank. A plain ``python script.py`` never touches MPI.
 
-So this module imports only the standard library (and mpi4py when launched): it is the first of
+This module imports only the standard library (and mpi4py when launched), being the first of
 minipar to run, before NumPy. (It sat in ``comm/`` once, whose ``__init__`` imports NumPy: a rank
 with a broken NumPy then failed before ``MPI_Init`` and the job hung.)
 """

@@ -24,8 +24,8 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from minipar.backend import xp
 from minipar.comm.base import Communicator, Request, all_to_all_v_plan
 from minipar.comm.buffers import REFUSED, check_buffer, reduction_op, stage
-from minipar.start import abort_on_uncaught_exception, let_output_through
 from minipar.comm.stats import CommStats
+from minipar.start import abort_on_uncaught_exception, let_output_through
 
 
 IN_PLACE, SUM, ndarray, BOOL = MPI.IN_PLACE, MPI.SUM, numpy.ndarray, numpy.dtype(bool)
