@@ -157,3 +157,9 @@ def test_a_tensor_parallel_checkpoint_exports_what_one_rank_exports(tmp_path, co
     assert not numpy.array_equal(trained["transformer.wte.weight"], minipar_state()["transformer.wte.weight"])
     for name, value in transformers_tensors(trained, head=False, buffers=False).items():
         assert a[name].tobytes() == value.tobytes() == b[name].tobytes(), name
+
+
+def test_a_folder_without_config_json_is_named_as_such(tmp_path):
+    """An empty folder once read as "config.json: not a readable JSON file ([Errno 2] ...)"."""
+    with pytest.raises(ValueError, match=f"^{tmp_path} has no config.json: a Hugging Face GPT-2 snapshot holds"):
+        hf.read_config(str(tmp_path))

@@ -82,6 +82,9 @@ def read_config(directory):
     """config.json's model as minipar's flags ({n_layer, n_head, n_embd, block_size, vocab_size}),
     plus its bos/eos ids; raises ValueError, one line, for a model minipar does not compute."""
     path = os.path.join(directory, CONFIG)
+    if not os.path.lexists(path):
+        raise ValueError(f"{directory} has no {CONFIG}: a Hugging Face GPT-2 snapshot holds {CONFIG} and "
+                         "model.safetensors; give that folder, or a .safetensors file of minipar's")
     try:
         with open(path) as fh:
             config = json.load(fh)
