@@ -225,6 +225,9 @@ class Trainer(Reports):
                 if (it + 1) % args.eval_interval == 0 or it == args.max_iters - 1:
                     val_loss = record["val_loss"] = self.evaluate()
                     val_history.append((it, val_loss))
+                    # other work on the machine only slows a measurement: the highest one is the
+                    # nearest the peak (one taken while the machine was busy made MFU exceed 100%)
+                    peak = max(peak, measured_peak(self.world, self.model.parameters()[0].dtype))
                 if args.save and ((it + 1) % args.save_interval == 0 or last):
                     self.save(it + 1)
                 clock = time.perf_counter()  # validation and saving are not a step's time

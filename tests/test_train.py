@@ -233,3 +233,23 @@ def test_a_checkpoint_that_counted_dropout_calls_is_refused_in_one_line(tmp_path
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
     lines = run.stderr.strip().splitlines()
     assert run.returncode != 0 and len(lines) == 1 and "keyed by position" in lines[0], run.stderr
+
+
+PEAKS = """import sys
+import minipar.trainer
+peaks = iter([1e6, 1e15, 1.0])  # FLOP/s: a busy machine at the start, a quiet one, a busy one again
+minipar.trainer.measured_peak = lambda world, dtype: next(peaks)
+from minipar.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_peak_is_measured_again_at_each_evaluation_and_the_highest_kept(tmp_path):
+    """A peak measured while the machine was busy made the README's run report an MFU of 252%."""
+    script, log = tmp_path / "peaks.py", tmp_path / "log.jsonl"
+    script.write_text(PEAKS)
+    run = subprocess.run([sys.executable, str(script), *TINY, "--max-iters", "4", "--eval-interval", "2",
+                          "--log-json", str(log)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    mfu = [json.loads(line)["mfu"] for line in open(log)]
+    assert mfu[0] > 1 and mfu[1] > 1 and mfu[2] < 1e-3 and mfu[3] < 1e-3, mfu  # 1e15 from the first evaluation on
