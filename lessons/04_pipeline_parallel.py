@@ -167,7 +167,7 @@ def check(args, ranks):
     if not args.out:
         found.append("--out '': name the folder for the pictures and traces (. for this one)")
     elif not found:  # (it makes the folder)
-        found += [why for why in [lesson.output_problem("--out", args.out, args.out)] if why]
+        found += lesson.output_problems("--out", args.out, args.out)
     return found
 
 

@@ -86,7 +86,7 @@ def check(args, ranks):
     if args.plot and path_problem(args.plot):
         out.append(f"--plot {args.plot}: {path_problem(args.plot)}")
     elif args.plot and not out:  # (it makes the folder)
-        out += [why for why in [lesson.output_problem("--plot", args.plot, os.path.dirname(os.path.abspath(args.plot)))] if why]
+        out += lesson.output_problems("--plot", args.plot, os.path.dirname(os.path.abspath(args.plot)))
     return out
 
 

@@ -15,7 +15,6 @@ This module belongs to the lessons: minipar never imports it. A lesson finds it 
 script's folder comes first on ``sys.path`` (``python -m mpi4py`` keeps that rule).
 """
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy as np
 import minipar
 from minipar import backend
 from minipar.backend import add_device_flag
-from minipar.checkpoint.files import cannot_create_in
+from minipar.checkpoint.files import folder_problem
 from minipar.cli import Parser, device_problems, parse
 from minipar.comm import world
 from minipar.data import Dataset, load_corpus
@@ -65,7 +64,8 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
         if training:
             found = device_problems(args) + ([f"--seed must be >= 0, got {args.seed}"] if args.seed < 0 else [])
         else:  # a lesson without --device runs on NumPy, but a MINIPAR_DEVICE it cannot honour is refused
-            found = [backend.environment_problem()] if backend.environment_problem() else []
+            unusable = backend.environment_problem()
+            found = [unusable] if unusable else []
         return found + (check(args, comm.size) if check is not None else [])
 
     args = parse(p, comm, problems)
@@ -75,18 +75,12 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
     return args, comm
 
 
-def output_problem(flag, given, folder):
-    """Why the files a lesson writes at its end cannot go into ``folder`` (for ``flag``'s value
-    ``given``), one line, or None: asked with the flags, not found after the whole run. Makes the
-    folder."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        return f"{flag} {given}: {folder} is a file, not a folder"
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        return f"{flag} {given}: cannot create {folder} ({exc.strerror})"
-    why = cannot_create_in(folder)
-    return None if why is None else f"{flag} {given}: cannot create a file in {folder} ({why})"
+def output_problems(flag, given, folder):
+    """[the line saying why the files a lesson writes at its end cannot go into ``folder``] (for
+    ``flag``'s value ``given``), or []: asked with the flags, not found after the whole run. Makes
+    the folder."""
+    why = folder_problem(folder)
+    return [] if why is None else [f"{flag} {given}: {why}"]
 
 
 def at_least_one(args, *flags):

@@ -85,17 +85,12 @@ def mixed_precision_problems(args):
 
 def _writable(flag, path):
     """A problem now, not after the whole run, if ``path`` cannot be written (None if it can)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        return f"{flag} {path}: cannot create {directory} ({exc.strerror})"
-    if os.path.isdir(path) or not os.access(directory, os.W_OK):
-        return f"{flag} {path}: not a writable file path"
-    from minipar.checkpoint.files import cannot_create_in
+    from minipar.checkpoint.files import folder_problem
 
-    why = cannot_create_in(directory)
-    return None if why is None else f"{flag} {path}: cannot create a file in {directory} ({why})"
+    if os.path.isdir(path):
+        return f"{flag} {path}: not a writable file path"
+    why = folder_problem(os.path.dirname(os.path.abspath(path)))
+    return None if why is None else f"{flag} {path}: {why}"
 
 
 def _inside(path, folder):

@@ -191,7 +191,8 @@ class Trainer(Reports):
         history, val_history, val_loss = [], [], None
         tokens_per_step = args.batch_size * args.block_size
         model_flops = tokens_per_step * model_flops_per_token(self.config)
-        peak = measured_peak(self.world, self.model.parameters()[0].dtype)  # a collective, before the clock
+        dtype = self.model.parameters()[0].dtype
+        peak = measured_peak(self.world, dtype)  # a collective, before the clock
         # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
         # leaves nothing for the close to fail on again
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
@@ -227,7 +228,7 @@ class Trainer(Reports):
                     val_history.append((it, val_loss))
                     # other work on the machine only slows a measurement: the highest one is the
                     # nearest the peak (one taken while the machine was busy made MFU exceed 100%)
-                    peak = max(peak, measured_peak(self.world, self.model.parameters()[0].dtype))
+                    peak = max(peak, measured_peak(self.world, dtype))
                 if args.save and ((it + 1) % args.save_interval == 0 or last):
                     self.save(it + 1)
                 clock = time.perf_counter()  # validation and saving are not a step's time

@@ -74,6 +74,19 @@ def cannot_create_in(directory):
     return None
 
 
+def folder_problem(folder):
+    """Why files cannot be written into ``folder`` (made, with its parents, if missing), in words,
+    or None: asked before a run that writes there at its end."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"{folder} is a file, not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {folder} ({exc.strerror})"
+    why = cannot_create_in(folder)
+    return None if why is None else f"cannot create a file in {folder} ({why})"
+
+
 def fsync_dir(path):
     """Make the renames inside directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)

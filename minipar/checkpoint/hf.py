@@ -26,7 +26,7 @@ import tempfile
 import numpy
 from safetensors import SafetensorError, safe_open
 
-from minipar.checkpoint.files import cannot_create_in, umask, write_file
+from minipar.checkpoint.files import folder_problem, umask, write_file
 from minipar.checkpoint.tensor_file import tensor_file
 from minipar.checkpoint.weights import check_dtypes
 
@@ -186,15 +186,9 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
 def export_dir_problem(directory):
     """Why ``directory`` cannot take an export (None if it can): it must be new, empty, or a
     previous export (only a config.json, model.safetensors and tokenizer files)."""
-    parent = os.path.dirname(os.path.abspath(directory))
-    if not os.path.exists(directory):
-        try:
-            os.makedirs(parent, exist_ok=True)
-        except OSError as exc:
-            return f"cannot create {parent} ({exc.strerror})"
-    why = cannot_create_in(parent)  # the export is written beside it, then renamed
+    why = folder_problem(os.path.dirname(os.path.abspath(directory)))  # the export is written beside it, then renamed
     if why is not None:
-        return f"cannot write into {parent} ({why})"
+        return why
     if not os.path.exists(directory):
         return None
     if not os.path.isdir(directory):

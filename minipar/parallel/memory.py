@@ -88,7 +88,8 @@ def problem(cfg, free, names):
     if free is None:
         return None
     total, ranks, what = free
-    need, available = state_bytes(cfg) + batch_bytes(cfg), total / ranks
+    held, batch = state_bytes(cfg), batch_bytes(cfg)
+    need, available = held + batch, total / ranks
     if need <= available:
         return None
     name = names.get
@@ -101,11 +102,11 @@ def problem(cfg, free, names):
     n = total_parameters(cfg)
     if (cfg.vocab_size or 256) * cfg.n_embd > n / 2:  # the embedding (tied with the head) is most of it
         fixes.insert(0, f"a smaller {name('vocab_size', 'vocabulary')}")
-    if batch_bytes(cfg) > need / 2:
+    if batch > need / 2:
         fixes.insert(0, f"a smaller {name('global_batch', 'batch')}")
     state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments"
-    return (f"this run needs about {gb(need)} on each rank: {gb(state_bytes(cfg))} for a model of {n:,} parameters "
+    return (f"this run needs about {gb(need)} on each rank: {gb(held)} for a model of {n:,} parameters "
             f"({cfg.dtype} parameters, gradients{state} on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x "
-            f"{cfg.dp or 1}, ZeRO stage {cfg.zero_stage}) and {gb(batch_bytes(cfg))} for the batch's token ids and "
+            f"{cfg.dp or 1}, ZeRO stage {cfg.zero_stage}) and {gb(batch)} for the batch's token ids and "
             f"a micro-batch's logits (other activations not counted), but {gb(available)} is available to each "
             f"({what} {gb(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")
