@@ -166,7 +166,7 @@ def check(args, ranks):
         found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")
     if not args.out:
         found.append("--out '': name the folder for the pictures and traces (. for this one)")
-    elif not found:  # (it makes the folder)
+    else:
         found += lesson.output_problems("--out", args.out, args.out)
     return found
 

@@ -85,7 +85,7 @@ def check(args, ranks):
         out.append(f"--fp16-initial-scale must be finite and >= 1, got {args.fp16_initial_scale}")
     if args.plot and path_problem(args.plot):
         out.append(f"--plot {args.plot}: {path_problem(args.plot)}")
-    elif args.plot and not out:  # (it makes the folder)
+    elif args.plot:
         out += lesson.output_problems("--plot", args.plot, os.path.dirname(os.path.abspath(args.plot)))
     return out
 

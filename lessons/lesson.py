@@ -77,8 +77,7 @@ def start(description, flags=None, check=None, *, plant_bug, training=True, step
 
 def output_problems(flag, given, folder):
     """[the line saying why the files a lesson writes at its end cannot go into ``folder``] (for
-    ``flag``'s value ``given``), or []: asked with the flags, not found after the whole run. Makes
-    the folder."""
+    ``flag``'s value ``given``), or []: asked with the flags, not found after the whole run."""
     why = folder_problem(folder)
     return [] if why is None else [f"{flag} {given}: {why}"]
 

@@ -75,6 +75,10 @@ class ConstantLossScaler:
         """After a step's overflow check; returns whether the step is skipped."""
         return bool(found_inf)
 
+    def at_floor(self):
+        """Whether an overflow can no longer lower the scale: a constant one never moves."""
+        return True
+
     def state_dict(self):
         return {"scale": self.scale}
 
@@ -119,6 +123,10 @@ class DynamicLossScaler:
             self.hysteresis_tracker = self.hysteresis
             self.scale *= self.growth_factor
         return False
+
+    def at_floor(self):
+        """Whether an overflow can no longer lower the scale."""
+        return self.scale <= self.min_scale
 
     def state_dict(self):
         return {"scale": self.scale, "growth_tracker": self.growth_tracker,

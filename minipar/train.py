@@ -22,7 +22,7 @@ import sys
 
 from minipar.cli import FlagError, Parser, agree
 from minipar.parallel.validate import SCHEDULES
-from minipar.train_checks import ROUTER_DEFAULTS, check_args, check_files
+from minipar.train_checks import PROMPT, ROUTER_DEFAULTS, check_args, check_files
 
 DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
@@ -159,7 +159,7 @@ def build_parser():
     d.add_argument("--export-hf", metavar="DIR", help="save the final weights as a Hugging Face GPT-2 snapshot (config.json, model.safetensors)")
     d.add_argument("--export-weights", metavar="FILE", help="save the final weights (.safetensors, GPT-2 names)")
     d.add_argument("--save", metavar="DIR", help="write sharded checkpoints here (every --save-interval steps and at the end)")
-    d.add_argument("--save-interval", type=positive_int, default=100, help="steps between checkpoints")
+    d.add_argument("--save-interval", type=positive_int, help="steps between checkpoints (default 100)")
     d.add_argument("--keep-checkpoints", metavar="N", type=positive_int, help="keep only the N newest checkpoints in --save (default: all)")
     d.add_argument("--overwrite-checkpoints", action="store_true", help="let this run write into a --save directory that holds checkpoints it does not continue")
     d.add_argument("--load", metavar="DIR", help="continue from the latest checkpoint in DIR (or a checkpoint directory)")
@@ -167,7 +167,7 @@ def build_parser():
     d.add_argument("--report", action="store_true", help="print every rank's memory and bytes sent per step at the end")
     d.add_argument("--plot", metavar="FILE", default="out/loss.png", help="loss-curve picture ('' for none)")
     d.add_argument("--sample", type=int, default=200, help="tokens to generate after training (0: none)")
-    d.add_argument("--prompt", default="def ", help="the text the sample continues")
+    d.add_argument("--prompt", default=PROMPT, help="the text the sample continues")
     return p
 
 

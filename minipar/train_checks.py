@@ -23,6 +23,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type":
 
 # the mixture-of-experts flags' defaults (train.py's parser takes them from here): any other value
 # without --num-experts is a flag that would do nothing
+PROMPT = "def "  # --prompt's default: the default corpus is Python
 ROUTER_DEFAULTS = {"moe_router_topk": 2, "moe_router_pre_softmax": False, "moe_layer_freq": 1,
                    "moe_expert_capacity_factor": None, "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0}
 
@@ -169,6 +170,9 @@ def check_args(args, world_size):
                             + (" or a Hugging Face snapshot directory" if flag == "init_weights" else ""))
     if args.sample < 0:
         problems.append(f"--sample is a number of tokens to generate (0: none), got {args.sample}")
+    if args.sample == 0 and args.prompt != PROMPT:
+        problems.append(f"--prompt {args.prompt!r} starts a sample, and --sample is 0: give --sample N "
+                        "(tokens to generate), or drop --prompt")
     if args.sample > 0 and not args.prompt:
         problems.append("--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0")
     if args.export_hf:
@@ -187,14 +191,15 @@ def check_args(args, world_size):
         why = path_problem(args.plot)
         if why:
             problems.append(f"--plot {args.plot}: {why}")
-    clashes = clashing_paths(args)
-    problems += clashes
-    if not clashes:  # (_writable makes the folders a path needs: not inside the corpus)
-        for flag in ("log_json", "export_weights", "plot"):
-            if getattr(args, flag):
-                problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
-        if args.save:
-            problems.append(_writable("--save", os.path.join(args.save, "latest")))
+    problems += clashing_paths(args)
+    for flag in ("log_json", "export_weights", "plot"):
+        if getattr(args, flag):
+            problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
+    if args.save:
+        problems.append(_writable("--save", os.path.join(args.save, "latest")))
+    if args.save_interval and not args.save:
+        problems.append(f"--save-interval {args.save_interval} is how often --save DIR writes a checkpoint: give --save")
+    args.save_interval = args.save_interval or 100
     for flag in ("keep_checkpoints", "overwrite_checkpoints"):
         if getattr(args, flag) and not args.save:
             problems.append(f"--{flag.replace('_', '-')} is about the checkpoints of --save DIR: give --save")

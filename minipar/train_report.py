@@ -13,6 +13,8 @@ import numpy
 
 from minipar.parallel.pipeline.weight_stash import WeightStash
 
+STUCK_STEPS = 10  # fp16 steps skipped in a row at the lowest loss scale before the run stops
+
 
 def gather_text(world, text):
     """Every rank's ``text`` on rank 0, in rank order (None elsewhere): bytes, no pickle."""
@@ -114,6 +116,19 @@ class Reports:
                   f"non-finite gradients: {named}. Lower --lr or raise --warmup-iters.{saved}",
                   file=sys.stderr, flush=True)
         self.world.barrier()  # a rank's non-zero exit aborts the job: not before rank 0 has spoken
+        return 1
+
+    def _stuck(self, it):
+        """The run's last STUCK_STEPS steps overflowed at the lowest scale fp16 may use: stop."""
+        if self.speaks:
+            a = self.args
+            fix = (f"lower --loss-scale {a.loss_scale:g}" if a.loss_scale else
+                   f"lower --min-loss-scale {self.loss_scale:g}")
+            saved = f" The last checkpoint in {a.save} is kept." if a.save else ""
+            print(f"error: at iter {it} the last {STUCK_STEPS} steps were all skipped: every one's fp16 "
+                  f"gradients overflowed at the loss scale {self.loss_scale:g}, which cannot go lower, so "
+                  f"the weights no longer change: {fix}, or train in --bf16.{saved}", file=sys.stderr, flush=True)
+        self.world.barrier()  # as _diverged: rank 0 speaks before the non-zero exit aborts the job
         return 1
 
     def _report(self):

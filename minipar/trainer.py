@@ -43,7 +43,7 @@ from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.schedules import shape_of
-from minipar.train_report import Reports
+from minipar.train_report import STUCK_STEPS, Reports
 
 
 def learning_rate(it, args):
@@ -193,15 +193,21 @@ class Trainer(Reports):
         model_flops = tokens_per_step * model_flops_per_token(self.config)
         dtype = self.model.parameters()[0].dtype
         peak = measured_peak(self.world, dtype)  # a collective, before the clock
+        if args.log_json and self.speaks:  # its folder was checked with the flags, not made
+            os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
         # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
         # leaves nothing for the close to fail on again
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
                   buffering=0) as log:
-            clock = time.perf_counter()
+            clock, stuck = time.perf_counter(), 0
             for it in range(self.start, end):
                 loss, norm, bubble, bad = self.step(it)
                 if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)
+                # fp16 steps skipped in a row at a scale that cannot go lower train nothing, ever
+                stuck = stuck + 1 if self.opt.skipped_step and self.scaler.at_floor() else 0
+                if stuck == STUCK_STEPS:
+                    return self._stuck(it)
                 now = time.perf_counter()
                 ms, clock = 1e3 * (now - clock), now
                 mfu = model_flops / (ms / 1e3) / peak

@@ -53,6 +53,10 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, 
     (["--tokenizer", "no/such/dir"], ["--tokenizer no/such/dir: no/such/dir: no such directory"]),
     (["--sample", "-5"], ["--sample is a number of tokens to generate (0: none), got -5"]),  # was taken as 0
     (["--cp-comm-type", "a2a"], ["--cp-comm-type a2a is how context-parallel ranks communicate, and --cp is 1"]),
+    (["--save-interval", "5"], ["--save-interval 5 is how often --save DIR writes a checkpoint: give --save"]),
+    (["--prompt", "hello", "--sample", "0"], ["--prompt 'hello' starts a sample, and --sample is 0"]),
+    # named one at a time, --num-virtual-stages 2 was refused next for --pp 1
+    (["--schedule", "zb-v"], ["it needs --num-virtual-stages 2 and --pp > 1, got --num-virtual-stages 1, --pp 1"]),
 ])
 def test_a_flag_that_would_do_nothing_or_names_nothing_is_refused(args, words, tmp_path):
     refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)
@@ -73,6 +77,27 @@ def test_outputs_that_would_destroy_an_input_or_each_other_are_refused(args, wor
         corpus.write_text("the corpus, which no flag may overwrite " * 20)
     refused(train(*ONE_STEP, "--data", "corpus.txt", *args, cwd=tmp_path), PROG, *words)
     assert (tmp_path / "corpus.txt").read_text().startswith("the corpus") and os.listdir(tmp_path / "texts") == ["a.txt"]
+
+
+def test_a_refused_run_leaves_nothing_behind(tmp_path):
+    """The output flags' folders were made while the flags were checked, even for a run refused."""
+    outputs = ["--log-json", "a/b/log.jsonl", "--save", "c/d", "--export-weights", "e/w.safetensors",
+               "--plot", "f/loss.png", "--export-hf", "g/h"]
+    refused(train(*ONE_STEP, *outputs, "--seed", "-1", cwd=tmp_path), PROG, "--seed must be >= 0")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_is_judged_by_the_nearest_one_above_it_that_exists(tmp_path):
+    from minipar.checkpoint.files import folder_problem
+
+    (tmp_path / "f.txt").write_text("")
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    assert folder_problem(str(tmp_path / "new" / "deeper")) is None
+    assert folder_problem(str(tmp_path / "f.txt" / "a" / "b")) == f"{tmp_path / 'f.txt'} is a file, not a folder"
+    assert folder_problem(str(tmp_path / "link" / "a")) == f"{tmp_path / 'link'} is a link to nothing, not a folder"
+    if os.path.isdir("/proc"):
+        assert folder_problem("/proc/minipar/a").startswith("cannot create a file in /proc (to make minipar/a there) (")
+    assert sorted(os.listdir(tmp_path)) == ["f.txt", "link"]
 
 
 def test_exporting_the_weights_over_those_the_run_started_from_is_allowed():

@@ -21,6 +21,7 @@ HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 # ---- the scaler's state machine -----------------------------------------------------------------
 def test_dynamic_scaler_backs_off_after_hysteresis_and_grows_after_a_window():
     s = DynamicLossScaler(initial_scale=2.0**10, min_scale=4.0, growth_interval=3, hysteresis=2)
+    assert not s.at_floor()
     assert s.update(found_inf=True) and s.scale == 2.0**10  # skipped, but the hysteresis absorbs it
     assert not s.update(False)  # a clean step does not refill the hysteresis ...
     assert s.update(True) and s.scale == 2.0**9  # ... so the second overflow halves
@@ -35,7 +36,7 @@ def test_dynamic_scaler_backs_off_after_hysteresis_and_grows_after_a_window():
     assert s.update(True) and s.scale == 2.0**8  # the window restarts after an overflow
     for _ in range(10):
         s.update(True)
-    assert s.scale == 4.0  # never below min_scale
+    assert s.scale == 4.0 and s.at_floor()  # never below min_scale
     state = s.state_dict()
     t = DynamicLossScaler()
     t.load_state_dict(state)
@@ -44,7 +45,7 @@ def test_dynamic_scaler_backs_off_after_hysteresis_and_grows_after_a_window():
 
 def test_constant_scaler_skips_but_never_moves():
     s = ConstantLossScaler(128.0)
-    assert s.update(True) and not s.update(False) and s.scale == 128.0
+    assert s.update(True) and not s.update(False) and s.scale == 128.0 and s.at_floor()
     with pytest.raises(ValueError, match="positive"):
         ConstantLossScaler(0.0)
 

@@ -75,16 +75,21 @@ def cannot_create_in(directory):
 
 
 def folder_problem(folder):
-    """Why files cannot be written into ``folder`` (made, with its parents, if missing), in words,
-    or None: asked before a run that writes there at its end."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        return f"{folder} is a file, not a folder"
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create {folder} ({exc.strerror})"
-    why = cannot_create_in(folder)
-    return None if why is None else f"cannot create a file in {folder} ({why})"
+    """Why files cannot be written into ``folder`` (which the writer makes, with its parents, if
+    missing), in words, or None: asked before a run that writes there at its end. Nothing is left
+    behind, so a refused run changes nothing: a missing folder is judged by the nearest folder
+    above it that exists, where the writer will have to make it."""
+    folder = os.path.abspath(folder)
+    existing = folder
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is {'a link to nothing' if os.path.islink(existing) else 'a file'}, not a folder"
+    why = cannot_create_in(existing)
+    if why is None:
+        return None
+    made = "" if existing == folder else f" (to make {os.path.relpath(folder, existing)} there)"
+    return f"cannot create a file in {existing}{made} ({why})"
 
 
 def fsync_dir(path):

@@ -96,8 +96,10 @@ def resolve(cfg, names=None):
         needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved") + " or zb-v"] * other
         out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
     if known("schedule", "virtual_stages") and cfg.schedule == "zb-v" and v != 2:
-        out.append(f"{say('schedule', 'zb-v')} places two chunks per rank in a V: it needs "
-                   f"{say('virtual_stages', 2)}, got {v}")
+        needs, given = say("virtual_stages", 2), f"{v}"
+        if one_rank:  # v = 2 alone would be refused next for p = 1: name both
+            needs, given = f"{needs} and {say.name('pp')} > 1", f"{say('virtual_stages', v)}, {say('pp')}"
+        out.append(f"{say('schedule', 'zb-v')} places two chunks per rank in a V: it needs {needs}, got {given}")
     _context(cfg, say, known, out)
     _experts(cfg, say, known, dp, out)
     m, mbs = _batch(cfg, say, known, dp, out)
