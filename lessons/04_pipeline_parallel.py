@@ -159,9 +159,16 @@ def flags(p):
 def check(args, ranks):
     if args.schedule not in (None, *SCHEDULES, *ON_REQUEST, TWO_BW):  # validate's line, naming every schedule
         return problems(RunConfig(schedule=args.schedule), FLAGS)
+    ignored = []  # (--schedule zb-v --virtual-stages 2 says what zb-v does anyway)
+    if args.virtual_stages is not None and args.schedule not in (None, "interleaved") and \
+            (args.schedule, args.virtual_stages) != ("zb-v", 2):
+        fixed = "two in a V" if args.schedule == "zb-v" else "one"
+        ignored.append(f"--virtual-stages {args.virtual_stages} is the interleaved schedule's chunks per rank, and "
+                       f"--schedule {args.schedule} places {fixed}: drop it, or give --schedule interleaved")
     if args.virtual_stages is None:  # 2 for the interleaved run; GPipe and 1F1B alone need 1
         args.virtual_stages = 2 if args.schedule in (None, "interleaved") else 1
     args.pp, found = choose_pipeline(ranks, args)
+    found = ignored + found
     if args.steps < 2:
         found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")
     if not args.out:

@@ -69,6 +69,9 @@ def positive_float(text):
     return value
 
 
+OPTIONAL_PATHS = ("data", "tokenizer", "load", "init_weights", "save", "log_json", "export_weights", "export_hf")
+
+
 class TrainParser(Parser):
     """The training flags, completed from where the run's model and tokens come from: a Hugging
     Face snapshot's config.json, a tokenizer's vocabulary (``minipar.train_sources``)."""
@@ -77,6 +80,9 @@ class TrainParser(Parser):
         from minipar.train_sources import apply_sources, given_flags
 
         parsed = super().parse_args(args, namespace)
+        for dest in OPTIONAL_PATHS:  # '' is the flag not given, as --plot '' is no plot
+            if getattr(parsed, dest) == "":
+                setattr(parsed, dest, None)
         apply_sources(parsed, given_flags(self, args))
         return parsed
 

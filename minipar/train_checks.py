@@ -170,7 +170,7 @@ def check_args(args, world_size):
                             + (" or a Hugging Face snapshot directory" if flag == "init_weights" else ""))
     if args.sample < 0:
         problems.append(f"--sample is a number of tokens to generate (0: none), got {args.sample}")
-    if args.sample == 0 and args.prompt != PROMPT:
+    if args.sample == 0 and args.prompt not in (PROMPT, ""):
         problems.append(f"--prompt {args.prompt!r} starts a sample, and --sample is 0: give --sample N "
                         "(tokens to generate), or drop --prompt")
     if args.sample > 0 and not args.prompt:

@@ -87,6 +87,16 @@ def test_a_refused_run_leaves_nothing_behind(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_an_empty_path_is_the_flag_not_given(tmp_path):
+    """As --plot '' is no plot: some of these were refused ("--data : no such file"), --load ''
+    started afresh."""
+    empty = [arg for flag in ("--data", "--tokenizer", "--load", "--init-weights", "--save", "--log-json",
+                              "--export-weights", "--export-hf") for arg in (flag, "")]
+    run = train(*ONE_STEP, *empty, "--prompt", "", cwd=tmp_path)
+    assert run.returncode == 0 and "Python standard library" in run.stdout, run.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_folder_is_judged_by_the_nearest_one_above_it_that_exists(tmp_path):
     from minipar.checkpoint.files import folder_problem
 

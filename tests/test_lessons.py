@@ -177,6 +177,8 @@ def test_3d_lesson_defaults_fit_two_ranks():
 @pytest.mark.parametrize("lesson,args,message,lines", [
     ("04_pipeline_parallel.py", ["--pp", "3"], "2 ranks do not split into TP x PP = 1 x 3 groups", 4),  # v = 1 and 2
     ("04_pipeline_parallel.py", ["--virtual-stages", "3"], "no pipeline fits 2 rank(s)", 1),
+    ("04_pipeline_parallel.py", ["--schedule", "gpipe", "--virtual-stages", "3"],  # once ignored
+     "--virtual-stages 3 is the interleaved schedule's chunks per rank, and --schedule gpipe places one", 1),
     ("06_3d_parallel.py", ["--tp", "2", "--pp", "2"], "2 ranks do not split into TP x PP = 2 x 2 groups", 1),
     ("02_data_parallel.py", ["--micro-batches", "3"], "--batch-size 8 does not split into --micro-batches 3", 1),
     ("05_zero.py", ["--steps", "two"], "argument --steps: invalid int value: 'two'", 1),  # argparse's own
