@@ -168,6 +168,8 @@ def check(args, ranks):
     if args.virtual_stages is None:  # 2 for the interleaved run; GPipe and 1F1B alone need 1
         args.virtual_stages = 2 if args.schedule in (None, "interleaved") else 1
     args.pp, found = choose_pipeline(ranks, args)
+    if not found:  # (every schedule's run holds the same model)
+        found = lesson.memory_problems(run_config(ranks, args, args.pp, "1f1b", 1), FLAGS)
     found = ignored + found
     if args.steps < 2:
         found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")

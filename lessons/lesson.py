@@ -30,6 +30,7 @@ from minipar.mfu import model_flops_per_token
 from minipar.models import GPT
 from minipar.models.moe import step_statistics
 from minipar.optim import AdamW, clip_grad_norm
+from minipar.parallel.memory import BYTES, gb, total_parameters
 from minipar.verify import as_one_vector, rel_err, worst_tensor
 
 from computed_once import computed_once
@@ -80,6 +81,32 @@ def output_problems(flag, given, folder):
     ``flag``'s value ``given``), or []: asked with the flags, not found after the whole run."""
     why = folder_problem(folder)
     return [] if why is None else [f"{flag} {given}: {why}"]
+
+
+def memory_problems(run, names):
+    """[a line] if the lesson cannot fit in this machine's memory, else []: asked with the flags
+    (sizes far too big once ended in a MemoryError traceback from every rank). ``run`` is the
+    lesson's ``validate.RunConfig``, ``names`` its flags by field. The count is a floor, so that
+    no run that fits is refused: the single-device run's model and the parallel run's (over all
+    the ranks), each with its gradients and AdamW's two moments, and on every rank the copy of
+    the single-device run's weights, first gradients and logits that it compares with
+    (activations not counted)."""
+    free = backend.free_memory()
+    if free is None:
+        return []
+    total, _, what = free
+    size, n = BYTES[run.dtype], total_parameters(run)
+    logits = run.global_batch * run.block_size * (run.vocab_size or 256) * size
+    need = 2 * 4 * n * size + run.world_size * (2 * n * size + logits)
+    if need <= total:
+        return []
+    fixes = [f"a smaller {names['global_batch']}"] if logits > 2 * n * size else []
+    fixes += [f"{how} {names[field]}" for field, how in (("n_layer", "fewer"), ("n_embd", "a smaller"))
+              if field in names]  # the sizes this lesson has flags for
+    return [f"this lesson needs at least {gb(need)} of memory, but {what} is {gb(total)}: the single-device "
+            f"run and the parallel one each hold a model of {n:,} parameters ({run.dtype}) with its gradients "
+            f"and AdamW's two moments, and each of the {run.world_size} ranks keeps the single-device "
+            f"run's weights, gradients and logits to compare with; fix: {' or '.join(fixes)}"]
 
 
 def at_least_one(args, *flags):

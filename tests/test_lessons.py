@@ -198,6 +198,9 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("06_3d_parallel.py", ["--schedule", "zb-v", "--virtual-stages", "3"], "it needs --virtual-stages 2, got 3", 2),
     ("11_which_parallelism.py", ["--dtype", "float64", "--require-spearman", "nan"], "the planner predicts float32", 2),
     ("08_context_parallel.py", ["--cp", "0"], "--cp must be a positive integer, got 0", 1),  # once taken as the default
+    # sizes far beyond the machine: once a MemoryError traceback from every rank
+    ("03_tensor_parallel.py", ["--n-embd", "65536"], "fix: fewer --n-layer or a smaller --n-embd", 1),
+    ("02_data_parallel.py", ["--batch-size", "100000000"], "fix: a smaller --batch-size", 1),
     ("04_pipeline_parallel.py", ["--out", "/dev/null"], "--out /dev/null: /dev/null is a file, not a folder", 1),
     ("10_mixed_precision.py", ["--plot", "/dev/null/loss.png"], "/dev/null is a file, not a folder", 1),  # once after the run
     pytest.param("02_data_parallel.py", ["--device", "cuda"], "--device cuda: the cuda device needs CuPy", 1,
