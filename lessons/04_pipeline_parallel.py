@@ -159,9 +159,9 @@ def flags(p):
 def check(args, ranks):
     if args.schedule not in (None, *SCHEDULES, *ON_REQUEST, TWO_BW):  # validate's line, naming every schedule
         return problems(RunConfig(schedule=args.schedule), FLAGS)
-    ignored = []  # (--schedule zb-v --virtual-stages 2 says what zb-v does anyway)
+    ignored = []  # (--virtual-stages 1, or 2 for zb-v, says what the schedule does anyway)
     if args.virtual_stages is not None and args.schedule not in (None, "interleaved") and \
-            (args.schedule, args.virtual_stages) != ("zb-v", 2):
+            args.virtual_stages != (2 if args.schedule == "zb-v" else 1):
         fixed = "two in a V" if args.schedule == "zb-v" else "one"
         ignored.append(f"--virtual-stages {args.virtual_stages} is the interleaved schedule's chunks per rank, and "
                        f"--schedule {args.schedule} places {fixed}: drop it, or give --schedule interleaved")

@@ -83,30 +83,39 @@ def output_problems(flag, given, folder):
     return [] if why is None else [f"{flag} {given}: {why}"]
 
 
-def memory_problems(run, names):
+def memory_problems(run, names, reference=True):
     """[a line] if the lesson cannot fit in this machine's memory, else []: asked with the flags
     (sizes far too big once ended in a MemoryError traceback from every rank). ``run`` is the
     lesson's ``validate.RunConfig``, ``names`` its flags by field. The count is a floor, so that
-    no run that fits is refused: the single-device run's model and the parallel run's (over all
-    the ranks), each with its gradients and AdamW's two moments, and on every rank the copy of
-    the single-device run's weights, first gradients and logits that it compares with
-    (activations not counted)."""
+    no run that fits is refused, of what the ranks sharing this memory (a host, or a GPU) hold at
+    once: with a ``reference`` run (``reference_run``), its model with gradients and AdamW's two
+    moments on the root while it runs, then on every rank its weights, first gradients and logits
+    beside the rank's share of the parallel model and its state; without (a lesson that trains
+    every rank's model whole at ZeRO stage 0), that model and its state on every rank.
+    Activations are not counted."""
     free = backend.free_memory()
     if free is None:
         return []
-    total, _, what = free
+    total, sharing, what = free
     size, n = BYTES[run.dtype], total_parameters(run)
     logits = run.global_batch * run.block_size * (run.vocab_size or 256) * size
-    need = 2 * 4 * n * size + run.world_size * (2 * n * size + logits)
+    state = 4 * n * size  # weights, gradients, two moments
+    if reference:
+        need = max(state + logits, sharing * (2 * n * size + logits + state / run.world_size))
+        held = (f"the single-device run it checks against holds a model of {n:,} parameters ({run.dtype}) "
+                "with its gradients and AdamW's two moments, and every rank keeps that run's weights, first "
+                "gradients and logits beside its share of the parallel model")
+    else:
+        need = sharing * state
+        held = f"every rank holds a model of {n:,} parameters ({run.dtype}) with its gradients and AdamW's two moments"
     if need <= total:
         return []
-    fixes = [f"a smaller {names['global_batch']}"] if logits > 2 * n * size else []
+    fixes = [f"a smaller {names['global_batch']}"] if reference and logits > 2 * n * size else []
     fixes += [f"{how} {names[field]}" for field, how in (("n_layer", "fewer"), ("n_embd", "a smaller"))
               if field in names]  # the sizes this lesson has flags for
-    return [f"this lesson needs at least {gb(need)} of memory, but {what} is {gb(total)}: the single-device "
-            f"run and the parallel one each hold a model of {n:,} parameters ({run.dtype}) with its gradients "
-            f"and AdamW's two moments, and each of the {run.world_size} ranks keeps the single-device "
-            f"run's weights, gradients and logits to compare with; fix: {' or '.join(fixes)}"]
+    fixes += ["fewer ranks on this machine"] * (sharing > 1)
+    return [f"this lesson needs at least {gb(need)} of {what}, which is {gb(total)} here for {sharing} "
+            f"rank{'s' * (sharing > 1)}: {held}; fix: {' or '.join(fixes)}"]
 
 
 def at_least_one(args, *flags):

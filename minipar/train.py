@@ -228,14 +228,13 @@ def unwritten(args, iteration, trained):
 def interrupted(args, iteration):
     """The line a Ctrl-C ends the run with: where it stopped and which checkpoint survives (a save
     in progress is written aside and renamed at its end, so the previous one is whole)."""
-    from minipar.checkpoint.sharded import CheckpointError, read_index
+    from minipar.train_report import last_checkpoint
 
     line = f"interrupted at iteration {iteration}"
     if not args.save:
         return line
-    try:
-        kept = read_index(args.save)["iteration"]
-    except CheckpointError:
+    kept = last_checkpoint(args.save)
+    if kept is None:
         return f"{line}; no checkpoint was saved in {args.save} yet"
     return f"{line}; the last checkpoint in {args.save} (iteration {kept}) is kept: continue with --load {args.save}"
 

@@ -16,6 +16,29 @@ from minipar.parallel.pipeline.weight_stash import WeightStash
 STUCK_STEPS = 10  # fp16 steps skipped in a row at the lowest loss scale before the run stops
 
 
+def last_checkpoint(save):
+    """The iteration of the checkpoint that ``latest`` names in the folder ``save``, or None (no
+    --save, or nothing saved yet)."""
+    from minipar.checkpoint.sharded import CheckpointError, read_index
+
+    if not save:
+        return None
+    try:
+        return read_index(save)["iteration"]
+    except CheckpointError:
+        return None
+
+
+def kept(save):
+    """The sentence a failed run ends with about its checkpoints ("" without --save)."""
+    if not save:
+        return ""
+    iteration = last_checkpoint(save)
+    if iteration is None:
+        return f" No checkpoint was saved in {save} yet."
+    return f" The last checkpoint in {save} (iteration {iteration}) is kept."
+
+
 def gather_text(world, text):
     """Every rank's ``text`` on rank 0, in rank order (None elsewhere): bytes, no pickle."""
     parts = world.gather_to_root(numpy.frombuffer(text.encode(), numpy.uint8), tag=7101)
@@ -111,9 +134,8 @@ class Reports:
         lines = gather_text(self.world, f"rank {self.world.rank}: {', '.join(bad[:3])}{more}" if bad else "")
         if self.speaks:
             named = "; ".join(line for line in lines if line) or "none found (the loss itself)"
-            saved = f" The last checkpoint in {self.args.save} is kept." if self.args.save else ""
             print(f"error: at iter {it} the loss is {loss} and the gradient norm {norm}: training diverged; "
-                  f"non-finite gradients: {named}. Lower --lr or raise --warmup-iters.{saved}",
+                  f"non-finite gradients: {named}. Lower --lr or raise --warmup-iters.{kept(self.args.save)}",
                   file=sys.stderr, flush=True)
         self.world.barrier()  # a rank's non-zero exit aborts the job: not before rank 0 has spoken
         return 1
@@ -124,10 +146,10 @@ class Reports:
             a = self.args
             fix = (f"lower --loss-scale {a.loss_scale:g}" if a.loss_scale else
                    f"lower --min-loss-scale {self.loss_scale:g}")
-            saved = f" The last checkpoint in {a.save} is kept." if a.save else ""
             print(f"error: at iter {it} the last {STUCK_STEPS} steps were all skipped: every one's fp16 "
                   f"gradients overflowed at the loss scale {self.loss_scale:g}, which cannot go lower, so "
-                  f"the weights no longer change: {fix}, or train in --bf16.{saved}", file=sys.stderr, flush=True)
+                  f"the weights no longer change: {fix}, or train in --bf16.{kept(a.save)}", file=sys.stderr,
+                  flush=True)
         self.world.barrier()  # as _diverged: rank 0 speaks before the non-zero exit aborts the job
         return 1
 

@@ -119,6 +119,7 @@ class Trainer(Reports):
             group.stats.reset()
         self.model.moe.reset()
         self.loss_scale = self.opt.loss_scale  # this step's, before its overflow check may move it
+        self.at_floor = self.scaler is not None and self.scaler.at_floor()  # ... and whether it can go lower
         # fp16's dynamic loss scale overflows on purpose now and then (the step is then skipped and
         # the scale lowered), so NumPy's overflow warnings say nothing the progress line does not
         quiet = numpy.errstate(over="ignore", invalid="ignore") if self.scaler is not None else contextlib.nullcontext()
@@ -205,7 +206,7 @@ class Trainer(Reports):
                 if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)
                 # fp16 steps skipped in a row at a scale that cannot go lower train nothing, ever
-                stuck = stuck + 1 if self.opt.skipped_step and self.scaler.at_floor() else 0
+                stuck = stuck + 1 if self.opt.skipped_step and self.at_floor else 0
                 if stuck == STUCK_STEPS:
                     return self._stuck(it)
                 now = time.perf_counter()

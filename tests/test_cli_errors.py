@@ -85,6 +85,11 @@ def test_a_refused_run_leaves_nothing_behind(tmp_path):
                "--plot", "f/loss.png", "--export-hf", "g/h"]
     refused(train(*ONE_STEP, *outputs, "--seed", "-1", cwd=tmp_path), PROG, "--seed must be >= 0")
     assert os.listdir(tmp_path) == []
+    # a run that goes on makes them, each where it writes
+    run = train(*ONE_STEP, *outputs, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    for made in ("a/b/log.jsonl", "c/d/latest", "e/w.safetensors", "f/loss.png", "g/h/config.json"):
+        assert (tmp_path / made).exists(), made
 
 
 def test_an_empty_path_is_the_flag_not_given(tmp_path):
@@ -102,12 +107,14 @@ def test_a_folder_is_judged_by_the_nearest_one_above_it_that_exists(tmp_path):
 
     (tmp_path / "f.txt").write_text("")
     os.symlink(tmp_path / "gone", tmp_path / "link")
+    os.symlink(tmp_path / "f.txt", tmp_path / "to_file")
     assert folder_problem(str(tmp_path / "new" / "deeper")) is None
     assert folder_problem(str(tmp_path / "f.txt" / "a" / "b")) == f"{tmp_path / 'f.txt'} is a file, not a folder"
     assert folder_problem(str(tmp_path / "link" / "a")) == f"{tmp_path / 'link'} is a link to nothing, not a folder"
+    assert folder_problem(str(tmp_path / "to_file" / "a")) == f"{tmp_path / 'to_file'} is a file, not a folder"
     if os.path.isdir("/proc"):
         assert folder_problem("/proc/minipar/a").startswith("cannot create a file in /proc (to make minipar/a there) (")
-    assert sorted(os.listdir(tmp_path)) == ["f.txt", "link"]
+    assert sorted(os.listdir(tmp_path)) == ["f.txt", "link", "to_file"]
 
 
 def test_exporting_the_weights_over_those_the_run_started_from_is_allowed():

@@ -84,7 +84,7 @@ def folder_problem(folder):
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        return f"{existing} is {'a link to nothing' if os.path.islink(existing) else 'a file'}, not a folder"
+        return f"{existing} is {'a file' if os.path.exists(existing) else 'a link to nothing'}, not a folder"
     why = cannot_create_in(existing)
     if why is None:
         return None
