@@ -61,10 +61,11 @@ def test_fp16_log_rows_carry_the_scale_and_the_skipped_steps(tmp_path):
                                         "lower --min-loss-scale 1e+30")])
 def test_fp16_steps_skipped_at_a_scale_that_cannot_go_lower_stop_the_run(scale, fix, tmp_path):
     """Such a run skipped every step and ended with status 0, its weights as they started."""
-    run = train(*TINY, "--fp16", *scale, "--max-iters", "30", cwd=tmp_path)
+    run = train(*TINY, "--fp16", *scale, "--max-iters", "30", "--save", "ckpt", cwd=tmp_path)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1, run.stderr
     assert lines[0].startswith("error: at iter 9 the last 10 steps were all skipped") and fix in lines[0]
+    assert lines[0].endswith("No checkpoint was saved in ckpt yet.")  # (the default --save-interval: 100)
 
 
 def test_a_bf16_run_resumes_exactly_and_its_checkpoint_starts_a_float32_run(tmp_path):
