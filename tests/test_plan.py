@@ -216,6 +216,43 @@ def test_the_command_line_explains_failures_and_the_rules_of_thumb():
     assert bad.returncode == 2 and "--num-layers" in bad.stderr
 
 
+SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+               "--global-batch-size", "16", "--gpus", "8"]
+
+
+@pytest.mark.parametrize("args,message", [  # each once a traceback, a table of nan or negative times, or ignored
+    (["--intra-node-gbps", "0"], "--intra-node-gbps must be a finite number > 0, got 0.0"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0, got nan"),
+    (["--efficiency", "inf"], "--efficiency is the share of the peak the kernels reach: in (0, 1], got inf"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
+    (["--top", "0"], "--top must be >= 1, got 0"),
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+    (["--moe-router-topk", "5"], "--moe-router-topk 5 routes to experts, and this model has none"),
+    (["--node-speeds", "1,inf"], "--node-speeds 1,inf: each speed must be a finite number > 0"),
+    (["--node-speeds", "1,1"], "--node-speeds gives 2 speeds, and --gpus 8 at --gpus-per-node 8 make 1 node"),
+    (["--node-speeds", "1", "--json"], "--node-speeds adds a table to the printed plans, and --json prints them"),
+    (["--gpus", "1000000000000"], "--gpus must be 1 to 1,000,000"),  # hung
+    (["--num-layers", "100000"], "the planner takes at most 1,024 blocks"),  # hung
+    (["--nope", "1"], "unrecognized arguments: --nope 1"),  # after the whole usage text
+])
+def test_bad_planner_flags_are_one_line_before_anything_is_planned(args, message):
+    run = run_plan(*SMALL_FLAGS, *args)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and message in lines[0] and run.stdout == "", run.stderr
+
+
+def test_the_ring_pass_overhead_flag_reaches_the_cost_model():
+    """It was parsed and never passed on: plans with context parallelism cost the same with it."""
+    times = [{(p["tp"], p["cp"], p["pp"], p["dp"], p["zero_stage"], p["micro_batch_size"], p["recompute"],
+               p["sequence_parallel"], p["cp_comm_type"], p["schedule"], p["vpp"]): p["step_time_s"]
+              for p in json.loads(run_plan(*SMALL_FLAGS, "--json", "--top", "100000", "--ring-pass-overhead-us", us).stdout)}
+             for us in ("0", "1000")]
+    assert times[0].keys() == times[1].keys()
+    ring = [k for k in times[0] if k[1] > 1 and k[8] == "p2p"]
+    assert ring and all(times[1][k] > times[0][k] for k in ring)
+    assert all(times[1][k] == times[0][k] for k in times[0] if k[1] == 1)
+
+
 # ---- heterogeneous GPUs -----------------------------------------------------------------------
 
 
@@ -271,3 +308,14 @@ def test_lesson_11_fails_with_a_planner_that_forgets_sequence_parallelisms_sums(
     code, out, _ = run_mpi(4, LESSON, "--steps", "1", "--plant-bug", "--require-spearman", "-1", timeout=120)
     assert code == 1 and "MISMATCH: see the rows above" in out
     assert "TP2 DP2 SP Z1     MISMATCH" in out and "DP4 Z1            ok" in out
+
+
+def test_the_pairs_attention_keeps_are_the_sum_over_its_query_blocks():
+    """kept_pairs in closed form (it was this sum, 36 s of the planner at a sequence of 2^20)."""
+    from minipar.plan.activations import kept_pairs
+
+    for s in (0, 1, 63, 64, 65, 128, 200, 1000):
+        for q in (1, 7, 64, 128):
+            blocks = sum(min(q0 + q, s) * (min(q0 + q, s) - q0) for q0 in range(0, s, q))
+            assert kept_pairs(s, q) == blocks, (s, q)
+    assert kept_pairs(128, 128) == 128 * 128  # one block: every pair, the masked ones too

@@ -8,10 +8,12 @@ and where the rules of thumb agree with the model.
         --global-batch-size 16 --gpus 8 --gpus-per-node 8 --json
 """
 
-import argparse
 import json
+import math
 import sys
 from dataclasses import replace
+
+from minipar.cli import Parser, parse
 
 from . import hetero
 from .enumerate import as_json, plan
@@ -23,7 +25,7 @@ MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "nu
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m minipar.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="a published model's shape and global batch")
     for field, flag in MODEL_FLAGS.items():
         p.add_argument(flag, dest=field, type=int, help=f"{field} (overrides the preset)")
@@ -50,29 +52,91 @@ def parser():
     return p
 
 
-def model_of(args, p):
-    """The Model and global batch the flags give: a preset's, with any flag overriding it."""
+# the most the planner takes: it counts every block of every layout it tries, and a pipeline's
+# micro-batches one by one (1,024 blocks: ~15 s); run_mpi.sh's limit on ranks
+MAX_LAYERS, MAX_GPUS = 1024, 1_000_000
+POSITIVE = ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
+NOT_NEGATIVE = ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "ring_pass_overhead_us")
+
+
+def flag(field):
+    return "--" + field.replace("_", "-")
+
+
+def model_of(args):
+    """(problems, Model, global batch): a preset's, with any flag overriding it."""
     base, batch = PRESETS[args.preset] if args.preset else (None, None)
     given = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
+    found = [f"{MODEL_FLAGS[f]} must be >= {low}, got {given[f]}" for f in given
+             for low in [0 if f == "num_experts" else 1] if given[f] < low]
+    if given.get("num_layers", 0) > MAX_LAYERS:
+        found.append(f"--num-layers {given['num_layers']}: the planner takes at most {MAX_LAYERS:,} blocks")
+    if "moe_router_topk" in given and not given.get("num_experts", base.num_experts if base else 0):
+        found.append(f"--moe-router-topk {given['moe_router_topk']} routes to experts, and this model has none: "
+                     "give --num-experts, or drop it")
     if base is None:
         missing = [MODEL_FLAGS[f] for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if f not in given]
         if missing:
-            p.error(f"give --preset or {', '.join(missing)}")
+            return found + [f"give --preset or {', '.join(missing)}"], None, None
         base = Model(**{f: given.pop(f) for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")})
-    batch = args.global_batch_size or batch
+    if args.global_batch_size is not None:
+        batch = args.global_batch_size
+        if batch < 1:
+            found.append(f"--global-batch-size must be >= 1, got {batch}")
     if batch is None:
-        p.error("give --global-batch-size (or a --preset)")
-    bad = [f"{MODEL_FLAGS.get(f, f)} {v}" for f, v in given.items() if v < (0 if f == "num_experts" else 1)]
-    if bad or batch < 1 or args.gpus < 1:
-        p.error(f"sizes must be positive: {', '.join(bad) or 'the batch or --gpus'}")
-    return replace(base, **given), batch
+        found.append("give --global-batch-size (or a --preset)")
+    return found, replace(base, **given), batch
 
 
-def precision_of(args, p):
-    """The PRECISIONS key the flags name: bf16, or bf16-fp32-grads with --accumulate-allreduce-grads-in-fp32."""
+def machine_of(args):
+    """(problems, Machine): every figure of the machine a number the cost model can divide by."""
+    found = [] if 1 <= args.gpus <= MAX_GPUS else [f"--gpus must be 1 to {MAX_GPUS:,}, got {args.gpus}"]
+    found += [f"--gpus-per-node must be >= 1, got {args.gpus_per_node}"] * (args.gpus_per_node < 1)
+    found += [f"--cores-per-node must be >= 0 (0: a core per rank), got {args.cores_per_node}"] * (args.cores_per_node < 0)
+    found += [f"{flag(f)} must be a finite number > 0, got {getattr(args, f)}" for f in POSITIVE
+              if not 0 < getattr(args, f) < math.inf]
+    found += [f"{flag(f)} must be a finite number >= 0, got {getattr(args, f)}" for f in NOT_NEGATIVE
+              if not 0 <= getattr(args, f) < math.inf]
+    if not 0 < args.efficiency <= 1:
+        found.append(f"--efficiency is the share of the peak the kernels reach: in (0, 1], got {args.efficiency}")
+    fields = ("gpus_per_node", "gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "efficiency",
+              "cores_per_node") + NOT_NEGATIVE
+    return found, (None if found else Machine(args.gpus, **{f: getattr(args, f) for f in fields}))
+
+
+def speeds_of(args):
+    """(problems, each node's relative speed or None): checked before anything is planned."""
+    if not args.node_speeds:  # ('' too: not given, as the trainer's empty paths)
+        return [], None
+    if args.json:
+        return ["--node-speeds adds a table to the printed plans, and --json prints them as JSON: give one"], None
+    nodes = -(-args.gpus // max(args.gpus_per_node, 1))
+    try:
+        speeds = [float(x) for x in args.node_speeds.split(",")]
+    except ValueError:
+        return [f"--node-speeds {args.node_speeds!r}: give numbers separated by commas"], None
+    if not all(0 < x < math.inf for x in speeds):
+        return [f"--node-speeds {args.node_speeds}: each speed must be a finite number > 0"], None
+    if len(speeds) != nodes:
+        return [f"--node-speeds gives {len(speeds)} speed{'s' * (len(speeds) > 1)}, and --gpus {args.gpus} at "
+                f"--gpus-per-node {args.gpus_per_node} make {nodes} node{'s' * (nodes > 1)}: give one speed per node"], None
+    return [], speeds
+
+
+def problems(args):
+    """Every problem of the flags, one line each; fills in args.model, args.batch, args.machine,
+    args.speeds and args.precision_key for ``main``."""
+    found, args.model, args.batch = model_of(args)
+    wrong, args.machine = machine_of(args)
+    more, args.speeds = speeds_of(args)
+    found += wrong + more
+    if args.top < 1:
+        found.append(f"--top must be >= 1, got {args.top}")
     if args.accumulate_allreduce_grads_in_fp32 and args.precision != "bf16":
-        p.error("--accumulate-allreduce-grads-in-fp32 is for --precision bf16")
-    return "bf16-fp32-grads" if args.accumulate_allreduce_grads_in_fp32 else args.precision
+        found.append("--accumulate-allreduce-grads-in-fp32 is for --precision bf16")
+    # the PRECISIONS key: bf16, or bf16-fp32-grads with --accumulate-allreduce-grads-in-fp32
+    args.precision_key = "bf16-fp32-grads" if args.accumulate_allreduce_grads_in_fp32 else args.precision
+    return found
 
 
 def rules_of_thumb(result, machine):
@@ -125,17 +189,8 @@ def table(result, top):
 
 
 def main(argv=None):
-    p = parser()
-    args = p.parse_args(argv)
-    model, batch = model_of(args, p)
-    negative = [f for f in ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "cores_per_node") if getattr(args, f) < 0]
-    if negative:
-        p.error(f"must not be negative: {', '.join('--' + f.replace('_', '-') for f in negative)}")
-    machine = Machine(args.gpus, args.gpus_per_node, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
-                      args.inter_node_gbps, efficiency=args.efficiency, layer_overhead_us=args.layer_overhead_us,
-                      edge_overhead_us=args.edge_overhead_us, call_overhead_us=args.call_overhead_us,
-                      cores_per_node=args.cores_per_node)
-    precision = precision_of(args, p)
+    args = parse(parser(), None, problems, argv)  # a problem: one line each, exit status 2
+    model, batch, machine, precision = args.model, args.batch, args.machine, args.precision_key
     result = plan(model, machine, batch, precision)
     if args.json:
         print(json.dumps([as_json(layout, prediction) for layout, prediction in result.plans[:args.top]], indent=1))
@@ -150,26 +205,19 @@ def main(argv=None):
     print("\nrules of thumb against the model:")
     for line in rules_of_thumb(result, machine):
         print(f"  {line}")
-    if args.node_speeds:
-        heterogeneous(result, machine, model, batch, args.node_speeds, p)
+    if args.speeds:
+        heterogeneous(result, machine, model, batch, args.speeds)
     return 0 if result.plans else 1
 
 
-def heterogeneous(result, machine, model, batch, text, p):
+def heterogeneous(result, machine, model, batch, speeds):
     """The fastest pipelined plan's layers balanced over its stages' speeds, and the bubble saved."""
-    try:
-        speeds = [float(x) for x in text.split(",")]
-    except ValueError:
-        p.error(f"--node-speeds {text}: give numbers separated by commas")
     piped = [lp for lp in result.plans if lp[0].pp > 1]
     if not piped:
         print("\nheterogeneous GPUs: no plan has a pipeline to balance")
         return
     layout = piped[0][0]
-    try:
-        stage = hetero.stage_speeds(layout, machine.gpus_per_node, speeds)
-    except ValueError as exc:
-        p.error(f"--node-speeds: {exc}")
+    stage = hetero.stage_speeds(layout, machine.gpus_per_node, speeds)  # (a speed per node: checked)
     m = batch // layout.dp // layout.micro_batch_size
     out = hetero.compare(model.num_layers, stage, m)
     print(f"\nheterogeneous GPUs: the fastest pipelined plan (PP={layout.pp}), stage speeds {stage}, {m} micro-batches, 1F1B")

@@ -62,8 +62,11 @@ import math
 
 
 def kept_pairs(s, query_block):
-    """K(s): the (key, query) pairs the fused attention keeps per sequence and head."""
-    return sum(min(q0 + query_block, s) * (min(q0 + query_block, s) - q0) for q0 in range(0, s, query_block))
+    """K(s): the (key, query) pairs the fused attention keeps per sequence and head. Block i of n
+    full blocks of q queries keeps (i + 1) q keys for each, q^2 n (n + 1) / 2 in all; a last block
+    of r < q queries keeps all s keys for each."""
+    n, r = divmod(s, query_block)
+    return query_block * query_block * n * (n + 1) // 2 + s * r
 
 
 def formula(s, b, h, a, d, dropout, granularity=None, query_block=64):
