@@ -40,6 +40,7 @@ import sys
 import numpy as np
 
 import lesson
+from minipar import backend
 from minipar.comm import wait_all
 
 
@@ -61,11 +62,19 @@ def ring_all_reduce(comm, x, plant_bug=False):
     return work
 
 
+def check(args, ranks):
+    if args.size < 1:
+        return [f"--size must be >= 1, got {args.size}"]
+    free = backend.free_memory()  # every rank holds its vector, the ring's sum and MPI's: 3 x 8 bytes an element
+    return lesson.too_big(free[1] * 24 * args.size, free, "each rank holds its vector, the ring's sum and MPI's, "
+                          "in float64", ["a smaller --size"]) if free else []
+
+
 def main():
     args, comm = lesson.start(
         "A ring all-reduce from send/recv, checked against MPI.",
         lambda p: p.add_argument("--size", type=int, default=1 << 20, help="float64 elements per rank"),
-        lambda args, ranks: [] if args.size >= 1 else [f"--size must be >= 1, got {args.size}"],
+        check,
         plant_bug="skip the last all-gather step", training=False)
     N, r = comm.size, comm.rank
     size = max(N, args.size - args.size % N)  # N equal chunks, so the byte count is exact
@@ -85,7 +94,7 @@ def main():
     wrong = not close or sent_by_ring != formula
 
     def report():
-        rounded = f", --size rounded down to a multiple of {N}" if size != args.size else ""
+        rounded = f", --size rounded {'down' if size < args.size else 'up'} to a multiple of {N}" if size != args.size else ""
         print(f"{N} ranks, {S:,} bytes each ({size:,} float64{rounded})\n")
         why = "  (rounding: sums in another order)" if close else "  (more than rounding: wrong)"
         print(f"  max |ring - MPI all-reduce|        {error:.2e}{why}")

@@ -57,7 +57,7 @@ def flags(p):
 def check(args, ranks):
     run = RunConfig(world_size=ranks, global_batch=args.batch_size, micro_batches=args.micro_batches,
                     dtype=args.dtype, **CONFIG)
-    found = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS)
+    found = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS, args.steps)
     return lesson.at_least_one(args, "--steps", "--bucket-kb") + found
 
 

@@ -73,7 +73,8 @@ def check(args, ranks):
     run = RunConfig(world_size=ranks, tp=args.tp, global_batch=args.batch_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, dropout=args.dropout,
                     sequence_parallel=args.tp > 1, dtype=args.dtype)
-    return lesson.at_least_one(args, "--steps") + (problems(run, FLAGS) or lesson.memory_problems(run, FLAGS))
+    found = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS, args.steps)
+    return lesson.at_least_one(args, "--steps") + found
 
 
 def count_per_layer(grid):

@@ -169,7 +169,7 @@ def check(args, ranks):
         args.virtual_stages = 2 if args.schedule in (None, "interleaved") else 1
     args.pp, found = choose_pipeline(ranks, args)
     if not found:  # (every schedule's run holds the same model)
-        found = lesson.memory_problems(run_config(ranks, args, args.pp, "1f1b", 1), FLAGS)
+        found = lesson.memory_problems(run_config(ranks, args, args.pp, "1f1b", 1), FLAGS, args.steps)
     found = ignored + found
     if args.steps < 2:
         found.insert(0, "--steps must be >= 2 (memory is measured in the first step, time in the last)")

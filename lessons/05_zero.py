@@ -73,7 +73,7 @@ def check(args, ranks):
     run = RunConfig(world_size=ranks, global_batch=args.batch_size, micro_batches=args.micro_batches,
                     n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size,
                     dropout=0.1, zero_stage=3, dtype=args.dtype)
-    found = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS)
+    found = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS, args.steps)
     return lesson.at_least_one(args, "--steps", "--bucket-kb") + found
 
 

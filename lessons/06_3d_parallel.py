@@ -112,7 +112,8 @@ def check(args, ranks):
                     micro_batches=args.micro_batches, n_layer=args.n_layer, n_head=N_HEAD, n_embd=N_EMBD,
                     virtual_stages=args.virtual_stages, block_size=BLOCK_SIZE, dropout=0.1, zero_stage=1,
                     dtype=args.dtype)
-    return lesson.at_least_one(args, "--steps") + (problems(run, FLAGS) or lesson.memory_problems(run, FLAGS))
+    found = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS, args.steps)
+    return lesson.at_least_one(args, "--steps") + found
 
 
 def blocks(layers):

@@ -96,7 +96,10 @@ def check(args, ranks):
                         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                         dropout=args.dropout, dtype=args.dtype)
         found += [line for line in problems(run, FLAGS) if line not in found]
-    return found or lesson.memory_problems(run, FLAGS)  # (the same model in every layout)
+        if args.cp_comm_type and cp == 1:  # once run as "CP1 a2a", sending nothing on the CP group
+            found.append(f"--cp-comm-type {args.cp_comm_type} is how context-parallel ranks communicate, and CP is 1 "
+                         f"here ({ranks} rank{'s' * (ranks > 1)}, TP={tp}): give --cp > 1, or drop it")
+    return found or lesson.memory_problems(run, FLAGS, args.steps)  # (the same model in every layout)
 
 
 def attention_alone(args, cp):

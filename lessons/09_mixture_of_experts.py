@@ -95,7 +95,7 @@ def check(args, ranks):
                         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                         dropout=args.dropout, dtype=args.dtype)
         found += [line for line in problems(run, FLAGS) if line not in found]
-    return found or lesson.memory_problems(run, FLAGS)  # (the same model in every layout)
+    return found or lesson.memory_problems(run, FLAGS, args.steps)  # (the same model in every layout)
 
 
 def uneven_split():

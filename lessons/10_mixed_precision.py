@@ -78,7 +78,10 @@ def flags(p):
 def check(args, ranks):
     run = RunConfig(world_size=ranks, global_batch=args.batch_size, n_layer=args.n_layer, n_head=N_HEAD,
                     n_embd=args.n_embd, block_size=args.block_size, zero_stage=args.zero_stage)
-    out = lesson.at_least_one(args, "--steps") + (problems(run, FLAGS) or lesson.memory_problems(run, FLAGS, reference=False))
+    out = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS, args.steps, reference=False)
+    out = lesson.at_least_one(args, "--steps") + out
+    if args.dtype != "float32":  # (each run sets its own: float32, and bf16 and fp16 over float32 masters)
+        out.append(f"--dtype {args.dtype}: this lesson trains in float32, bf16 and fp16 itself; drop --dtype")
     if not 0 <= args.overflow_step < args.steps:
         out.append(f"--overflow-step {args.overflow_step} is not one of the {args.steps} steps (--steps)")
     if not 1 <= args.fp16_initial_scale < float("inf"):  # the scaler's smallest scale is 1; nan fails too

@@ -83,37 +83,59 @@ def output_problems(flag, given, folder):
     return [] if why is None else [f"{flag} {given}: {why}"]
 
 
-def memory_problems(run, names, reference=True):
+def memory_problems(run, names, steps, reference=True):
     """[a line] if the lesson cannot fit in this machine's memory, else []: asked with the flags
     (sizes far too big once ended in a MemoryError traceback from every rank). ``run`` is the
-    lesson's ``validate.RunConfig``, ``names`` its flags by field. The count is a floor, so that
-    no run that fits is refused, of what the ranks sharing this memory (a host, or a GPU) hold at
-    once: with a ``reference`` run (``reference_run``), its model with gradients and AdamW's two
-    moments on the root while it runs, then on every rank its weights, first gradients and logits
-    beside the rank's share of the parallel model and its state; without (a lesson that trains
-    every rank's model whole at ZeRO stage 0), that model and its state on every rank.
-    Activations are not counted."""
+    lesson's ``validate.RunConfig``, ``names`` its flags by field, ``steps`` how many it trains.
+    The count is a floor, so that no run that fits is refused, of what the ranks sharing this
+    memory (a host, or a GPU) hold at once: every rank's batches for all the steps (``batches``);
+    with a ``reference`` run (``reference_run``), its model with gradients and AdamW's two moments
+    on the root while it runs, then on every rank its weights, first gradients and logits beside
+    the rank's share of the parallel model and its state; without (a lesson that trains every
+    rank's model whole at ZeRO stage 0), that model and its state on every rank. Activations are
+    not counted."""
     free = backend.free_memory()
     if free is None:
         return []
     total, sharing, what = free
     size, n = BYTES[run.dtype], total_parameters(run)
-    logits = run.global_batch * run.block_size * (run.vocab_size or 256) * size
-    state = 4 * n * size  # weights, gradients, two moments
+    tokens = run.global_batch * run.block_size
+    ids = steps * 2 * 8 * tokens  # x and y, int64
+    logits, state = tokens * (run.vocab_size or 256) * size, 4 * n * size  # state: weights, gradients, moments
     if reference:
-        need = max(state + logits, sharing * (2 * n * size + logits + state / run.world_size))
+        need = max(state + logits, sharing * (2 * n * size + logits + state / run.world_size)) + sharing * ids
         held = (f"the single-device run it checks against holds a model of {n:,} parameters ({run.dtype}) "
                 "with its gradients and AdamW's two moments, and every rank keeps that run's weights, first "
-                "gradients and logits beside its share of the parallel model")
+                "gradients and logits beside its share of the parallel model, and every step's batch")
     else:
-        need = sharing * state
-        held = f"every rank holds a model of {n:,} parameters ({run.dtype}) with its gradients and AdamW's two moments"
+        need = sharing * (state + ids)
+        held = (f"every rank holds a model of {n:,} parameters ({run.dtype}) with its gradients and AdamW's two "
+                "moments, and every step's batch")
+    if need <= total:
+        return []  # (the fixes below are worked out only for a refusal)
+    has = lambda *fields: [names[f] for f in fields if f in names]  # noqa: E731 (the flags this lesson has)
+    # the fixes for what takes the most: the batches, one batch's logits, or the model
+    batch = sharing * logits * reference
+    parts = {"steps": sharing * ids, "batch": batch, "model": need - sharing * ids - batch}
+    most = max(parts, key=parts.get)
+    if most == "steps":
+        fixes = ["fewer --steps"]
+    elif most == "batch":
+        fixes = [f"a smaller {flag}" for flag in has("global_batch", "block_size")]
+    else:  # (the position embedding: block_size x n_embd)
+        fixes = [f"fewer {flag}" for flag in has("n_layer")] + [f"a smaller {flag}" for flag in has("n_embd")]
+        fixes += [f"a smaller {flag}" for flag in has("block_size") if run.block_size * run.n_embd > n / 2]
+    return too_big(need, free, held, fixes)
+
+
+def too_big(need, free, held, fixes):
+    """[the line refusing a lesson that needs ``need`` bytes of the memory ``free`` describes
+    (``backend.free_memory()``: bytes, ranks sharing them, what they are), saying what is ``held``
+    and the ``fixes``], or [] if it fits."""
+    total, sharing, what = free
     if need <= total:
         return []
-    fixes = [f"a smaller {names['global_batch']}"] if reference and logits > 2 * n * size else []
-    fixes += [f"{how} {names[field]}" for field, how in (("n_layer", "fewer"), ("n_embd", "a smaller"))
-              if field in names]  # the sizes this lesson has flags for
-    fixes += ["fewer ranks on this machine"] * (sharing > 1)
+    fixes = fixes + ["fewer ranks on this machine"] * (sharing > 1)
     return [f"this lesson needs at least {gb(need)} of {what}, which is {gb(total)} here for {sharing} "
             f"rank{'s' * (sharing > 1)}: {held}; fix: {' or '.join(fixes)}"]
 

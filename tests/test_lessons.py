@@ -201,6 +201,12 @@ def test_3d_lesson_defaults_fit_two_ranks():
     # sizes far beyond the machine: once a MemoryError traceback from every rank
     ("03_tensor_parallel.py", ["--n-embd", "65536"], "fix: fewer --n-layer or a smaller --n-embd", 1),
     ("02_data_parallel.py", ["--batch-size", "100000000"], "fix: a smaller --batch-size", 1),
+    ("02_data_parallel.py", ["--steps", "1000000000000"], "fix: fewer --steps", 1),  # every batch is made first
+    ("03_tensor_parallel.py", ["--block-size", "1000000000000"], "a smaller --block-size", 1),
+    ("00_collectives.py", ["--size", "1000000000000"], "fix: a smaller --size", 1),
+    ("08_context_parallel.py", ["--tp", "2", "--cp-comm-type", "a2a"],  # ran as "CP1 a2a", sending nothing
+     "--cp-comm-type a2a is how context-parallel ranks communicate, and CP is 1 here", 1),
+    ("10_mixed_precision.py", ["--dtype", "float64"], "this lesson trains in float32, bf16 and fp16 itself", 1),
     ("04_pipeline_parallel.py", ["--out", "/dev/null"], "--out /dev/null: /dev/null is a file, not a folder", 1),
     ("10_mixed_precision.py", ["--plot", "/dev/null/loss.png"], "/dev/null is a file, not a folder", 1),  # once after the run
     pytest.param("02_data_parallel.py", ["--device", "cuda"], "--device cuda: the cuda device needs CuPy", 1,
