@@ -44,6 +44,7 @@ from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.schedules import shape_of
 from minipar.train_report import STUCK_STEPS, Reports
+from minipar.watchdog import Watchdog
 
 
 def learning_rate(it, args):
@@ -198,10 +199,12 @@ class Trainer(Reports):
             os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
         # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
         # leaves nothing for the close to fail on again
+        minutes = args.distributed_timeout_minutes
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
-                  buffering=0) as log:
+                  buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}") as watchdog:
             clock, stuck = time.perf_counter(), 0
             for it in range(self.start, end):
+                watchdog.arm(f"iteration {it} (its step, evaluation and checkpoint)")
                 loss, norm, bubble, bad = self.step(it)
                 if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)

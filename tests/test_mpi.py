@@ -237,6 +237,37 @@ def test_a_rank_that_fails_before_numpy_loads_ends_the_job(tmp_path):
     assert seconds < 30, seconds
 
 
+# A rank that leaves training early without an error, as a bug could make it: the other waits in
+# the step's collectives for a rank that is gone. (Without the watchdog the job spun until killed.)
+STOPS_ON_RANK_1 = """import sys
+from minipar import train, trainer
+from minipar.comm import world
+
+original = trainer.Trainer.step
+
+
+def step(self, it):
+    if it == 2 and world().rank == 1:
+        raise SystemExit(0)
+    return original(self, it)
+
+
+trainer.Trainer.step = step
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_hang_ends_the_job_saying_which_iteration_and_where_each_rank_waits(tmp_path):
+    script = tmp_path / "stops.py"
+    script.write_text(STOPS_ON_RANK_1)
+    code, out, seconds = run_mpi(2, str(script), "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+                                 "--block-size", "16", "--batch-size", "4", "--max-iters", "50", "--sample", "0",
+                                 "--plot", "", "--distributed-timeout-minutes", "0.05", timeout=90)
+    assert code != 0 and "error: iteration 2 (its step, evaluation and checkpoint) has not ended after 3 s " \
+        "(--distributed-timeout-minutes 0.05)" in out, out
+    assert "Where this rank is:" in out and 'File "' in out and seconds < 60, out
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pipe's unread bytes are asked of Linux (FIONREAD)")
 def test_an_abort_waits_until_the_launcher_has_read_the_error():
     """The launcher reads a rank's output from a pipe; MPI_Abort while the error is still in the

@@ -1,0 +1,36 @@
+"""The watchdog that ends a hung training run (minipar/watchdog.py), in one process without MPI."""
+
+import subprocess
+import sys
+
+import pytest
+
+PROGRAM = """import os, sys, time
+from minipar.watchdog import Watchdog
+
+dog = Watchdog({seconds}, "--limit {seconds}", abort=lambda: os._exit(3))
+for it in range(4):
+    dog.arm(f"piece {{it}}")
+    time.sleep({pause})
+dog.close()
+print("all pieces ended")
+"""
+
+
+def run(seconds, pause):
+    program = PROGRAM.format(seconds=seconds, pause=pause)
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+
+
+def test_a_piece_of_work_past_its_deadline_is_reported_with_where_it_waits_then_aborted():
+    done = run(0.5, 3)
+    assert done.returncode == 3 and "all pieces ended" not in done.stdout, done.stderr
+    assert "error: piece 0 has not ended after 0.5 s (--limit 0.5): a rank stopped" in done.stderr
+    assert 'line 7 in <module>' in done.stderr  # the main thread's frame: the sleep it waits in
+
+
+@pytest.mark.parametrize("seconds", [2, 0])
+def test_work_that_ends_in_time_or_no_limit_never_fires(seconds):
+    """Each piece takes 0.4 s of a 2 s limit (four of them 1.6 s: the limit is per piece); 0: no limit."""
+    done = run(seconds, 0.4)
+    assert done.returncode == 0 and "all pieces ended" in done.stdout and done.stderr == "", done.stderr
