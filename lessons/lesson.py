@@ -88,7 +88,8 @@ def memory_problems(run, names, steps, reference=True):
     (sizes far too big once ended in a MemoryError traceback from every rank). ``run`` is the
     lesson's ``validate.RunConfig``, ``names`` its flags by field, ``steps`` how many it trains.
     The count is a floor, so that no run that fits is refused, of what the ranks sharing this
-    memory (a host, or a GPU) hold at once: every rank's batches for all the steps (``batches``);
+    memory (a host, or a GPU) hold at once: every rank's batches for all the steps (``batches``,
+    on the host: on a GPU, they are counted against the host's memory, and one against the GPU's);
     with a ``reference`` run (``reference_run``), its model with gradients and AdamW's two moments
     on the root while it runs, then on every rank its weights, first gradients and logits beside
     the rank's share of the parallel model and its state; without (a lesson that trains every
@@ -100,17 +101,23 @@ def memory_problems(run, names, steps, reference=True):
     total, sharing, what = free
     size, n = BYTES[run.dtype], total_parameters(run)
     tokens = run.global_batch * run.block_size
-    ids = steps * 2 * 8 * tokens  # x and y, int64
+    ids, batches = steps * 2 * 8 * tokens, "every step's batch"  # x and y, int64, made on the host
+    if backend.on_gpu():  # the host holds them all, the GPU one step's
+        host = backend.free_memory(host=True)
+        found = too_big(host[1] * ids, host, "every rank makes every step's batch first", ["fewer --steps"]) if host else []
+        if found:
+            return found
+        ids, batches = ids // max(steps, 1), "a step's batch"
     logits, state = tokens * (run.vocab_size or 256) * size, 4 * n * size  # state: weights, gradients, moments
     if reference:
         need = max(state + logits, sharing * (2 * n * size + logits + state / run.world_size)) + sharing * ids
         held = (f"the single-device run it checks against holds a model of {n:,} parameters ({run.dtype}) "
                 "with its gradients and AdamW's two moments, and every rank keeps that run's weights, first "
-                "gradients and logits beside its share of the parallel model, and every step's batch")
+                f"gradients and logits beside its share of the parallel model, and {batches}")
     else:
         need = sharing * (state + ids)
         held = (f"every rank holds a model of {n:,} parameters ({run.dtype}) with its gradients and AdamW's two "
-                "moments, and every step's batch")
+                f"moments, and {batches}")
     if need <= total:
         return []  # (the fixes below are worked out only for a refusal)
     has = lambda *fields: [names[f] for f in fields if f in names]  # noqa: E731 (the flags this lesson has)

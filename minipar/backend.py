@@ -62,11 +62,12 @@ def local_size():
     return 1
 
 
-def free_memory():
+def free_memory(host=False):
     """(bytes free on this rank's device, how many ranks of the node share them, what was read),
-    or None where nothing says: the GPU's free memory, or the host's MemAvailable (Linux)."""
+    or None where nothing says: the GPU's free memory, or the host's MemAvailable (Linux), which
+    ``host`` asks for on a GPU too."""
     ranks = local_size()
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" and not host:
         import cupy
 
         free, _ = cupy.cuda.runtime.memGetInfo()

@@ -171,9 +171,9 @@ def build_parser():
     d.add_argument("--load", metavar="DIR", help="continue from the latest checkpoint in DIR (or a checkpoint directory)")
     d.add_argument("--exit-interval", type=positive_int, help="stop when the iterations done are a multiple of this (as Megatron-LM: a planned interruption; needs --save, resume with --load)")
     d.add_argument("--distributed-timeout-minutes", type=non_negative_float, default=10.0,
-                   help="end the job when one training iteration (its step, evaluation and checkpoint) takes longer, "
-                   "each waiting rank printing where it waits: a hang ends instead of spinning forever (Megatron-LM's "
-                   "name; 0: never)")
+                   help="end a job of several ranks when a training step, an evaluation or a checkpoint save takes "
+                   "longer, each waiting rank printing where it waits: a hang ends instead of spinning forever "
+                   "(Megatron-LM's name, there a limit per collective; 0: never)")
     d.add_argument("--report", action="store_true", help="print every rank's memory and bytes sent per step at the end")
     d.add_argument("--plot", metavar="FILE", default="out/loss.png", help="loss-curve picture ('' for none)")
     d.add_argument("--sample", type=int, default=200, help="tokens to generate after training (0: none)")

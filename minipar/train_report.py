@@ -1,7 +1,7 @@
 """What ``python -m minipar.train`` prints about its run, beside the loop (``trainer.py``): the
-run's description at the start, the divergence message that names the bad gradients, and
-``--report``'s tables of each rank's memory, traffic and host, and of the routing of a mixture of
-experts. ``Reports`` is a mixin of ``Trainer``: it reads the trainer's args, grid, model, optimizer
+run's description at the start, each iteration's --log-json row, the messages of a run that
+diverged or whose fp16 steps are all skipped, and ``--report``'s tables of each rank's memory,
+traffic and host, and of the routing of a mixture of experts. ``Reports`` is a mixin of ``Trainer``: it reads the trainer's args, grid, model, optimizer
 and world, and sends nothing but the gathers its tables need (the hostnames once, at the start).
 """
 
@@ -11,6 +11,7 @@ import sys
 
 import numpy
 
+from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.weight_stash import WeightStash
 
 STUCK_STEPS = 10  # fp16 steps skipped in a row at the lowest loss scale before the run stops
@@ -128,6 +129,28 @@ class Reports:
         warning = tp_warning(g.layout, self.hosts)
         if warning:
             print(warning, file=sys.stderr, flush=True)
+
+    def _record(self, it, loss, norm, bubble, ms, mfu):
+        """Iteration ``it``'s row of --log-json (and of the progress line)."""
+        args = self.args
+        record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
+                  "mfu": mfu}
+        # the bubble of this step's compute alone (stage_times): a replay of up to 4096
+        # chunk-passes, 0.1 s at that size, so only for a log; on every rank alike, so that
+        # every rank starts the next step together
+        m = args.micro_batches
+        expected = stage_times.expected(args.schedule, self.v, m, self.stages) if args.log_json else None
+        if expected is not None:
+            record.update(bubble_expected=expected, stage_ms=stage_times.costs_ms(self.stages, self.v, m))
+        if self.opt.policy is not None:  # mixed precision: the scale the step's loss was multiplied by
+            record.update(loss_scale=self.loss_scale, skipped=self.opt.skipped_step)
+            if self.opt.skipped_step:  # the scaled gradients overflowed: no norm (JSON has no inf)
+                record["grad_norm"] = None
+        if self.routing is not None:  # per MoE layer, over the whole step
+            r = self.routing
+            record.update(aux_loss=r["aux_loss"], z_loss=r["z_loss"], moe_layers=r["layers"],
+                          tokens_per_expert=r["tokens_per_expert"].tolist(), dropped=r["dropped"].tolist())
+        return record
 
     def _diverged(self, it, loss, norm, bad):
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""

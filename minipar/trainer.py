@@ -199,12 +199,13 @@ class Trainer(Reports):
             os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
         # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
         # leaves nothing for the close to fail on again
-        minutes = args.distributed_timeout_minutes
+        # one process cannot wait for another: the watchdog only watches a job of several
+        minutes = args.distributed_timeout_minutes if self.world.size > 1 else 0
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
                   buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}") as watchdog:
             clock, stuck = time.perf_counter(), 0
             for it in range(self.start, end):
-                watchdog.arm(f"iteration {it} (its step, evaluation and checkpoint)")
+                watchdog.arm(f"the step of iteration {it}")
                 loss, norm, bubble, bad = self.step(it)
                 if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)
@@ -214,32 +215,17 @@ class Trainer(Reports):
                     return self._stuck(it)
                 now = time.perf_counter()
                 ms, clock = 1e3 * (now - clock), now
-                mfu = model_flops / (ms / 1e3) / peak
-                record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
-                          "mfu": mfu}
-                # the bubble of this step's compute alone (stage_times): a replay of up to 4096
-                # chunk-passes, 0.1 s at that size, so only for a log; on every rank alike, so that
-                # every rank starts the next step together
-                m = args.micro_batches
-                expected = stage_times.expected(args.schedule, self.v, m, self.stages) if args.log_json else None
-                if expected is not None:
-                    record.update(bubble_expected=expected, stage_ms=stage_times.costs_ms(self.stages, self.v, m))
-                if self.opt.policy is not None:  # mixed precision: the scale the step's loss was multiplied by
-                    record.update(loss_scale=self.loss_scale, skipped=self.opt.skipped_step)
-                    if self.opt.skipped_step:  # the scaled gradients overflowed: no norm (JSON has no inf)
-                        record["grad_norm"] = None
-                if self.routing is not None:  # per MoE layer, over the whole step
-                    r = self.routing
-                    record.update(aux_loss=r["aux_loss"], z_loss=r["z_loss"], moe_layers=r["layers"],
-                                  tokens_per_expert=r["tokens_per_expert"].tolist(), dropped=r["dropped"].tolist())
+                record = self._record(it, loss, norm, bubble, ms, model_flops / (ms / 1e3) / peak)
                 last = it == end - 1
                 if (it + 1) % args.eval_interval == 0 or it == args.max_iters - 1:
+                    watchdog.arm(f"the evaluation after iteration {it}")
                     val_loss = record["val_loss"] = self.evaluate()
                     val_history.append((it, val_loss))
                     # other work on the machine only slows a measurement: the highest one is the
                     # nearest the peak (one taken while the machine was busy made MFU exceed 100%)
                     peak = max(peak, measured_peak(self.world, dtype))
                 if args.save and ((it + 1) % args.save_interval == 0 or last):
+                    watchdog.arm(f"the checkpoint of iteration {it + 1}")
                     self.save(it + 1)
                 clock = time.perf_counter()  # validation and saving are not a step's time
                 history.append(loss)

@@ -8,9 +8,10 @@ blocking calls spin while they wait, so such a job burns its cores until someone
 
 Megatron-LM gives torch.distributed a timeout (``--distributed-timeout-minutes``, 10 by default):
 NCCL's watchdog ends a collective that has not completed by then. A collective on MPI cannot be
-given a deadline, so this watchdog times each training iteration as a whole (its step, and the
-evaluation and checkpoint that follow it). A thread wakes once a second; when the iteration armed
-last has run past its deadline, it prints which iteration, and where this rank's threads are
+given a deadline, so this watchdog gives one to each piece of training around them: a step, an
+evaluation, a checkpoint save, each with the whole limit (a wider net than Megatron's: a piece
+that is only slow, past the limit, ends too). A thread wakes once a second; when the piece armed
+last has run past its deadline, it prints which piece, and where this rank's threads are
 (``faulthandler``: the frame it waits in names the collective), then aborts the job. Every rank
 that waits does the same, so the report shows each rank's place. The thread can run while the
 main thread waits, since mpi4py releases the GIL inside MPI calls (and our polite waits sleep).
@@ -21,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 from minipar.start import let_output_through
 
@@ -33,7 +35,7 @@ class Watchdog:
 
     def __init__(self, seconds, flag, abort=None):
         self.seconds, self.flag, self.abort = seconds, flag, abort or _abort
-        self.deadline, self.what = None, None
+        self.armed = None  # (what, deadline)
         self.stop = threading.Event()
         self.thread = None
         if seconds > 0:
@@ -41,7 +43,7 @@ class Watchdog:
             self.thread.start()
 
     def arm(self, what):
-        self.what, self.deadline = what, time.monotonic() + self.seconds
+        self.armed = (what, time.monotonic() + self.seconds)  # one attribute: read whole by the thread
 
     def close(self):
         self.stop.set()
@@ -56,17 +58,24 @@ class Watchdog:
 
     def _watch(self):
         while not self.stop.wait(min(1.0, self.seconds / 4)):
-            deadline = self.deadline
-            if deadline is not None and time.monotonic() > deadline:
-                self._fire()
+            armed = self.armed
+            if armed is not None and time.monotonic() > armed[1] and self.armed is armed:  # (not re-armed since)
+                self._fire(armed[0])
                 return
 
-    def _fire(self):
-        print(f"error: {self.what} has not ended after {self.seconds:g} s ({self.flag}): a rank stopped, "
-              "or waits for a message or collective that never comes. Where this rank is:",
-              file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        self.abort()
+    def _fire(self, what):
+        """Say what has not ended and where this rank is, then end the job, whatever the saying raises."""
+        try:
+            print(f"error: {what} has not ended after {self.seconds:g} s ({self.flag}): a rank stopped, "
+                  "or waits for a message or collective that never comes. Where this rank is:",
+                  file=sys.stderr, flush=True)
+            try:
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            except (AttributeError, ValueError, OSError):  # a stream without a file descriptor (captured)
+                for frame in sys._current_frames().values():
+                    print("".join(traceback.format_stack(frame)), file=sys.stderr, flush=True)
+        finally:
+            self.abort()
 
 
 def _abort():

@@ -77,6 +77,27 @@ def test_lesson_scaffolding_prints_the_table_and_exits_1_on_a_mismatch(monkeypat
     assert not lesson.within(1e-5, {"loss": float("nan")})  # NaN is a mismatch, not a pass
 
 
+def test_a_lessons_batches_are_counted_against_the_host_when_it_runs_on_a_gpu(monkeypatch):
+    """A lesson makes every step's batch on the host first; on a GPU only one is on the device.
+    So many steps are refused for the host's memory, not for the GPU's."""
+    monkeypatch.syspath_prepend(LESSONS)
+    lesson = importlib.import_module("lesson")
+    from minipar import backend
+    from minipar.parallel.validate import RunConfig
+
+    memories = {False: (80e9, 1, "free memory of the GPU"), True: (100e9, 8, "MemAvailable")}
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: memories[host])
+    run = RunConfig(world_size=8, global_batch=16, n_layer=4, n_head=4, n_embd=128, block_size=64, dtype="float32")
+    names = {"n_layer": "--n-layer", "global_batch": "--batch-size"}
+    assert lesson.memory_problems(run, names, 500_000) == []  # 8 ranks x 8.2 GB of batches: the host holds them
+    (line,) = lesson.memory_problems(run, names, 1_000_000)  # 8 x 16.4 GB: it does not
+    assert "of MemAvailable, which is 100.0 GB here for 8 ranks" in line and "fix: fewer --steps or fewer" in line
+    monkeypatch.setattr(backend, "on_gpu", lambda: False)  # a CPU: the same batches in the device's memory
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: (24e9, 8, "MemAvailable"))
+    assert "fix: fewer --steps" in lesson.memory_problems(run, names, 500_000)[0]
+
+
 class Broadcasts:
     """Rank ``rank`` of ``size`` whose broadcasts from another rank receive what that rank sent
     (``sent``, shared by the ranks): ranks of one job, run one after the other."""

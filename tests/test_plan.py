@@ -228,6 +228,7 @@ SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--top", "0"], "--top must be >= 1, got 0"),
     (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
     (["--moe-router-topk", "5"], "--moe-router-topk 5 routes to experts, and this model has none"),
+    (["--num-experts", "8", "--moe-router-topk", "9"], "--moe-router-topk 9 exceeds --num-experts 8"),
     (["--node-speeds", "1,inf"], "--node-speeds 1,inf: each speed must be a finite number > 0"),
     (["--node-speeds", "1,1"], "--node-speeds gives 2 speeds, and --gpus 8 at --gpus-per-node 8 make 1 node"),
     (["--node-speeds", "1", "--json"], "--node-speeds adds a table to the printed plans, and --json prints them"),

@@ -29,6 +29,14 @@ def test_a_piece_of_work_past_its_deadline_is_reported_with_where_it_waits_then_
     assert 'line 7 in <module>' in done.stderr  # the main thread's frame: the sleep it waits in
 
 
+def test_a_stream_without_a_file_descriptor_still_ends_the_job():
+    """faulthandler needs a file descriptor; a captured stderr has none, and the job must end anyway."""
+    program = PROGRAM.replace("from minipar.watchdog", "import io; sys.stderr = io.StringIO()\nfrom minipar.watchdog")
+    done = subprocess.run([sys.executable, "-c", program.format(seconds=0.5, pause=3)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3 and "all pieces ended" not in done.stdout, done.stderr
+
+
 @pytest.mark.parametrize("seconds", [2, 0])
 def test_work_that_ends_in_time_or_no_limit_never_fires(seconds):
     """Each piece takes 0.4 s of a 2 s limit (four of them 1.6 s: the limit is per piece); 0: no limit."""

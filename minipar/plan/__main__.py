@@ -71,9 +71,13 @@ def model_of(args):
              for low in [0 if f == "num_experts" else 1] if given[f] < low]
     if given.get("num_layers", 0) > MAX_LAYERS:
         found.append(f"--num-layers {given['num_layers']}: the planner takes at most {MAX_LAYERS:,} blocks")
-    if "moe_router_topk" in given and not given.get("num_experts", base.num_experts if base else 0):
-        found.append(f"--moe-router-topk {given['moe_router_topk']} routes to experts, and this model has none: "
+    experts = given.get("num_experts", base.num_experts if base else 0)
+    topk = given.get("moe_router_topk", base.moe_router_topk if base else 2)
+    if "moe_router_topk" in given and not experts:
+        found.append(f"--moe-router-topk {topk} routes to experts, and this model has none: "
                      "give --num-experts, or drop it")
+    elif experts and topk > experts:
+        found.append(f"--moe-router-topk {topk} exceeds --num-experts {experts}: a token picks among the experts")
     if base is None:
         missing = [MODEL_FLAGS[f] for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if f not in given]
         if missing:
@@ -117,7 +121,7 @@ def speeds_of(args):
         return [f"--node-speeds {args.node_speeds!r}: give numbers separated by commas"], None
     if not all(0 < x < math.inf for x in speeds):
         return [f"--node-speeds {args.node_speeds}: each speed must be a finite number > 0"], None
-    if len(speeds) != nodes:
+    if len(speeds) != nodes and args.gpus >= 1 and args.gpus_per_node >= 1:  # (else refused already)
         return [f"--node-speeds gives {len(speeds)} speed{'s' * (len(speeds) > 1)}, and --gpus {args.gpus} at "
                 f"--gpus-per-node {args.gpus_per_node} make {nodes} node{'s' * (nodes > 1)}: give one speed per node"], None
     return [], speeds
