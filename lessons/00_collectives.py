@@ -94,7 +94,8 @@ def main():
     wrong = not close or sent_by_ring != formula
 
     def report():
-        rounded = f", --size rounded {'down' if size < args.size else 'up'} to a multiple of {N}" if size != args.size else ""
+        way = "down" if size < args.size else "up"  # up: a --size below N, one element per chunk
+        rounded = f", --size rounded {way} to a multiple of {N}" if size != args.size else ""
         print(f"{N} ranks, {S:,} bytes each ({size:,} float64{rounded})\n")
         why = "  (rounding: sums in another order)" if close else "  (more than rounding: wrong)"
         print(f"  max |ring - MPI all-reduce|        {error:.2e}{why}")

@@ -1,8 +1,9 @@
 """What ``python -m minipar.train`` prints about its run, beside the loop (``trainer.py``): the
 run's description at the start, each iteration's --log-json row, the messages of a run that
 diverged or whose fp16 steps are all skipped, and ``--report``'s tables of each rank's memory,
-traffic and host, and of the routing of a mixture of experts. ``Reports`` is a mixin of ``Trainer``: it reads the trainer's args, grid, model, optimizer
-and world, and sends nothing but the gathers its tables need (the hostnames once, at the start).
+traffic and host, and of the routing of a mixture of experts. ``Reports`` is a mixin of
+``Trainer``: it reads the trainer's args, grid, model, optimizer and world, and sends nothing but
+the gathers its tables need (the hostnames once, at the start).
 """
 
 import math

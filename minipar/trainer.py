@@ -197,10 +197,10 @@ class Trainer(Reports):
         peak = measured_peak(self.world, dtype)  # a collective, before the clock
         if args.log_json and self.speaks:  # its folder was checked with the flags, not made
             os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
-        # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
-        # leaves nothing for the close to fail on again
         # one process cannot wait for another: the watchdog only watches a job of several
         minutes = args.distributed_timeout_minutes if self.world.size > 1 else 0
+        # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
+        # leaves nothing for the close to fail on again
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
                   buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}") as watchdog:
             clock, stuck = time.perf_counter(), 0

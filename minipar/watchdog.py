@@ -1,4 +1,4 @@
-"""A hang becomes an error: a training iteration that does not end in time ends the job.
+"""A hang becomes an error: a piece of training that does not end in time ends the job.
 
 An exception on one rank aborts every rank (``start.py``), but some failures raise nothing. A rank
 that stops early without an error (a bug that returns from the loop on one rank, a process
