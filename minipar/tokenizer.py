@@ -42,7 +42,7 @@ class BPETokenizer:
             import tokenizers
         except ImportError:
             raise ValueError("reading a BPE tokenizer needs the tokenizers package: pip install 'minipar[gpt2]'") from None
-        self.files = tokenizer_files(directory)
+        self.directory, self.files = directory, tokenizer_files(directory)
         if len(self.files) == 1:
             try:
                 self._tok = tokenizers.Tokenizer.from_file(self.files[0])
@@ -56,6 +56,16 @@ class BPETokenizer:
             self._tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
             self._tok.decoder = tokenizers.decoders.ByteLevel()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.vocab = vocab = self._tok.get_vocab(with_added_tokens=True)  # token -> id
+        ids = sorted(set(vocab.values()))
+        if len(ids) != len(vocab) or ids != list(range(len(ids))):  # ids shared, or holes: encoding is ambiguous
+            raise ValueError(f"{directory}: the vocabulary's ids are not 0 .. {len(vocab) - 1}, each once "
+                             f"({len(vocab)} tokens, {len(ids)} distinct ids from {ids[0] if ids else None} to "
+                             f"{ids[-1] if ids else None})")
+        lost = [c for c in tokenizers.pre_tokenizers.ByteLevel.alphabet() if c not in vocab]
+        if lost:  # a byte without a token is dropped from the text, silently
+            raise ValueError(f"{directory}: the vocabulary lacks {len(lost)} of the 256 byte-level symbols "
+                             f"(such as {lost[0]!r}): text with those bytes would be dropped, not encoded")
         if self.vocab_size > 2**16:
             raise ValueError(f"{directory}: {self.vocab_size} tokens do not fit the uint16 ids a corpus is cached as")
         self.eos_id = self._tok.token_to_id(END_OF_TEXT)

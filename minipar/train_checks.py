@@ -10,6 +10,8 @@ once as a FlagError.
 
 import os
 
+import numpy
+
 from minipar.cli import FlagError
 
 # the RunConfig field each flag sets, so that a problem names the flag
@@ -103,7 +105,8 @@ def _inside(path, folder):
 def clashing_paths(args):
     """Outputs that would destroy an input or each other, one line each: the corpus overwritten
     by the log, a checkpoint written into the corpus's folder (and read back as text), two files
-    of one name, or anything inside --export-hf's folder, which the export replaces whole."""
+    of one name, or anything inside --export-hf's folder, which the export replaces whole, an
+    input (the weights or the tokenizer it started from) included."""
     files = [(f"--{flag.replace('_', '-')}", getattr(args, flag)) for flag in ("log_json", "export_weights", "plot")]
     files = [(flag, path) for flag, path in files if path]
     outputs = files + [(flag, path) for flag, path in (("--save", args.save), ("--export-hf", args.export_hf)) if path]
@@ -113,11 +116,17 @@ def clashing_paths(args):
         problems += [f"{flag} {path} is inside --export-hf {args.export_hf}, which the export replaces whole "
                      "when the run ends: put it elsewhere" for flag, path in outputs
                      if flag != "--export-hf" and _inside(path, args.export_hf)]
-    for source, given in (("--data", args.data), ("--init-weights", args.init_weights)):
+    tokenizer = getattr(getattr(args, "tokenizer", None), "directory", None)  # (loaded by then: train_sources)
+    inputs = [(flag, path) for flag, path in (("--data", args.data), ("--init-weights", args.init_weights),
+                                                ("--tokenizer", tokenizer)) if path]
+    for source, given in inputs:
         # --export-weights over --init-weights writes the trained weights back, atomically: allowed
         problems += [f"{flag} {path} would write into {source} {given}, an input of this run: put it elsewhere"
-                     for flag, path in outputs if given and _inside(path, given)
+                     for flag, path in outputs if _inside(path, given)
                      and (flag, source) != ("--export-weights", "--init-weights")]
+        if args.export_hf and _inside(given, args.export_hf) and not _inside(args.export_hf, given):
+            problems.append(f"{source} {given} is inside --export-hf {args.export_hf}, which the export replaces "
+                            "whole when the run ends: put the export elsewhere")
     return problems
 
 
@@ -269,8 +278,15 @@ def check_files(p, args, config, data):
                      if n in weights and tuple(weights[n].shape) != s]
         if problems:
             more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-            p.error(f"--init-weights {args.init_weights}: {'; '.join(problems[:2])}{more}; "
-                    "the model flags must match the file's model")
+            # a snapshot's config.json set the model flags, which contradicting it refused already
+            fix = ("its model.safetensors does not hold the model its config.json describes" if os.path.isdir(
+                args.init_weights) else "the model flags must match the file's model")
+            p.error(f"--init-weights {args.init_weights}: {'; '.join(problems[:2])}{more}; {fix}")
+        bad = [n for n, w in weights.items() if not numpy.isfinite(w).all()]
+        if bad:  # such a run diverged at once, or with --max-iters 0 exported them
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            p.error(f"--init-weights {args.init_weights}: {bad[0]}{more} holds NaN or infinite values: "
+                    "a run starts from finite weights")
         # a float32 file may start a float64 run and back: the cast is explicit, here
         return {k: v.astype(args.dtype) for k, v in weights.items()}
     return None

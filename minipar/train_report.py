@@ -124,7 +124,8 @@ class Reports:
             print(f"experts: {layers} MoE layers of {c.num_experts} experts, top-{c.moe_router_topk}, {capacity}; "
                   f"EP {g.ep} ({c.num_experts // g.ep} experts per rank); aux loss x {c.moe_aux_loss_coeff}, "
                   f"z-loss x {c.moe_z_loss_coeff}")
-        print(f"data: {sum(len(s) for s in self.data.splits.values()):,} bytes "
+        unit = "tokens" if self.args.tokenizer is not None else "bytes"  # (the splits hold token ids)
+        print(f"data: {sum(len(s) for s in self.data.splits.values()):,} {unit} "
               f"({a.data or 'Python standard library'}), {a.batch_size * a.block_size:,} tokens per step"
               + (f"; resuming at iteration {self.start} from {a.load}" if a.load else ""))
         warning = tp_warning(g.layout, self.hosts)

@@ -64,6 +64,16 @@ def apply_sources(args, given):
             problems.append(f"{source['vocab_size'][1]} is {source['vocab_size'][0]}, {vocab[1]} has "
                             f"{vocab[0]} tokens: give the tokenizer of these weights")
         source["vocab_size"] = vocab
+        if args.init_weights and os.path.isdir(args.init_weights) and not os.path.samefile(args.init_weights,
+                                                                                            args.tokenizer):
+            try:  # the snapshot's own tokenizer, if it has one: its ids are what the embeddings were trained on
+                own = BPETokenizer(args.init_weights).vocab
+            except ValueError:
+                own = None
+            if own is not None and own != tokenizer.vocab:
+                problems.append(f"--tokenizer {args.tokenizer} gives tokens other ids than the tokenizer in "
+                                f"--init-weights {args.init_weights}, whose embeddings were trained on its ids: "
+                                f"give --tokenizer {args.init_weights}")
         if tokenizer.eos_id is not None and args.hf_token_ids.get("eos_token_id") is None:
             args.hf_token_ids = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     args.tokenizer = tokenizer

@@ -123,10 +123,18 @@ def test_a_snapshot_converts_and_round_trips_bit_for_bit(tmp_path, corpus):
     ([], {"activation_function": "relu"}, "activation_function is 'relu'; minipar computes 'gelu_new' only"),
     ([], {"n_inner": 48}, "n_inner is 48; minipar's MLP is 4 x n_embd = 64 wide"),
     ([], {"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon is 1e-06"),
+    # these four were said of flags nobody typed ("--n-layer must be a positive integer, got 0")
+    ([], {"n_layer": 0}, "SNAP/config.json: n_layer 0: a model's sizes are whole numbers >= 1"),
+    ([], {"n_head": 3}, "SNAP/config.json: n_embd 16 is not divisible by n_head 3"),
+    ([], {"n_embd": 32, "n_head": 2}, "its model.safetensors does not hold the model its config.json describes"),
+    ([], {"NaN": True}, "transformer.h.0.attn.c_attn.weight holds NaN or infinite values: a run starts from finite"),
     (["--num-experts", "4"], {}, "--init-weights SNAP: GPT-2 has dense MLPs, and this model has --num-experts 4"),
 ])
 def test_a_snapshot_the_run_cannot_take_is_one_line(flags, config, message, tmp_path, corpus):
-    snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()), **config)
+    tensors = transformers_tensors(minipar_state())
+    if config.pop("NaN", False):  # once exported again with exit status 0 under --max-iters 0
+        tensors["transformer.h.0.attn.c_attn.weight"][0, 0] = numpy.nan
+    snap = write_snapshot(tmp_path / "snap", tensors, **config)
     run = train("--init-weights", snap, *flags, "--max-iters", "0", "--data", corpus, *RUN)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
@@ -157,6 +165,36 @@ def test_a_tensor_parallel_checkpoint_exports_what_one_rank_exports(tmp_path, co
     assert not numpy.array_equal(trained["transformer.wte.weight"], minipar_state()["transformer.wte.weight"])
     for name, value in transformers_tensors(trained, head=False, buffers=False).items():
         assert a[name].tobytes() == value.tobytes() == b[name].tobytes(), name
+
+
+@pytest.mark.parametrize("kind", ["fifo", "nested", "list"])
+def test_a_config_json_that_is_no_settings_object_is_one_line(kind, tmp_path):
+    """A FIFO blocked the read forever; JSON nested too deep was a RecursionError traceback."""
+    path = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("[" * 100_000 + "]" * 100_000 if kind == "nested" else "[1, 2]")
+    expected = {"fifo": "not a regular file", "nested": "not a readable JSON file (RecursionError",
+                "list": "a JSON list, not an object of a model's settings"}[kind]
+    with pytest.raises(ValueError, match=f"^{path}: " + expected.replace("(", r"\(")):
+        hf.read_config(str(tmp_path))
+
+
+def test_an_export_is_refused_through_a_link_or_over_an_input(tmp_path, corpus):
+    """The export, renamed into place, replaced a link with a folder, and a folder holding the
+    run's own weights or tokenizer with the new export."""
+    os.mkdir(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()))
+    run = train("--max-iters", "0", "--data", corpus, *RUN, "--export-hf", tmp_path / "link")
+    assert run.returncode == 2 and f"--export-hf {tmp_path / 'link'}: is a link (to {tmp_path / 'real'}): give the " \
+        "folder itself" in run.stderr, run.stderr
+    run = train("--init-weights", f"{snap}/model.safetensors", "--n-layer", 2, "--n-head", 2, "--n-embd", 16,
+                "--block-size", 16, "--vocab-size", 259, "--max-iters", "0", "--data", corpus, *RUN, "--export-hf", snap)
+    assert run.returncode == 2 and f"--init-weights {snap}/model.safetensors is inside --export-hf {snap}, which " \
+        "the export replaces whole" in run.stderr, run.stderr
+    assert os.path.islink(tmp_path / "link") and os.listdir(tmp_path / "real") == []
 
 
 def test_a_folder_without_config_json_is_named_as_such(tmp_path):

@@ -3,6 +3,7 @@ run whose vocabulary follows the tokenizer. The tokenizer is trained here, on th
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -78,6 +79,57 @@ def train(*args, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "minipar.train", *args], capture_output=True, text=True,
                           timeout=300, env=env, cwd=cwd)
+
+
+def altered_vocabulary(pair, folder, change):
+    """A copy of the vocab.json + merges.txt tokenizer ``pair`` in ``folder``, its vocabulary
+    ({token: id}) passed through ``change``."""
+    import json
+    import shutil
+
+    os.makedirs(folder)
+    shutil.copy(os.path.join(pair, "merges.txt"), folder)
+    with open(os.path.join(pair, "vocab.json")) as fh:
+        vocab = json.load(fh)
+    with open(os.path.join(folder, "vocab.json"), "w") as fh:
+        json.dump(change(vocab), fh)
+    return str(folder)
+
+
+def two_ids_swapped(vocab):
+    a, b = sorted(vocab)[:2]
+    return dict(vocab, **{a: vocab[b], b: vocab[a]})
+
+
+@pytest.mark.parametrize("change,message", [  # each trained without a word, or failed later with a traceback
+    (lambda v: dict(v, **{"Ġ5": v["d"]}), "the vocabulary's ids are not 0 .. 299, each once (300 tokens, 299 distinct"),
+    (lambda v: {t: (5000 if i == len(v) - 1 else i) for t, i in v.items()}, "distinct ids from 0 to 5000"),
+    (lambda v: {t: i for i, t in enumerate(sorted((t for t in v if t != "Ā"), key=v.get))},  # byte 0's symbol
+     "the vocabulary lacks 1 of the 256 byte-level symbols (such as 'Ā')"),
+])
+def test_a_vocabulary_that_cannot_encode_every_text_one_way_is_refused(bpe, tmp_path, change, message):
+    """Ids shared by two tokens encoded one text differently from run to run; ids beyond the
+    vocabulary broke the cache of uint16 ids; a missing byte symbol dropped text silently."""
+    folder = altered_vocabulary(bpe[1], tmp_path / "tok", change)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BPETokenizer(folder)
+
+
+def test_a_snapshot_starts_only_with_its_own_tokenizers_ids_and_an_export_spares_the_tokenizer(bpe, tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    snap = tmp_path / "snap"
+    assert train(*TINY, "--tokenizer", bpe[0], "--data", "corpus.txt", "--max-iters", "1", "--export-hf", "snap",
+                 cwd=tmp_path).returncode == 0
+    swapped = altered_vocabulary(bpe[1], tmp_path / "swapped", two_ids_swapped)
+    run = train("--init-weights", "snap", "--tokenizer", swapped, "--data", "corpus.txt", "--max-iters", "0",
+                "--eval-iters", "1", "--sample", "0", "--plot", "", cwd=tmp_path)
+    assert run.returncode == 2 and f"--tokenizer {swapped} gives tokens other ids than the tokenizer in " \
+        "--init-weights snap" in run.stderr, run.stderr
+    before = (snap / "model.safetensors").read_bytes()
+    run = train(*TINY, "--tokenizer", "snap", "--data", "corpus.txt", "--max-iters", "1", "--export-hf", "snap",
+                cwd=tmp_path)
+    assert run.returncode == 2 and "--export-hf snap would write into --tokenizer snap" in run.stderr, run.stderr
+    assert (snap / "model.safetensors").read_bytes() == before
 
 
 def test_a_run_takes_its_vocabulary_from_the_tokenizer_and_samples_text(bpe, tmp_path):

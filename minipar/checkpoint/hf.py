@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from minipar.checkpoint.files import folder_problem, umask, write_file
 from minipar.checkpoint.tensor_file import tensor_file
-from minipar.checkpoint.weights import check_dtypes
+from minipar.checkpoint.weights import check_dtypes, check_regular
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -85,17 +85,25 @@ def read_config(directory):
     if not os.path.lexists(path):
         raise ValueError(f"{directory} has no {CONFIG}: a Hugging Face GPT-2 snapshot holds {CONFIG} and "
                          "model.safetensors; give that folder, or a .safetensors file of minipar's")
+    check_regular(path)
     try:
         with open(path) as fh:
             config = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
-        raise ValueError(f"{path}: model_type is {config.get('model_type') if isinstance(config, dict) else None!r}, "
-                         "not 'gpt2': minipar reads GPT-2 models only")
+    except (OSError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deep to parse)
+        raise ValueError(f"{path}: not a readable JSON file ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a JSON {type(config).__name__}, not an object of a model's settings")
+    if config.get("model_type") != "gpt2":
+        raise ValueError(f"{path}: model_type is {config.get('model_type')!r}, not 'gpt2': minipar reads GPT-2 models only")
     missing = [key for key in FIELDS.values() if type(config.get(key)) is not int]
     if missing:
         raise ValueError(f"{path}: no whole number {', '.join(missing)}")
+    small = [f"{key} {config[key]}" for key in FIELDS.values() if config[key] < 1]
+    if small:
+        raise ValueError(f"{path}: {', '.join(small)}: a model's sizes are whole numbers >= 1")
+    if config["n_embd"] % config["n_head"]:
+        raise ValueError(f"{path}: n_embd {config['n_embd']} is not divisible by n_head {config['n_head']}: "
+                         "every head needs n_embd / n_head dimensions")
     for key, allowed in _SAME.items():
         if key in config and config[key] not in allowed:
             raise ValueError(f"{path}: {key} is {config[key]!r}; minipar computes {allowed[0]!r} only")
@@ -124,6 +132,7 @@ def hf_config(config, dropout=0.0, token_ids=None):
 
 def read_tensors(path):
     """{name: array} of a safetensors file, refusing dtypes a run would have to convert."""
+    check_regular(path)
     try:
         with safe_open(path, framework="numpy") as fh:
             check_dtypes({name: fh.get_slice(name).get_dtype() for name in fh.keys()
@@ -189,6 +198,8 @@ def export_dir_problem(directory):
     why = folder_problem(os.path.dirname(os.path.abspath(directory)))  # the export is written beside it, then renamed
     if why is not None:
         return why
+    if os.path.islink(directory):  # the rename would replace the link, not fill the folder it names
+        return f"is a link (to {os.readlink(directory)}): give the folder itself"
     if not os.path.exists(directory):
         return None
     if not os.path.isdir(directory):

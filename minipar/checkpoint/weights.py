@@ -42,12 +42,20 @@ def save_weights(state, path):
     fsync_dir(directory)  # the rename itself reaches the disk
 
 
+def check_regular(path):
+    """Refuse, before reading it, a path that is not a plain file (or a link to one): a FIFO would
+    block the read forever, a device such as /dev/zero never end it."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path}: not a regular file")
+
+
 def load_weights(path):
     """``{name: numpy array}`` from a .safetensors file of float32 or float64 tensors; raises
     ValueError if it is damaged or holds another dtype.
 
     Files written by ``save_weights`` carry a checksum that is verified; files from elsewhere (GPT-2
     weights exported by another tool) have none, and get only safetensors' own header checks."""
+    check_regular(path)
     try:
         with safe_open(path, framework="numpy") as fh:
             metadata = fh.metadata() or {}
