@@ -67,11 +67,15 @@ def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
     key = hashlib.sha256(f"{tokenizer.sha256}:{corpus_sha256}".encode()).hexdigest()[:16]
     path, note = cache_path(corpus_path, key)
     notes = [note] if note else []
+    try:  # byte-level BPE reads text: bytes that are not UTF-8 become U+FFFD, said once per run
+        corpus.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        notes.append(f"the corpus is not UTF-8 throughout (byte {exc.start} is the first that is not): the "
+                     "tokenizer reads text, so such bytes became U+FFFD; convert it (iconv -f latin1 -t utf-8)")
     ids = _read(path)
     if ids is None:
         if os.path.exists(path):
             notes.append(f"the token cache {path} was damaged: the corpus was tokenized again")
-        # byte-level BPE reads text: bytes that are not UTF-8 become U+FFFD
         _write(path, tokenizer.encode(corpus.decode("utf-8", errors="replace")))
         ids = _read(path)
     return ids, notes

@@ -81,6 +81,15 @@ def train(*args, cwd):
                           timeout=300, env=env, cwd=cwd)
 
 
+def test_a_corpus_that_is_not_utf8_is_said_to_be_so(bpe, tmp_path):
+    """Under a tokenizer its bytes that are not UTF-8 became U+FFFD without a word."""
+    corpus = tmp_path / "latin1.txt"
+    corpus.write_bytes(TEXT.encode() + "café".encode("latin-1") * 50)
+    for _ in range(2):  # tokenized, then read from the cache: said both times
+        data = Dataset(corpus.read_bytes(), tokenizer=BPETokenizer(bpe[0]), path=str(corpus))
+        assert any(f"byte {len(TEXT.encode()) + 3} is the first that is not" in note for note in data.notes)
+
+
 def altered_vocabulary(pair, folder, change):
     """A copy of the vocab.json + merges.txt tokenizer ``pair`` in ``folder``, its vocabulary
     ({token: id}) passed through ``change``."""
