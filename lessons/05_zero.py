@@ -165,8 +165,9 @@ def main():
         # the head's backward through the embeddings')
         passes = {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[s]
         traffic = passes * (N - 1) * item * P // N + (k * (N - 1) * item * wte // N if s == 3 else 0)
-        # each padded entry can be sent 3 times, and a byte is rounded per collective call
-        sent_ok = all(abs(x - traffic) <= 3 * item * padding + 100 for x in sent)
+        # the padded entries travel in every pass (the formula counts P), and a byte is rounded per
+        # collective call (a bound of 3 passes failed stage 3 with --micro-batches 4 on 3 ranks)
+        sent_ok = all(abs(x - traffic) <= passes * item * padding + 100 for x in sent)
         ok &= sum(held.values()) == memory and sent_ok
         rows.append((s, held, memory, sent[-1], traffic, padding, passes))
 

@@ -190,6 +190,18 @@ def test_gemm_kernel_lesson_fails_on_a_planted_bug(solo_runs):
 # many ranks for CI's two cores). Each case below once ended in a traceback from every rank;
 # the rest are covered by each lesson's own tests.
 
+@pytest.mark.parametrize("lesson,ranks,args,verdict", [
+    # padding sent in each of stage 3's 24 passes: 342 bytes, where a bound of 3 passes allowed 160
+    ("05_zero.py", 3, ["--batch-size", "24", "--micro-batches", "8", "--steps", "1", "--n-layer", "1"],
+     "Every stage equals the single-device run"),
+    # a scale of 1 cannot be halved below the scaler's floor of 1: the check expected 0.5
+    ("10_mixed_precision.py", 2, ["--fp16-initial-scale", "1", "--plot", "", "--steps", "2", "--overflow-step", "1",
+                                  "--n-layer", "1"], "scale 1 -> [1.0]"),
+])
+def test_valid_flags_an_audit_found_reported_as_mismatches_now_pass(lesson, ranks, args, verdict):
+    assert verdict in check_mpi(ranks, os.path.join(LESSONS, lesson), *args, timeout=120)
+
+
 def test_3d_lesson_defaults_fit_two_ranks():
     out = check_mpi(2, os.path.join(LESSONS, "06_3d_parallel.py"), timeout=180)
     assert "2 ranks as TP=1 x DP=1 x PP=2" in out and "equals the single-device run" in out
