@@ -52,17 +52,21 @@ def held(name, p, m, v):
     if name == "gpipe":
         return [m] * p, "m"
     if name == "1f1b":
-        return [min(p - r, m) for r in range(p)], "p - rank"
+        return [min(p - r, m) for r in range(p)], "p - rank" + (" (at most m)" if m < p else "")
     if name == "1f1b-slack":
-        return [min(p - r + (r < p - 1), m) for r in range(p)], "p - rank + 1, the last rank 1"
+        return [min(p - r + (r < p - 1), m) for r in range(p)], "p - rank + 1, the last rank 1" + (
+            " (at most m)" if m < p + 1 else "")
     if name == "interleaved":
         return ([min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)],
                 f"(p-rank-1)*2+(v-1)*p+1 chunks of 1/{v} stage")
+    few = " (at most m)" if m < p else ""  # fewer micro-batches than stages: no rank holds more than m
     if name == "zb-h1":
-        return [min(p, m)] * p, "p: held until W"
+        return [min(p, m)] * p, "p: held until W" + few
     if name == "zb-h2":
-        return [min(2 * p - 1, m)] * p, "2p-1: held until W"
-    return ([2 * p] * p if m >= 2 * p - 1 else None), "2p chunks of 1/2 stage (1F1B's)"
+        return [min(2 * p - 1, m)] * p, "2p-1: held until W" + (" (at most m)" if m < 2 * p - 1 else "")
+    if m < 2 * p - 1:  # the V fills only from 2p - 1 micro-batches on
+        return None, "2p chunks of 1/2 stage once m >= 2p-1 (not checked here)"
+    return [2 * p] * p, "2p chunks of 1/2 stage (1F1B's)"
 
 
 def bytes_sent(name, p, m, v, activation_bytes):
