@@ -48,7 +48,6 @@ parameters and the layer's input left out); ``traced_bytes`` asks tracemalloc ho
 NumPy arrays were allocated and are still alive after the forward. Both must equal the formula.
 """
 
-import argparse
 import gc
 import sys
 import time
@@ -63,6 +62,8 @@ from minipar.models import GPT, GPTConfig
 from minipar.nn import Parameter
 from minipar.parallel.recompute import checkpoint
 from minipar.plan.activations import formula, korthikanti  # the formula lives in minipar (the planner uses it)
+
+from flags import Parser, parse, positive_int, probability, run_problems  # a script beside this one
 
 GRANULARITIES = (None, "selective", "full")
 
@@ -161,15 +162,16 @@ def step_ms(s, b, h, a, granularity, repeats=5):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, nargs="+", default=[64, 128, 256, 512])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=positive_int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=128)
+    p.add_argument("--n-head", type=positive_int, default=4)
+    p.add_argument("--dropout", type=probability, default=0.1)
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
     p.add_argument("--time", action="store_true", help="also time a layer's forward and backward")
-    args = p.parse_args(argv)
+    args = parse(p, None, lambda a: run_problems({"n_embd": "--n-embd", "n_head": "--n-head"}, n_layer=1,
+                                                 n_head=a.n_head, n_embd=a.n_embd, block_size=max(a.seq)), argv)
     b, h, a, d = args.batch, args.n_embd, args.n_head, as_dtype(args.dtype).itemsize
     print(f"one layer: b={b}, h={h}, a={a}, {args.dtype} (d={d}), dropout {args.dropout}; "
           "bytes per layer, in MB (1e6)")

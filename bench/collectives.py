@@ -15,7 +15,6 @@ all-gather (S = the full buffer). The load average is printed before and after: 
 ratio moves by 0.1 with the load of other processes (MPICH yields the core while it waits).
 """
 
-import argparse
 import os
 import sys
 import time
@@ -27,14 +26,10 @@ from mpi4py import MPI
 from minipar.comm import world
 from minipar.comm.mpi import MPICommunicator
 
+from flags import Parser, parse, positive_int, size_arg  # a script beside this one
+
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n}
-
-
-def size_arg(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def operations(comm, nbytes):
@@ -123,13 +118,14 @@ def wrappers(comm, rounds):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--min-size", type=size_arg, default="4K")
     p.add_argument("--max-size", type=size_arg, default="64M")
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rounds", type=positive_int, default=15)
     p.add_argument("--wrappers", action="store_true", help="only the cost of wrapping a 4 KiB all-reduce in Python")
-    args = p.parse_args()
     comm = world()
+    args = parse(p, comm, lambda a: [f"--min-size {a.min_size:,} is above --max-size {a.max_size:,} bytes"]
+                 * (a.min_size > a.max_size))
     n = comm.size
     if n < 2:
         print("run on 2 or more ranks: ./run_mpi.sh -n 2 bench/collectives.py")

@@ -11,7 +11,6 @@ machine hits each alike. Reported: the median step time, its ratio to DP, and th
 sent per step on the CP group (measured by the group's counters).
 """
 
-import argparse
 import statistics
 import time
 
@@ -23,6 +22,11 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+
+from flags import Parser, parse, positive_int, run_problems  # a script beside this one
+
+FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size",
+         "global_batch": "--batch-size"}
 
 
 def layout(comm, cp, comm_type, args):
@@ -53,16 +57,25 @@ def layout(comm, cp, comm_type, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", type=positive_int, default=2)
+    p.add_argument("--n-head", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=128)
+    p.add_argument("--block-size", type=positive_int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--rounds", type=positive_int, default=3)
     comm = world()
     n = comm.size
+
+    def check(a):  # the three runs: CP = n by ring and by all-to-all, and DP = n
+        size = dict(n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd, block_size=a.block_size,
+                    global_batch=a.batch_size, world_size=n)
+        found = [] if n > 1 else ["run on 2 or more ranks: ./run_mpi.sh -n 4 bench/context_parallel.py"]
+        for cp, kind in ((n, "p2p"), (n, "a2a"), (1, "p2p")):
+            found += [line for line in run_problems(FLAGS, cp=cp, cp_comm_type=kind, **size) if line not in found]
+        return found
+
+    args = parse(p, comm, check)
     runs = {f"CP={n} p2p (ring)": layout(comm, n, "p2p", args), f"CP={n} a2a (Ulysses)": layout(comm, n, "a2a", args),
             f"DP={n} (no CP)": layout(comm, 1, "p2p", args)}
     times, sent = {name: [] for name in runs}, {}

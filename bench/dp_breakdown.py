@@ -20,7 +20,6 @@ buckets start earlier and overlap more, but each is one more call (a few microse
 and MPI latency); the table shows how many buckets started while backward still ran.
 """
 
-import argparse
 import statistics
 import time
 
@@ -34,21 +33,22 @@ from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 
-from collectives import size_arg  # "64K", "4M": a script beside this one
+from flags import Parser, parse, positive_int, run_problems, sizes_arg  # a script beside this one
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--buckets", default="4M,1M,256K,64K", help="bucket sizes to try (4M: the default)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per way per round")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    args = p.parse_args()
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--buckets", type=sizes_arg, default="4M,1M,256K,64K", help="bucket sizes to try (4M: the default)")
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--steps", type=positive_int, default=4, help="timed steps per way per round")
+    p.add_argument("--n-layer", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=128)
     comm = world()
+    args = parse(p, comm, lambda a: run_problems({"n_embd": "--n-embd"}, n_layer=a.n_layer, n_head=4,
+                                                 n_embd=a.n_embd, block_size=128))
     if comm.size != 2:
         raise SystemExit("run on 2 ranks: ./run_mpi.sh -n 2 bench/dp_breakdown.py")
-    buckets = [size_arg(b) for b in args.buckets.split(",")]
+    buckets = args.buckets
     config = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=128)
     grid = ProcessGrid(world=comm)
     minipar.manual_seed(0)

@@ -19,7 +19,6 @@ default 3x slowdown the simulator predicts a step about half as long, a margin n
 of a shared machine closes (a 2x slowdown on 2 stages of 8 layers predicts 25%).
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -33,6 +32,8 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.plan import hetero
+
+from flags import Parser, parse, positive_float, positive_int, run_problems  # a script beside this one
 
 
 class SlowBackward(Function):
@@ -62,25 +63,31 @@ def slow_runner(k):
     return run
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--slowdown", type=float, default=3.0, help="how many times slower the last stage is")
-    p.add_argument("--n-layer", type=int, default=8)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per split per round")
-    p.add_argument("--rounds", type=int, default=3)
-    return p.parse_args()
+def parse_args(comm):
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--slowdown", type=positive_float, default=3.0, help="how many times slower the last stage is")
+    p.add_argument("--n-layer", type=positive_int, default=8)
+    p.add_argument("--n-embd", type=positive_int, default=64)
+    p.add_argument("--block-size", type=positive_int, default=32)
+    p.add_argument("--micro-batches", type=positive_int, default=8)
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per split per round")
+    p.add_argument("--rounds", type=positive_int, default=3)
+
+    def check(a):
+        found = [] if comm.size > 1 else ["run on 2 or more ranks, one stage each: ./run_mpi.sh -n 2 "
+                                          "bench/hetero_pipeline.py"]
+        found += [f"--slowdown {a.slowdown}: the last stage is that many times slower, at least 1"] * (a.slowdown < 1)
+        return found + run_problems({"n_layer": "--n-layer", "n_embd": "--n-embd", "micro_batches": "--micro-batches"},
+                                    world_size=comm.size, pp=comm.size, n_layer=a.n_layer, n_head=4, n_embd=a.n_embd,
+                                    block_size=a.block_size, global_batch=2 * a.micro_batches,
+                                    micro_batches=a.micro_batches)
+
+    return parse(p, comm, check)
 
 
 def main():
-    args, comm = parse_args(), world()
-    p = comm.size
-    if p < 2 or args.slowdown < 1 or args.n_layer % p:
-        print(f"hetero_pipeline: needs >= 2 ranks, --slowdown >= 1 and --n-layer divisible by the ranks "
-              f"(the even split); got {p} ranks, {args.slowdown}, {args.n_layer}", file=sys.stderr)
-        return 2
+    comm = world()
+    args, p = parse_args(comm), comm.size
     speeds = [1.0] * (p - 1) + [1 / args.slowdown]
     predicted = hetero.compare(args.n_layer, speeds, args.micro_batches)
     grid = ProcessGrid(pp=p)

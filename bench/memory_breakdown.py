@@ -29,7 +29,7 @@ Layout names: DP (all ranks data-parallel), ZeRO-1/2/3 (the same with ZeRO), TPx
 attention), TP-SP (TP over every rank, sequence parallel).
 """
 
-import argparse
+import os
 import sys
 
 import numpy as np
@@ -42,6 +42,11 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+
+from flags import Parser, parse, positive_int, run_problems  # a script beside this one
+
+FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size",
+         "global_batch": "--batch-size", "micro_batches": "--micro-batches"}
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -136,31 +141,50 @@ def plot(rows, path, title):
     ax.legend(frameon=False)
     ax.tick_params(axis="x", labelrotation=30)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # (checked with the flags, not made)
     fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", nargs="+", help="names from the module docstring (default: all)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32, help="the global batch of the step")
-    p.add_argument("--micro-batches", type=int, default=4)
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", nargs="+", help="names from the module docstring (default: all that fit the ranks)")
+    p.add_argument("--n-layer", type=positive_int, default=4)
+    p.add_argument("--n-head", type=positive_int, default=8)
+    p.add_argument("--n-embd", type=positive_int, default=64)
+    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=32, help="the global batch of the step")
+    p.add_argument("--micro-batches", type=positive_int, default=4)
     # the trainer's 4 MiB would hold this 0.9 MB model in one bucket (one ZeRO-2 group): nothing
     # could be sent, or dropped, before the whole backward is done
-    p.add_argument("--bucket-kb", type=int, default=64, help="gradient bucket (stage 0) / ZeRO group size (1-2)")
+    p.add_argument("--bucket-kb", type=positive_int, default=64, help="gradient bucket (stage 0) / ZeRO group size (1-2)")
     p.add_argument("--plot", help="write the stacked bars here (PNG)")
-    args = p.parse_args(argv)
     comm = world()
     chosen = layouts(comm.size)
-    names = args.layouts or list(chosen)
-    unknown = [name for name in names if name not in chosen]
-    if unknown:
-        if comm.rank == 0:
-            print(f"error: unknown layouts {unknown}; choose from {list(chosen)}", file=sys.stderr)
-        return 2
+
+    def problems_of(a, name):
+        _, tp, cp, pp, stage, sp = chosen[name]
+        return run_problems(FLAGS, world_size=comm.size, tp=tp, cp=cp, pp=pp, zero_stage=stage, sequence_parallel=sp,
+                            n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd, block_size=a.block_size,
+                            global_batch=a.batch_size, micro_batches=a.micro_batches)
+
+    def check(a):
+        from minipar.checkpoint.files import folder_problem
+        from minipar.plots import path_problem
+
+        unknown = [name for name in a.layouts or [] if name not in chosen]
+        if unknown:
+            return [f"--layouts: unknown {', '.join(unknown)}; choose from {', '.join(chosen)}"]
+        found = [f"{name}: {line}" for name in a.layouts or [] for line in problems_of(a, name)]
+        if a.plot:
+            why = path_problem(a.plot) or folder_problem(os.path.dirname(os.path.abspath(a.plot)))
+            found += [f"--plot {a.plot}: {why}"] * bool(why)
+        return found
+
+    args = parse(p, comm, check, argv)
+    # by default every layout that fits this many ranks and this model
+    names = args.layouts or [name for name in chosen if not problems_of(args, name)]
+    if not names:
+        raise SystemExit(f"no layout fits {comm.size} rank(s) with these sizes: {problems_of(args, 'DP')}")
     minipar.set_default_dtype("float32")
     batch = Dataset(load_corpus()).batch("train", 0, args.batch_size, args.block_size, 0)
     rows = []

@@ -27,7 +27,6 @@ parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2
 plain one-rank step runs the whole batch of 16 at once, which is what a pipeline has to beat.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -41,6 +40,8 @@ sys.path.insert(0, ROOT)
 
 from minipar.parallel.pipeline import schedules  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
+
+from flags import Parser, non_negative_int, parse, positive_int, run_problems  # noqa: E402 (a script beside this one)
 
 BATCH, MICRO = 16, 2  # the global batch, and a pipeline's micro-batch: m = BATCH / MICRO
 MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", str(BATCH), "--seed", "0"]
@@ -116,20 +117,28 @@ def flags_of(layout, n, size):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2, help="N: ranks of each parallel run (default 2)")
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=positive_int, default=2, help="N: ranks of each parallel run (default 2)")
     p.add_argument("--only", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="training steps per launch")
-    p.add_argument("--skip", type=int, default=4, help="first steps left out of the median")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--steps", type=positive_int, default=12, help="training steps per launch")
+    p.add_argument("--skip", type=non_negative_int, default=4, help="first steps left out of the median")
+    p.add_argument("--n-layer", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=128)
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
-    args = p.parse_args()
+
+    def check(a):
+        names = [name for name in a.only.split(",") if name]
+        unknown = sorted(set(names) - set(LAYOUTS))
+        found = [f"--only: unknown {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}"] if unknown else []
+        found += ["--only '': name at least one layout"] * (not names)
+        found += [f"--ranks must be 2 to 1,000,000 (run_mpi.sh's limit), got {a.ranks}"] * (not 2 <= a.ranks <= 10**6)
+        found += [f"--steps {a.steps} must exceed --skip {a.skip}: no step would be timed"] * (a.steps <= a.skip)
+        return found + run_problems({"n_layer": "--n-layer", "n_embd": "--n-embd"}, n_layer=a.n_layer,
+                                    n_head=4, n_embd=a.n_embd, block_size=128)  # (MODEL's heads and T)
+
+    args = parse(p, None, check)
     layouts = [name for name in args.only.split(",") if name]
-    unknown = sorted(set(layouts) - set(LAYOUTS))
-    if unknown or args.ranks < 2 or args.steps <= args.skip:
-        p.error(f"unknown layouts {unknown}" if unknown else "need --ranks >= 2 and --steps > --skip")
     models = sorted({LAYOUTS[name][1] for name in layouts})
     size = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     times = {key: [] for key in [("one", m) for m in models] + layouts}

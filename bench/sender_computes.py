@@ -12,7 +12,6 @@ which the receiver runs by itself, so the message arrives at once. Where a syste
 ptrace rules), the pipeline's receiver idles for the sender's whole next instruction.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -22,22 +21,22 @@ from mpi4py import MPI
 
 from minipar.comm.mpi import MPICommunicator
 
-from collectives import size_arg  # "64K", "4M": a script beside this one
+from flags import Parser, parse, positive_float, positive_int, sizes_arg  # a script beside this one
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--compute-ms", type=float, default=50.0, help="how long the sender computes after sending")
-    p.add_argument("--sizes", default="16K,128K,1M", help="message sizes, comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="the median of this many for each size")
-    args = p.parse_args()
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--compute-ms", type=positive_float, default=50.0, help="how long the sender computes after sending")
+    p.add_argument("--sizes", type=sizes_arg, default="16K,128K,1M", help="message sizes, comma-separated")
+    p.add_argument("--repeats", type=positive_int, default=3, help="the median of this many for each size")
     raw = MPI.COMM_WORLD
+    comm = MPICommunicator(raw, "world", polite=False)
+    args = parse(p, comm)
     if raw.Get_size() != 2:
         print("sender_computes.py runs on 2 ranks: ./run_mpi.sh -n 2 bench/sender_computes.py", file=sys.stderr)
         return 2
-    comm = MPICommunicator(raw, "world", polite=False)
     rows = []
-    for nbytes in (size_arg(s) for s in args.sizes.split(",")):
+    for nbytes in args.sizes:
         waits = []
         for repeat in range(args.repeats):
             buf = np.ones(nbytes // 8)

@@ -24,17 +24,19 @@ import time
 
 
 def parse_args():
+    from flags import positive_int  # a script beside this one; its types load no NumPy
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per framework per round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="BLAS / intra-op threads for both")
-    return p.parse_args()
+    for flag, default in (("--n-layer", 4), ("--n-head", 4), ("--n-embd", 256), ("--block-size", 128),
+                          ("--batch-size", 8), ("--vocab-size", 256)):
+        p.add_argument(flag, type=positive_int, default=default)
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per framework per round")
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=1, help="BLAS / intra-op threads for both")
+    args = p.parse_args()
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    return args
 
 
 ARGS = parse_args()

@@ -11,7 +11,6 @@ all-reduce. Three ways to wait are timed by the compute time of rank 0, the one 
     polite     minipar's wait: poll, yield the core, then sleep (``comm.base.wait_without_spinning``)
 """
 
-import argparse
 import sys
 import time
 
@@ -19,6 +18,8 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.comm.mpi import MPICommunicator
+
+from flags import Parser, parse, positive_float  # a script beside this one
 
 
 def work(seconds_hint=1.0):
@@ -31,10 +32,11 @@ def work(seconds_hint=1.0):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=1.0, help="rank 0's work per way of waiting, on an idle core")
-    args = p.parse_args()
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=positive_float, default=1.0, help="rank 0's work per way of waiting, on an idle core")
     raw = MPI.COMM_WORLD
+    args = parse(p, MPICommunicator(raw, "world", polite=True), lambda a: [] if raw.Get_size() > 1 else [
+        "run on more ranks than cores, to see the waits compete: ./run_mpi.sh -n 8 bench/waiting.py"])
     rank, size = raw.Get_rank(), raw.Get_size()
     results = {}
     work(0.05)  # warm up BLAS and the allocator on every rank before anything is timed

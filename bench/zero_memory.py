@@ -13,7 +13,6 @@ construction: to start from the single-device weights, every rank draws the whol
 keeps its shards (a system for models bigger than one rank would draw each shard directly).
 """
 
-import argparse
 import sys
 
 import numpy as np
@@ -24,6 +23,8 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import scale_loss, split_batch
 from minipar.parallel.optimizers import make_optimizer
+
+from flags import Parser, parse, positive_float, positive_int, run_problems  # a script beside this one
 
 
 def state_peak(stage, n_layer, args, grid):
@@ -42,12 +43,13 @@ def state_peak(stage, n_layer, args, grid):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget-mb", type=float, default=256, help="per-rank budget for training state, MiB")
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--bucket-kb", type=int, default=256, help="gradient bucket (stage 0) / ZeRO group size (stages 1-2)")
-    args = p.parse_args()
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget-mb", type=positive_float, default=256, help="per-rank budget for training state, MiB")
+    p.add_argument("--n-embd", type=positive_int, default=256)
+    p.add_argument("--bucket-kb", type=positive_int, default=256, help="gradient bucket (stage 0) / ZeRO group size (stages 1-2)")
     comm = world()
+    args = parse(p, comm, lambda a: run_problems({"n_embd": "--n-embd"}, n_layer=2, n_head=4, n_embd=a.n_embd,
+                                                 block_size=16))  # state_peak's model
     grid = ProcessGrid(tp=1, pp=1)
     budget = args.budget_mb * 2**20
     rows = []

@@ -22,6 +22,28 @@ def test_step_time_benchmark_runs_and_reports():
         assert "minipar / pytorch:" in run.stdout and "minipar / pytorch-sdpa:" in run.stdout
 
 
+@pytest.mark.parametrize("script,ranks,args,message", [  # an audit found each a traceback, a hang or a table of nan
+    ("collectives.py", 2, ["--min-size", "0"], "argument --min-size: must be a size of at least 1 byte"),  # hung
+    ("context_parallel.py", 2, ["--block-size", "15"], "--block-size 15 is not divisible by 4"),
+    ("hetero_pipeline.py", 2, ["--slowdown", "nan"], "argument --slowdown: must be finite, got nan"),
+    ("memory_breakdown.py", 2, ["--layouts", "3D"], "3D: 2 ranks do not split into TP x PP = 2 x 2 groups"),
+    ("scaling.py", 1, ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    ("activation_memory.py", 1, ["--n-embd", "16", "--n-head", "3"], "--n-embd 16 is not divisible by --n-head 3"),
+    ("step_time.py", 1, ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+])
+def test_a_benchmarks_bad_flag_is_one_line_before_anything_is_measured(script, ranks, args, message):
+    from mpi_run import run_mpi
+
+    path = os.path.join(os.path.dirname(BENCH), script)
+    if ranks > 1:
+        code, out, _ = run_mpi(ranks, path, *args, timeout=60)
+    else:
+        run = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=60)
+        code, out = run.returncode, run.stdout + run.stderr
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is here: gpu_check.sh runs these")
 def test_gpu_benchmarks_say_clearly_when_there_is_no_gpu():
     bench = os.path.dirname(BENCH)
