@@ -39,7 +39,6 @@ Exercises (predict first, then run the command and read the table named):
    hang; why?). Predict which numbers of section 3 change.
 """
 
-import contextlib
 import hashlib
 import os
 import sys
