@@ -63,8 +63,6 @@ from minipar.nn import Parameter
 from minipar.parallel.recompute import checkpoint
 from minipar.plan.activations import formula, korthikanti  # the formula lives in minipar (the planner uses it)
 
-from flags import Parser, parse, positive_int, probability, run_problems  # a script beside this one
-
 GRANULARITIES = (None, "selective", "full")
 
 
@@ -162,6 +160,9 @@ def step_ms(s, b, h, a, granularity, repeats=5):
 
 
 def main(argv=None):
+    # a script beside this one; imported here, so that tests can load this file as a module alone
+    from flags import Parser, parse, positive_int, probability, run_problems
+
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=positive_int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--batch", type=positive_int, default=4)

@@ -53,7 +53,7 @@ def parser():
 
 
 # the most the planner takes: it counts every block of every layout it tries, and a pipeline's
-# micro-batches one by one (1,024 blocks: ~15 s); run_mpi.sh's limit on ranks
+# micro-batches one by one (1,024 blocks: ~5 s); run_mpi.sh's limit on ranks
 MAX_LAYERS, MAX_GPUS = 1024, 1_000_000
 POSITIVE = ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
 NOT_NEGATIVE = ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "ring_pass_overhead_us")

@@ -153,17 +153,16 @@ def _count(model, layout, global_batch, stage, dtype):
     # context parallelism
     if lay.cp > 1:
         c, forwards = lay.cp, 2 if lay.recompute else 1
-        heads = h // t
-        for _ in layers:
-            if lay.cp_comm_type == "p2p":  # K and V, forward (per forward) and backward; dK, dV backward
-                out["cp"] += m * (c - 1) * 2 * b * s * heads * d * (forwards + 2)
-                steps["cp"] += m * (c - 1) * (forwards + 2)
-                calls["cp"] += 2 * m * (c - 1) * (forwards + 2)  # a send and a receive per pass
-            else:  # Ulysses: qkv and the output, forward (per forward) and backward
-                charge("cp", "all_to_all", 4 * b * s * heads * d, c, m * (forwards + 1))
-                calls["cp"] += m * (forwards + 1)  # the bytes of two calls: qkv's, then the output's
-            charge("cp", "all_gather", c * 8 * 8, c, m * forwards)  # the header
-            charge("cp", "all_gather", c * s * 8, c, m * forwards)  # the positions
+        heads, L = h // t, len(layers)  # every block's attention alike: L times one block's
+        if lay.cp_comm_type == "p2p":  # K and V, forward (per forward) and backward; dK, dV backward
+            out["cp"] += L * m * (c - 1) * 2 * b * s * heads * d * (forwards + 2)
+            steps["cp"] += L * m * (c - 1) * (forwards + 2)
+            calls["cp"] += L * 2 * m * (c - 1) * (forwards + 2)  # a send and a receive per pass
+        else:  # Ulysses: qkv and the output, forward (per forward) and backward
+            charge("cp", "all_to_all", 4 * b * s * heads * d, c, L * m * (forwards + 1))
+            calls["cp"] += L * m * (forwards + 1)  # the bytes of two calls: qkv's, then the output's
+        charge("cp", "all_gather", c * 8 * 8, c, L * m * forwards)  # the header
+        charge("cp", "all_gather", c * s * 8, c, L * m * forwards)  # the positions
     # expert parallelism (an expectation for a uniform router)
     if lay.ep > 1 and model.num_experts:
         e, k = lay.ep, model.moe_router_topk
