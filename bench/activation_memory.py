@@ -161,7 +161,8 @@ def step_ms(s, b, h, a, granularity, repeats=5):
 
 def main(argv=None):
     # a script beside this one; imported here, so that tests can load this file as a module alone
-    from flags import Parser, parse, positive_int, probability, run_problems
+    from minipar.cli import Parser, parse, positive_int
+    from flags import probability, run_problems
 
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=positive_int, nargs="+", default=[64, 128, 256, 512])

@@ -25,8 +25,9 @@ from mpi4py import MPI
 
 from minipar.comm import world
 from minipar.comm.mpi import MPICommunicator
+from minipar.cli import Parser, parse, positive_int
 
-from flags import Parser, parse, positive_int, size_arg  # a script beside this one
+from flags import size_arg  # a script beside this one
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n}

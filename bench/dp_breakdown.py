@@ -32,8 +32,9 @@ from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
+from minipar.cli import Parser, parse, positive_int
 
-from flags import Parser, parse, positive_int, run_problems, sizes_arg  # a script beside this one
+from flags import run_problems, sizes_arg  # a script beside this one
 
 
 def main():

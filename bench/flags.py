@@ -1,56 +1,24 @@
-"""The benchmarks' flags: types that refuse what no benchmark can measure, and the one-line errors
-the trainer and the lessons give (``minipar.cli``).
+"""The benchmarks' own flag types and checks, beside the trainer's (``minipar.cli``: counts and
+numbers, the parser of one-line errors and ``parse``, which the benchmarks use too).
 
 A count of 0 rounds has no median, a size of 0 bytes never grows by doubling, nan seconds cannot
-be slept: each is refused as its flag is parsed, one line for the whole job, exit status 2, before
-anything is measured. ``parse(parser, comm, check)`` runs argparse and ``check(args)`` (the
-problems of several flags together) on every rank and lets one rank print them.
+be slept: each is refused, one line for the whole job, exit status 2, before anything is measured.
+``minipar.cli.parse(parser, comm, check)`` runs argparse and ``check(args)`` (the problems of
+several flags together) on every rank and lets one rank print them.
 """
 
 import argparse
 import math
 
+from minipar.cli import non_negative_float
+
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def __getattr__(name):
-    """``Parser`` and ``parse`` are minipar.cli's, imported when first asked for: the types alone
-    load no NumPy (step_time.py sets BLAS's threads before NumPy loads)."""
-    if name in ("Parser", "parse"):
-        from minipar import cli
-
-        return getattr(cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _number(text, kind):
-    try:
-        value = kind(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-    return value
-
-
-def positive_int(text):
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def positive_float(text):
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def probability(text):
-    value = _number(text, float)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be below 1, got {text}")
     return value
 
 
@@ -80,10 +48,3 @@ def run_problems(names, **fields):
     from minipar.parallel.validate import problems
 
     return problems(RunConfig(**fields), names)
-
-
-def non_negative_int(text):
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value

@@ -32,8 +32,9 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.plan import hetero
+from minipar.cli import Parser, parse, positive_float, positive_int
 
-from flags import Parser, parse, positive_float, positive_int, run_problems  # a script beside this one
+from flags import run_problems  # a script beside this one
 
 
 class SlowBackward(Function):

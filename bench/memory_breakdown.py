@@ -42,8 +42,9 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.cli import Parser, parse, positive_int
 
-from flags import Parser, parse, positive_int, run_problems  # a script beside this one
+from flags import run_problems  # a script beside this one
 
 FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "block_size": "--block-size",
          "global_batch": "--batch-size", "micro_batches": "--micro-batches"}

@@ -40,8 +40,9 @@ sys.path.insert(0, ROOT)
 
 from minipar.parallel.pipeline import schedules  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
+from minipar.cli import Parser, non_negative_int, parse, positive_int  # noqa: E402
 
-from flags import Parser, non_negative_int, parse, positive_int, run_problems  # noqa: E402 (a script beside this one)
+from flags import run_problems  # noqa: E402 (a script beside this one)
 
 BATCH, MICRO = 16, 2  # the global batch, and a pipeline's micro-batch: m = BATCH / MICRO
 MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", str(BATCH), "--seed", "0"]

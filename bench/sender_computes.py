@@ -20,8 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 from minipar.comm.mpi import MPICommunicator
+from minipar.cli import Parser, parse, positive_float, positive_int
 
-from flags import Parser, parse, positive_float, positive_int, sizes_arg  # a script beside this one
+from flags import sizes_arg  # a script beside this one
 
 
 def main():

@@ -24,16 +24,19 @@ import time
 
 
 def parse_args():
-    from flags import positive_int  # a script beside this one; its types load no NumPy
-
+    # plain argparse and plain checks: minipar's flag types (bench/flags.py) would import minipar,
+    # and NumPy with it, before BLAS's thread count is set below
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--n-layer", 4), ("--n-head", 4), ("--n-embd", 256), ("--block-size", 128),
                           ("--batch-size", 8), ("--vocab-size", 256)):
-        p.add_argument(flag, type=positive_int, default=default)
-    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per framework per round")
-    p.add_argument("--rounds", type=positive_int, default=3)
-    p.add_argument("--threads", type=positive_int, default=1, help="BLAS / intra-op threads for both")
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per framework per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="BLAS / intra-op threads for both")
     args = p.parse_args()
+    for flag, value in vars(args).items():
+        if value < 1:
+            p.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {value}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     return args

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from minipar.comm.mpi import MPICommunicator
 
-from flags import Parser, parse, positive_float  # a script beside this one
+from minipar.cli import Parser, parse, positive_float
 
 
 def work(seconds_hint=1.0):

@@ -23,8 +23,9 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.data import scale_loss, split_batch
 from minipar.parallel.optimizers import make_optimizer
+from minipar.cli import Parser, parse, positive_float, positive_int
 
-from flags import Parser, parse, positive_float, positive_int, run_problems  # a script beside this one
+from flags import run_problems  # a script beside this one
 
 
 def state_peak(stage, n_layer, args, grid):

@@ -1,13 +1,50 @@
 """Bad flags end a job in one line on every rank, before any rank communicates.
 
-The training CLI (``minipar.train``) and the lessons share this: a parser whose errors are raised,
-not printed with the whole usage on every rank, and ``agree``, after which either every rank goes
-on or every rank exits with status 2 and exactly one has printed the problems, one line each.
+The training CLI (``minipar.train``), the planner, the lessons and the benchmarks share this: the
+types of their numeric flags, a parser whose errors are raised, not printed with the whole usage on
+every rank, and ``agree``, after which either every rank goes on or every rank exits with status 2
+and exactly one has printed the problems, one line each.
 The problems of a run's sizes come from ``minipar.parallel.validate``; a script adds its own.
 """
 
 import argparse
+import math
 import sys
+
+
+def _int_at_least(text, low):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def non_negative_int(text):
+    return _int_at_least(text, 0)
+
+
+def positive_int(text):
+    return _int_at_least(text, 1)
+
+
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return value
 
 
 class FlagError(Exception):

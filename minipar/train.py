@@ -16,11 +16,10 @@ prints them, and every rank exits with status 2, never a hang.
 """
 
 import argparse
-import math
 import os
 import sys
 
-from minipar.cli import FlagError, Parser, agree
+from minipar.cli import FlagError, Parser, agree, non_negative_float, non_negative_int, positive_float, positive_int
 from minipar.parallel.validate import SCHEDULES
 from minipar.train_checks import PROMPT, ROUTER_DEFAULTS, check_args, check_files
 
@@ -28,45 +27,10 @@ DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, 
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
 
 
-def _int_at_least(text, low):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-    return value
-
-
-def non_negative_int(text):
-    return _int_at_least(text, 0)
-
-
-def positive_int(text):
-    return _int_at_least(text, 1)
-
-
 def layer_counts(text):
     """--pipeline-layers 3,1: the layers of each pipeline chunk, comma-separated (validate checks
     their number and sum against --pp x --vpp and --n-layer)."""
     return tuple(positive_int(part) for part in text.split(","))
-
-
-def non_negative_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def positive_float(text):
-    value = non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be > 0, got 0")
-    return value
 
 
 OPTIONAL_PATHS = ("data", "tokenizer", "load", "init_weights", "save", "log_json", "export_weights", "export_hf")

@@ -25,7 +25,7 @@ def test_step_time_benchmark_runs_and_reports():
 @pytest.mark.parametrize("script,ranks,args,message", [  # an audit found each a traceback, a hang or a table of nan
     ("collectives.py", 2, ["--min-size", "0"], "argument --min-size: must be a size of at least 1 byte"),  # hung
     ("context_parallel.py", 2, ["--block-size", "15"], "--block-size 15 is not divisible by 4"),
-    ("hetero_pipeline.py", 2, ["--slowdown", "nan"], "argument --slowdown: must be finite, got nan"),
+    ("hetero_pipeline.py", 2, ["--slowdown", "nan"], "argument --slowdown: must be a finite number >= 0, got nan"),
     ("memory_breakdown.py", 2, ["--layouts", "3D"], "3D: 2 ranks do not split into TP x PP = 2 x 2 groups"),
     ("scaling.py", 1, ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     ("activation_memory.py", 1, ["--n-embd", "16", "--n-head", "3"], "--n-embd 16 is not divisible by --n-head 3"),
