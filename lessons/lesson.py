@@ -118,8 +118,6 @@ def memory_problems(run, names, steps, reference=True):
         need = sharing * (state + ids)
         held = (f"every rank holds a model of {n:,} parameters ({run.dtype}) with its gradients and AdamW's two "
                 f"moments, and {batches}")
-    if need <= total:
-        return []  # (the fixes below are worked out only for a refusal)
     has = lambda *fields: [names[f] for f in fields if f in names]  # noqa: E731 (the flags this lesson has)
     # the fixes for what takes the most: the batches, one batch's logits, or the model
     batch = sharing * logits * reference

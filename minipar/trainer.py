@@ -202,7 +202,8 @@ class Trainer(Reports):
         # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and
         # leaves nothing for the close to fail on again
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
-                  buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}") as watchdog:
+                  buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}",
+                                           self.world.abort) as watchdog:
             clock, stuck = time.perf_counter(), 0
             for it in range(self.start, end):
                 watchdog.arm(f"the step of iteration {it}")

@@ -18,23 +18,20 @@ main thread waits, since mpi4py releases the GIL inside MPI calls (and our polit
 """
 
 import faulthandler
-import os
 import sys
 import threading
 import time
 import traceback
 
-from minipar.start import let_output_through
-
 
 class Watchdog:
     """``arm(what)`` at the start of each piece of work that must end within ``seconds``;
     ``close()`` when there is no more. ``seconds`` 0: never fires. ``flag``: the setting, as the
-    message names it. ``abort``: what ends the job (by default MPI_Abort on every rank, or the
-    process alone without MPI)."""
+    message names it. ``abort``: what ends the job (the trainer's: its world's ``abort``, which
+    lets the launcher read this rank's report first)."""
 
-    def __init__(self, seconds, flag, abort=None):
-        self.seconds, self.flag, self.abort = seconds, flag, abort or _abort
+    def __init__(self, seconds, flag, abort):
+        self.seconds, self.flag, self.abort = seconds, flag, abort
         self.armed = None  # (what, deadline)
         self.stop = threading.Event()
         self.thread = None
@@ -76,11 +73,3 @@ class Watchdog:
                     print("".join(traceback.format_stack(frame)), file=sys.stderr, flush=True)
         finally:
             self.abort()
-
-
-def _abort():
-    """End every rank: MPI_Abort, once the launcher has read what this rank printed."""
-    let_output_through()
-    if "mpi4py.MPI" in sys.modules:
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(1)
-    os._exit(1)

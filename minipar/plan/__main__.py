@@ -114,14 +114,16 @@ def speeds_of(args):
         return [], None
     if args.json:
         return ["--node-speeds adds a table to the printed plans, and --json prints them as JSON: give one"], None
-    nodes = -(-args.gpus // max(args.gpus_per_node, 1))
     try:
         speeds = [float(x) for x in args.node_speeds.split(",")]
     except ValueError:
         return [f"--node-speeds {args.node_speeds!r}: give numbers separated by commas"], None
     if not all(0 < x < math.inf for x in speeds):
         return [f"--node-speeds {args.node_speeds}: each speed must be a finite number > 0"], None
-    if len(speeds) != nodes and args.gpus >= 1 and args.gpus_per_node >= 1:  # (else refused already)
+    if args.gpus < 1 or args.gpus_per_node < 1:  # refused already: no count of nodes to hold them to
+        return [], None
+    nodes = -(-args.gpus // args.gpus_per_node)
+    if len(speeds) != nodes:
         return [f"--node-speeds gives {len(speeds)} speed{'s' * (len(speeds) > 1)}, and --gpus {args.gpus} at "
                 f"--gpus-per-node {args.gpus_per_node} make {nodes} node{'s' * (nodes > 1)}: give one speed per node"], None
     return [], speeds

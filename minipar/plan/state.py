@@ -64,14 +64,12 @@ def rank_parameters(model, layout, stage=0):
     """(dense, experts) parameters a rank of pipeline stage ``stage`` holds."""
     h, t = model.hidden_size, layout.tp
     layers = stage_layers(model, layout, stage)
-    one_of = {}  # every dense block holds the same, and every MoE block: one of each kind, counted
+    kinds = {}  # is it MoE -> [a block of that kind, how many]: every block of a kind holds the same
     for layer in layers:
-        one_of.setdefault(model.is_moe(layer), layer)
-    moe = sum(model.is_moe(i) for i in layers)
+        kinds.setdefault(model.is_moe(layer), [layer, 0])[1] += 1
     dense = experts = 0
-    for is_moe, layer in one_of.items():
+    for layer, count in kinds.values():
         d, e = block_parameters(model, layout, layer)
-        count = moe if is_moe else len(layers) - moe
         dense, experts = dense + count * d, experts + count * e
     wte = padded_vocab(model.vocab_size, t) // t * h
     first, last = edges(layout, stage)
