@@ -4,15 +4,24 @@
     ./run_mpi.sh -n 4 bench/collectives.py --max-size 16M
     ./run_mpi.sh -n 2 bench/collectives.py --wrappers --rounds 61   # what a little Python costs
 
-For each size, the same operation runs through ``Communicator`` (its checks and byte accounting,
-then MPI's blocking call on ranks with a core each, or a non-blocking start and a polite wait on
-an oversubscribed node) and through mpi4py's blocking call. Each round times both, back to back,
-who goes first alternating, so that a slow spell of a shared machine hits both. Reported: the
-median time of each, the median over rounds of the round's throughput ratio (minipar / raw: 1.00
-means no overhead), and the bus bandwidth, NCCL's measure that makes sizes and rank counts
-comparable: busbw = S / t times 2 (N-1)/N for all-reduce and (N-1)/N for reduce-scatter and
-all-gather (S = the full buffer). The load average is printed before and after: below 256 KiB a
-ratio moves by 0.1 with the load of other processes (MPICH yields the core while it waits).
+For each size, each operation runs four ways:
+
+    plain          minipar's call (its checks and byte accounting, then MPI's blocking call on ranks
+                   with a core each, or a non-blocking start and a polite wait on an oversubscribed
+                   node), against
+    raw            mpi4py's blocking call;
+    planned        minipar's persistent form (``all_reduce_init`` and kin: checked and planned
+                   once, then each call a start, a count and a wait), against
+    raw planned    mpi4py's own persistent request (``Allreduce_init``; Start, then Wait).
+
+Each round times all four back to back, in an order that rotates from round to round, so that a
+slow spell of a shared machine hits all. Reported: the median time of each, the median over
+rounds of the round's throughput ratios (plain / raw and planned / raw planned: 1.00 means no
+overhead; and planned / raw, what planning gains over the plain call in all), and the bus
+bandwidth of the planned form, NCCL's measure that makes sizes and rank counts comparable:
+busbw = S / t times 2 (N-1)/N for all-reduce and (N-1)/N for reduce-scatter and all-gather (S = the
+full buffer). The load average is printed before and after: below 256 KiB a ratio moves by 0.1
+with the load of other processes (MPICH yields the core while it waits).
 """
 
 import os
@@ -34,19 +43,30 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
 
 
 def operations(comm, nbytes):
-    """{op: (minipar call, raw mpi4py call)} on float32 buffers of ``nbytes`` in all."""
+    """{op: {way: call}} on float32 buffers of ``nbytes`` in all (the ways of the module
+    docstring), and the persistent requests to free once they are timed."""
     raw, n = comm.comm, comm.size
     count = max(n, nbytes // 4 // n * n)
     full = np.ones(count, np.float32)
     chunk = np.ones(count // n, np.float32)
     gathered = np.empty((n, count // n), np.float32)
-    return full.nbytes, {
-        "all_reduce": (lambda: comm.all_reduce(full), lambda: raw.Allreduce(MPI.IN_PLACE, full)),
-        "reduce_scatter": (lambda: comm.reduce_scatter(full, out=chunk),
-                           lambda: raw.Reduce_scatter_block(full, chunk)),
-        "all_gather": (lambda: comm.all_gather(chunk, out=gathered),
-                       lambda: raw.Allgather(chunk, gathered)),
-    }
+    plans = {"all_reduce": (comm.all_reduce_init(full), raw.Allreduce_init(MPI.IN_PLACE, full)),
+             "reduce_scatter": (comm.reduce_scatter_init(full, out=chunk), raw.Reduce_scatter_block_init(full, chunk)),
+             "all_gather": (comm.all_gather_init(chunk, out=gathered), raw.Allgather_init(chunk, gathered))}
+
+    def started(request):
+        def run():
+            request.Start()
+            request.Wait()
+        return run
+
+    ways = {op: {"planned": plans[op][0].run, "raw planned": started(plans[op][1])} for op in plans}
+    ways["all_reduce"].update(plain=lambda: comm.all_reduce(full), raw=lambda: raw.Allreduce(MPI.IN_PLACE, full))
+    ways["reduce_scatter"].update(plain=lambda: comm.reduce_scatter(full, out=chunk),
+                                  raw=lambda: raw.Reduce_scatter_block(full, chunk))
+    ways["all_gather"].update(plain=lambda: comm.all_gather(chunk, out=gathered),
+                              raw=lambda: raw.Allgather(chunk, gathered))
+    return full.nbytes, ways, [request for pair in plans.values() for request in pair]
 
 
 def timed(comm, fn, reps):
@@ -136,32 +156,41 @@ def main():
         return 0
     if comm.rank == 0:
         print(f"{n} ranks; median of {args.rounds} rounds; float32 buffers; load average {os.getloadavg()[0]:.1f}\n")
-        print(f"{'op':<15}{'size':>9}{'minipar us':>12}{'raw us':>10}{'ratio':>7}{'busbw GB/s':>12}")
-    worst = 1.0
+        print(f"{'':24}{'plain':>7}{'raw':>7}{'':>7}{'planned':>9}{'raw planned':>12}{'':>7}{'planned':>9}\n"
+              f"{'op':<15}{'size':>9}{'us':>7}{'us':>7}{'ratio':>7}{'us':>9}{'us':>12}{'ratio':>7}"
+              f"{'/ raw':>9}{'busbw GB/s':>12}")
+    worst = {"plain": 1.0, "planned": 1.0}
     for op in BUS_FACTOR:
         size = args.min_size
         while size <= args.max_size:
-            nbytes, ops = operations(comm, size)
-            ours, raw = ops[op]
+            nbytes, ways, requests = operations(comm, size)
+            ways = ways[op]
             reps = max(2, min(200, (32 << 20) // nbytes))
-            ours(), raw()  # warm up both paths
-            samples = {"ours": [], "raw": []}
-            for r in range(args.rounds):  # who goes first alternates: the second finds warm caches
-                for name in (("ours", "raw") if r % 2 == 0 else ("raw", "ours")):
-                    samples[name].append(timed(comm, ours if name == "ours" else raw, reps))
-            t_ours, t_raw = (float(np.median(samples[k])) for k in ("ours", "raw"))
-            # throughput of ours relative to raw, each round's pair measured under the same load
-            ratio = float(np.median(np.array(samples["raw"]) / np.array(samples["ours"])))
-            worst = min(worst, ratio)
+            for way in ways.values():  # warm up every path
+                way()
+            samples = {name: [] for name in ways}
+            names = list(ways)
+            for r in range(args.rounds):  # the order rotates: the later ones find warm caches
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    samples[name].append(timed(comm, ways[name], reps))
+            for request in requests:
+                request.free() if hasattr(request, "result") else request.Free()
+            t = {name: float(np.median(times)) for name, times in samples.items()}
+
+            def ratio(ours, theirs):  # throughput of ours relative to theirs, each round's pair under the same load
+                return float(np.median(np.array(samples[theirs]) / np.array(samples[ours])))
+
+            plain, planned, gain = ratio("plain", "raw"), ratio("planned", "raw planned"), ratio("planned", "raw")
+            worst = {"plain": min(worst["plain"], plain), "planned": min(worst["planned"], planned)}
             if comm.rank == 0:
-                busbw = nbytes / t_ours * BUS_FACTOR[op](n) / 1e9
+                busbw = nbytes / t["planned"] * BUS_FACTOR[op](n) / 1e9
                 label = f"{nbytes // 1024}K" if nbytes < 1 << 20 else f"{nbytes >> 20}M"
-                print(f"{op:<15}{label:>9}{t_ours * 1e6:>12.1f}{t_raw * 1e6:>10.1f}"
-                      f"{ratio:>7.2f}{busbw:>12.2f}")
+                print(f"{op:<15}{label:>9}{t['plain'] * 1e6:>7.1f}{t['raw'] * 1e6:>7.1f}{plain:>7.2f}"
+                      f"{t['planned'] * 1e6:>9.1f}{t['raw planned'] * 1e6:>12.1f}{planned:>7.2f}{gain:>9.2f}{busbw:>12.2f}")
             size *= 4
     if comm.rank == 0:
-        print(f"\nlowest throughput ratio minipar / raw mpi4py: {worst:.2f} (target >= 0.95); "
-              f"load average {os.getloadavg()[0]:.1f}")
+        print(f"\nlowest throughput ratio minipar / raw mpi4py: plain {worst['plain']:.2f}, planned "
+              f"{worst['planned']:.2f} (target >= 0.95); load average {os.getloadavg()[0]:.1f}")
     return 0
 
 

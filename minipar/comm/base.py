@@ -16,6 +16,9 @@ group) with the operations parallel training needs, on contiguous xp arrays:
     send / recv           point to point; the i- forms return a Request
     barrier()
 
+The sums and gathers repeated on the same arrays (a data-parallel bucket, every step) can also be
+planned once and started many times: ``all_reduce_init`` and kin return a ``Persistent``.
+
 Every call is counted, and charged bytes by a model: ``stats.py``.
 """
 
@@ -24,6 +27,7 @@ import time
 
 import numpy
 
+from minipar.backend import xp
 from minipar.comm.stats import CommStats
 
 # How a rank waits. MPICH's blocking calls spin at 100% CPU; with 8 ranks on 2 cores a spinning
@@ -82,6 +86,38 @@ class Request:
 def wait_all(requests):
     """Wait for every request; returns their results in order."""
     return [r.wait() for r in requests]
+
+
+class Persistent:
+    """One collective on fixed arrays, planned once and started any number of times, as MPI-4's
+    persistent collectives are (MPI_Allreduce_init, then MPI_Start and a wait each time).
+    ``start()`` begins it and returns a Request; ``run()`` runs it to completion; either way the
+    answer is in ``result``. This general form plans again at every start (it calls the i-form,
+    with all its checks); ``persistent.PersistentCollectives`` plans host arrays once, in MPI."""
+
+    def __init__(self, start, result):
+        self._start, self.result = start, result
+
+    def start(self):
+        return self._start()
+
+    def run(self):
+        return self._start().wait()
+
+    def free(self):
+        """Release what the plan holds (nothing here; MPI's request in the planned form)."""
+
+
+def chunk_shape(x, size, what):
+    """The shape of one of ``size`` equal chunks of ``x`` along axis 0 (a ValueError if none)."""
+    if x.ndim == 0 or x.shape[0] % size:
+        raise ValueError(f"{what}: axis 0 of shape {x.shape} does not split into {size} chunks")
+    return (x.shape[0] // size,) + x.shape[1:]
+
+
+def empty_like_device(x, shape):
+    """An empty array of ``shape`` and x's dtype, on x's device."""
+    return (numpy if isinstance(x, numpy.ndarray) else xp).empty(shape, x.dtype)
 
 
 def all_to_all_v_plan(x, send_counts, recv_counts, rank, size):
@@ -172,6 +208,22 @@ class Communicator:
 
     def ibroadcast(self, x, root=0):
         return self._broadcast(x, root, wait=False)
+
+    # Planned forms: the same collective on the same arrays, started many times (``Persistent``).
+    # Here each start runs the i-form; an implementation may plan once (MPI: ``persistent.py``).
+    def all_reduce_init(self, x, op="sum"):
+        """``all_reduce(x, op)``, planned to run many times on this same ``x``."""
+        return Persistent(lambda: self.iall_reduce(x, op), x)
+
+    def reduce_scatter_init(self, x, op="sum", out=None):
+        """``reduce_scatter(x, op, out)``, planned to run many times on these arrays."""
+        out = empty_like_device(x, chunk_shape(x, self.size, "reduce_scatter")) if out is None else out
+        return Persistent(lambda: self.ireduce_scatter(x, op, out), out)
+
+    def all_gather_init(self, x, out=None):
+        """``all_gather(x, out)``, planned to run many times on these arrays."""
+        out = empty_like_device(x, (self.size,) + x.shape) if out is None else out
+        return Persistent(lambda: self.iall_gather(x, out), out)
 
     def send(self, x, dest, tag=0):
         self.isend(x, dest, tag).wait()

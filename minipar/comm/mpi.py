@@ -21,9 +21,9 @@ import numpy
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from minipar.backend import xp
-from minipar.comm.base import Communicator, Request, all_to_all_v_plan
+from minipar.comm.base import Communicator, Request, all_to_all_v_plan, chunk_shape, empty_like_device
 from minipar.comm.buffers import REFUSED, check_buffer, reduction_op, stage
+from minipar.comm.persistent import PersistentCollectives
 from minipar.comm.stats import CommStats
 from minipar.start import abort_on_uncaught_exception, let_output_through
 
@@ -39,7 +39,7 @@ def _nothing():
     return None
 
 
-class MPICommunicator(Communicator):
+class MPICommunicator(PersistentCollectives, Communicator):
     def __init__(self, comm, name, polite):
         self.comm, self.name, self.polite = comm, name, polite
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -135,7 +135,7 @@ class MPICommunicator(Communicator):
 
     def _out(self, out, shape, dtype, what, like):
         if out is None:  # on the device of the input
-            return (numpy if isinstance(like, numpy.ndarray) else xp).empty(shape, dtype)
+            return empty_like_device(like, shape)
         if out.shape != shape or out.dtype != dtype:
             raise ValueError(f"{what}: out must be {shape} {dtype}, got {out.shape} {out.dtype}")
         return check_buffer(out, what)
@@ -143,9 +143,7 @@ class MPICommunicator(Communicator):
     def _reduce_scatter(self, x, op, out, wait):
         mpi_op = reduction_op(op, x.dtype)
         x_buf, _ = stage(x, "reduce_scatter", copy_back=False)
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"reduce_scatter: axis 0 of shape {x.shape} does not split into {self.size} chunks")
-        out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x.dtype, "reduce_scatter", x)
+        out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x.dtype, "reduce_scatter", x)
         if self.size == 1:
             out[...] = x
         buf, then = stage(out, "reduce_scatter", copy_back=True)
@@ -164,8 +162,7 @@ class MPICommunicator(Communicator):
 
     def _all_to_all(self, x, out, wait):
         x_buf, _ = stage(x, "all_to_all", copy_back=False)
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"all_to_all: axis 0 of shape {x.shape} does not split into {self.size} chunks")
+        chunk_shape(x, self.size, "all_to_all")
         out = self._out(out, x.shape, x.dtype, "all_to_all", x)
         if self.size == 1:
             out[...] = x

@@ -219,6 +219,17 @@ class NCCLCommunicator(Communicator):
         return self._launch("broadcast", x.nbytes, x,
                             lambda s: self.comm.bcast(x.data.ptr, x.size, dtype, root, s), x, wait, root=root)
 
+    # planned collectives (``base.Persistent``): host arrays planned once in MPI; GPU arrays
+    # launch NCCL at each start, which is what a start of a plan would do
+    def all_reduce_init(self, x, op="sum"):
+        return self.mpi.all_reduce_init(x, op) if self._on_host(x) else super().all_reduce_init(x, op)
+
+    def reduce_scatter_init(self, x, op="sum", out=None):
+        return self.mpi.reduce_scatter_init(x, op, out) if self._on_host(x) else super().reduce_scatter_init(x, op, out)
+
+    def all_gather_init(self, x, out=None):
+        return self.mpi.all_gather_init(x, out) if self._on_host(x) else super().all_gather_init(x, out)
+
     # ---- the rest through MPI --------------------------------------------------------------------
     def barrier(self):
         import cupy

@@ -82,6 +82,9 @@ class Bucket:
         self.params, self.comm = params, comm
         self.flat = xp.zeros(sum(p.size for p in params), dtype)
         self.ready, self.request = 0, None
+        # the same sum of the same array every step: planned once (a persistent collective), and
+        # planned in the same order on every rank, as the buckets are made
+        self.sum = comm.all_reduce_init(self.flat) if comm.size > 1 else None
 
 
 class DataParallelAdamW(DistributedOptimizer):
@@ -180,8 +183,8 @@ class DataParallelAdamW(DistributedOptimizer):
         """Data parallelism's communication: start summing one bucket over its group, DP (x CP)
         or, for experts, the ranks holding the same ones (non-blocking; one rank alone has
         nothing to sum)."""
-        if bucket.comm.size > 1:
-            bucket.request = bucket.comm.iall_reduce(bucket.flat)
+        if bucket.sum is not None:
+            bucket.request = bucket.sum.start()
 
     def finish_gradients(self):
         """Wait for every bucket's all-reduce (starting those no hook started), then let the model
@@ -225,6 +228,8 @@ class DataParallelAdamW(DistributedOptimizer):
 
     def zero_grad(self):
         for bucket in self.buckets:
+            if bucket.request is not None:  # a sum still running writes into the bucket: let it end
+                bucket.request.wait()
             bucket.flat[...] = 0
             bucket.ready, bucket.request = 0, None
         self._views()
