@@ -156,8 +156,8 @@ def main():
         return 0
     if comm.rank == 0:
         print(f"{n} ranks; median of {args.rounds} rounds; float32 buffers; load average {os.getloadavg()[0]:.1f}\n")
-        print(f"{'':24}{'plain':>7}{'raw':>7}{'':>7}{'planned':>9}{'raw planned':>12}{'':>7}{'planned':>9}\n"
-              f"{'op':<15}{'size':>9}{'us':>7}{'us':>7}{'ratio':>7}{'us':>9}{'us':>12}{'ratio':>7}"
+        print(f"{'':24}{'plain':>9}{'raw':>9}{'':>7}{'planned':>9}{'raw planned':>12}{'':>7}{'planned':>9}\n"
+              f"{'op':<15}{'size':>9}{'us':>9}{'us':>9}{'ratio':>7}{'us':>9}{'us':>12}{'ratio':>7}"
               f"{'/ raw':>9}{'busbw GB/s':>12}")
     worst = {"plain": 1.0, "planned": 1.0}
     for op in BUS_FACTOR:
@@ -185,7 +185,7 @@ def main():
             if comm.rank == 0:
                 busbw = nbytes / t["planned"] * BUS_FACTOR[op](n) / 1e9
                 label = f"{nbytes // 1024}K" if nbytes < 1 << 20 else f"{nbytes >> 20}M"
-                print(f"{op:<15}{label:>9}{t['plain'] * 1e6:>7.1f}{t['raw'] * 1e6:>7.1f}{plain:>7.2f}"
+                print(f"{op:<15}{label:>9}{t['plain'] * 1e6:>9.1f}{t['raw'] * 1e6:>9.1f}{plain:>7.2f}"
                       f"{t['planned'] * 1e6:>9.1f}{t['raw planned'] * 1e6:>12.1f}{planned:>7.2f}{gain:>9.2f}{busbw:>12.2f}")
             size *= 4
     if comm.rank == 0:
