@@ -83,7 +83,7 @@ class Dataset:
 
     def __init__(self, corpus, val_fraction=0.1, tokenizer=None, path=None):
         self.size, self.sha256 = len(corpus), hashlib.sha256(corpus).hexdigest()
-        self.notes = []
+        self.notes, self.tokenized = [], tokenizer is not None
         if tokenizer is None:
             ids = numpy.frombuffer(corpus, dtype=numpy.uint8)
         else:
@@ -93,13 +93,18 @@ class Dataset:
         n_train = int(len(ids) * (1.0 - val_fraction))
         self.splits = {"train": ids[:n_train], "val": ids[n_train:]}
 
-    def check_block_size(self, block_size):
+    def check_block_size(self, block_size, source=None):
+        """Raise a ValueError if a split is too short for one window of ``block_size`` tokens and
+        its next-token targets. ``source``: where the length came from, if not --block-size (a
+        snapshot's config.json, which no flag may contradict: only a larger corpus helps)."""
         for name, ids in self.splits.items():
             if len(ids) < block_size + 2:
-                raise ValueError(
-                    f"the {name} split has {len(ids)} tokens, too few for --block-size {block_size}: "
-                    "use a larger corpus or a smaller block size"
-                )
+                length = f"--block-size {block_size}" if source is None else f"sequences of {block_size} tokens ({source})"
+                fix = "use a larger corpus" + (" or a smaller block size" if source is None else "")
+                # a tokenizer may make far fewer tokens than the corpus has bytes (or none at all)
+                made = f" (its tokenizer made {sum(map(len, self.splits.values())):,} tokens of {self.size:,} bytes)"
+                raise ValueError(f"the {name} split has {len(ids)} tokens{made if self.tokenized else ''}, too few "
+                                 f"for {length}: {fix}")
 
     def batch(self, split, step, batch_size, block_size, seed):
         """Inputs and next-token targets, both (batch_size, block_size) int64, for this step."""

@@ -162,7 +162,7 @@ def build(p, args):
         p.error(str(exc))
     try:
         data = Dataset(load_corpus(args.data), tokenizer=args.tokenizer, path=args.data)
-        data.check_block_size(args.block_size)
+        data.check_block_size(args.block_size, args.taken_from.get("block_size"))
     except (OSError, ValueError) as exc:
         p.error(f"--data {args.data or '(default corpus)'}: {exc}")
     return data, config

@@ -33,12 +33,14 @@ def given_flags(parser, argv):
 def apply_sources(args, given):
     """Set the model flags from ``--init-weights DIR``'s config.json and ``--vocab-size`` from
     ``--tokenizer DIR``; raises FlagError with every disagreement. Leaves ``args.tokenizer`` the
-    loaded tokenizer (or None) and ``args.hf_token_ids`` the bos/eos ids an export writes."""
+    loaded tokenizer (or None), ``args.hf_token_ids`` the bos/eos ids an export writes and
+    ``args.taken_from`` where each flag set here came from."""
     from minipar.checkpoint.hf import FIELDS, read_config
     from minipar.tokenizer import BPETokenizer, tokenizer_files
 
     problems, args.hf_token_ids = [], {}
     source = {}  # flag -> (value, where it came from)
+    args.taken_from = {}  # flag -> where its value came from, for the flags set here
     if args.init_weights and os.path.isdir(args.init_weights):
         where = os.path.join(args.init_weights, "config.json")
         try:
@@ -83,6 +85,7 @@ def apply_sources(args, given):
                             f"drop {FLAG_NAMES[flag]}")
         else:
             setattr(args, flag, value)
+            args.taken_from[flag] = where
     if args.vocab_size is None:
         args.vocab_size = BYTES
     elif tokenizer is None and args.vocab_size < BYTES:

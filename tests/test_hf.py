@@ -141,6 +141,19 @@ def test_a_snapshot_the_run_cannot_take_is_one_line(flags, config, message, tmp_
     assert message.replace("SNAP", snap) in lines[0]
 
 
+def test_a_corpus_too_short_for_the_snapshots_positions_names_config_json(tmp_path):
+    """n_positions came from config.json, which no --block-size may contradict: the fix is a
+    larger corpus, and the message must not send the user to a flag they never typed."""
+    snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()))
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 100)  # a validation split of 10 bytes, for sequences of 16
+    run = train("--init-weights", snap, "--max-iters", "0", "--data", short, *RUN)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert (f"the val split has 10 tokens, too few for sequences of 16 tokens ({snap}/config.json's "
+            "n_positions): use a larger corpus") in lines[0] and "--block-size" not in lines[0]
+
+
 def test_a_mixture_of_experts_is_not_exported_as_gpt2(tmp_path, corpus):
     out = str(tmp_path / "hf")
     run = train("--num-experts", "4", "--max-iters", "1", "--export-hf", out, "--data", corpus, *RUN)

@@ -81,6 +81,18 @@ def train(*args, cwd):
                           timeout=300, env=env, cwd=cwd)
 
 
+def test_a_corpus_too_short_under_a_tokenizer_says_how_many_tokens_its_bytes_made(bpe, tmp_path):
+    """A tokenizer can make far fewer tokens than the corpus has bytes (a normalizer that deletes
+    text: none at all), so "too few tokens" alone would leave the user looking at a long file."""
+    corpus = TEXT[:400].encode()
+    data = Dataset(corpus, tokenizer=BPETokenizer(bpe[0]), path=str(tmp_path / "short.txt"))
+    made = sum(map(len, data.splits.values()))
+    assert made < 200
+    with pytest.raises(ValueError, match=rf"has \d+ tokens \(its tokenizer made {made} tokens of {len(corpus)} bytes\), too few "
+                                         "for --block-size 200: use a larger corpus or a smaller block size"):
+        data.check_block_size(200)
+
+
 def test_a_corpus_that_is_not_utf8_is_said_to_be_so(bpe, tmp_path):
     """Under a tokenizer its bytes that are not UTF-8 became U+FFFD without a word."""
     corpus = tmp_path / "latin1.txt"
