@@ -42,31 +42,33 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
               "all_gather": lambda n: (n - 1) / n}
 
 
-def operations(comm, nbytes):
-    """{op: {way: call}} on float32 buffers of ``nbytes`` in all (the ways of the module
-    docstring), and the persistent requests to free once they are timed."""
+def operations(comm, op, nbytes):
+    """{way: call} for ``op`` on float32 buffers of ``nbytes`` in all (the ways of the module
+    docstring), and a function that frees the two persistent requests once they are timed."""
     raw, n = comm.comm, comm.size
     count = max(n, nbytes // 4 // n * n)
     full = np.ones(count, np.float32)
     chunk = np.ones(count // n, np.float32)
     gathered = np.empty((n, count // n), np.float32)
-    plans = {"all_reduce": (comm.all_reduce_init(full), raw.Allreduce_init(MPI.IN_PLACE, full)),
-             "reduce_scatter": (comm.reduce_scatter_init(full, out=chunk), raw.Reduce_scatter_block_init(full, chunk)),
-             "all_gather": (comm.all_gather_init(chunk, out=gathered), raw.Allgather_init(chunk, gathered))}
+    if op == "all_reduce":
+        ours, theirs = comm.all_reduce_init(full), raw.Allreduce_init(MPI.IN_PLACE, full)
+        ways = {"plain": lambda: comm.all_reduce(full), "raw": lambda: raw.Allreduce(MPI.IN_PLACE, full)}
+    elif op == "reduce_scatter":
+        ours, theirs = comm.reduce_scatter_init(full, out=chunk), raw.Reduce_scatter_block_init(full, chunk)
+        ways = {"plain": lambda: comm.reduce_scatter(full, out=chunk), "raw": lambda: raw.Reduce_scatter_block(full, chunk)}
+    else:
+        ours, theirs = comm.all_gather_init(chunk, out=gathered), raw.Allgather_init(chunk, gathered)
+        ways = {"plain": lambda: comm.all_gather(chunk, out=gathered), "raw": lambda: raw.Allgather(chunk, gathered)}
 
-    def started(request):
-        def run():
-            request.Start()
-            request.Wait()
-        return run
+    def raw_planned():
+        theirs.Start()
+        theirs.Wait()
 
-    ways = {op: {"planned": plans[op][0].run, "raw planned": started(plans[op][1])} for op in plans}
-    ways["all_reduce"].update(plain=lambda: comm.all_reduce(full), raw=lambda: raw.Allreduce(MPI.IN_PLACE, full))
-    ways["reduce_scatter"].update(plain=lambda: comm.reduce_scatter(full, out=chunk),
-                                  raw=lambda: raw.Reduce_scatter_block(full, chunk))
-    ways["all_gather"].update(plain=lambda: comm.all_gather(chunk, out=gathered),
-                              raw=lambda: raw.Allgather(chunk, gathered))
-    return full.nbytes, ways, [request for pair in plans.values() for request in pair]
+    def free():
+        ours.free()
+        theirs.Free()
+
+    return full.nbytes, dict(ways, planned=ours.run, **{"raw planned": raw_planned}), free
 
 
 def timed(comm, fn, reps):
@@ -91,7 +93,13 @@ class _NoMPI:
     def Allreduce(self, *args):
         pass
 
-    Reduce_scatter_block = Allgather = Allreduce
+    Reduce_scatter_block = Allgather = Start = Wait = Free = Allreduce
+
+    def Allreduce_init(self, *args):
+        return self  # its own persistent request
+
+    def Test(self):
+        return True
 
 
 def _ways(mpi, comm, x):
@@ -114,14 +122,15 @@ def _ways(mpi, comm, x):
     w = Wrapper()
     return {"raw mpi4py": lambda: call(in_place, x, total), "in a function": lambda: function(x),
             "in a method": lambda: w.method(x), "a method with a 3-step loop": lambda: w.looping(x),
-            "minipar": lambda: comm.all_reduce(x)}
+            "minipar": lambda: comm.all_reduce(x), "minipar planned": comm.all_reduce_init(x).run}
 
 
 def wrappers(comm, rounds):
     """What a little Python costs a small all-reduce on the clock: raw mpi4py against the same call
-    inside a function, a method, a method that first runs a 3-step loop, and minipar's, at 4 KiB,
-    the calls alternating in rounds (median over rounds of raw's throughput over each's). Beside
-    each: its Python alone, the same calls on an mpi4py side that does nothing, in a loop."""
+    inside a function, a method, a method that first runs a 3-step loop, and minipar's, plain and
+    planned (whose MPI call is a persistent request's start and wait), at 4 KiB, the calls
+    alternating in rounds (median over rounds of raw's throughput over each's). Beside each: its
+    Python alone, the same calls on an mpi4py side that does nothing, in a loop."""
     x = np.ones(1024, np.float32)
     ways = _ways(comm.comm, comm, x)
     alone = _ways(_NoMPI(), MPICommunicator(_NoMPI(), "no MPI", polite=False), x)
@@ -163,8 +172,7 @@ def main():
     for op in BUS_FACTOR:
         size = args.min_size
         while size <= args.max_size:
-            nbytes, ways, requests = operations(comm, size)
-            ways = ways[op]
+            nbytes, ways, free = operations(comm, op, size)
             reps = max(2, min(200, (32 << 20) // nbytes))
             for way in ways.values():  # warm up every path
                 way()
@@ -173,8 +181,7 @@ def main():
             for r in range(args.rounds):  # the order rotates: the later ones find warm caches
                 for name in names[r % len(names):] + names[: r % len(names)]:
                     samples[name].append(timed(comm, ways[name], reps))
-            for request in requests:
-                request.free() if hasattr(request, "result") else request.Free()
+            free()
             t = {name: float(np.median(times)) for name, times in samples.items()}
 
             def ratio(ours, theirs):  # throughput of ours relative to theirs, each round's pair under the same load

@@ -17,11 +17,6 @@ def test_communicator_operations(n):
     assert f"comm ops OK on {n} ranks" in check_mpi(n, "comm_ops.py")
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_planned_collectives_match_the_plain_ones(n):
-    assert f"planned collectives OK on {n} ranks" in check_mpi(n, "persistent.py")
-
-
 @pytest.mark.parametrize("n,tp,pp,cp", [(8, 2, 2, 1), (8, 1, 4, 1), (4, 2, 1, 1), (4, 1, 1, 1), (2, 2, 1, 1),
                                         (8, 2, 1, 2)])
 def test_process_grid_groups_match_the_rank_arithmetic(n, tp, pp, cp):

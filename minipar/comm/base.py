@@ -88,24 +88,55 @@ def wait_all(requests):
     return [r.wait() for r in requests]
 
 
+# Plans with a start running, kept alive until it has been waited on: MPI reads and writes a
+# plan's arrays until then, even if the caller has dropped the plan and its Request.
+running_plans = set()
+
+
 class Persistent:
     """One collective on fixed arrays, planned once and started any number of times, as MPI-4's
     persistent collectives are (MPI_Allreduce_init, then MPI_Start and a wait each time).
     ``start()`` begins it and returns a Request; ``run()`` runs it to completion; either way the
-    answer is in ``result``. This general form plans again at every start (it calls the i-form,
-    with all its checks); ``persistent.PersistentCollectives`` plans host arrays once, in MPI."""
+    answer is in ``result``. A plan runs one start at a time and none after ``free()``.
 
-    def __init__(self, start, result):
-        self._start, self.result = start, result
+    This general form (GPU arrays; NCCL) calls the i-form at every start, whose checks the
+    communicator has already made once, at planning; ``persistent.MPIPersistent`` plans host
+    arrays in MPI."""
+
+    def __init__(self, op, start, result):
+        self.op, self.result, self._start = op, result, start
+        self.running = self.freed = False
+
+    def _refuse(self):
+        """Raise if this plan may not start now."""
+        if self.running:
+            raise RuntimeError(f"planned {self.op}: started again before its last start finished; wait on "
+                               "the Request start() returned first")
+        if self.freed:
+            raise RuntimeError(f"planned {self.op}: started after free()")
+
+    def _began(self):
+        self.running = True
+        running_plans.add(self)
+
+    def _ended(self):
+        self.running = False
+        running_plans.discard(self)
 
     def start(self):
-        return self._start()
+        self._refuse()
+        inner = self._start()
+        self._began()
+        return Request(inner.test, self.result, keep=inner, then=self._ended, block=inner.wait)
 
     def run(self):
-        return self._start().wait()
+        return self.start().wait()
 
     def free(self):
-        """Release what the plan holds (nothing here; MPI's request in the planned form)."""
+        """Release what the plan holds (MPI's request in ``MPIPersistent``); it may not start again."""
+        if self.running:
+            raise RuntimeError(f"planned {self.op}: free() while a start is running; wait on it first")
+        self.freed = True
 
 
 def chunk_shape(x, size, what):
@@ -210,20 +241,22 @@ class Communicator:
         return self._broadcast(x, root, wait=False)
 
     # Planned forms: the same collective on the same arrays, started many times (``Persistent``).
-    # Here each start runs the i-form; an implementation may plan once (MPI: ``persistent.py``).
+    # An implementation checks the arrays once, when planning, then plans in its library where it
+    # can (MPI: ``persistent.py``) and else hands the checked arrays to these: each start then
+    # runs the i-form.
     def all_reduce_init(self, x, op="sum"):
         """``all_reduce(x, op)``, planned to run many times on this same ``x``."""
-        return Persistent(lambda: self.iall_reduce(x, op), x)
+        return Persistent("all_reduce", lambda: self.iall_reduce(x, op), x)
 
     def reduce_scatter_init(self, x, op="sum", out=None):
         """``reduce_scatter(x, op, out)``, planned to run many times on these arrays."""
         out = empty_like_device(x, chunk_shape(x, self.size, "reduce_scatter")) if out is None else out
-        return Persistent(lambda: self.ireduce_scatter(x, op, out), out)
+        return Persistent("reduce_scatter", lambda: self.ireduce_scatter(x, op, out), out)
 
     def all_gather_init(self, x, out=None):
         """``all_gather(x, out)``, planned to run many times on these arrays."""
         out = empty_like_device(x, (self.size,) + x.shape) if out is None else out
-        return Persistent(lambda: self.iall_gather(x, out), out)
+        return Persistent("all_gather", lambda: self.iall_gather(x, out), out)
 
     def send(self, x, dest, tag=0):
         self.isend(x, dest, tag).wait()

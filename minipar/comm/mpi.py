@@ -127,8 +127,8 @@ class MPICommunicator(PersistentCollectives, Communicator):
 
     # Each collective is written once, as _op(..., wait); the base class names its two forms.
     def _all_reduce(self, x, op, wait):
+        buf, then = stage(x, "all_reduce", copy_back=True)  # first: it refuses what is no array
         mpi_op = reduction_op(op, x.dtype)
-        buf, then = stage(x, "all_reduce", copy_back=True)
         return self._run("all_reduce", x.nbytes, x,
                          lambda: self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op),
                          lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op), wait, then=then)
@@ -136,13 +136,14 @@ class MPICommunicator(PersistentCollectives, Communicator):
     def _out(self, out, shape, dtype, what, like):
         if out is None:  # on the device of the input
             return empty_like_device(like, shape)
+        check_buffer(out, what)
         if out.shape != shape or out.dtype != dtype:
             raise ValueError(f"{what}: out must be {shape} {dtype}, got {out.shape} {out.dtype}")
-        return check_buffer(out, what)
+        return out
 
     def _reduce_scatter(self, x, op, out, wait):
-        mpi_op = reduction_op(op, x.dtype)
         x_buf, _ = stage(x, "reduce_scatter", copy_back=False)
+        mpi_op = reduction_op(op, x.dtype)
         out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x.dtype, "reduce_scatter", x)
         if self.size == 1:
             out[...] = x

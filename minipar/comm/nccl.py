@@ -22,7 +22,7 @@ import sys
 
 import numpy
 
-from minipar.comm.base import Communicator, Request, all_to_all_v_plan
+from minipar.comm.base import Communicator, Request, all_to_all_v_plan, chunk_shape
 
 _ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 
@@ -126,9 +126,9 @@ class NCCLCommunicator(Communicator):
         return Request(lambda: done.done, result, keep=keep, then=lambda: compute.wait_event(done))
 
     def _out(self, out, shape, x, what):
-        import cupy
-
         if out is None:
+            import cupy
+
             return cupy.empty(shape, x.dtype)
         if out.shape != shape or out.dtype != x.dtype:
             raise ValueError(f"{what}: out must be {shape} {x.dtype}, got {out.shape} {out.dtype}")
@@ -148,10 +148,7 @@ class NCCLCommunicator(Communicator):
         if self._on_host(x):
             return self.mpi._reduce_scatter(x, op, out, wait)
         _contiguous(x, "reduce_scatter")
-        if x.shape[0] % self.size:
-            raise ValueError(f"reduce_scatter: axis 0 of length {x.shape[0]} does not split into "
-                             f"{self.size} chunks")
-        out = self._out(out, (x.shape[0] // self.size,) + x.shape[1:], x, "reduce_scatter")
+        out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x, "reduce_scatter")
         dtype, nccl_op = _dtype(x), _op(op)
         return self._launch("reduce_scatter", x.nbytes, out,
                             lambda s: self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, dtype, nccl_op, s),
@@ -174,8 +171,7 @@ class NCCLCommunicator(Communicator):
         if self._on_host(x):
             return self.mpi._all_to_all(x, out, wait)
         _contiguous(x, "all_to_all")
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"all_to_all: axis 0 of shape {x.shape} does not split into {self.size} chunks")
+        chunk_shape(x, self.size, "all_to_all")
         out = self._out(out, x.shape, x, "all_to_all")
         nccl, dtype, count = _nccl(), _dtype(x), x.size // self.size
         step = count * x.itemsize  # bytes per chunk
@@ -219,16 +215,31 @@ class NCCLCommunicator(Communicator):
         return self._launch("broadcast", x.nbytes, x,
                             lambda s: self.comm.bcast(x.data.ptr, x.size, dtype, root, s), x, wait, root=root)
 
-    # planned collectives (``base.Persistent``): host arrays planned once in MPI; GPU arrays
-    # launch NCCL at each start, which is what a start of a plan would do
+    # planned collectives (``base.Persistent``): host arrays planned in MPI; GPU arrays checked
+    # once, here, then launched on NCCL at each start (NCCL has no persistent collectives)
     def all_reduce_init(self, x, op="sum"):
-        return self.mpi.all_reduce_init(x, op) if self._on_host(x) else super().all_reduce_init(x, op)
+        if self._on_host(x):
+            return self.mpi.all_reduce_init(x, op)
+        _contiguous(x, "all_reduce")
+        _dtype(x)
+        _op(op)
+        return super().all_reduce_init(x, op)
 
     def reduce_scatter_init(self, x, op="sum", out=None):
-        return self.mpi.reduce_scatter_init(x, op, out) if self._on_host(x) else super().reduce_scatter_init(x, op, out)
+        if self._on_host(x):
+            return self.mpi.reduce_scatter_init(x, op, out)
+        _contiguous(x, "reduce_scatter")
+        _dtype(x)
+        _op(op)
+        out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x, "reduce_scatter")
+        return super().reduce_scatter_init(x, op, out)
 
     def all_gather_init(self, x, out=None):
-        return self.mpi.all_gather_init(x, out) if self._on_host(x) else super().all_gather_init(x, out)
+        if self._on_host(x):
+            return self.mpi.all_gather_init(x, out)
+        _contiguous(x, "all_gather")
+        _dtype(x)
+        return super().all_gather_init(x, self._out(out, (self.size,) + x.shape, x, "all_gather"))
 
     # ---- the rest through MPI --------------------------------------------------------------------
     def barrier(self):

@@ -1,0 +1,147 @@
+"""Planned (persistent) collectives: their life (start, run, free, a wait interrupted, a plan
+dropped) on a stand-in for MPI's request, the NCCL communicator's choice of form, and the MPI
+script that runs them against the plain collectives on several ranks."""
+
+import numpy as np
+import pytest
+
+from minipar.comm.base import Persistent, running_plans
+from minipar.comm.mpi import MPICommunicator
+from minipar.comm.persistent import MPIPersistent, _free
+from mpi_run import check_mpi
+
+
+class FakeRequest:
+    """MPI's persistent request as the plan uses it: Start, Wait, Test, Free; ``finishes``: whether
+    a started operation has finished by the next Test."""
+
+    def __init__(self, finishes=True):
+        self.calls, self.active, self.finishes, self.wait_raises = [], False, finishes, None
+
+    def Start(self):
+        assert not self.active, "MPI: a persistent request started while active"
+        self.calls.append("Start")
+        self.active = True
+
+    def Wait(self):
+        self.calls.append("Wait")
+        if self.wait_raises is not None:
+            raise self.wait_raises
+        self.active = False
+
+    def Test(self):
+        self.calls.append("Test")
+        if self.finishes:
+            self.active = False
+        return not self.active
+
+    def Free(self):
+        assert not self.active, "MPI: a running collective freed"
+        self.calls.append("Free")
+
+    def __ne__(self, other):  # never MPI.REQUEST_NULL
+        return True
+
+
+class FakeComm:
+    def __init__(self, polite):
+        from minipar.comm.stats import CommStats
+
+        self.stats, self.polite = CommStats(2), polite
+
+
+@pytest.mark.parametrize("polite", [False, True])
+def test_a_plan_runs_one_start_at_a_time_and_none_after_free(polite):
+    request, x = FakeRequest(), np.ones(4)
+    plan = MPIPersistent(FakeComm(polite), "all_reduce", x.nbytes, x, (x,), request)
+    assert plan.run() is x and plan.start().wait() is x
+    started = plan.start()
+    with pytest.raises(RuntimeError, match="planned all_reduce: started again before its last start finished"):
+        plan.run()
+    with pytest.raises(RuntimeError, match="free\\(\\) while a start is running; wait on it first"):
+        plan.free()
+    assert plan in running_plans  # dropped by the caller, it would still be written into
+    started.wait()
+    assert plan not in running_plans and not plan.running
+    assert plan._tally.calls == 3 and plan._tally.nbytes == 3 * x.nbytes  # each start counted once
+    plan.free()
+    assert request.calls[-2:] == ["Test", "Free"]
+    with pytest.raises(RuntimeError, match="planned all_reduce: started after free\\(\\)"):
+        plan.start()
+    plan.free()  # a second free does nothing
+    assert request.calls.count("Free") == 1
+
+
+def test_an_interrupted_wait_leaves_the_plan_running_and_alive():
+    request, x = FakeRequest(finishes=False), np.ones(4)
+    plan = MPIPersistent(FakeComm(False), "all_gather", x.nbytes, x, (x,), request)
+    request.wait_raises = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        plan.run()
+    assert plan.running and plan in running_plans  # MPI may still write into x
+    with pytest.raises(RuntimeError, match="started again before its last start finished"):
+        plan.run()
+    running_plans.discard(plan)
+
+
+def test_a_dropped_plan_frees_its_request_once_it_has_finished():
+    done, busy = FakeRequest(), FakeRequest(finishes=False)
+    busy.active = True  # a start nobody waited on, at exit
+    _free(done), _free(busy)
+    assert done.calls == ["Test", "Free"] and busy.calls == ["Test"]
+    x = np.ones(2)
+    request = FakeRequest()
+    plan = MPIPersistent(FakeComm(False), "all_reduce", x.nbytes, x, (x,), request)
+    del plan
+    assert request.calls == ["Test", "Free"]
+
+
+def test_the_general_form_keeps_the_same_rules():
+    from minipar.comm.base import Request
+
+    starts = []
+    plan = Persistent("reduce_scatter", lambda: starts.append(1) or Request(lambda: len(starts) > 0, "r"), "r")
+    assert plan.run() == "r"
+    request = plan.start()
+    with pytest.raises(RuntimeError, match="started again"):
+        plan.start()
+    assert request.wait() == "r" and not plan.running
+    plan.free()
+    with pytest.raises(RuntimeError, match="started after free"):
+        plan.run()
+
+
+def test_nccl_plans_host_arrays_in_mpi_and_checks_gpu_arrays_when_planning(monkeypatch):
+    """The NCCL communicator without a GPU: its host arrays go to its MPI group's planned forms,
+    and a GPU array's problems are said at planning, not at the first start."""
+    from minipar.comm import nccl
+
+    class FakeNCCLModule:
+        NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM, NCCL_MAX = 7, 8, 0, 2
+
+    class GPUArray:  # what the checks read of a CuPy array
+        def __init__(self, shape, contiguous=True):
+            self.shape, self.ndim, self.dtype = shape, len(shape), np.dtype(np.float32)
+            self.flags = type("Flags", (), {"c_contiguous": contiguous})()
+
+    monkeypatch.setattr(nccl, "_nccl", lambda: FakeNCCLModule)
+    monkeypatch.setattr(nccl, "_types", None)
+    comm = object.__new__(nccl.NCCLCommunicator)
+    comm.mpi, comm.size, comm.rank = MPICommunicator.__new__(MPICommunicator), 2, 0
+    planned = []
+    comm.mpi.all_reduce_init = lambda x, op="sum": planned.append(("mpi", op)) or "planned in MPI"
+    assert comm.all_reduce_init(np.ones(4), "max") == "planned in MPI" and planned == [("mpi", "max")]
+    plan = comm.all_gather_init(GPUArray((3,)), out=GPUArray((2, 3)))
+    assert type(plan) is Persistent and plan.op == "all_gather"
+    for call, message in [(lambda: comm.all_reduce_init(GPUArray((4,)), "mean"), "reduction op must be one of"),
+                          (lambda: comm.all_reduce_init(GPUArray((4,), contiguous=False)), "C-contiguous"),
+                          (lambda: comm.reduce_scatter_init(GPUArray((3,))), "does not split into 2 chunks"),
+                          (lambda: comm.all_gather_init(GPUArray((3,)), out=GPUArray((3, 3))), r"out must be \(2, 3\) float32, got \(3, 3\)")]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_planned_collectives_match_the_plain_ones(n):
+    out = check_mpi(n, "persistent.py")
+    assert f"planned collectives OK on {n} ranks" in out and "MPICH" not in out  # no request left at exit
