@@ -55,7 +55,8 @@ def operations(comm, op, nbytes):
         ways = {"plain": lambda: comm.all_reduce(full), "raw": lambda: raw.Allreduce(MPI.IN_PLACE, full)}
     elif op == "reduce_scatter":
         ours, theirs = comm.reduce_scatter_init(full, out=chunk), raw.Reduce_scatter_block_init(full, chunk)
-        ways = {"plain": lambda: comm.reduce_scatter(full, out=chunk), "raw": lambda: raw.Reduce_scatter_block(full, chunk)}
+        ways = {"plain": lambda: comm.reduce_scatter(full, out=chunk),
+                "raw": lambda: raw.Reduce_scatter_block(full, chunk)}
     else:
         ours, theirs = comm.all_gather_init(chunk, out=gathered), raw.Allgather_init(chunk, gathered)
         ways = {"plain": lambda: comm.all_gather(chunk, out=gathered), "raw": lambda: raw.Allgather(chunk, gathered)}
@@ -193,7 +194,8 @@ def main():
                 busbw = nbytes / t["planned"] * BUS_FACTOR[op](n) / 1e9
                 label = f"{nbytes // 1024}K" if nbytes < 1 << 20 else f"{nbytes >> 20}M"
                 print(f"{op:<15}{label:>9}{t['plain'] * 1e6:>9.1f}{t['raw'] * 1e6:>9.1f}{plain:>7.2f}"
-                      f"{t['planned'] * 1e6:>9.1f}{t['raw planned'] * 1e6:>12.1f}{planned:>7.2f}{gain:>9.2f}{busbw:>12.2f}")
+                      f"{t['planned'] * 1e6:>9.1f}{t['raw planned'] * 1e6:>12.1f}{planned:>7.2f}{gain:>9.2f}"
+                      f"{busbw:>12.2f}")
             size *= 4
     if comm.rank == 0:
         print(f"\nlowest throughput ratio minipar / raw mpi4py: plain {worst['plain']:.2f}, planned "

@@ -99,7 +99,8 @@ class Dataset:
         snapshot's config.json, which no flag may contradict: only a larger corpus helps)."""
         for name, ids in self.splits.items():
             if len(ids) < block_size + 2:
-                length = f"--block-size {block_size}" if source is None else f"sequences of {block_size} tokens ({source})"
+                length = (f"--block-size {block_size}" if source is None
+                          else f"sequences of {block_size} tokens ({source})")
                 fix = "use a larger corpus" + (" or a smaller block size" if source is None else "")
                 # a tokenizer may make far fewer tokens than the corpus has bytes (or none at all)
                 made = f" (its tokenizer made {sum(map(len, self.splits.values())):,} tokens of {self.size:,} bytes)"

@@ -136,7 +136,8 @@ def test_nccl_plans_host_arrays_in_mpi_and_checks_gpu_arrays_when_planning(monke
     for call, message in [(lambda: comm.all_reduce_init(GPUArray((4,)), "mean"), "reduction op must be one of"),
                           (lambda: comm.all_reduce_init(GPUArray((4,), contiguous=False)), "C-contiguous"),
                           (lambda: comm.reduce_scatter_init(GPUArray((3,))), "does not split into 2 chunks"),
-                          (lambda: comm.all_gather_init(GPUArray((3,)), out=GPUArray((3, 3))), r"out must be \(2, 3\) float32, got \(3, 3\)")]:
+                          (lambda: comm.all_gather_init(GPUArray((3,)), out=GPUArray((3, 3))),
+                           r"out must be \(2, 3\) float32, got \(3, 3\)")]:
         with pytest.raises((ValueError, TypeError), match=message):
             call()
 

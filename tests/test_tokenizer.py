@@ -88,8 +88,8 @@ def test_a_corpus_too_short_under_a_tokenizer_says_how_many_tokens_its_bytes_mad
     data = Dataset(corpus, tokenizer=BPETokenizer(bpe[0]), path=str(tmp_path / "short.txt"))
     made = sum(map(len, data.splits.values()))
     assert made < 200
-    with pytest.raises(ValueError, match=rf"has \d+ tokens \(its tokenizer made {made} tokens of {len(corpus)} bytes\), too few "
-                                         "for --block-size 200: use a larger corpus or a smaller block size"):
+    said = rf"has \d+ tokens \(its tokenizer made {made} tokens of {len(corpus)} bytes\), too few for --block-size 200"
+    with pytest.raises(ValueError, match=said + ": use a larger corpus or a smaller block size"):
         data.check_block_size(200)
 
 

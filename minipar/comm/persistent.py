@@ -53,7 +53,8 @@ class PersistentCollectives:
         out = self._out(out, (self.size,) + x.shape, x.dtype, "all_gather", x)
         if not (isinstance(x, numpy.ndarray) and isinstance(out, numpy.ndarray)):
             return super().all_gather_init(x, out)
-        return MPIPersistent(self, "all_gather", out.nbytes, out, (x, out), self.comm.Allgather_init(wire(x), wire(out)))
+        request = self.comm.Allgather_init(wire(x), wire(out))
+        return MPIPersistent(self, "all_gather", out.nbytes, out, (x, out), request)
 
 
 def _free(request):

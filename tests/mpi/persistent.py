@@ -80,7 +80,8 @@ for mode in ("polite", "blocking"):
     c.stats.reset()
     bad = [("all_reduce", (x,), {"op": "mean"}), ("all_reduce", (np.ones((4, 4))[:, ::2],), {}),
            ("all_reduce", (np.ones(3, bool),), {}), ("reduce_scatter", (np.ones(()),), {}),
-           ("reduce_scatter", (x,), {"out": np.empty((2, 4))}), ("reduce_scatter", (x,), {"out": np.empty((2, 3), np.float32)}),
+           ("reduce_scatter", (x,), {"out": np.empty((2, 4))}),
+           ("reduce_scatter", (x,), {"out": np.empty((2, 3), np.float32)}),
            ("all_gather", (x,), {"out": np.empty((N + 1, 2 * N, 3))}), ("all_gather", (np.ones(3, bool),), {}),
            ("all_gather", (x,), {"out": np.asfortranarray(np.empty((N, 2 * N, 3)))})]
     bad += [("all_reduce", ([1.0, 2.0],), {}), ("reduce_scatter", ([1.0] * N,), {}), ("all_gather", ([1.0],), {}),
