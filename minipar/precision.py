@@ -83,7 +83,8 @@ class ConstantLossScaler:
         return {"scale": self.scale}
 
     def load_state_dict(self, state):
-        self.scale = float(state["scale"])
+        """Nothing to resume: the scale is the run's own flag, as Megatron's ConstantGradScaler has
+        no state (a checkpoint's scale, constant or dynamic, would override what the user typed)."""
 
 
 class DynamicLossScaler:
@@ -133,6 +134,10 @@ class DynamicLossScaler:
                 "hysteresis_tracker": self.hysteresis_tracker}
 
     def load_state_dict(self, state):
+        """Go on from a dynamic scale's state; a constant scale's (only "scale") has none to go on
+        from, so this one starts as its flags say, as a fresh run's does."""
+        if "growth_tracker" not in state:
+            return
         self.scale = float(state["scale"])
         self.growth_tracker, self.hysteresis_tracker = int(state["growth_tracker"]), int(state["hysteresis_tracker"])
 

@@ -235,7 +235,9 @@ def check_files(p, args, config, data):
     if args.load:
         try:
             index = read_index(args.load)
-            check_model(index, config, args.dtype)
+            mixed = "--bf16" if args.bf16 else "--fp16" if args.fp16 else None
+            check_model(index, config, args.dtype,  # a 16-bit run's checkpoint keeps its float32 masters
+                        f"the master weights of {mixed}, which are float32 always" if mixed else None)
         except CheckpointError as exc:
             p.error(f"--load: {exc}")
         args.load = index["path"]

@@ -81,6 +81,7 @@ class Trainer(Reports):
         # chunks per rank; PipeDream-2BW's step runs the next batch's forwards too: no replay for it
         self.v, self.replayable = args.vpp, not isinstance(self.executor, PipeDream2BW)
         self.start, self._n_params = 0, None
+        self.stuck = 0  # fp16 steps skipped in a row at a scale that cannot go lower (saved: a resume goes on counting)
         if weights is not None:
             full.load_full_state(model, self.opt, weights, grid)
         if args.load:
@@ -96,6 +97,7 @@ class Trainer(Reports):
                 except (KeyError, TypeError, ValueError) as exc:
                     raise sharded.CheckpointError(f"{args.load}: its loss_scaler state is not one: {exc!r}") from None
             self.start = state["iteration"]
+            self.stuck = state.get("skipped_in_a_row", 0)  # 0 for checkpoints from before it was saved
         self.speaks = world.rank == 0
         if args.save and self.speaks:  # the save directory's lock is ours (run_inputs.claim_save_directory)
             sharded.remove_stale_partials(args.save)
@@ -175,7 +177,7 @@ class Trainer(Reports):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
                  "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256]}
         if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
+            state["loss_scaler"], state["skipped_in_a_row"] = self.scaler.state_dict(), self.stuck
         saved = sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
         if self.args.keep_checkpoints and self.speaks:
             sharded.prune(self.args.save, self.args.keep_checkpoints)
@@ -204,15 +206,15 @@ class Trainer(Reports):
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
                   buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}",
                                            self.world.abort) as watchdog:
-            clock, stuck = time.perf_counter(), 0
+            clock = time.perf_counter()
             for it in range(self.start, end):
                 watchdog.arm(f"the step of iteration {it}")
                 loss, norm, bubble, bad = self.step(it)
                 if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)
                 # fp16 steps skipped in a row at a scale that cannot go lower train nothing, ever
-                stuck = stuck + 1 if self.opt.skipped_step and self.at_floor else 0
-                if stuck == STUCK_STEPS:
+                self.stuck = self.stuck + 1 if self.opt.skipped_step and self.at_floor else 0
+                if self.stuck == STUCK_STEPS:
                     return self._stuck(it)
                 now = time.perf_counter()
                 ms, clock = 1e3 * (now - clock), now

@@ -50,6 +50,21 @@ def test_constant_scaler_skips_but_never_moves():
         ConstantLossScaler(0.0)
 
 
+def test_a_scaler_resumes_only_its_own_kinds_state():
+    """A constant scale is the run's flag: a checkpoint's scale did override --loss-scale. A
+    dynamic scale resumed from a constant one's checkpoint failed with a KeyError."""
+    dynamic = DynamicLossScaler(initial_scale=2.0**16, growth_interval=3)
+    dynamic.update(False)
+    constant = ConstantLossScaler(1024.0)
+    constant.load_state_dict(dynamic.state_dict())
+    assert constant.scale == 1024.0
+    fresh = DynamicLossScaler(initial_scale=2.0**10, growth_interval=3)
+    fresh.load_state_dict(ConstantLossScaler(8.0).state_dict())
+    assert fresh.state_dict() == DynamicLossScaler(initial_scale=2.0**10, growth_interval=3).state_dict()
+    fresh.load_state_dict(dynamic.state_dict())
+    assert fresh.state_dict() == dynamic.state_dict()
+
+
 def test_policy_refuses_what_would_lose_updates():
     with pytest.raises(ValueError, match="master weights must be float32"):
         Policy("bfloat16", "bfloat16", "bfloat16")

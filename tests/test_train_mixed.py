@@ -68,6 +68,24 @@ def test_fp16_steps_skipped_at_a_scale_that_cannot_go_lower_stop_the_run(scale, 
     assert lines[0].endswith("No checkpoint was saved in ckpt yet.")  # (the default --save-interval: 100)
 
 
+def test_a_stuck_fp16_run_stops_at_the_same_step_when_resumed(tmp_path):
+    """The count of steps skipped in a row is in the checkpoint: resumed every 5 iterations (under
+    10), such a run went on for ever, training nothing, and ended with status 0."""
+    common = [*TINY, "--fp16", "--loss-scale", "1e30", "--max-iters", "30", "--save", "ckpt"]
+    first = train(*common, "--exit-interval", "5", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = train(*common, "--load", "ckpt", cwd=tmp_path)
+    assert second.returncode == 1 and "at iter 9 the last 10 steps were all skipped" in second.stderr, second.stderr
+
+
+def test_a_float64_checkpoint_refused_by_a_16_bit_run_names_what_chose_float32(tmp_path):
+    """It said "dtype float64 (flags: float32)" to a user who typed --fp16 and no dtype."""
+    assert train(*TINY, "--dtype", "float64", "--max-iters", "1", "--save", "ck", cwd=tmp_path).returncode == 0
+    run = train(*TINY, "--fp16", "--max-iters", "2", "--load", "ck", cwd=tmp_path)
+    assert run.returncode == 2 and ("dtype float64 (flags: float32, the master weights of --fp16, which are "
+                                    "float32 always)") in run.stderr, run.stderr
+
+
 def test_a_bf16_run_resumes_exactly_and_its_checkpoint_starts_a_float32_run(tmp_path):
     common = [*TINY, "--bf16", "--max-iters", "6", "--warmup-iters", "2"]
     whole, parts = str(tmp_path / "whole.safetensors"), str(tmp_path / "parts.safetensors")

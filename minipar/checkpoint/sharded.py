@@ -188,8 +188,9 @@ def _merge(partial, n_ranks, iteration, model, grid, trainer_state, dtype):
             "files": files, "tensors": tensors}
 
 
-def check_model(index, config, dtype):
-    """Raise CheckpointError unless the checkpoint holds this model, listing every difference."""
+def check_model(index, config, dtype, chosen_by=None):
+    """Raise CheckpointError unless the checkpoint holds this model, listing every difference.
+    ``chosen_by``: the flags that made ``dtype`` the weights' (said where the dtypes differ)."""
     saved = index["model"]
     mine = dataclasses.asdict(config)
     # a field a checkpoint predates has its default (a checkpoint from before experts is dense);
@@ -199,7 +200,7 @@ def check_model(index, config, dtype):
     diffs = [f"{k} {saved.get(k, default[k])} (flags: {mine[k]})" for k in mine
              if k not in free and saved.get(k, default[k]) != mine[k]]
     if index["dtype"] != str(numpy.dtype(dtype)):
-        diffs.append(f"dtype {index['dtype']} (flags: {numpy.dtype(dtype)})")
+        diffs.append(f"dtype {index['dtype']} (flags: {numpy.dtype(dtype)}{f', {chosen_by}' if chosen_by else ''})")
     if diffs:
         raise CheckpointError(f"{index['path']} holds a different model: " + "; ".join(diffs))
 
