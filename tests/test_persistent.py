@@ -13,10 +13,16 @@ from mpi_run import check_mpi
 
 class FakeRequest:
     """MPI's persistent request as the plan uses it: Start, Wait, Test, Free; ``finishes``: whether
-    a started operation has finished by the next Test."""
+    a started operation has finished by the next Test; ``interrupt``: raised once, by the next
+    Wait or Test (a signal's handler)."""
 
     def __init__(self, finishes=True):
-        self.calls, self.active, self.finishes, self.wait_raises = [], False, finishes, None
+        self.calls, self.active, self.finishes, self.interrupt = [], False, finishes, None
+
+    def _interrupted(self):
+        interrupt, self.interrupt = self.interrupt, None
+        if interrupt is not None:
+            raise interrupt
 
     def Start(self):
         assert not self.active, "MPI: a persistent request started while active"
@@ -25,12 +31,12 @@ class FakeRequest:
 
     def Wait(self):
         self.calls.append("Wait")
-        if self.wait_raises is not None:
-            raise self.wait_raises
+        self._interrupted()
         self.active = False
 
     def Test(self):
         self.calls.append("Test")
+        self._interrupted()
         if self.finishes:
             self.active = False
         return not self.active
@@ -43,6 +49,10 @@ class FakeRequest:
         return True
 
 
+class Interrupted(BaseException):
+    """What a signal's handler raises (KeyboardInterrupt itself would end pytest's session)."""
+
+
 class FakeComm:
     def __init__(self, polite):
         from minipar.comm.stats import CommStats
@@ -53,12 +63,12 @@ class FakeComm:
 @pytest.mark.parametrize("polite", [False, True])
 def test_a_plan_runs_one_start_at_a_time_and_none_after_free(polite):
     request, x = FakeRequest(), np.ones(4)
-    plan = MPIPersistent(FakeComm(polite), "all_reduce", x.nbytes, x, (x,), request)
+    plan = MPIPersistent(FakeComm(polite), "all_reduce", x.nbytes, x, request)
     assert plan.run() is x and plan.start().wait() is x
     started = plan.start()
     with pytest.raises(RuntimeError, match="planned all_reduce: started again before its last start finished"):
         plan.run()
-    with pytest.raises(RuntimeError, match="free\\(\\) while a start is running; wait on it first"):
+    with pytest.raises(RuntimeError, match="free\\(\\) while a start is running; wait for it first"):
         plan.free()
     assert plan in running_plans  # dropped by the caller, it would still be written into
     started.wait()
@@ -72,26 +82,30 @@ def test_a_plan_runs_one_start_at_a_time_and_none_after_free(polite):
     assert request.calls.count("Free") == 1
 
 
-def test_an_interrupted_wait_leaves_the_plan_running_and_alive():
+@pytest.mark.parametrize("polite", [False, True])
+def test_an_interrupted_run_leaves_the_start_running_until_the_plan_is_waited_on(polite):
+    """It was marked running with nothing left to wait on: never to start or be freed again."""
     request, x = FakeRequest(finishes=False), np.ones(4)
-    plan = MPIPersistent(FakeComm(False), "all_gather", x.nbytes, x, (x,), request)
-    request.wait_raises = KeyboardInterrupt()
-    with pytest.raises(KeyboardInterrupt):
+    plan = MPIPersistent(FakeComm(polite), "all_gather", x.nbytes, x, request)
+    request.interrupt = Interrupted()  # as it waits in MPI's Wait, or as it polls
+    with pytest.raises(Interrupted):
         plan.run()
     assert plan.running and plan in running_plans  # MPI may still write into x
-    with pytest.raises(RuntimeError, match="started again before its last start finished"):
+    with pytest.raises(RuntimeError, match=r"started again before its last start finished; wait for it first"):
         plan.run()
-    running_plans.discard(plan)
+    request.finishes = True
+    assert plan.wait() is x and not plan.running and plan not in running_plans
+    assert plan.run() is x and plan.wait() is x  # nothing running: wait() returns at once
 
 
 def test_a_dropped_plan_frees_its_request_once_it_has_finished():
     done, busy = FakeRequest(), FakeRequest(finishes=False)
-    busy.active = True  # a start nobody waited on, at exit
+    busy.active = True  # a start nobody waited on, at exit: tested for 0.1 s, then left to MPI
     _free(done), _free(busy)
-    assert done.calls == ["Test", "Free"] and busy.calls == ["Test"]
+    assert done.calls == ["Test", "Free"] and "Free" not in busy.calls and len(busy.calls) > 10
     x = np.ones(2)
     request = FakeRequest()
-    plan = MPIPersistent(FakeComm(False), "all_reduce", x.nbytes, x, (x,), request)
+    plan = MPIPersistent(FakeComm(False), "all_reduce", x.nbytes, x, request)
     del plan
     assert request.calls == ["Test", "Free"]
 

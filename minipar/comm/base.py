@@ -106,36 +106,44 @@ class Persistent:
     def __init__(self, op, start, result):
         self.op, self.result, self._start = op, result, start
         self.running = self.freed = False
+        self._pending = None  # the running start's Request
 
     def _refuse(self):
         """Raise if this plan may not start now."""
         if self.running:
-            raise RuntimeError(f"planned {self.op}: started again before its last start finished; wait on "
-                               "the Request start() returned first")
+            raise RuntimeError(f"planned {self.op}: started again before its last start finished; wait for "
+                               "it first (plan.wait())")
         if self.freed:
             raise RuntimeError(f"planned {self.op}: started after free()")
 
-    def _began(self):
-        self.running = True
+    def _began(self, pending):
+        self.running, self._pending = True, pending
         running_plans.add(self)
 
     def _ended(self):
-        self.running = False
+        self.running, self._pending = False, None
         running_plans.discard(self)
 
     def start(self):
         self._refuse()
         inner = self._start()
-        self._began()
-        return Request(inner.test, self.result, keep=inner, then=self._ended, block=inner.wait)
+        pending = Request(inner.test, self.result, keep=inner, then=self._ended, block=inner.wait)
+        self._began(pending)
+        return pending
 
     def run(self):
         return self.start().wait()
 
+    def wait(self):
+        """Wait for the start that is running, if one is (its Request dropped, or a ``run()``
+        interrupted by an exception); returns ``result``."""
+        return self.result if self._pending is None else self._pending.wait()
+
     def free(self):
         """Release what the plan holds (MPI's request in ``MPIPersistent``); it may not start again."""
         if self.running:
-            raise RuntimeError(f"planned {self.op}: free() while a start is running; wait on it first")
+            raise RuntimeError(f"planned {self.op}: free() while a start is running; wait for it first "
+                               "(plan.wait())")
         self.freed = True
 
 

@@ -228,18 +228,19 @@ class NCCLCommunicator(Communicator):
     def reduce_scatter_init(self, x, op="sum", out=None):
         if self._on_host(x):
             return self.mpi.reduce_scatter_init(x, op, out)
-        _contiguous(x, "reduce_scatter")
+        _contiguous(x, "reduce_scatter")  # in the plain form's order, which says the first problem
+        out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x, "reduce_scatter")
         _dtype(x)
         _op(op)
-        out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x, "reduce_scatter")
         return super().reduce_scatter_init(x, op, out)
 
     def all_gather_init(self, x, out=None):
         if self._on_host(x):
             return self.mpi.all_gather_init(x, out)
         _contiguous(x, "all_gather")
+        out = self._out(out, (self.size,) + x.shape, x, "all_gather")
         _dtype(x)
-        return super().all_gather_init(x, self._out(out, (self.size,) + x.shape, x, "all_gather"))
+        return super().all_gather_init(x, out)
 
     # ---- the rest through MPI --------------------------------------------------------------------
     def barrier(self):

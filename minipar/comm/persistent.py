@@ -16,12 +16,13 @@ then takes the general form (``base.Persistent``), which runs the i-form at ever
 have to receive it through a host copy made at each start.
 """
 
+import time
 import weakref
 
 import numpy
 from mpi4py import MPI
 
-from minipar.comm.base import Persistent, Request, chunk_shape, running_plans, wait_without_spinning
+from minipar.comm.base import Persistent, Request, chunk_shape, wait_without_spinning
 from minipar.comm.buffers import check_buffer, reduction_op, wire
 
 
@@ -36,8 +37,7 @@ class PersistentCollectives:
         mpi_op = reduction_op(op, x.dtype)
         if not isinstance(x, numpy.ndarray):
             return super().all_reduce_init(x, op)
-        return MPIPersistent(self, "all_reduce", x.nbytes, x, (x,),
-                             self.comm.Allreduce_init(MPI.IN_PLACE, wire(x), mpi_op))
+        return MPIPersistent(self, "all_reduce", x.nbytes, x, self.comm.Allreduce_init(MPI.IN_PLACE, wire(x), mpi_op))
 
     def reduce_scatter_init(self, x, op="sum", out=None):
         check_buffer(x, "reduce_scatter")
@@ -46,7 +46,7 @@ class PersistentCollectives:
         if not (isinstance(x, numpy.ndarray) and isinstance(out, numpy.ndarray)):
             return super().reduce_scatter_init(x, op, out)
         request = self.comm.Reduce_scatter_block_init(wire(x), wire(out), mpi_op)
-        return MPIPersistent(self, "reduce_scatter", x.nbytes, out, (x, out), request)
+        return MPIPersistent(self, "reduce_scatter", x.nbytes, out, request)
 
     def all_gather_init(self, x, out=None):
         check_buffer(x, "all_gather")
@@ -54,26 +54,33 @@ class PersistentCollectives:
         if not (isinstance(x, numpy.ndarray) and isinstance(out, numpy.ndarray)):
             return super().all_gather_init(x, out)
         request = self.comm.Allgather_init(wire(x), wire(out))
-        return MPIPersistent(self, "all_gather", out.nbytes, out, (x, out), request)
+        return MPIPersistent(self, "all_gather", out.nbytes, out, request)
 
 
 def _free(request):
-    """Free MPI's request of a plan that is gone (or at exit, before MPI is finalized: weakref's
-    finalizers run then, and mpi4py finalizes MPI after them). A start still running (never waited
-    on) is tested first: MPI forbids freeing a running collective, and one that has finished frees."""
-    if request != MPI.REQUEST_NULL and not MPI.Is_finalized() and request.Test():
-        request.Free()
+    """Free MPI's request of a plan that is gone, or at exit, before MPI is finalized (weakref's
+    finalizers run then, and mpi4py finalizes MPI after them). MPI forbids freeing a running
+    collective: a start nobody waited on, at exit, is given 0.1 s to finish (its peers may have
+    started theirs later), and else left to MPI, which names it as it finalizes."""
+    if request == MPI.REQUEST_NULL or MPI.Is_finalized():
+        return
+    deadline = time.monotonic() + 0.1
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return
+        time.sleep(1e-3)
+    request.Free()
 
 
 class MPIPersistent(Persistent):
-    """A collective planned in MPI, on the arrays ``keep`` (MPI reads and writes them at every
-    start: the plan holds them). A rank that waits politely (more ranks than cores) polls MPI's
+    """A collective planned in MPI, whose ``request`` reads and writes the plan's arrays at every
+    start (mpi4py's request holds them, views and all). A rank that waits politely (more ranks than cores) polls MPI's
     request and yields between polls; one with a core to itself waits in MPI's Wait. Each start is
     counted in the communicator's stats, as a call of the plain form on the same arrays."""
 
-    def __init__(self, comm, op, nbytes, result, keep, request):
+    def __init__(self, comm, op, nbytes, result, request):
         super().__init__(op, None, result)
-        self._request, self._keep = request, keep
+        self._request = request
         self._tally, self._nbytes, self._polite = comm.stats.tallies[op], nbytes, comm.polite
         self._release = weakref.finalize(self, _free, request)
 
@@ -85,7 +92,10 @@ class MPIPersistent(Persistent):
         self._refuse()
         self._request.Start()
         self._count()
-        self._began()
+        self._began(self._pending_request())
+        return self._pending
+
+    def _pending_request(self):
         request = self._request
         return Request(request.Test, self.result, then=self._ended, block=None if self._polite else request.Wait)
 
@@ -104,8 +114,8 @@ class MPIPersistent(Persistent):
                 wait_without_spinning(request.Test)
             else:
                 request.Wait()
-        except BaseException:  # interrupted (a signal's exception): the start may still run
-            running_plans.add(self)
+        except BaseException:  # interrupted (a signal's exception): the start may still run; wait() ends it
+            self._began(self._pending_request())
             raise
         self.running = False
         return self.result

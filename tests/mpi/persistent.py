@@ -95,11 +95,8 @@ for mode in ("polite", "blocking"):
               f"{mode}: {name}_init{kwargs}: {planned!r} where the plain form says {plain!r}")
     check(not c.stats.by_op, f"{mode}: refused plans counted {c.stats.by_op}")
 
-    # a plan the caller does not hold runs, and holds the arrays it was given
+    # a plan the caller does not hold runs (mpi4py's request holds the arrays)
     check(np.array_equal(c.all_reduce_init(x.copy()).run(), c.all_reduce(x.copy())), f"{mode}: a plan held by no one")
-    gather = c.all_gather_init(ints(5 + r, (3,)))
-    scribble = [ints(9, (3,)) for _ in range(8)]  # reuse whatever memory was freed
-    check(np.array_equal(gather.run(), c.all_gather(ints(5 + r, (3,)))), f"{mode}: a plan's dropped input array")
 
     # the general form (what GPU arrays get: the i-form at each start) gives the same
     general = Communicator.reduce_scatter_init(c, x)
