@@ -74,9 +74,10 @@ def _free(request):
 
 class MPIPersistent(Persistent):
     """A collective planned in MPI, whose ``request`` reads and writes the plan's arrays at every
-    start (mpi4py's request holds them, views and all). A rank that waits politely (more ranks than cores) polls MPI's
-    request and yields between polls; one with a core to itself waits in MPI's Wait. Each start is
-    counted in the communicator's stats, as a call of the plain form on the same arrays."""
+    start (mpi4py's request holds them, views and all). A rank that waits politely (more ranks
+    than cores) polls MPI's request and yields between polls; one with a core to itself waits in
+    MPI's Wait. Each start is counted in the communicator's stats, as a call of the plain form on
+    the same arrays."""
 
     def __init__(self, comm, op, nbytes, result, request):
         super().__init__(op, None, result)
