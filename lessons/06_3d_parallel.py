@@ -44,7 +44,7 @@ interleaved (--virtual-stages, default 2) or a zero-bubble schedule (zb-h1, zb-h
 chunks per rank in a V: lesson 4 shows them), and --n-layer the depth, checked like the other flags.
 
 Exercises (predict first, then run the command and read the row named):
-1. The design notes' 16-GPU example, PP4 x TP2 x DP2. From rank = tp + 2 dp + 4 pp, find rank 13's
+1. A 16-GPU 3D layout, PP4 x TP2 x DP2. From rank = tp + 2 dp + 4 pp, find rank 13's
    coordinates, blocks, extra layers and shards before running, then check its row:
    ./run_mpi.sh -n 16 lessons/06_3d_parallel.py --tp 2 --pp 4
 2. Interleaved, 8 blocks on 8 ranks (PP=2 x TP=2 x DP=2, v = 2): predict which blocks rank 0 holds:
