@@ -246,6 +246,8 @@ def check_files(p, args, config, data):
         rng = saved.get("rng") if isinstance(saved.get("rng"), dict) else {}
         missing = [key for key in ("iteration", "seed", "batch_size") if type(saved.get(key)) is not int]
         missing += [] if type(rng.get("seed")) is int else ["rng.seed"]
+        skipped = saved.get("skipped_in_a_row", 0)  # fp16's count (absent before it was saved)
+        missing += [] if type(skipped) is int and skipped >= 0 else ["skipped_in_a_row"]
         if missing:
             p.error(f"--load: {args.load}/index.json: its trainer state has no whole number "
                     f"{', '.join(missing)}: it was not written by minipar.train")

@@ -188,8 +188,9 @@ def test_a_trainer_state_without_its_fields_is_one_line(tmp_path, corpus):
     with open(index_file) as f:
         index = json.load(f)
     del index["trainer"]["rng"]
-    index["trainer"]["seed"] = "1337"
+    index["trainer"]["seed"], index["trainer"]["skipped_in_a_row"] = "1337", -1
     with open(index_file, "w") as f:
         json.dump(seal(index), f)  # sealed again: the trainer's own checks must catch it
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
-    assert one_line(run, "its trainer state has no whole number seed, rng.seed: it was not written by"), run.stderr
+    assert one_line(run, "its trainer state has no whole number seed, rng.seed, skipped_in_a_row: it was not "
+                    "written by"), run.stderr
