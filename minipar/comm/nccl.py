@@ -134,12 +134,25 @@ class NCCLCommunicator(Communicator):
             raise ValueError(f"{what}: out must be {shape} {x.dtype}, got {out.shape} {out.dtype}")
         return _contiguous(out, what)
 
+    # The checks of a collective of a GPU array, one place for its plain and its planned form:
+    # (the output array, checked or made,) NCCL's dtype (and NCCL's op).
+    def _all_reduce_checked(self, x, op):
+        _contiguous(x, "all_reduce")
+        return _dtype(x), _op(op)
+
+    def _reduce_scatter_checked(self, x, op, out):
+        _contiguous(x, "reduce_scatter")
+        return self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x, "reduce_scatter"), _dtype(x), _op(op)
+
+    def _all_gather_checked(self, x, out):
+        _contiguous(x, "all_gather")
+        return self._out(out, (self.size,) + x.shape, x, "all_gather"), _dtype(x)
+
     # ---- collectives: GPU arrays through NCCL, host arrays through MPI ---------------------------
     def _all_reduce(self, x, op, wait):
         if self._on_host(x):
             return self.mpi._all_reduce(x, op, wait)
-        _contiguous(x, "all_reduce")
-        dtype, nccl_op = _dtype(x), _op(op)
+        dtype, nccl_op = self._all_reduce_checked(x, op)
         return self._launch("all_reduce", x.nbytes, x,
                             lambda s: self.comm.allReduce(x.data.ptr, x.data.ptr, x.size, dtype, nccl_op, s),
                             x, wait)
@@ -147,9 +160,7 @@ class NCCLCommunicator(Communicator):
     def _reduce_scatter(self, x, op, out, wait):
         if self._on_host(x):
             return self.mpi._reduce_scatter(x, op, out, wait)
-        _contiguous(x, "reduce_scatter")
-        out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x, "reduce_scatter")
-        dtype, nccl_op = _dtype(x), _op(op)
+        out, dtype, nccl_op = self._reduce_scatter_checked(x, op, out)
         return self._launch("reduce_scatter", x.nbytes, out,
                             lambda s: self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, dtype, nccl_op, s),
                             (x, out), wait)
@@ -157,9 +168,7 @@ class NCCLCommunicator(Communicator):
     def _all_gather(self, x, out, wait):
         if self._on_host(x):
             return self.mpi._all_gather(x, out, wait)
-        _contiguous(x, "all_gather")
-        out = self._out(out, (self.size,) + x.shape, x, "all_gather")
-        dtype = _dtype(x)
+        out, dtype = self._all_gather_checked(x, out)
         return self._launch("all_gather", out.nbytes, out,
                             lambda s: self.comm.allGather(x.data.ptr, out.data.ptr, x.size, dtype, s),
                             (x, out), wait)
@@ -220,27 +229,18 @@ class NCCLCommunicator(Communicator):
     def all_reduce_init(self, x, op="sum"):
         if self._on_host(x):
             return self.mpi.all_reduce_init(x, op)
-        _contiguous(x, "all_reduce")
-        _dtype(x)
-        _op(op)
+        self._all_reduce_checked(x, op)
         return super().all_reduce_init(x, op)
 
     def reduce_scatter_init(self, x, op="sum", out=None):
         if self._on_host(x):
             return self.mpi.reduce_scatter_init(x, op, out)
-        _contiguous(x, "reduce_scatter")  # in the plain form's order, which says the first problem
-        out = self._out(out, chunk_shape(x, self.size, "reduce_scatter"), x, "reduce_scatter")
-        _dtype(x)
-        _op(op)
-        return super().reduce_scatter_init(x, op, out)
+        return super().reduce_scatter_init(x, op, self._reduce_scatter_checked(x, op, out)[0])
 
     def all_gather_init(self, x, out=None):
         if self._on_host(x):
             return self.mpi.all_gather_init(x, out)
-        _contiguous(x, "all_gather")
-        out = self._out(out, (self.size,) + x.shape, x, "all_gather")
-        _dtype(x)
-        return super().all_gather_init(x, out)
+        return super().all_gather_init(x, self._all_gather_checked(x, out)[0])
 
     # ---- the rest through MPI --------------------------------------------------------------------
     def barrier(self):
