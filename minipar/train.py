@@ -100,6 +100,11 @@ def build_parser():
     o.add_argument("--lr", type=non_negative_float, default=DEFAULTS["lr"], help="peak learning rate")
     o.add_argument("--min-lr", type=non_negative_float, default=DEFAULTS["min_lr"], help="final learning rate of the cosine decay")
     o.add_argument("--warmup-iters", "--lr-warmup-iters", dest="warmup_iters", type=int, default=DEFAULTS["warmup_iters"], help="linear warm-up steps")
+    o.add_argument("--lr-decay-iters", type=positive_int, help="steps of the cosine decay, after which the rate stays at --min-lr (default: --max-iters)")
+    o.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler", action="store_true",
+                   help="--load: take the learning-rate schedule (and weight decay) the checkpoint was trained on, whatever these flags say")
+    o.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler", action="store_true",
+                   help="--load: follow these flags' schedule from the resume step on, not the checkpoint's (by default they must match)")
     o.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
     o.add_argument("--grad-clip", "--clip-grad", dest="grad_clip", type=non_negative_float, default=1.0, help="max global gradient norm (0: off)")
     o.add_argument("--seed", type=int, default=1337, help="seed of the weights, the batches and dropout")

@@ -142,6 +142,14 @@ def check_args(args, world_size):
         problems.append(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     if args.min_lr > args.lr:
         problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    chosen = [flag for flag, on in (("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler),
+                                    ("--override-opt_param-scheduler", args.override_opt_param_scheduler)) if on]
+    if len(chosen) == 2:
+        problems.append(f"{chosen[0]} takes the checkpoint's learning-rate schedule and {chosen[1]} the flags': give one")
+    elif chosen and not args.load:
+        problems.append(f"{chosen[0]} chooses between a checkpoint's learning-rate schedule and the flags': give --load, or drop it")
     if args.recompute and args.recompute_granularity == "selective":
         problems.append("--recompute is --recompute-granularity full: give one of them")
     args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
@@ -230,6 +238,7 @@ def check_files(p, args, config, data):
     corpus (read on every rank, before any communication). ``args.load`` becomes the checkpoint
     directory itself (not ``latest``, which may move)."""
     from minipar.checkpoint.sharded import CheckpointError, check_model, read_index
+    from minipar.lr_schedule import resume_schedule
     from minipar.run_inputs import corpus_matches
 
     if args.load:
@@ -258,6 +267,9 @@ def check_files(p, args, config, data):
             if saved[key] != getattr(args, key):
                 p.error(f"--load: the checkpoint was trained with {flag} {saved[key]}, not "
                         f"{getattr(args, key)}: the data would differ from the run it continues")
+        problem = resume_schedule(saved.get("schedule"), args, args.load)  # may take the checkpoint's
+        if problem:
+            p.error(problem)
         if index["iteration"] >= args.max_iters > 0:  # --max-iters 0: only evaluate, sample or export it
             p.error(f"--load: the checkpoint is at iteration {index['iteration']}, so --max-iters "
                     f"{args.max_iters} leaves nothing to train: raise --max-iters")

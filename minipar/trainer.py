@@ -33,6 +33,7 @@ from minipar.checkpoint import full, sharded
 from minipar.checkpoint.boxes import volume
 from minipar.checkpoint.files import write_all
 from minipar.checkpoint.pieces import pieces
+from minipar.lr_schedule import learning_rate, schedule_state
 from minipar.mfu import measured_peak, model_flops_per_token
 from minipar.models import GPT
 from minipar.models.moe import step_statistics
@@ -45,14 +46,6 @@ from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.schedules import shape_of
 from minipar.train_report import STUCK_STEPS, Reports
 from minipar.watchdog import Watchdog
-
-
-def learning_rate(it, args):
-    """Linear warm-up to --lr, then cosine decay to --min-lr at --max-iters (as nanoGPT)."""
-    if it < args.warmup_iters:
-        return args.lr * (it + 1) / args.warmup_iters
-    progress = (it - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
 
 
 class Trainer(Reports):
@@ -175,7 +168,8 @@ class Trainer(Reports):
 
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
-                 "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256]}
+                 "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256],
+                 "schedule": schedule_state(self.args)}
         if self.scaler is not None:
             state["loss_scaler"], state["skipped_in_a_row"] = self.scaler.state_dict(), self.stuck
         saved = sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)

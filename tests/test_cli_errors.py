@@ -57,6 +57,11 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, 
     (["--prompt", "hello", "--sample", "0"], ["--prompt 'hello' starts a sample, and --sample is 0"]),
     # named one at a time, --num-virtual-stages 2 was refused next for --pp 1
     (["--schedule", "zb-v"], ["it needs --num-virtual-stages 2 and --pp > 1, got --num-virtual-stages 1, --pp 1"]),
+    (["--override-opt_param-scheduler"], ["--override-opt_param-scheduler chooses between a checkpoint's "
+                                          "learning-rate schedule and the flags': give --load"]),
+    (["--use-checkpoint-lr-scheduler", "--override-lr-scheduler"],  # Megatron's older names
+     ["--use-checkpoint-opt_param-scheduler takes the checkpoint's learning-rate schedule and "
+      "--override-opt_param-scheduler the flags': give one"]),
 ])
 def test_a_flag_that_would_do_nothing_or_names_nothing_is_refused(args, words, tmp_path):
     refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)

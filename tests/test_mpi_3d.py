@@ -126,7 +126,7 @@ def test_resume_is_exact_on_the_same_layout(tmp_path):
 
 def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
     save = str(tmp_path / "ckpt")
-    assert train(4, "--max-iters", "2", "--pp", "2", "--save", save)[0] == 0
+    assert train(4, "--max-iters", "4", "--exit-interval", "2", "--pp", "2", "--save", save)[0] == 0
     assert sorted(f for f in os.listdir(os.path.join(save, "iter_0000002")) if f.endswith(".safetensors")) == [
         "rank_00000.safetensors", "rank_00002.safetensors"]  # the DP replicas 1 and 3 save nothing
     shard = os.path.join(save, "iter_0000002", "rank_00002.safetensors")

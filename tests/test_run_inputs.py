@@ -147,7 +147,8 @@ def test_latest_moving_while_a_tensor_parallel_job_starts(tmp_path, corpus):
     """Before ranks agreed, a `latest` flipping between two iterations made TP ranks combine
     shards of both, run different numbers of steps, and hang."""
     save = str(tmp_path / "ckpt")
-    assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save-interval", "2", "--save", save).returncode == 0
+    assert train(*TINY, "--data", corpus, "--max-iters", "6", "--save-interval", "2", "--exit-interval", "4",
+                 "--save", save).returncode == 0
     stop = threading.Event()
 
     def flip():

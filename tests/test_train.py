@@ -1,5 +1,6 @@
 """The training CLI, run as a user runs it: python -m minipar.train ..."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 
 from minipar.checkpoint import load_weights
 from minipar.checkpoint.index import seal
+from minipar.lr_schedule import learning_rate
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-iters", "2", "--sample", "0", "--plot", ""]
@@ -211,6 +213,64 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(args, message, tmp_
     assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
+def rates(path):
+    with open(path) as fh:
+        return [json.loads(line)["lr"] for line in fh]
+
+
+def test_a_resume_keeps_the_learning_rate_schedule_it_was_trained_on(tmp_path, corpus):
+    """Another --lr, or a longer --max-iters (which stretches the cosine), would change the rate at
+    the resume step without a word. As Megatron-LM, such a resume is refused unless the user
+    chooses: the checkpoint's schedule, or the flags' from here on."""
+    common = [*TINY, "--data", corpus, "--warmup-iters", "1", "--lr", "0.01"]
+    whole, save = str(tmp_path / "whole.jsonl"), str(tmp_path / "ckpt")
+    assert train(*common, "--max-iters", "4", "--log-json", whole).returncode == 0
+    assert train(*common, "--max-iters", "4", "--save", save, "--exit-interval", "2").returncode == 0
+    other = [*TINY, "--data", corpus, "--warmup-iters", "1", "--lr", "0.02", "--max-iters", "6", "--load", save]
+    run = train(*other)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert ("trained on another learning-rate schedule: --lr 0.02 (saved: 0.01), a decay over 6 steps "
+            "(--lr-decay-iters, or --max-iters when not given; saved: 4)") in lines[0]
+    taken, followed = str(tmp_path / "taken.jsonl"), str(tmp_path / "followed.jsonl")
+    assert train(*other, "--use-checkpoint-opt_param-scheduler", "--log-json", taken).returncode == 0
+    assert losses(taken)[:2] == losses(whole)[2:]  # the run it continues, then the rate held at --min-lr
+    assert rates(taken) == rates(whole)[2:] + [3e-4, 3e-4]
+    assert train(*other, "--override-opt_param-scheduler", "--log-json", followed).returncode == 0
+    flags = argparse.Namespace(lr=0.02, min_lr=3e-4, warmup_iters=1, lr_decay_iters=6)
+    assert rates(followed) == [learning_rate(it, flags) for it in range(2, 6)] and rates(followed) != rates(taken)
+
+
+def test_a_checkpoint_saved_before_schedules_were_resumes_and_a_damaged_schedule_is_refused(tmp_path, corpus):
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
+    index_file = os.path.join(save, "iter_0000002", "index.json")
+    with open(index_file) as fh:
+        index = json.load(fh)
+    assert index["trainer"]["schedule"] == dict(lr=3e-3, min_lr=3e-4, warmup_iters=50, lr_decay_iters=2, weight_decay=0.1)
+    for schedule, message in (({**index["trainer"]["schedule"], "lr": "0.003"}, "is not one (lr)"),
+                              ({**index["trainer"]["schedule"], "min_lr": 1.0}, "is not one (min_lr above lr)"),
+                              (None, "resuming at iteration 2")):  # from before: nothing to compare
+        if schedule is None:
+            del index["trainer"]["schedule"]
+        else:
+            index["trainer"]["schedule"] = schedule
+        with open(index_file, "w") as fh:
+            json.dump(seal(index), fh)
+        run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
+        assert message in (run.stderr if schedule else run.stdout), run.stderr
+        assert run.returncode == (2 if schedule else 0), run.stderr
+    run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save, "--use-checkpoint-opt_param-scheduler")
+    assert run.returncode == 2 and "was saved before checkpoints kept their learning-rate schedule" in run.stderr
+
+
+def test_the_schedule_warms_up_decays_over_its_steps_and_then_holds():
+    flags = argparse.Namespace(lr=1.0, min_lr=0.1, warmup_iters=2, lr_decay_iters=6)
+    got = [learning_rate(it, flags) for it in range(8)]
+    assert got[:2] == [0.5, 1.0] and got[2] == 1.0  # (it + 1) / warmup, then the cosine's top
+    assert got[4] == pytest.approx(0.55) and got[6:] == [0.1, 0.1]  # half way: the mean; after: --min-lr
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is here: test_gpu.py covers the GPU")
 def test_cuda_without_cupy_is_a_one_line_error(corpus):
     run = train(*TINY, "--data", corpus, "--max-iters", "1", "--device", "cuda")
@@ -222,7 +282,7 @@ def test_a_checkpoint_that_counted_dropout_calls_is_refused_in_one_line(tmp_path
     """Masks are keyed by the iteration and the position now: a checkpoint that stored the old
     running count of dropout calls cannot continue exactly, and says so."""
     save = str(tmp_path / "ckpt")
-    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
+    assert train(*TINY, "--data", corpus, "--max-iters", "4", "--exit-interval", "2", "--save", save).returncode == 0
     index_file = os.path.join(save, "iter_0000002", "index.json")
     with open(index_file) as fh:
         index = json.load(fh)

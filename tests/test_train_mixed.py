@@ -103,7 +103,7 @@ def test_a_bf16_run_resumes_exactly_and_its_checkpoint_starts_a_float32_run(tmp_
     assert to_fp32.returncode == 0 and "resuming at iteration 3" in to_fp32.stdout, to_fp32.stderr
     # and back: a float32 checkpoint starts an fp16 run (its weights become the fp32 masters)
     save32 = str(tmp_path / "ck32")
-    assert train(*TINY, "--max-iters", "2", "--save", save32, cwd=tmp_path).returncode == 0
+    assert train(*TINY, "--max-iters", "4", "--exit-interval", "2", "--save", save32, cwd=tmp_path).returncode == 0
     to_fp16 = train(*TINY, "--max-iters", "4", "--fp16", "--load", save32, cwd=tmp_path)
     assert to_fp16.returncode == 0 and "resuming at iteration 2" in to_fp16.stdout, to_fp16.stderr
 

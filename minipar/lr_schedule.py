@@ -1,0 +1,77 @@
+"""The learning-rate schedule: a linear warm-up to --lr, then a cosine decay to --min-lr over
+--lr-decay-iters steps (--max-iters unless given), as nanoGPT and Megatron-LM; and what a resumed
+run does with the schedule its checkpoint was trained on.
+
+A checkpoint stores the schedule's values. A run that continues it with other values would change
+its learning rate at the resume step without a word (a longer --max-iters stretches the cosine, so
+the rate jumps back up), so, as Megatron-LM's ``OptimizerParamScheduler``, the values must match
+unless the user chooses:
+
+    --use-checkpoint-opt_param-scheduler   take the checkpoint's values, whatever the flags say
+    --override-opt_param-scheduler         follow the flags' values from the resume step on
+"""
+
+import math
+
+# what the schedule is made of, as (name in the checkpoint and in args, the flag that sets it)
+FIELDS = (("lr", "--lr"), ("min_lr", "--min-lr"), ("warmup_iters", "--warmup-iters"),
+          ("lr_decay_iters", "--lr-decay-iters"), ("weight_decay", "--weight-decay"))
+INTEGERS = {"warmup_iters", "lr_decay_iters"}
+
+
+def learning_rate(it, args):
+    """The rate at iteration ``it`` (0-based): it warms up for ``warmup_iters`` steps, then
+    lr(it) = min_lr + (lr - min_lr) (1 + cos(pi p)) / 2 with p = (it - warmup) / (decay - warmup),
+    held at min_lr once p reaches 1."""
+    if it < args.warmup_iters:
+        return args.lr * (it + 1) / args.warmup_iters
+    progress = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
+
+
+def schedule_state(args):
+    """What a checkpoint keeps of the schedule (the weight decay with it, as Megatron's does)."""
+    return {name: getattr(args, name) for name, _ in FIELDS}
+
+
+def _bad(saved):
+    """The saved schedule's fields that are not what a run could have had."""
+    bad = []
+    for name, _ in FIELDS:
+        value = saved.get(name)
+        if name in INTEGERS:
+            ok = type(value) is int and value >= 0
+        else:
+            ok = type(value) in (int, float) and math.isfinite(value) and value >= 0
+        bad += [] if ok else [name]
+    if not bad and saved["min_lr"] > saved["lr"]:
+        bad.append("min_lr above lr")
+    return bad
+
+
+def resume_schedule(saved, args, where):
+    """Reconcile the checkpoint's schedule ``saved`` (None: saved before schedules were) with the
+    flags; may set the flags' values from the checkpoint. Returns the problem as one line, or None."""
+    if args.override_opt_param_scheduler or args.max_iters == 0:
+        return None  # the flags chosen, or nothing to train
+    if saved is None:  # saved before checkpoints kept it: nothing to compare, nothing to take
+        return (f"--load: {where} was saved before checkpoints kept their learning-rate schedule: give its "
+                "flags instead of --use-checkpoint-opt_param-scheduler") if args.use_checkpoint_opt_param_scheduler else None
+    bad = _bad(saved) if isinstance(saved, dict) else ["the whole"]
+    if bad:
+        return (f"--load: {where}/index.json: its learning-rate schedule is not one ({', '.join(bad)}): "
+                "it was not written by minipar.train")
+    if args.use_checkpoint_opt_param_scheduler:
+        for name, _ in FIELDS:
+            setattr(args, name, saved[name])
+        return None
+    differ = [f"{flag} {getattr(args, name)} (saved: {saved[name]})" for name, flag in FIELDS
+              if getattr(args, name) != saved[name] and name != "lr_decay_iters"]
+    if args.lr_decay_iters != saved["lr_decay_iters"]:
+        differ.append(f"a decay over {args.lr_decay_iters} steps (--lr-decay-iters, or --max-iters when not given; "
+                      f"saved: {saved['lr_decay_iters']})")
+    if not differ:
+        return None
+    return (f"--load: the checkpoint was trained on another learning-rate schedule: {', '.join(differ)}; "
+            "give the saved values, or --use-checkpoint-opt_param-scheduler to take them, or "
+            "--override-opt_param-scheduler to follow the flags from here")
