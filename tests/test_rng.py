@@ -83,6 +83,42 @@ def test_every_field_of_the_key_changes_the_mask(field):
     assert 0.4 < (changed != base).mean() < 0.6  # independent fair coins disagree half the time
 
 
+def _splitmix64(z):
+    """Stafford's Mix13, on Python integers: the reference the array code must equal."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
+def _fmix32(z):
+    z = ((z ^ (z >> 16)) * 0x85EBCA6B) % 2**32
+    z = ((z ^ (z >> 13)) * 0xC2B2AE35) % 2**32
+    return z ^ (z >> 16)
+
+
+def test_the_hash_is_the_documented_one_element_by_element():
+    """The decisions are pinned, not only fair: a checkpoint resumes bit for bit only if the next
+    version draws the same masks. SplitMix64 seeded 0 starts with 0xE220A8397B1DCDAF (Steele, Lea
+    & Flood's generator, Java's SplittableRandom), which is the stream of the key (0,); then every
+    element of a mask equals the module docstring's recipe, worked out one element at a time."""
+    golden = 0x9E3779B97F4A7C15
+    assert rng.stream((0,)) == 0xE220A8397B1DCDAF
+    coords = [numpy.array([3, 0, 7]), numpy.array([5, 1]), numpy.array([2, 11, 4, 9])]
+    p = 0.3
+    got = keep(KEY, p, *coords)
+    for i, a in enumerate(coords[0]):
+        for j, b in enumerate(coords[1]):
+            for k, c in enumerate(coords[2]):
+                h = 0
+                for part_ in KEY:  # the key, each integer + 1 (so a 0 still moves the state)
+                    h = _splitmix64((h + (part_ + 1) * golden) % 2**64)
+                for outer in (a, b):  # the outer coordinates
+                    h = _splitmix64((h + int(outer) * golden) % 2**64)
+                z = ((h % 2**32) + int(c) * 0x9E3779B9) % 2**32 ^ (h >> 32)  # the innermost, 32-bit
+                assert got[i, j, k] == (_fmix32(z) >= int(p * 2**32)), (a, b, c)
+    assert 0 < got.sum() < got.size  # both outcomes occur among these 24
+
+
 def test_every_coordinate_changes_the_mask():
     base = residual_mask(p=0.5)
     for moved in (residual_mask(rows=range(1, B + 1), p=0.5), residual_mask(positions=range(1, T + 1), p=0.5),
