@@ -13,6 +13,7 @@ emulation of the kernel, which is how the tests check the plan without a GPU. cu
 called here: it is only the baseline of the tests and of ``bench/gemm.py``.
 """
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,7 +129,8 @@ def _addressable(x, writes=False):
 
 def _operand(x, batch_shape, xp):
     """Broadcast x's leading axes to the batch and read off how the kernel addresses it."""
-    x = xp.broadcast_to(x, batch_shape + x.shape[-2:])
+    if x.shape[:-2] != batch_shape:  # broadcast_to costs microseconds, and most operands have the batch
+        x = xp.broadcast_to(x, batch_shape + x.shape[-2:])
     found = _addressable(x)
     if found is None:
         x = xp.ascontiguousarray(x)  # the one case that copies: a C-contiguous array always fits
@@ -145,14 +147,17 @@ def check(a, b):
     if a.dtype != b.dtype or dtype_name(a.dtype) not in TILES:
         raise TypeError(f"the GEMM kernel multiplies matrices of one dtype, {', '.join(TILES)}, got "
                         f"{a.dtype} @ {b.dtype}: cast them first")
-    batch_shape = tuple(numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    batch_shape = a.shape[:-2]
+    if batch_shape != b.shape[:-2]:
+        batch_shape = tuple(numpy.broadcast_shapes(batch_shape, b.shape[:-2]))
     return batch_shape, a.shape[-2], b.shape[-1], a.shape[-1]
 
 
-def plan(a, b, xp):
-    """How to compute ``a @ b`` with the kernel (operands with no elements are the caller's)."""
-    batch_shape, M, N, K = check(a, b)
-    batch = int(numpy.prod(batch_shape, dtype=numpy.int64))
+def plan(a, b, xp, checked=None):
+    """How to compute ``a @ b`` with the kernel (operands with no elements are the caller's);
+    ``checked``: what ``check(a, b)`` returned, if the caller has it."""
+    batch_shape, M, N, K = checked or check(a, b)
+    batch = math.prod(batch_shape)
     pa, pb = _operand(a, batch_shape, xp), _operand(b, batch_shape, xp)
     if max(M, N, K, pa.ld, pb.ld) > _INT32_MAX:
         raise ValueError(f"matmul: a matrix side or row stride above 2^31 - 1 ({a.shape} @ {b.shape})")
@@ -182,7 +187,7 @@ def run(a, b, out, launch, xp):
         c = xp.zeros(shape, a.dtype) if out is None else out
         c[...] = 0
         return c
-    p = plan(a, b, xp)
+    p = plan(a, b, xp, (batch_shape, M, N, K))
     c, ldc, stride_c = output(p, out, a, b, xp)
     for first in range(0, p.batch, _MAX_GRID_YZ):
         launch(p, c, ldc, stride_c, first, min(_MAX_GRID_YZ, p.batch - first))
