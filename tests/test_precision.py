@@ -81,7 +81,8 @@ def _batches(steps, rows=4, repeat=False):
 
 def _train(stage, dtype, policy=None, scaler=None, steps=3, max_norm=0.05, plant=None, repeat=False):
     """The trainer's loop (two micro-batches) on one device; ``plant``: the step at which one
-    gradient is set to inf after backward. Returns (optimizer, model, losses, skipped)."""
+    gradient is set to inf after backward; ``max_norm=None``: no clipping, so the step unscales
+    on its own. Returns (optimizer, model, losses, skipped)."""
     minipar.set_default_dtype(dtype)
     minipar.manual_seed(0)
     grid = ProcessGrid(1, 1)
@@ -99,7 +100,8 @@ def _train(stage, dtype, policy=None, scaler=None, steps=3, max_norm=0.05, plant
         opt.finish_gradients()
         if it == plant:
             opt._gradients()[0][0] = np.inf
-        opt.clip_grad_norm(max_norm)
+        if max_norm is not None:
+            opt.clip_grad_norm(max_norm)
         opt.step()
         skipped.append(opt.skipped_step)
         opt.zero_grad()
@@ -120,12 +122,14 @@ def test_float64_policy_equals_the_plain_float64_run_bit_for_bit(stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_a_growing_scale_unscales_each_step_by_the_scale_its_backward_used(stage):
+@pytest.mark.parametrize("max_norm", [0.05, None])
+def test_a_growing_scale_unscales_each_step_by_the_scale_its_backward_used(stage, max_norm):
     """The scale doubles after every clean step (a window of 1): each step's gradients carry the
     scale before that update, and dividing by it (a power of two: exact) leaves every bit of the
-    plain float64 run, clipping included."""
-    plain = _train(stage, "float64")[0].full_state_dict()
-    opt = _train(stage, "float64", Policy.of("float64", main="float64"), DynamicLossScaler(4.0, growth_interval=1))[0]
+    plain float64 run, with clipping (which unscales) and without (the step unscales)."""
+    plain = _train(stage, "float64", max_norm=max_norm)[0].full_state_dict()
+    opt = _train(stage, "float64", Policy.of("float64", main="float64"), DynamicLossScaler(4.0, growth_interval=1),
+                 max_norm=max_norm)[0]
     assert opt.loss_scale == 4.0 * 2**3  # grown after each of the 3 steps
     mixed = opt.full_state_dict()
     for name, value in plain.items():

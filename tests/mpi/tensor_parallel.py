@@ -112,19 +112,23 @@ y.backward(g)
 padded = np.concatenate([serial.weight.grad, np.zeros((T.padded_vocab(V, N) - V, 5))])
 close(emb.weight.grad, part(padded, 0), "vocab embedding dW")
 
-# Vocab-parallel cross-entropy: padding columns hold garbage, two targets are ignored
+# Vocab-parallel cross-entropy: padding columns hold garbage, two targets are ignored. Logits near
+# 1000 too, where exp overflows: the ranks must subtract the row's maximum over all of them (a sum
+# of their maxima, about N x 1000, would leave exp(z - m) = 0 and the loss infinite)
 Vp = T.padded_vocab(V, N)
-logits = data(7, (B, S, Vp)) * 3
 targets = np.random.default_rng(8).integers(0, V, (B, S))
 targets[0, 1] = targets[1, 0] = -1
-ls = leaf(logits[..., :V])
-loss_s = F.cross_entropy(ls, targets)
-loss_s.backward()
-lp = leaf(part(logits, -1))
-loss = vocab_parallel_cross_entropy(lp, targets, tp, r * Vp // N, V)
-close(loss.item(), loss_s.item(), "vocab-parallel loss")
-loss.backward()
-close(lp.grad, part(np.concatenate([ls.grad, np.zeros((B, S, Vp - V))], axis=-1), -1), "vocab-parallel dlogits")
+for shift in (0.0, 1000.0):
+    logits = data(7, (B, S, Vp)) * 3 + shift
+    ls = leaf(logits[..., :V])
+    loss_s = F.cross_entropy(ls, targets)
+    loss_s.backward()
+    lp = leaf(part(logits, -1))
+    loss = vocab_parallel_cross_entropy(lp, targets, tp, r * Vp // N, V)
+    close(loss.item(), loss_s.item(), f"vocab-parallel loss, logits + {shift}")
+    loss.backward()
+    close(lp.grad, part(np.concatenate([ls.grad, np.zeros((B, S, Vp - V))], axis=-1), -1),
+          f"vocab-parallel dlogits, logits + {shift}")
 
 # The whole GPT, with and without sequence parallelism, with dropout
 config = GPTConfig(n_layer=2, n_head=2 * N, n_embd=4 * N, block_size=2 * N, vocab_size=V, dropout=0.1)
