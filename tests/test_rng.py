@@ -171,8 +171,9 @@ def test_neighbouring_decisions_are_not_correlated():
 
 
 def test_recomputation_redraws_the_masks_of_the_tokens_it_held():
-    """A recomputed block runs again in backward, when the forward's ``at`` has ended: it must
-    draw the masks of the rows it held then, not the default rows."""
+    """A recomputed block runs again in backward, when the forward's ``at`` has ended and another
+    iteration may be current: it must draw the masks of the iteration and rows it held then, and
+    leave the current ones as they were."""
     from minipar.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16, dropout=0.3), None)
@@ -182,13 +183,16 @@ def test_recomputation_redraws_the_masks_of_the_tokens_it_held():
     for recompute in (False, True):
         model.zero_grad()
         inp = minipar.Tensor(x, requires_grad=True)
+        model.rng.iteration = 3
         with model.rng.at(rows=[4, 5]):
             out = checkpoint(block, inp, block.parameters(), rng=model.rng) if recompute else block(inp)
+        model.rng.iteration = 4  # a later forward's (the next micro-batch's, or step's) is current now
         (out * out).sum().backward()  # outside the forward's rows
         grads.append([inp.grad] + [p.grad.copy() for p in block.parameters()])
+        # and stays current: the recomputation put back what it found
+        assert model.rng.iteration == 4 and model.rng.rows is None and model.rng.positions is None
     for a, b in zip(*grads):
         numpy.testing.assert_array_equal(a, b)
-    assert model.rng.rows is None  # at() restored the default
 
 
 def test_bad_parts_and_cuts_are_refused():

@@ -93,3 +93,28 @@ def test_a_parameter_saved_by_reference_is_read_at_backward_and_must_be_there():
     w.data = 2 * whole  # gathered again, into another buffer
     y.sum().backward()
     np.testing.assert_array_equal(x.grad, 2 * expected)
+
+
+class _Comm:
+    def __init__(self, size, rank=0):
+        self.size, self.rank = size, rank
+
+
+@pytest.mark.parametrize("sizes,n", [((5, 7), 4), ((3, 9), 4), ((1,), 3), ((6, 6, 6), 2)])
+def test_every_zero_stage_pads_a_group_by_less_than_one_element_per_rank(sizes, n):
+    """The flat layout all ZeRO stages shard (parallel/shards.py): the pieces are as small as an
+    equal cut allows, so padding is below N elements (12 over 4 ranks: none), and the ranks' pieces
+    cover every parameter element once."""
+    from minipar.parallel.shards import Group
+
+    params = [np.zeros(s) for s in sizes]
+    groups = [Group(params, _Comm(n, r), 0) for r in range(n)]
+    total = sum(sizes)
+    padding = groups[0].padded - total
+    assert 0 <= padding < n and (padding == 0) == (total % n == 0) and groups[0].padded == n * groups[0].piece
+    covered = [0] * total
+    for g in groups:
+        for i, a, b, _ in g.segments():
+            for k in range(a, b):
+                covered[k] += 1
+    assert covered == [1] * total

@@ -38,6 +38,8 @@ p.add_argument("--recompute", action="store_true")
 p.add_argument("--sequence-parallel", action="store_true")
 p.add_argument("--zero-stage", type=int, default=0)
 p.add_argument("--plant-bug", action="store_true")
+p.add_argument("--bucket-bytes", type=int, default=4 << 20, help="DP's gradient buckets (1: one per parameter, "
+               "each sum started by its own gradient's hook)")
 p.add_argument("--layers", help="layers of each pipeline chunk, e.g. 3,1 (an uneven split); default 2 each")
 args = p.parse_args()
 layers = tuple(int(n) for n in args.layers.split(",")) if args.layers else None
@@ -53,7 +55,7 @@ hyper = dict(lr=1e-2, weight_decay=0.1)
 try:
     model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.v,
                 pipeline_shape=schedules.shape_of(args.schedule), layers_per_stage=layers)
-    opt = make_optimizer(model, grid, args.zero_stage, **hyper)  # the step protocol: data parallelism + AdamW
+    opt = make_optimizer(model, grid, args.zero_stage, args.bucket_bytes, **hyper)  # the step protocol: data parallelism + AdamW
     run = PipelineExecutor(model, grid, args.schedule, args.m, optimizer=opt, recompute=args.recompute)
 except ValueError as e:  # bad sizes: every rank must refuse, before any message (then all meet here)
     print(f"rank {world().rank} refused: {e}", flush=True)
@@ -130,6 +132,17 @@ plans = schedules.build(args.schedule, grid.pp, args.m, args.v)
 held = simulate(plans, args.m, args.v, weight=1, shape=schedules.shape_of(args.schedule)).peak_alive[grid.pp_rank]
 assert trained.peak_alive == held, f"rank {rank}: held {trained.peak_alive} activations, the simulator {held}"
 assert (trained.peak_weight_bytes > 0) == args.schedule.startswith("zb-"), trained.peak_weight_bytes
+
+# The tied embedding's copies start equal even on ranks seeded differently: the first stage's copy
+# is broadcast to the last (as Megatron-LM), not left to the seeds agreeing
+minipar.manual_seed(100 + rank)
+other = GPT(config, grid, virtual_stages=args.v, pipeline_shape=schedules.shape_of(args.schedule), layers_per_stage=layers)
+if other.embedding_group is not None and other.embedding_group.size > 1:
+    copy = dict(other.named_parameters())["transformer.wte.weight"].data
+    first = copy.copy()
+    other.embedding_group.broadcast(first, root=0)
+    assert np.array_equal(first, copy), f"rank {rank}: the tied embedding's copies differ when seeded differently"
+
 layers = sorted(int(n.split(".")[2]) for n in mine if n.startswith("transformer.h."))
 print(f"rank {rank}: pipeline {args.schedule} OK (layers {sorted(set(layers))}, peak alive {trained.peak_alive}, "
       f"W held {trained.peak_weight_bytes} bytes, max error gradient {worst['gradient']:.1e} "
