@@ -29,6 +29,7 @@ import types
 import numpy
 
 from minipar.allocator import keep_freed_memory
+from minipar.node import local_rank, local_size
 from minipar.dtypes import is_16bit
 
 DEVICES = ("cpu", "cuda")
@@ -37,30 +38,6 @@ xp = types.ModuleType("xp", "NumPy or CuPy, as use_device chose")
 
 if os.environ.get("MINIPAR_MALLOC_TUNING", "1") != "0":
     keep_freed_memory()
-
-# Launchers tell each process its rank on its node under one of these names.
-_LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
-                         "SLURM_LOCALID", "LOCAL_RANK")
-# ... and how many processes run on the node.
-_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
-                         "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE")
-
-
-def local_rank():
-    """This process's rank among the processes of its node (0 without a launcher)."""
-    for name in _LOCAL_RANK_VARIABLES:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
-
-def local_size():
-    """How many processes of the job run on this node (1 where no launcher says)."""
-    for name in _LOCAL_SIZE_VARIABLES:
-        if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
-            return int(os.environ[name])
-    return 1
-
 
 def free_memory(host=False):
     """(bytes free on this rank's device, how many ranks of the node share them, what was read),
