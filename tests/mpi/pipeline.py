@@ -1,7 +1,8 @@
 """A pipelined GPT against the single-device GPT (float64, dropout on): the loss, every gradient
 the rank holds (the tied embedding's on the first and the last stage), the gradient norm and the
 parameters after two clipped AdamW steps, and the evaluation loss, for one schedule; the most
-activations the executor held, against the simulator's count for the same schedule.
+activations the executor held, against the simulator's count for the same schedule; and that the
+tied embedding's two copies start equal on ranks seeded differently.
 
     run_mpi.sh -n 4 tests/mpi/pipeline.py --pp 4 --schedule interleaved --v 2 --m 4 [--recompute]
     run_mpi.sh -n 2 tests/mpi/pipeline.py --pp 2 --layers 3,1        # an uneven split of the layers
