@@ -55,6 +55,16 @@ class FlagError(Exception):
         self.lines = list(lines)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, except None and False: such a flag's help says in words
+    what happens without it ("(default: the global batch / DP / PP)"), or it is a switch."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     rank = 0  # only rank 0 prints help
 

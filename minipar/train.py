@@ -15,11 +15,10 @@ rank whether any found a problem (``minipar.cli.agree``), so each problem is one
 prints them, and every rank exits with status 2, never a hang.
 """
 
-import argparse
 import os
 import sys
 
-from minipar.cli import FlagError, Parser, agree, non_negative_float, non_negative_int, positive_float, positive_int
+from minipar.cli import DefaultsHelpFormatter, FlagError, Parser, agree, non_negative_float, non_negative_int, positive_float, positive_int
 from minipar.parallel.validate import SCHEDULES
 from minipar.train_checks import PROMPT, ROUTER_DEFAULTS, check_args, check_files
 
@@ -54,7 +53,7 @@ class TrainParser(Parser):
 def build_parser():
     from minipar import backend
 
-    p = TrainParser(prog="python -m minipar.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = TrainParser(prog="python -m minipar.train", formatter_class=DefaultsHelpFormatter,
                      description="Train a GPT on text (by default the Python standard library's source, as "
                                  "bytes, or as GPT-2's tokens with --tokenizer), on one device or on a TP x CP x "
                                  "DP x PP grid of MPI ranks; start from or export Hugging Face GPT-2 snapshots.")

@@ -157,6 +157,8 @@ def test_help_describes_every_flag():
     for flag in ("--max-iters", "--seed", "--lr", "--batch-size", "--n-layer", "--n-head", "--n-embd",
                  "--block-size", "--data", "--dtype", "--log-json", "--init-weights", "--export-weights"):
         assert flag in run.stdout
+    assert "(default: 0.003)" in run.stdout  # a default worth showing is shown; None and False are not
+    assert "(default: None)" not in run.stdout and "(default: False)" not in run.stdout
 
 
 def test_divergence_stops_with_an_error(corpus):
