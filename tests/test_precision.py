@@ -164,7 +164,7 @@ def test_16_bit_training_follows_float32(dtype):
 
 @pytest.mark.parametrize("stage", sorted(BY_STAGE))
 def test_an_overflow_skips_the_step_leaving_every_bit_and_halves_the_scale(stage):
-    policy, steps = Policy.of("float16"), 3
+    policy = Policy.of("float16")
     clean_opt, clean_model, _, _ = _train(stage, "float16", policy, DynamicLossScaler(2.0**8, hysteresis=1), steps=1)
     opt, model, _, skipped = _train(stage, "float16", policy, DynamicLossScaler(2.0**8, hysteresis=1),
                                     steps=2, plant=1)
