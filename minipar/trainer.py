@@ -280,10 +280,10 @@ class Trainer(Reports):
             plot_loss(history, val_history, args.plot, title=f"GPT {self.model_parameters():,} params")
             print(f"loss curve written to {args.plot}")
         if args.sample > 0:
-            from minipar.data import decode, encode
+            from minipar import data
 
-            if args.tokenizer is not None:
-                encode, decode = args.tokenizer.encode, args.tokenizer.decode
+            encode, decode = (args.tokenizer.encode, args.tokenizer.decode) if args.tokenizer is not None else (
+                data.encode, data.decode)  # BPE ids, or bytes
             serial = GPT(self.config)
             dtype = serial.parameters()[0].dtype  # a 16-bit model samples from its masters' rounding
             serial.load_state_dict({name: w.astype(dtype, copy=False) for name, w in weights.items()})
