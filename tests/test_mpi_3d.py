@@ -36,21 +36,29 @@ def rows(log):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The single-device run the layouts are compared with: 20 steps."""
+def single_log(tmp_path_factory):
+    """The single-device run the layouts are compared with: 20 steps, evaluated after the last."""
     log = str(tmp_path_factory.mktemp("single") / "log.jsonl")
     code, out, _ = train(1, "--max-iters", "20", "--log-json", log)
     assert code == 0, out
-    return losses(log)
+    return log
 
 
-def test_3d_layout_trains_the_single_device_model(single, tmp_path):
+@pytest.fixture(scope="module")
+def single(single_log):
+    return losses(single_log)
+
+
+def test_3d_layout_trains_the_single_device_model(single, single_log, tmp_path):
     log = str(tmp_path / "log.jsonl")
     code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
                          "--log-json", log, "--report")
     assert code == 0, out
     assert "TP 2 x PP 2 x DP 2" in out and "bubble" in out and out.count(" tp ") >= 8  # a report line per rank
     assert len(losses(log)) == 20 and close(losses(log), single)
+    # and its validation loss, the shares of the ranks that report the loss added over the world
+    val, val_single = rows(log)[-1]["val_loss"], rows(single_log)[-1]["val_loss"]
+    assert close({0: val}, {0: val_single}), (val, val_single)
 
 
 @pytest.mark.parametrize("schedule", [["zb-h2"], ["zb-v", "--num-virtual-stages", "2"]])

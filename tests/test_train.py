@@ -10,6 +10,7 @@ import sys
 import numpy
 import pytest
 
+import minipar
 from minipar.checkpoint import load_weights
 from minipar.checkpoint.index import seal
 from minipar.lr_schedule import learning_rate
@@ -151,6 +152,32 @@ def test_a_mixture_of_experts_run_logs_its_routing(tmp_path, corpus):
     assert "routing in the last step" in run.stdout and "layer   0:" in run.stdout
 
 
+def test_the_validation_loss_is_the_models_mean_loss_over_the_validation_batches(tmp_path, corpus):
+    """val_loss, recomputed from the exported weights: the mean over --eval-iters batches of the
+    validation split, in eval mode (dropout off), not training batches or dropped activations."""
+    from minipar.autograd import no_grad
+    from minipar.data import Dataset, load_corpus
+    from minipar.models import GPT, GPTConfig
+
+    weights, log = str(tmp_path / "w.safetensors"), str(tmp_path / "log.jsonl")
+    run = train(*TINY, "--data", corpus, "--max-iters", "1", "--eval-iters", "3", "--dropout", "0.1",
+                "--dtype", "float64", "--seed", "5", "--export-weights", weights, "--log-json", log)
+    assert run.returncode == 0, run.stderr
+    with open(log) as fh:
+        logged = json.loads(fh.readline())["val_loss"]
+    minipar.set_default_dtype("float64")
+    try:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=256, dropout=0.1))
+        model.load_state_dict(load_weights(weights))
+        model.eval()
+        data = Dataset(load_corpus(corpus))
+        with no_grad():
+            expected = sum(model(*data.batch("val", i, 4, 16, 5))[1].item() for i in range(3)) / 3
+    finally:
+        minipar.set_default_dtype("float32")
+    assert logged == pytest.approx(expected, rel=1e-12)
+
+
 def test_help_describes_every_flag():
     run = train("--help")
     assert run.returncode == 0
@@ -224,22 +251,22 @@ def test_a_resume_keeps_the_learning_rate_schedule_it_was_trained_on(tmp_path, c
     """Another --lr, or a longer --max-iters (which stretches the cosine), would change the rate at
     the resume step without a word. As Megatron-LM, such a resume is refused unless the user
     chooses: the checkpoint's schedule, or the flags' from here on."""
-    common = [*TINY, "--data", corpus, "--warmup-iters", "1", "--lr", "0.01"]
+    common = [*TINY, "--data", corpus, "--warmup-iters", "0", "--lr", "0.01", "--weight-decay", "0.5"]
     whole, save = str(tmp_path / "whole.jsonl"), str(tmp_path / "ckpt")
     assert train(*common, "--max-iters", "4", "--log-json", whole).returncode == 0
     assert train(*common, "--max-iters", "4", "--save", save, "--exit-interval", "2").returncode == 0
-    other = [*TINY, "--data", corpus, "--warmup-iters", "1", "--lr", "0.02", "--max-iters", "6", "--load", save]
+    other = [*TINY, "--data", corpus, "--warmup-iters", "0", "--lr", "0.02", "--max-iters", "6", "--load", save]
     run = train(*other)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
-    assert ("trained on another learning-rate schedule: --lr 0.02 (saved: 0.01), a decay over 6 steps "
-            "(--lr-decay-iters, or --max-iters when not given; saved: 4)") in lines[0]
+    assert ("trained on another learning-rate schedule: --lr 0.02 (saved: 0.01), --weight-decay 0.1 (saved: 0.5), "
+            "a decay over 6 steps (--lr-decay-iters, or --max-iters when not given; saved: 4)") in lines[0]
     taken, followed = str(tmp_path / "taken.jsonl"), str(tmp_path / "followed.jsonl")
     assert train(*other, "--use-checkpoint-opt_param-scheduler", "--log-json", taken).returncode == 0
-    assert losses(taken)[:2] == losses(whole)[2:]  # the run it continues, then the rate held at --min-lr
+    assert losses(taken)[:2] == losses(whole)[2:]  # the run it continues (its weight decay too), then --min-lr
     assert rates(taken) == rates(whole)[2:] + [3e-4, 3e-4]
     assert train(*other, "--override-opt_param-scheduler", "--log-json", followed).returncode == 0
-    flags = argparse.Namespace(lr=0.02, min_lr=3e-4, warmup_iters=1, lr_decay_iters=6)
+    flags = argparse.Namespace(lr=0.02, min_lr=3e-4, warmup_iters=0, lr_decay_iters=6)
     assert rates(followed) == [learning_rate(it, flags) for it in range(2, 6)] and rates(followed) != rates(taken)
 
 

@@ -140,3 +140,20 @@ def test_16_bit_runs_on_every_kind_of_grid_follow_the_float32_run(model, layout,
     got, ref = [r["loss"] for r in rows(log)], [r["loss"] for r in rows(reference)]
     assert not any(r["skipped"] for r in rows(log))
     assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, ref)) < 0.02, (got, ref)
+
+
+def test_a_16_bit_run_starts_from_the_weights_it_is_given(tmp_path):
+    """--init-weights set the float32 masters, and the 16-bit model the step computes with is their
+    rounding: evaluated before any step, it scores what the float32 model scores (to 16-bit
+    rounding), far from an untrained model's ln 256 = 5.5."""
+    weights = str(tmp_path / "w.safetensors")
+    trained = train(*TINY, "--max-iters", "30", "--lr", "1e-2", "--warmup-iters", "0", "--export-weights", weights,
+                    cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    val = {}
+    for flags in ([], ["--bf16"], ["--fp16"]):
+        run = train(*TINY, "--max-iters", "0", "--init-weights", weights, *flags, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        val[" ".join(flags)] = float(run.stdout.split("val loss ")[1].split()[0])
+    assert val[""] < 4.5, val  # trained: the check below could not tell an untrained model apart otherwise
+    assert val["--bf16"] == pytest.approx(val[""], rel=0.02) and val["--fp16"] == pytest.approx(val[""], rel=0.01), val
