@@ -9,6 +9,7 @@ import pytest
 import minipar
 import minipar.functional as F
 from minipar import Tensor
+from minipar.autograd import no_grad
 from minipar.gradcheck import gradcheck
 from minipar.models import GPT, GPTConfig
 
@@ -219,3 +220,18 @@ def test_generate_extends_the_prompt():
     model = GPT(GPTConfig(**TINY))
     out = model.generate(numpy.array([[1, 2]]), 6, generator=numpy.random.default_rng(0))
     assert out.shape == (1, 8) and (out[:, :2] == [[1, 2]]).all() and out.max() < 11
+
+
+def test_generate_at_a_near_zero_temperature_is_greedy_over_the_last_block(float64):
+    """Logits divided by the temperature: as it goes to 0, sampling becomes the argmax. Each step
+    sees the last block_size tokens of a prompt longer than the block."""
+    minipar.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    prompt = numpy.random.default_rng(0).integers(0, 32, size=(2, 11))
+    out = model.generate(prompt, 6, temperature=1e-4, generator=numpy.random.default_rng(1))
+    idx = prompt
+    with no_grad():
+        for _ in range(6):
+            logits = model(idx[:, -8:])[0].numpy()
+            idx = numpy.concatenate([idx, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    numpy.testing.assert_array_equal(out, idx)

@@ -84,6 +84,20 @@ def test_conv1d_weights_are_transposed_and_both_key_prefixes_read():
     assert hf.is_hf_layout(written) and not hf.is_hf_layout(state)
 
 
+def test_config_json_says_what_the_model_computes(tmp_path):
+    """Every field transformers' GPT2Config reads that minipar decides: the sizes (positions and
+    width apart, n_ctx the positions as GPT-2's own file has it), the dropout in all three places,
+    LayerNorm's epsilon, the tied head; and it reads back as the same flags."""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=259)
+    hf.save_snapshot(GPT(config).state_dict(), config, str(tmp_path / "out"), dropout=0.2)
+    written = json.load(open(tmp_path / "out" / "config.json"))
+    expected = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, n_ctx=16, vocab_size=259, n_inner=None,
+                    resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, layer_norm_epsilon=1e-5,
+                    tie_word_embeddings=True, activation_function="gelu_new", model_type="gpt2")
+    assert {k: written.get(k) for k in expected} == expected
+    assert hf.read_config(str(tmp_path / "out"))[0] == dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=259)
+
+
 def test_an_untied_head_is_refused():
     tensors = transformers_tensors(minipar_state())
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1

@@ -48,6 +48,32 @@ def test_both_formats_encode_alike_and_decode_back(bpe):
     assert whole.decode(ids) == pair.decode(ids) == TEXT[:200]
 
 
+def test_a_decoded_sample_shows_where_a_document_ended(bpe):
+    """<|endoftext|> is decoded, not dropped: a sample says where the model ended one text."""
+    tokenizer = BPETokenizer(bpe[0])
+    ids = [*tokenizer.encode("def f(x):"), tokenizer.eos_id, *tokenizer.encode("def g")]
+    assert tokenizer.decode(ids) == "def f(x):<|endoftext|>def g"
+
+
+def test_two_tokenizers_of_one_corpus_keep_their_own_cached_ids(bpe, tmp_path):
+    """The cache is keyed by the tokenizer's files as well as the corpus: another vocabulary over
+    the same text must not read the first one's ids."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train([str(corpus)], tokenizers.trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "smaller").mkdir()
+    tok.save(str(tmp_path / "smaller" / "tokenizer.json"))
+    for directory in (bpe[0], str(tmp_path / "smaller")):
+        tokenizer = BPETokenizer(directory)
+        data = Dataset(corpus.read_bytes(), tokenizer=tokenizer, path=str(corpus))
+        assert numpy.array_equal(numpy.concatenate([data.splits["train"], data.splits["val"]]), tokenizer.encode(TEXT))
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".tokens")]) == 2
+
+
 def test_the_corpus_is_tokenized_once_and_the_cache_verified(bpe, tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
