@@ -12,6 +12,7 @@ import pytest
 from mpi_run import ROOT, check_mpi, run_mpi, run_train
 
 from minipar.checkpoint.sharded import read_index
+from minipar.models import GPT, GPTConfig
 
 SMALL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "32", "--block-size", "16", "--global-batch-size", "8",
          "--sample", "0", "--plot", "", "--eval-interval", "1000", "--log-interval", "1000"]
@@ -59,6 +60,30 @@ def test_3d_layout_trains_the_single_device_model(single, single_log, tmp_path):
     # and its validation loss, the shares of the ranks that report the loss added over the world
     val, val_single = rows(log)[-1]["val_loss"], rows(single_log)[-1]["val_loss"]
     assert close({0: val}, {0: val_single}), (val, val_single)
+
+
+EVERY_OP_ONE_MS = """import sys
+import numpy
+from minipar.parallel.pipeline import stage_times
+stage_times.summary = lambda timeline, p, v, m: numpy.full(stage_times.width(p, v, m), 1e-3)
+from minipar.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_pipelines_description_and_stage_times_are_the_whole_models(tmp_path):
+    """On PP 2 x DP 2: the parameter count is the whole model's (each tensor once, wherever it
+    lives), micro-batches are counted per DP rank, and a stage's logged times are the mean over its
+    ranks (every op 1 ms on every rank: 1.0 ms)."""
+    script, log = tmp_path / "one_ms.py", str(tmp_path / "log.jsonl")
+    script.write_text(EVERY_OP_ONE_MS)
+    code, out, _ = run_mpi(4, str(script), *SMALL, "--max-iters", "1", "--pp", "2", "--micro-batch-size", "1",
+                           "--log-json", log)
+    assert code == 0, out
+    whole = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=256)).parameters()
+    assert f"model: {sum(p.size for p in whole):,} parameters" in out, out
+    assert "4 micro-batch(es) of 1 per DP rank" in out, out  # a batch of 8 over DP 2, one sequence each
+    assert rows(log)[0]["stage_ms"]["forward"] == [[1.0], [1.0]]
 
 
 @pytest.mark.parametrize("schedule", [["zb-h2"], ["zb-v", "--num-virtual-stages", "2"]])

@@ -178,6 +178,18 @@ def test_the_validation_loss_is_the_models_mean_loss_over_the_validation_batches
     assert logged == pytest.approx(expected, rel=1e-12)
 
 
+def test_recompute_granularity_full_is_recompute():
+    """Megatron's two spellings of full recomputation set the same run: what the memory check, the
+    layout line and the executor read."""
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    for flags in (["--recompute"], ["--recompute-granularity", "full"]):
+        args = build_parser().parse_args(flags)
+        check_args(args, 1)
+        assert args.recompute, flags
+
+
 def test_help_describes_every_flag():
     run = train("--help")
     assert run.returncode == 0
