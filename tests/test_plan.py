@@ -284,14 +284,23 @@ def test_stage_speeds_follow_the_nodes_each_stage_sits_on():
         hetero.stage_speeds(Layout(tp=8, pp=2), 8, [1.0])
 
 
+def test_the_slowest_node_paces_a_stage_that_spans_nodes():
+    """A stage of 16 ranks spans two nodes of 8; its ranks finish each micro-batch together, so a
+    half-speed node makes the whole stage run at half speed."""
+    assert hetero.stage_speeds(Layout(tp=4, pp=2, dp=4), 8, [1.0, 0.5, 1.0, 1.0]) == [0.5, 1.0]
+    assert hetero.stage_speeds(Layout(tp=4, pp=2, dp=4), 8, [1.0, 1.0, 0.25, 1.0]) == [1.0, 0.25]
+
+
 def test_the_command_line_shows_the_balancing_win():
     run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "1", "--gpu-memory-gb", "2", "--node-speeds", "1,0.5")
     assert run.returncode == 0, run.stderr
     assert "balanced  layers per stage [8, 4]" in run.stdout and "balancing saves" in run.stdout
 
 
-def test_planned_activations_are_within_ten_percent_of_the_measured_peaks_on_4_ranks():
-    assert "plan activations within 10% on 4 ranks" in check_mpi(4, "plan_activations.py", timeout=120)
+def test_planned_activations_are_within_each_rows_tolerance_of_the_measured_peaks_on_4_ranks():
+    """1% where the formula counts what the graphs keep, 10% where it approximates (the tolerances
+    and their reasons: tests/mpi/plan_activations.py)."""
+    assert "plan activations within tolerance on 4 ranks" in check_mpi(4, "plan_activations.py", timeout=120)
 
 
 # ---- lesson 11 --------------------------------------------------------------------------------

@@ -76,3 +76,13 @@ def test_sharing_cores_hides_the_bubble():
     assert set(own.comm_s) == {"pp", "embedding"} and own.bubble > 0.2
     assert own.step_time_s == pytest.approx(own.compute_s / (1 - own.bubble) + rest(own))
     assert shared.step_time_s == pytest.approx(4 * shared.compute_s + rest(shared))
+
+
+def test_ranks_share_the_cores_of_their_own_node_only():
+    """16 ranks on 2 nodes of 8, each node 2 cores: a node's 8 ranks take turns on its 2 cores, 4 to
+    a core; the other node's cores are not theirs to wait for (the whole job's 16 would make it 8)."""
+    layout = Layout(dp=16, micro_batch_size=1)
+    machine = Machine(gpus=16, gpus_per_node=8, cores_per_node=2, layer_overhead_us=100)
+    assert overhead.core_share(layout, machine) == 4.0
+    p = cost.predict(MODEL, layout, machine, 16)
+    assert p.step_time_s == pytest.approx(4 * p.compute_s + sum(p.comm_s.values()))

@@ -1,9 +1,11 @@
 """The planner's activation memory against the measured peak, on 4 ranks: for each layout, every
 rank's most bytes held by the autograd graphs between forward and backward over a 1F1B step
-(``bench/memory_breakdown.py``'s measurement) is within 10% of ``plan.activations.rank_bytes``
-(without the transient layer a recomputing backward adds, which that walk cannot see). The MoE
-layouts (4 experts, top-2, dropless or with capacity factor 1, expert-parallel over EP ranks) and
-the selective recomputation ones measure the same walk on a GPT built here.
+(``bench/memory_breakdown.py``'s measurement) is within its row's tolerance (``TOLERANCE``) of
+``plan.activations.rank_bytes`` (without the transient layer a recomputing backward adds, which
+that walk cannot see): 1% where the formula counts what the graphs keep, 10% where it is an
+approximation. The MoE layouts (4 experts, top-2, dropless or with capacity factor 1,
+expert-parallel over EP ranks) and the selective recomputation ones measure the same walk on a GPT
+built here.
 
     run_mpi.sh -n 4 tests/mpi/plan_activations.py
 """
@@ -39,6 +41,33 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
     ("PP2 DP2 ZB-V", 1, 2, 1, False, 0, None, False, "zb-v"), ("TP2 PP2 ZB-V sel", 2, 2, 1, True, 0, None, True, "zb-v"),
 ]
 
+# The relative error each row (each stage, where a tuple) may have. TIGHT where rank_bytes counts
+# what the graphs keep (all within 0.4%): a wrong embedding term (4 s b h) or logits term (2 b s V)
+# moves these rows by 2-7%. LOOSE where the formula is an approximation, each for the reason given.
+TIGHT, LOOSE = 0.01, 0.10
+# TP: without SP rank_bytes counts 6 s b h per layer for f and g where the graphs keep 4 (f's output
+# is a view of the LayerNorm output, not a copy); the vocab-parallel embedding's and head's
+# collectives keep 1-3 s b h the edge terms do not count: 2-5% off
+TP_COLLECTIVES = LOOSE
+ROUTER = LOOSE  # moe_bytes assumes a uniform router; the real one sends unequal rows to each expert: up to 6% off
+TOLERANCE = {
+    "DP4": TIGHT, "TP2 DP2": TP_COLLECTIVES, "TP4 SP": TP_COLLECTIVES,
+    # the middle stages keep each received activation (s b h per micro-batch in flight), which
+    # rank_bytes does not count: 2.2% under; the first and last stages' edge terms are measured ones
+    "PP4": (TIGHT, LOOSE, LOOSE, TIGHT),
+    "CP2 DP2": TIGHT, "TP2 PP2 SP Z1": TP_COLLECTIVES, "DP4 ZeRO-3": TIGHT,
+    "DP4 EP2 MoE": ROUTER, "DP4 EP4 MoE c1": ROUTER, "TP2 DP2 EP2 MoE": ROUTER, "TP2 SP EP2 MoE": ROUTER,
+    "PP2 DP2 EP2 MoE": ROUTER, "DP4 selective": TIGHT, "TP2 PP2 SP sel.": TP_COLLECTIVES, "DP4 EP2 MoE sel.": ROUTER,
+    # ZB-V: a middle chunk's received activations are not counted, and both edge chunks are given
+    # ceil(alive / v) micro-batches in flight, where the first chunk holds more and the last one: 2-3% off
+    "PP2 DP2 ZB-V": LOOSE, "TP2 PP2 ZB-V sel": LOOSE,
+}
+
+
+def tolerance(name, stage):
+    allowed = TOLERANCE[name]
+    return allowed[stage] if isinstance(allowed, tuple) else allowed
+
 
 def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule):
     """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
@@ -57,11 +86,13 @@ def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule):
     return run.peak, grid
 
 
-def rows_of(name, measured, planned):
-    every = comm.gather_to_root(numpy.array([measured, planned]), tag=7401)
+def rows_of(name, stage, measured, planned):
+    """Gathers the row; returns this rank's relative error as a share of its tolerance (<= 1 passes)."""
+    allowed = tolerance(name, stage)
+    every = comm.gather_to_root(numpy.array([measured, planned, allowed]), tag=7401)
     if every is not None:
-        rows.append(f"{name:<17}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f}" for m, p in every))
-    return abs(planned / measured - 1)
+        rows.append(f"{name:<17}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f} ({t:.0%})" for m, p, t in every))
+    return abs(planned / measured - 1) / allowed
 
 
 comm = world()
@@ -79,7 +110,7 @@ for name, tp, cp, pp, zero, sp in LAYOUTS:
     alive = bubble.pipeline("1f1b", pp, args.micro_batches)[1][stage]
     planned = activations.rank_bytes(model, layout, len(state.stage_layers(model, layout, stage)), alive,
                                      stage == 0, stage == pp - 1, 4, transient=False)
-    worst = max(worst, rows_of(name, numbers["activations"], planned))
+    worst = max(worst, rows_of(name, stage, numbers["activations"], planned))
 for name, tp, pp, ep, sp, experts, capacity, selective, schedule in MORE_LAYOUTS:
     measured, grid = measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule)
     dp = comm.size // (tp * pp)
@@ -90,10 +121,10 @@ for name, tp, pp, ep, sp, experts, capacity, selective, schedule in MORE_LAYOUTS
     layers = state.stage_layers(moe_model, layout, grid.pp_rank)
     planned = activations.rank_bytes(moe_model, layout, len(layers), alive, *state.edges(layout, grid.pp_rank), 4,
                                      transient=False, moe_layers=sum(moe_model.is_moe(i) for i in layers))
-    worst = max(worst, rows_of(name, measured, planned))
+    worst = max(worst, rows_of(name, grid.pp_rank, measured, planned))
 worst = float(comm.all_reduce(numpy.array([worst]), op="max")[0])
 if comm.rank == 0:
-    print("activation MB per rank, measured/planned\n" + "\n".join(rows))
-    print(f"worst relative error {worst:.3f}")
-    print(f"plan activations {'within 10%' if worst <= 0.10 else 'OFF BY MORE THAN 10%'} on {comm.size} ranks")
-raise SystemExit(0 if worst <= 0.10 else 1)
+    print("activation MB per rank, measured/planned (tolerance)\n" + "\n".join(rows))
+    print(f"worst relative error {worst:.2f} of its row's tolerance")
+    print(f"plan activations {'within tolerance' if worst <= 1 else 'OUTSIDE THEIR TOLERANCE'} on {comm.size} ranks")
+raise SystemExit(0 if worst <= 1 else 1)
