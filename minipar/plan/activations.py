@@ -15,10 +15,11 @@ the MLP (q, k, v, the attention output, GELU's values, the T x T part: the heads
 columns are split); the LayerNorms, the residual stream, the row-parallel layers' outputs and the
 dropouts stay whole (h wide), unless sequence parallelism splits them along s too (the LayerNorm
 outputs, gathered before the column-parallel layers, stay whole). The collectives' autograd nodes
-keep their own inputs: Megatron's f a copy of each LayerNorm output, g the partial sum and the sum
-before the bias, 6 s b h more per layer (with sequence parallelism the partial sums, 2 s b h, and
-the shards before the gathers and after the reduce-scatters, 4 s b h / t). Context parallelism gives each
-rank s = T/CP positions, and its queries see about 1/CP of the causal T x T pairs. Full
+keep their own inputs: Megatron's g the partial sum and the sum before the bias, 4 s b h more per
+layer (f passes the LayerNorm output on as a view, which holds nothing of its own; with sequence
+parallelism the partial sums, 2 s b h, and the shards before the gathers and after the
+reduce-scatters, 4 s b h / t). Context parallelism gives each rank s = T/CP positions, and its
+queries see about 1/CP of the causal T x T pairs. Full
 recomputation keeps each layer's input (s b h, split by SP) and, while one layer's backward
 runs, that layer's whole set once more.
 
@@ -42,7 +43,7 @@ uniform router) keeps, in place of the dense MLP's 12 s b h:
                          source order, 3 d R h, the two orders 16 R, combine's output d S h
 
 Tensor parallelism without SP gives every TP rank all the tokens and whole experts; an MoE block
-has no MLP f and g (3 s b h fewer); with SP its tokens are the rank's s/t positions and its
+has no MLP g (2 s b h fewer); with SP its tokens are the rank's s/t positions and its
 LayerNorm output is not gathered. Exact on one device (dropless, no auxiliary losses, whose
 graphs hold a few N E more; in float32, and in bfloat16 too); on ranks within 10%
 (``tests/mpi/plan_activations.py``).
@@ -125,8 +126,8 @@ def layer_bytes(model, layout, d, query_block=64):
     sbh = d * s * b * model.hidden_size
     if t > 1 and layout.sequence_parallel:  # the LayerNorms' own (sharded) outputs before the gathers,
         total += 2 * sbh + 4 * sbh // t     # the row-parallel partial sums (whole) and their shards
-    elif t > 1:  # f's copies of the LayerNorm outputs, g's partial sums and their all-reduced sums
-        total += 6 * sbh
+    elif t > 1:  # g's partial sums and their all-reduced sums (f's outputs are views of the LayerNorms')
+        total += 4 * sbh
     return total
 
 
@@ -152,8 +153,8 @@ def moe_bytes(model, layout, d):
     dense = 12 * sbh // t  # GELU's input, tanh and output, split by TP
     if sp:  # ln_2's gathered output, the MLP's partial sum and its reduce-scattered shard
         dense += 2 * sbh + sbh // t
-    elif t > 1:  # f's copy of ln_2's output, g's partial sum and its sum
-        dense += 3 * sbh
+    elif t > 1:  # g's partial sum and its sum (f's output is a view of ln_2's)
+        dense += 2 * sbh
     return router + routing + experts - dense
 
 

@@ -45,9 +45,8 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
 # what the graphs keep (all within 0.4%): a wrong embedding term (4 s b h) or logits term (2 b s V)
 # moves these rows by 2-7%. LOOSE where the formula is an approximation, each for the reason given.
 TIGHT, LOOSE = 0.01, 0.10
-# TP: without SP rank_bytes counts 6 s b h per layer for f and g where the graphs keep 4 (f's output
-# is a view of the LayerNorm output, not a copy); the vocab-parallel embedding's and head's
-# collectives keep 1-3 s b h the edge terms do not count: 2-5% off
+# TP: the vocab-parallel embedding's and head's collectives keep 1-3 s b h the edge terms do not
+# count: 1-5% off
 TP_COLLECTIVES = LOOSE
 ROUTER = LOOSE  # moe_bytes assumes a uniform router; the real one sends unequal rows to each expert: up to 6% off
 TOLERANCE = {
