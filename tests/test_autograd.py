@@ -149,3 +149,79 @@ def test_operators_and_reverse_operators():
     r = 1.0 / (d * d + 1.0)
     # y = -r^2, dr/dx = 2 d / (d^2+1)^2 (the two minus signs cancel), so dy/dx = -2 r * dr/dx
     numpy.testing.assert_allclose(x.grad, -2 * r * (2 * d * r * r), rtol=1e-12)
+
+
+def test_a_gradient_hook_fires_once_after_every_use_even_two_by_one_op():
+    """Data parallelism starts a bucket's sum from the hook: it must see the whole gradient. w feeds
+    w * w (both inputs of one node, which backward reaches first) and w * 3."""
+    w, x = leaf(3), leaf(3, seed=1)
+    seen = []
+    w.register_grad_hook(lambda t: seen.append(t.grad.copy()))
+    ((w * 3.0).sum() + (w * w * x).sum()).backward()
+    assert len(seen) == 1
+    numpy.testing.assert_array_equal(seen[0], w.grad)
+    numpy.testing.assert_allclose(w.grad, 3.0 + 2 * w.data * x.data, rtol=1e-12)
+
+
+@pytest.mark.parametrize("through_an_op", [False, True])
+def test_backward_never_keeps_the_callers_upstream_array(through_an_op):
+    """x.grad is the engine's own array: changing the gradient handed to backward() afterwards, as
+    a loop reusing its buffer does, leaves it alone (a leaf's backward, and x + 1's, which passes
+    its upstream gradient straight on)."""
+    x = leaf(3)
+    g = numpy.full(3, 0.5)
+    (x + 1.0 if through_an_op else x).backward(g)
+    g[...] = 9.0
+    numpy.testing.assert_array_equal(x.grad, numpy.full(3, 0.5))
+
+
+class _NoGradient(Function):
+    """Passes its input on and sends no gradient back (as integer inputs get)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.copy()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None,)
+
+
+def test_a_branch_no_gradient_flows_through_is_freed_too():
+    x = leaf(3)
+    h = x * 2.0
+    node = h._node
+    (_NoGradient.apply(h) + x).sum().backward()
+    assert node.ctx is None, "the graph behind a branch that received no gradient was kept"
+    numpy.testing.assert_array_equal(x.grad, numpy.ones(3))
+
+
+def test_no_grad_nests_and_detach_leaves_the_graph():
+    from minipar.autograd import is_grad_enabled
+
+    with no_grad():
+        with no_grad():
+            pass
+        assert not is_grad_enabled(), "leaving the inner no_grad turned recording back on"
+    assert is_grad_enabled()
+    x = leaf(2)
+    assert not x.detach().requires_grad and x.detach()._node is None
+
+
+def test_reverse_subtraction_subtracts_the_tensor_from_the_number():
+    x = Tensor(numpy.array([1.0, 5.0]), requires_grad=True, dtype=numpy.float64)
+    y = 2.0 - x
+    numpy.testing.assert_array_equal(y.data, [1.0, -3.0])
+    y.backward(numpy.ones(2))
+    numpy.testing.assert_array_equal(x.grad, [-1.0, -1.0])
+
+
+def test_a_parameter_shared_by_two_modules_is_listed_once():
+    """A tied weight (GPT-2's embedding and head) is one parameter: listed twice, an optimizer would
+    step it twice and a norm count it twice."""
+    from minipar import nn
+
+    m = nn.Module()
+    m.a, m.b = nn.Linear(2, 2), nn.Linear(2, 2)
+    m.b.weight = m.a.weight
+    assert [name for name, _ in m.named_parameters()] == ["a.weight", "a.bias", "b.bias"]
