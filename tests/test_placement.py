@@ -47,6 +47,8 @@ def test_placements_refuse_what_cannot_be():
         Split("tp", 0, 10, chunks=3)
     with pytest.raises(ValueError, match="padded >= size"):
         Split("tp", 0, 10, padded=8)
+    with pytest.raises(ValueError, match="do not divide among 6 ranks"):  # 6 ranks, 3 blocks of 2 each
+        Split("tp", 0, 6, chunks=3).part_length(6)
     with pytest.raises(AttributeError):
         REPLICATED.copies = ()  # frozen: one shared default for every parameter
 

@@ -126,6 +126,23 @@ def test_w_memory_is_the_input_and_the_output_gradient():
     numpy.testing.assert_array_equal(b.grad, numpy.full(4, 7.0))
 
 
+def test_an_add_of_a_weight_splits_as_it_fuses():
+    """x 2 + b, b a weight: Add's backward hands b's gradient out whatever it was asked, so B must
+    drop it and W alone add it (else b's gradient counts twice)."""
+    x, b = leaf(3), leaf(3, seed=1)
+    assert_bitwise(*fused_and_split(lambda: (x * 2.0 + b) * (x * 2.0 + b), [x, b], [b]))
+
+
+def test_w_memory_counts_two_views_of_one_input_once():
+    """Two products read the same activation, one through a reshape (a view): the buffer W keeps
+    is counted once, as is the one upstream gradient both read (the sum passes it to each)."""
+    x, w1, w2 = leaf(7, 5), leaf(4, 5, seed=1), leaf(4, 5, seed=2)
+    h = F.tanh(x)
+    out = F.linear(h, w1) + F.linear(h.reshape(7, 1, 5), w2).reshape(7, 4)
+    pending = backward_input(out, [w1, w2], numpy.ones(out.shape))
+    assert len(pending) == 2 and pending.nbytes() == 8 * (7 * 5 + 7 * 4)
+
+
 def test_hooks_of_weights_fire_once_in_w():
     x, w = leaf(3, 4), leaf(4, 4, seed=1)
     fired = []
