@@ -310,6 +310,25 @@ def test_out_that_the_kernel_cannot_write_in_place_is_filled_after():
     assert numpy.allclose(emulator.matmul(x, y, out=y), expected, rtol=1e-12)  # out is an operand
 
 
+def test_an_empty_inner_dimension_writes_zeros_into_out():
+    """K = 0: the product is a sum of nothing, zeros, also into an ``out`` that held something."""
+    out = numpy.ones((2, 3), numpy.float32)
+    assert emulator.matmul(numpy.zeros((2, 0), numpy.float32), numpy.zeros((0, 3), numpy.float32), out=out) is out
+    assert not out.any()
+
+
+def test_a_batch_beyond_the_grids_z_limit_is_launched_in_parts(monkeypatch):
+    """CUDA's grid has at most 65535 blocks along z, one per batch entry: a larger batch runs in
+    parts, the last one the remainder (here a limit of 2 and a batch of 3, written into the first
+    three entries of a larger buffer, whose fourth must stay untouched)."""
+    monkeypatch.setattr(gemm, "_MAX_GRID_YZ", 2)
+    a, b = rng.standard_normal((4, 3, 5)).astype(numpy.float32), rng.standard_normal((4, 5, 2)).astype(numpy.float32)
+    big = numpy.zeros((4, 3, 2), numpy.float32)
+    emulator.matmul(a[:3], b[:3], out=big[:3])
+    numpy.testing.assert_allclose(big[:3], a[:3] @ b[:3], rtol=1e-5, atol=1e-5)
+    assert not big[3].any(), "a launch wrote past the end of out"
+
+
 def test_elements_off_their_natural_alignment_are_copied_first():
     records = numpy.zeros((6, 5), dtype=[("pad", "f4"), ("x", "f8")])  # 12-byte records
     records["x"] = rng.standard_normal((6, 5))

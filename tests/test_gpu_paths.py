@@ -236,9 +236,11 @@ def test_arrays_are_never_unwrapped_through_their_own_data():
 
 
 class FakeNCCLTypes:
-    """cupy.cuda.nccl's dtype constants, with or without the 16-bit ones (NCCL's enum values)."""
+    """cupy.cuda.nccl's dtype constants, with or without the 16-bit ones, and two of its reduction
+    ops (NCCL's enum values)."""
 
     NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64, NCCL_FLOAT32, NCCL_FLOAT64 = 0, 1, 2, 4, 7, 8
+    NCCL_SUM, NCCL_MAX = 0, 2  # ncclRedOp_t
 
     def __init__(self, sixteen):
         self.lookups = 0
@@ -271,3 +273,14 @@ def test_nccl_types_16_bit_arrays_and_a_binding_without_them_still_runs_float32(
                 nccl._dtype(x)
     with pytest.raises(TypeError, match="NCCL moves"):
         nccl._dtype(numpy.zeros(2, numpy.complex64))
+
+
+def test_nccl_reduces_by_the_op_asked_for(monkeypatch):
+    """A max all-reduce (the vocab-parallel loss's row maxima, fp16's overflow flag) must not run as
+    a sum on GPUs: a sum of maxima is no maximum."""
+    from minipar.comm import nccl
+
+    monkeypatch.setattr(nccl, "_nccl", lambda: FakeNCCLTypes(True))
+    assert nccl._op("sum") == 0 and nccl._op("max") == 2
+    with pytest.raises(ValueError, match="reduction op must be one of"):
+        nccl._op("min")

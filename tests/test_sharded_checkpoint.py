@@ -159,3 +159,15 @@ def test_another_model_and_an_unfinished_save_are_refused(tmp_path):
     assert sharded.find(str(tmp_path)).endswith("iter_0000001")
     with pytest.raises(sharded.CheckpointError, match="no checkpoint here"):
         sharded.find(str(tmp_path / "iter_0000002.partial"))
+
+
+def test_a_flat_piece_across_several_boxes_is_its_flat_array_in_order():
+    """A ZeRO piece is a range of the flattened parameter: elements 1 to 6 of a 3 x 4 array are two
+    boxes (the rest of row 0, the first three of row 1), each its own stretch of the piece."""
+    from minipar.checkpoint.pieces import Piece
+
+    flat = np.arange(6.0)
+    views = Piece("param", "w", flat, (3, 4), flat=(1, 7)).views()
+    assert [(start, stop) for start, stop, _ in views] == [((0, 1), (1, 4)), ((1, 0), (2, 3))]
+    np.testing.assert_array_equal(np.concatenate([view.ravel() for _, _, view in views]), flat)
+    assert all(np.shares_memory(view, flat) for _, _, view in views)

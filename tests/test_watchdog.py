@@ -42,3 +42,14 @@ def test_work_that_ends_in_time_or_no_limit_never_fires(seconds):
     """Each piece takes 0.4 s of a 2 s limit (four of them 1.6 s: the limit is per piece); 0: no limit."""
     done = run(seconds, 0.4)
     assert done.returncode == 0 and "all pieces ended" in done.stdout and done.stderr == "", done.stderr
+
+
+def test_the_job_ends_even_when_saying_why_fails():
+    """A closed stderr makes the message raise; the abort comes anyway (a hung job that cannot
+    print must still end)."""
+    closed = ("class Closed:\n    def write(self, text):\n        raise OSError('stderr closed')\n"
+              "    flush = write\nsys.stderr = Closed()\n")
+    program = PROGRAM.replace("from minipar.watchdog", closed + "from minipar.watchdog")
+    done = subprocess.run([sys.executable, "-c", program.format(seconds=0.5, pause=3)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3 and "all pieces ended" not in done.stdout
