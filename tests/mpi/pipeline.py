@@ -120,6 +120,8 @@ x = data.integers(0, config.vocab_size, (batch, config.block_size))
 with no_grad():
     loss_s = serial(x, x)[1].item()
 record = run.evaluate(x, x)
+# forwards only: a micro-batch's activations go once sent on, or, on the last chunk, once its loss is added
+assert record.peak_alive == 1, f"rank {rank}: an evaluation held {record.peak_alive} micro-batches' activations"
 if record.loss is not None:  # the rank holding the last chunk (rank 0 in a V)
     loss = grid.dp_group.all_reduce(np.array([record.loss]))[0] if grid.dp > 1 else record.loss
     assert rel_err(loss, loss_s) < 1e-12, f"rank {rank}: evaluation loss {loss} vs {loss_s}"

@@ -200,6 +200,8 @@ class PipelineExecutor:
         state.kept[unit] = (inp, out)
         # a micro-batch's activations are held until its backward, or, split, until its W
         state.record.peak_alive = max(state.record.peak_alive, len(state.kept) + len(state.weight_grads))
+        if last and not is_grad_enabled():  # forwards only: its loss is added, nothing waits for it
+            del state.kept[unit]
 
     def _send_act(self, state, ins):
         unit = (ins.mb, ins.chunk)
