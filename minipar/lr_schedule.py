@@ -49,9 +49,28 @@ def _bad(saved):
     return bad
 
 
-def resume_schedule(saved, args, where):
-    """Reconcile the checkpoint's schedule ``saved`` (None: saved before schedules were) with the
-    flags; may set the flags' values from the checkpoint. Returns the problem as one line, or None."""
+def flag_problems(args):
+    """The schedule's flags a run cannot take (lines); fills in the decay's length."""
+    problems = []
+    if args.warmup_iters < 0:
+        problems.append(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
+    if args.min_lr > args.lr:
+        problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    chosen = [flag for flag, on in (("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler),
+                                    ("--override-opt_param-scheduler", args.override_opt_param_scheduler)) if on]
+    if len(chosen) == 2:
+        problems.append(f"{chosen[0]} takes the checkpoint's learning-rate schedule and {chosen[1]} the flags': give one")
+    elif chosen and not args.load:
+        problems.append(f"{chosen[0]} chooses between a checkpoint's learning-rate schedule and the flags': "
+                        "give --load, or drop it")
+    return problems
+
+
+def resume_problem(saved, args, where):
+    """What is wrong with resuming the checkpoint whose schedule is ``saved`` (None: saved before
+    schedules were) under these flags, as one line, or None."""
     if args.override_opt_param_scheduler or args.max_iters == 0:
         return None  # the flags chosen, or nothing to train
     if saved is None:  # saved before checkpoints kept it: nothing to compare, nothing to take
@@ -62,16 +81,24 @@ def resume_schedule(saved, args, where):
         return (f"--load: {where}/index.json: its learning-rate schedule is not one ({', '.join(bad)}): "
                 "it was not written by minipar.train")
     if args.use_checkpoint_opt_param_scheduler:
-        for name, _ in FIELDS:
-            setattr(args, name, saved[name])
         return None
     differ = [f"{flag} {getattr(args, name)} (saved: {saved[name]})" for name, flag in FIELDS
               if getattr(args, name) != saved[name] and name != "lr_decay_iters"]
-    if args.lr_decay_iters != saved["lr_decay_iters"]:
-        differ.append(f"a decay over {args.lr_decay_iters} steps (--lr-decay-iters, or --max-iters when not given; "
-                      f"saved: {saved['lr_decay_iters']})")
+    steps = args.lr_decay_iters
+    if steps != saved["lr_decay_iters"]:
+        differ.append(f"a decay over {steps} step{'s' if steps != 1 else ''} (--lr-decay-iters, or --max-iters when "
+                      f"not given; saved: {saved['lr_decay_iters']})")
     if not differ:
         return None
     return (f"--load: the checkpoint was trained on another learning-rate schedule: {', '.join(differ)}; "
             "give the saved values, or --use-checkpoint-opt_param-scheduler to take them, or "
             "--override-opt_param-scheduler to follow the flags from here")
+
+
+def take_schedule(args, saved):
+    """--use-checkpoint-opt_param-scheduler: the flags take the checkpoint's values. Called once the
+    ranks agree on the checkpoint (rank 0's, whatever ``latest`` said to each), so that every rank
+    takes the same ones; ``resume_problem`` has checked them."""
+    if args.use_checkpoint_opt_param_scheduler and args.max_iters and saved is not None:
+        for name, _ in FIELDS:
+            setattr(args, name, saved[name])

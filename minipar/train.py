@@ -81,7 +81,7 @@ def build_parser():
     g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=positive_int, default=1, help="pipeline stages")
     g.add_argument("--context-parallel-size", "--cp", dest="cp", type=positive_int, default=1, help="context-parallel size: ranks that split every sequence (2 x CP chunks, load-balanced)")
     g.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p", help="how context-parallel ranks attend across the sequence: p2p (ring attention) or a2a (Ulysses: whole heads per rank)")
-    g.add_argument("--dp", type=positive_int, help="data-parallel size (checked against the number of ranks)")
+    g.add_argument("--dp", type=positive_int, help="data-parallel size, checked against the number of ranks (default: the ranks / (TP x CP x PP))")
     g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1, help="expert-parallel size: DP ranks that split the experts (a divisor of DP)")
     g.add_argument("--pipeline-layers", type=layer_counts, help="layers of each pipeline chunk in order, e.g. 3,1 "
                    "(an uneven split for stages of unequal speed: python -m minipar.plan --node-speeds); "
@@ -92,7 +92,7 @@ def build_parser():
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of the data-parallel optimizer")
     g.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm and dropout along the sequence (TP > 1)")
     g.add_argument("--recompute", "--recompute-activations", dest="recompute", action="store_true", help="keep only each block's input; recompute it in backward")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), help="full: as --recompute; selective: keep all but attention's T x T probabilities and dropout mask, which backward recomputes")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), help="full: as --recompute; selective: keep all but attention's T x T probabilities and dropout mask, which backward recomputes (default: neither, unless --recompute)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--max-iters", "--train-iters", dest="max_iters", type=non_negative_int, default=DEFAULTS["max_iters"], help="training steps in total (0: only evaluate, sample and export the weights given)")
     o.add_argument("--global-batch-size", "--batch-size", dest="batch_size", type=positive_int, default=DEFAULTS["batch_size"], help="sequences per step")
@@ -232,6 +232,11 @@ def main(argv=None):
         for note in data.notes:
             print(note, flush=True)
     agree(comm, same_inputs(comm, args, data, weights), parser.prog)  # rank 0's checkpoint, corpus, weights
+    if args.load:  # now rank 0's on every rank: --use-checkpoint-opt_param-scheduler takes its schedule
+        from minipar.checkpoint.sharded import read_index
+        from minipar.lr_schedule import take_schedule
+
+        take_schedule(args, read_index(args.load)["trainer"].get("schedule"))
     comm = world()  # on GPUs now NCCL's (a collective: every rank chose the device above)
     from minipar.checkpoint.sharded import CheckpointError
     from minipar.trainer import Trainer

@@ -13,6 +13,7 @@ import os
 import numpy
 
 from minipar.cli import FlagError
+from minipar.lr_schedule import flag_problems as schedule_flag_problems
 
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type": "--cp-comm-type", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
@@ -138,18 +139,7 @@ def check_args(args, world_size):
     from minipar.parallel.validate import resolve
 
     problems = device_problems(args)
-    if args.warmup_iters < 0:
-        problems.append(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
-    if args.min_lr > args.lr:
-        problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.max_iters
-    chosen = [flag for flag, on in (("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler),
-                                    ("--override-opt_param-scheduler", args.override_opt_param_scheduler)) if on]
-    if len(chosen) == 2:
-        problems.append(f"{chosen[0]} takes the checkpoint's learning-rate schedule and {chosen[1]} the flags': give one")
-    elif chosen and not args.load:
-        problems.append(f"{chosen[0]} chooses between a checkpoint's learning-rate schedule and the flags': give --load, or drop it")
+    problems += schedule_flag_problems(args)
     if args.recompute and args.recompute_granularity == "selective":
         problems.append("--recompute is --recompute-granularity full: give one of them")
     args.recompute = args.recompute or args.recompute_granularity == "full"  # the executor's full recompute
@@ -238,7 +228,7 @@ def check_files(p, args, config, data):
     corpus (read on every rank, before any communication). ``args.load`` becomes the checkpoint
     directory itself (not ``latest``, which may move)."""
     from minipar.checkpoint.sharded import CheckpointError, check_model, read_index
-    from minipar.lr_schedule import resume_schedule
+    from minipar.lr_schedule import resume_problem
     from minipar.run_inputs import corpus_matches
 
     if args.load:
@@ -267,12 +257,12 @@ def check_files(p, args, config, data):
             if saved[key] != getattr(args, key):
                 p.error(f"--load: the checkpoint was trained with {flag} {saved[key]}, not "
                         f"{getattr(args, key)}: the data would differ from the run it continues")
-        problem = resume_schedule(saved.get("schedule"), args, args.load)  # may take the checkpoint's
-        if problem:
-            p.error(problem)
         if index["iteration"] >= args.max_iters > 0:  # --max-iters 0: only evaluate, sample or export it
             p.error(f"--load: the checkpoint is at iteration {index['iteration']}, so --max-iters "
                     f"{args.max_iters} leaves nothing to train: raise --max-iters")
+        problem = resume_problem(saved.get("schedule"), args, args.load)
+        if problem:
+            p.error(problem)
     if args.init_weights:
         from minipar import checkpoint
         from minipar.checkpoint import hf

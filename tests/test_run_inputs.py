@@ -19,6 +19,7 @@ from minipar import run_inputs
 from minipar.checkpoint.index import seal
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
 from minipar.data import Dataset
+from minipar.lr_schedule import learning_rate
 
 
 def one_line(run, message):
@@ -72,6 +73,25 @@ def test_ranks_launched_with_different_flags_all_stop_in_one_line(tmp_path):
     line = ("run_inputs: error: rank 1 was launched with other flags than rank 0 (--seed 7, rank 0's 1; "
             "--zero-stage 1, rank 0's 0): launch every rank with the same command line")
     assert code == 2 and out.count(line) == 1 and "loads" not in out, out
+
+
+def test_ranks_that_found_other_checkpoints_all_take_rank_0s_schedule(tmp_path, corpus):
+    """--use-checkpoint-opt_param-scheduler while `latest` moves as the job starts: each rank read
+    another checkpoint (here each its own folder, saved with another --lr). Every rank goes on with
+    rank 0's, its schedule included; each taking its own used to read as launched with other flags."""
+    for lr in ("0.01", "0.02"):
+        assert train(*TINY, "--data", corpus, "--max-iters", "4", "--exit-interval", "2", "--lr", lr,
+                     "--save", str(tmp_path / lr)).returncode == 0
+    log = str(tmp_path / "log.jsonl")
+    rank = [sys.executable, "-m", "minipar.train", *TINY, "--data", corpus, "--max-iters", "4",
+            "--use-checkpoint-opt_param-scheduler", "--log-json", log, "--load"]
+    code, out, _ = run_mpi(2, "", timeout=120, command=["mpiexec", "-n", "1", *rank, str(tmp_path / "0.01"), ":",
+                                                        "-n", "1", *rank, str(tmp_path / "0.02")])
+    assert code == 0 and "resuming at iteration 2" in out, out
+    with open(log) as fh:
+        rates = [json.loads(line)["lr"] for line in fh]
+    schedule = SimpleNamespace(lr=0.01, min_lr=3e-4, warmup_iters=50, lr_decay_iters=4)
+    assert rates == [learning_rate(it, schedule) for it in (2, 3)]
 
 
 def test_ranks_that_read_different_corpora_all_stop_in_one_line(tmp_path):

@@ -268,6 +268,8 @@ def test_a_resume_keeps_the_learning_rate_schedule_it_was_trained_on(tmp_path, c
     assert train(*common, "--max-iters", "4", "--log-json", whole).returncode == 0
     assert train(*common, "--max-iters", "4", "--save", save, "--exit-interval", "2").returncode == 0
     other = [*TINY, "--data", corpus, "--warmup-iters", "0", "--lr", "0.02", "--max-iters", "6", "--load", save]
+    ended = train(*common, "--max-iters", "1", "--load", save)  # said first: the schedule is not what is wrong
+    assert ended.returncode == 2 and "so --max-iters 1 leaves nothing to train" in ended.stderr, ended.stderr
     run = train(*other)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
