@@ -33,9 +33,10 @@ def test_training_with_cp_follows_one_device_and_its_checkpoints_reshard(tmp_pat
     single, save = str(tmp_path / "single.jsonl"), str(tmp_path / "ckpt")
     assert train(1, "--max-iters", "6", "--log-json", single)[0] == 0
     log = str(tmp_path / "cp.jsonl")
-    code, out, _ = train(4, "--max-iters", "6", "--cp", "2", "--tp", "2", "--save", save, "--save-interval", "3",
-                         "--exit-interval", "3", "--log-json", log)
-    assert code == 0 and "x CP 2 (p2p)" in out, out
+    # ZeRO-1 over DP x CP (here the 2 CP ranks): each CP rank saves its own piece of the Adam state
+    code, out, _ = train(4, "--max-iters", "6", "--cp", "2", "--tp", "2", "--zero-stage", "1", "--save", save,
+                         "--save-interval", "3", "--exit-interval", "3", "--log-json", log)
+    assert code == 0 and "x CP 2 (p2p)" in out and "ZeRO stage 1" in out, out
     for n, layout in ((4, ["--cp", "4", "--cp-comm-type", "a2a"]), (1, [])):
         resumed = str(tmp_path / f"resumed{n}.jsonl")
         code, out, _ = train(n, "--max-iters", "6", *layout, "--load", save, "--log-json", resumed)
