@@ -310,6 +310,18 @@ def test_out_that_the_kernel_cannot_write_in_place_is_filled_after():
     assert numpy.allclose(emulator.matmul(x, y, out=y), expected, rtol=1e-12)  # out is an operand
 
 
+def test_an_out_with_two_elements_at_one_address_is_never_written_in_place():
+    """A zero batch stride puts every batch entry's product at one address: on a GPU their blocks
+    would race. The kernel writes a new array, copied into ``out`` after (NumPy's rule: the last wins)."""
+    a, b = rng.standard_normal((3, 4, 5)), rng.standard_normal((3, 5, 2))
+    shared = numpy.zeros((4, 2))
+    out = numpy.lib.stride_tricks.as_strided(shared, (3, 4, 2), (0,) + shared.strides)
+    plan = gemm.plan(a, b, numpy)
+    assert gemm.output(plan, out, a, b, numpy)[0] is not out
+    emulator.matmul(a, b, out=out)
+    numpy.testing.assert_allclose(shared, a[-1] @ b[-1], rtol=1e-12)
+
+
 def test_an_empty_inner_dimension_writes_zeros_into_out():
     """K = 0: the product is a sum of nothing, zeros, also into an ``out`` that held something."""
     out = numpy.ones((2, 3), numpy.float32)
