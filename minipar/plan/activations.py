@@ -54,7 +54,8 @@ log-sum-exp); Ulysses keeps it for all T positions and a/(t CP) heads.
 A rank holds (``rank_bytes``): its layers x the chunk activations its schedule keeps alive at the
 peak (``bubble.pipeline``: 1F1B p on the first stage, GPipe m), plus per micro-batch in flight,
 on the first stage the embeddings' 4 s b h, on the last ln_f's and the head's input, 3 s b h, and
-the logits with their softmax, 2 b s V/t d (those two counts read off measured graphs). The
+the logits with their softmax, 2 b s V/t d (those two counts read off measured graphs), and in
+every other chunk the input it received from the stage before, s b h. The
 per-layer formula is exact on one device; the rest is the planner's approximation, within 10% of
 the measured peaks (``tests/mpi/plan_counts.py``'s activation rows).
 """
@@ -159,10 +160,11 @@ def moe_bytes(model, layout, d):
 
 
 def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, query_block=64, transient=True,
-               moe_layers=0):
+               moe_layers=0, received=0):
     """Activation bytes at the peak on a rank holding ``layers`` blocks (``moe_layers`` of them
     MoE), with ``in_flight`` chunk activations alive (``layers`` over its v chunks: in_flight x
-    layers / v layer-activations).
+    layers / v layer-activations); ``received`` of its chunks keep the input another stage sent
+    (``state.receiving_chunks``).
     Full recomputation keeps each recomputed layer's input only; ``transient``: add the one layer
     whose forward is run again inside its backward (a graph walked between forward and backward,
     as ``bench/memory_breakdown.py`` walks it, does not see it). ZeRO-3 keeps what the same layout
@@ -181,4 +183,6 @@ def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, que
     logits = 2 * b * s * -(-model.vocab_size // t) * d  # the head's output and the loss's softmax
     if last_stage:  # ln_f's xhat and output, the head's input (3 s b h), the logits and their softmax
         kept += passes * (3 * sbh // shard + logits)
+    if received and not recompute:  # the executor keeps each received input for its backward; under
+        kept += in_flight * received * sbh // (shard * layout.vpp)  # recomputation it is a layer's kept input
     return kept

@@ -98,7 +98,8 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         held = sum(state.state_bytes(model, layout, s, dtype).values())
         layers = state.stage_layers(model, layout, s)
         held += activations.rank_bytes(model, layout, len(layers), alive[s], *state.edges(layout, s), d, query_block,
-                                       moe_layers=sum(model.is_moe(i) for i in layers))
+                                       moe_layers=sum(model.is_moe(i) for i in layers),
+                                       received=state.receiving_chunks(layout, s))
         memory = max(memory, held)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
         for g in b:  # the busier stage's count of each group
