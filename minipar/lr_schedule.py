@@ -99,6 +99,5 @@ def take_schedule(args, saved):
     """--use-checkpoint-opt_param-scheduler: the flags take the checkpoint's values. Called once the
     ranks agree on the checkpoint (rank 0's, whatever ``latest`` said to each), so that every rank
     takes the same ones; ``resume_problem`` has checked them."""
-    if args.use_checkpoint_opt_param_scheduler and args.max_iters and saved is not None:
-        for name, _ in FIELDS:
-            setattr(args, name, saved[name])
+    for name, _ in FIELDS:
+        setattr(args, name, saved[name])

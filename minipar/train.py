@@ -232,11 +232,11 @@ def main(argv=None):
         for note in data.notes:
             print(note, flush=True)
     agree(comm, same_inputs(comm, args, data, weights), parser.prog)  # rank 0's checkpoint, corpus, weights
-    if args.load:  # now rank 0's on every rank: --use-checkpoint-opt_param-scheduler takes its schedule
+    if args.load and args.use_checkpoint_opt_param_scheduler and args.max_iters:  # --load: rank 0's now, on every rank
         from minipar.checkpoint.sharded import read_index
         from minipar.lr_schedule import take_schedule
 
-        take_schedule(args, read_index(args.load)["trainer"].get("schedule"))
+        take_schedule(args, read_index(args.load)["trainer"]["schedule"])
     comm = world()  # on GPUs now NCCL's (a collective: every rank chose the device above)
     from minipar.checkpoint.sharded import CheckpointError
     from minipar.trainer import Trainer
