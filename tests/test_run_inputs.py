@@ -13,10 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 from mpi_run import ROOT, run_mpi
-from test_train import TINY, corpus, train  # noqa: F401 (corpus: a fixture)
+from test_train import TINY, corpus, reseal, saved_index, train  # noqa: F401 (corpus: a fixture)
 
 from minipar import run_inputs
-from minipar.checkpoint.index import seal
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
 from minipar.data import Dataset
 from minipar.lr_schedule import learning_rate
@@ -205,13 +204,10 @@ def test_stale_partials_go_and_only_the_newest_checkpoints_are_kept(tmp_path, co
 def test_a_trainer_state_without_its_fields_is_one_line(tmp_path, corpus):
     save = str(tmp_path / "ckpt")
     assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
-    index_file = os.path.join(save, "iter_0000002", "index.json")
-    with open(index_file) as f:
-        index = json.load(f)
+    index_file, index = saved_index(save)
     del index["trainer"]["rng"]
     index["trainer"]["seed"], index["trainer"]["skipped_in_a_row"] = "1337", -1
-    with open(index_file, "w") as f:
-        json.dump(seal(index), f)  # sealed again: the trainer's own checks must catch it
+    reseal(index_file, index)
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
     assert one_line(run, "its trainer state has no whole number seed, rng.seed, skipped_in_a_row: it was not "
                     "written by"), run.stderr

@@ -30,6 +30,20 @@ def losses(path):
         return [json.loads(line)["loss"] for line in fh]
 
 
+def saved_index(save, iteration=2):
+    """(path, contents) of the index.json of the checkpoint at ``iteration`` in ``save``."""
+    path = os.path.join(save, f"iter_{iteration:07d}", "index.json")
+    with open(path) as fh:
+        return path, json.load(fh)
+
+
+def reseal(path, index):
+    """Write an edited index back, sealed again as an editor would: the trainer's own checks, not
+    the seal, must catch the edit."""
+    with open(path, "w") as fh:
+        json.dump(seal(index), fh)
+
+
 @pytest.fixture
 def corpus(tmp_path):
     path = tmp_path / "corpus.txt"
@@ -287,9 +301,7 @@ def test_a_resume_keeps_the_learning_rate_schedule_it_was_trained_on(tmp_path, c
 def test_a_checkpoint_saved_before_schedules_were_resumes_and_a_damaged_schedule_is_refused(tmp_path, corpus):
     save = str(tmp_path / "ckpt")
     assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
-    index_file = os.path.join(save, "iter_0000002", "index.json")
-    with open(index_file) as fh:
-        index = json.load(fh)
+    index_file, index = saved_index(save)
     assert index["trainer"]["schedule"] == dict(lr=3e-3, min_lr=3e-4, warmup_iters=50, lr_decay_iters=2, weight_decay=0.1)
     for schedule, message in (({**index["trainer"]["schedule"], "lr": "0.003"}, "is not one (lr)"),
                               ({**index["trainer"]["schedule"], "min_lr": 1.0}, "is not one (min_lr above lr)"),
@@ -298,8 +310,7 @@ def test_a_checkpoint_saved_before_schedules_were_resumes_and_a_damaged_schedule
             del index["trainer"]["schedule"]
         else:
             index["trainer"]["schedule"] = schedule
-        with open(index_file, "w") as fh:
-            json.dump(seal(index), fh)
+        reseal(index_file, index)
         run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
         assert message in (run.stderr if schedule else run.stdout), run.stderr
         assert run.returncode == (2 if schedule else 0), run.stderr
@@ -326,13 +337,10 @@ def test_a_checkpoint_that_counted_dropout_calls_is_refused_in_one_line(tmp_path
     running count of dropout calls cannot continue exactly, and says so."""
     save = str(tmp_path / "ckpt")
     assert train(*TINY, "--data", corpus, "--max-iters", "4", "--exit-interval", "2", "--save", save).returncode == 0
-    index_file = os.path.join(save, "iter_0000002", "index.json")
-    with open(index_file) as fh:
-        index = json.load(fh)
+    index_file, index = saved_index(save)
     assert set(index["trainer"]["rng"]) == {"seed"}  # the iteration, saved beside it, keys the masks
     index["trainer"]["rng"]["calls"] = 20
-    with open(index_file, "w") as fh:
-        json.dump(seal(index), fh)
+    reseal(index_file, index)
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
     lines = run.stderr.strip().splitlines()
     assert run.returncode != 0 and len(lines) == 1 and "keyed by position" in lines[0], run.stderr
