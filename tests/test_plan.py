@@ -91,18 +91,30 @@ def test_pipeline_messages_per_chunk_and_micro_batch():
 
 
 def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms():
+    """Bubble, the total in flight per rank and its split over each rank's chunks at its peaks:
+    the closed forms (the planner's beyond SIMULATE_UP_TO) give what the instruction lists give."""
     for schedule, p, m, v in (("1f1b", 4, 8, 1), ("1f1b-slack", 4, 8, 1), ("1f1b-slack", 3, 2, 1), ("gpipe", 2, 6, 1),
-                              ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4)):
+                              ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4), ("interleaved", 3, 9, 3),
+                              ("zb-v", 3, 6, 2), ("zb-v", 4, 12, 2), ("zb-h2", 3, 5, 1)):
         simulated, alive, source = bubble.pipeline(schedule, p, m, v)
-        assert source == "simulator" and simulated == theoretical_bubble(p, m, v)
+        peaks = [bubble.in_flight(schedule, p, m, v, r) for r in range(p)]
+        assert source == "simulator" and (v > 1 or peaks == [((n,),) for n in alive])
+        assert [max(map(sum, peak)) for peak in peaks] == list(alive)
+        if not schedule.startswith("zb"):
+            assert simulated == theoretical_bubble(p, m, v)
         bubble.pipeline.cache_clear()
+        bubble.in_flight.cache_clear()
         old, bubble.SIMULATE_UP_TO = bubble.SIMULATE_UP_TO, 0
         try:
             closed, closed_alive, source = bubble.pipeline(schedule, p, m, v)
+            closed_peaks = [bubble.in_flight(schedule, p, m, v, r) for r in range(p)]
         finally:
             bubble.SIMULATE_UP_TO = old
             bubble.pipeline.cache_clear()
-        assert source == "closed form" and (closed, closed_alive) == (simulated, alive)
+            bubble.in_flight.cache_clear()
+        assert source == "closed form" and (closed, closed_alive, closed_peaks) == (simulated, alive, peaks)
+    # ZB-V's first rank holds the V's first chunk (the embeddings) far fuller than its last (the logits)
+    assert bubble.in_flight("zb-v", 2, 4, 2, 0) == ((3, 1), (4, 0))
     assert bubble.pipeline("1f1b", 1, 8) == (Fraction(0), (1,), "no pipeline")
 
 

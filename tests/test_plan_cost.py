@@ -71,7 +71,7 @@ def test_memory_is_the_fuller_stages_with_its_own_micro_batches_in_flight(vocab,
     held = {}
     for name, stage, in_flight in (("first", 0, 2), ("last", 1, 1)):
         states = sum(state.state_bytes(model, layout, stage).values())
-        acts = activations.rank_bytes(model, layout, 2, in_flight, stage == 0, stage == 1, 4)
+        acts = activations.rank_bytes(model, layout, stage, ((in_flight,),), 4)
         held[name] = states + acts
     assert max(held, key=held.get) == fuller
     assert cost.predict(model, layout, Machine(gpus=2), 8).memory_gb == held[fuller] / 1e9

@@ -51,16 +51,20 @@ graphs hold a few N E more; in float32, and in bfloat16 too); on ranks within 10
 Ring attention keeps no T x T part at all (its backward rebuilds the probabilities from the
 log-sum-exp); Ulysses keeps it for all T positions and a/(t CP) heads.
 
-A rank holds (``rank_bytes``): its layers x the chunk activations its schedule keeps alive at the
-peak (``bubble.pipeline``: 1F1B p on the first stage, GPipe m), plus per micro-batch in flight,
-on the first stage the embeddings' 4 s b h, on the last ln_f's and the head's input, 3 s b h, and
-the logits with their softmax, 2 b s V/t d (those two counts read off measured graphs), and in
-every other chunk the input it received from the stage before, s b h. The
-per-layer formula is exact on one device; the rest is the planner's approximation, within 10% of
-the measured peaks (``tests/mpi/plan_counts.py``'s activation rows).
+A rank holds (``rank_bytes``), for each micro-batch its schedule keeps in one of its chunks at
+its peak (``bubble.in_flight``: 1F1B p on the first stage, GPipe m; with v chunks a count per
+chunk), that chunk's layers' activations and its edge: in the model's first chunk the embeddings'
+4 s b h, in the last ln_f's and the head's input, 3 s b h, and the logits with their softmax,
+2 b s V/t d (those two counts read off measured graphs), in every other chunk the input it received
+from the stage before, s b h. The per-layer formula is exact on one device; a rank's peak is within
+1% of the measured one for a dense model without tensor parallelism, within 10% with it (its
+vocabulary-parallel embedding and head keep a few s b h more) and for MoE (whose router is not
+uniform): ``tests/mpi/plan_activations.py``.
 """
 
 import math
+
+from . import state
 
 
 def kept_pairs(s, query_block):
@@ -159,30 +163,37 @@ def moe_bytes(model, layout, d):
     return router + routing + experts - dense
 
 
-def rank_bytes(model, layout, layers, in_flight, first_stage, last_stage, d, query_block=64, transient=True,
-               moe_layers=0, received=0):
-    """Activation bytes at the peak on a rank holding ``layers`` blocks (``moe_layers`` of them
-    MoE), with ``in_flight`` chunk activations alive (``layers`` over its v chunks: in_flight x
-    layers / v layer-activations); ``received`` of its chunks keep the input another stage sent
-    (``state.receiving_chunks``).
-    Full recomputation keeps each recomputed layer's input only; ``transient``: add the one layer
-    whose forward is run again inside its backward (a graph walked between forward and backward,
-    as ``bench/memory_breakdown.py`` walks it, does not see it). ZeRO-3 keeps what the same layout
-    without it keeps: its graph holds the parameters by reference, not their gathered copies."""
+def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
+    """Activation bytes at the peak on pipeline rank ``stage``: its chunks (``state.stage_chunks``,
+    L/(p v) blocks each) times the micro-batches its schedule holds in each at its peaks
+    (``peaks``: ``bubble.in_flight``'s count vectors, one count per local chunk), the largest sum.
+    Each micro-batch in a chunk keeps its blocks' activations, and the chunk's edge terms: the
+    first chunk's embeddings, the last's head and logits, any other's input received from the
+    stage before. Full recomputation keeps each recomputed layer's input only; ``transient``: add
+    the one layer whose forward is run again inside its backward (a graph walked between forward
+    and backward, as ``bench/memory_breakdown.py`` walks it, does not see it). ZeRO-3 keeps what
+    the same layout without it keeps: its graph holds the parameters by reference, not their
+    gathered copies."""
     b, s, t = layout.micro_batch_size, model.seq_length // layout.cp, layout.tp
     sbh = d * s * b * model.hidden_size
     shard = t if layout.sequence_parallel else 1
     recompute = layout.recompute
+    blocks = state.stage_layers(model, layout, stage)
+    moe_layers = sum(map(model.is_moe, blocks))
     one = layer_bytes(model, layout, d, query_block)
     experts = moe_bytes(model, layout, d) if moe_layers else 0  # an MoE block's bytes beyond a dense one's
-    held = layers * sbh // shard if recompute else layers * one + moe_layers * experts
-    kept = in_flight * held // layout.vpp + (one + max(experts, 0) if recompute and transient else 0)
-    passes = -(-in_flight // layout.vpp)  # the micro-batches alive in the first (or last) chunk
-    if first_stage:  # the embeddings' rows, their sum, dropout's mask and output (measured: 4 s b h)
-        kept += passes * 4 * sbh // shard
+    held = len(blocks) * sbh // shard if recompute else len(blocks) * one + moe_layers * experts
     logits = 2 * b * s * -(-model.vocab_size // t) * d  # the head's output and the loss's softmax
-    if last_stage:  # ln_f's xhat and output, the head's input (3 s b h), the logits and their softmax
-        kept += passes * (3 * sbh // shard + logits)
-    if received and not recompute:  # the executor keeps each received input for its backward; under
-        kept += in_flight * received * sbh // (shard * layout.vpp)  # recomputation it is a layer's kept input
-    return kept
+    last = layout.pp * layout.vpp - 1
+
+    def edge(chunk):
+        extra = 4 * sbh // shard if chunk == 0 else 0  # the embeddings' rows, their sum, dropout's mask and output
+        if chunk == last:  # ln_f's xhat and output, the head's input (3 s b h), the logits and their softmax
+            extra += 3 * sbh // shard + logits
+        elif chunk > 0 and not recompute:  # the input received, kept for the backward (under full
+            extra += sbh // shard  # recomputation it is the first layer's kept input)
+        return extra
+
+    chunks = state.stage_chunks(layout, stage)
+    kept = max(sum(peak) * held // layout.vpp + sum(n * edge(c) for n, c in zip(peak, chunks)) for peak in peaks)
+    return kept + (one + max(experts, 0) if recompute and transient else 0)

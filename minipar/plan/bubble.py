@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from minipar.parallel import validate
 from minipar.parallel.pipeline import schedules
-from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
+from minipar.parallel.pipeline.simulate import chunk_peaks, simulate, theoretical_bubble
 
 SIMULATE_UP_TO = 4096  # chunk-passes p x v x m
 
@@ -65,3 +65,22 @@ def pipeline(schedule, p, m, v=1, recompute=False):
     else:
         alive = [min(p - r, m) for r in range(p)]
     return theoretical_bubble(p, m, v), tuple(alive), "closed form"
+
+
+@lru_cache(maxsize=4096)
+def in_flight(schedule, p, m, v, rank):
+    """The micro-batches rank ``rank`` holds in each of its v chunks at its peaks (``chunk_peaks``:
+    count vectors, one count per local chunk). From the schedule's own instruction list up to
+    ``SIMULATE_UP_TO`` chunk-passes; beyond, one chunk holds the closed form's total (v = 1),
+    interleaved's order is walked without its messages, and ZB-V's rank r holds 2p - 1 - r of
+    the V's descending chunk and r + 1 of its ascending one, or 2p - r and r: a micro-batch
+    takes the descending chunk first, so the rank nearest the V's bottom holds the two most
+    alike (as the instruction lists give, tested)."""
+    _, alive, source = pipeline(schedule, p, m, v)  # raises NotPlanned where pipeline does
+    if source == "simulator":
+        return chunk_peaks(((i.op, i.chunk) for i in schedules.build(schedule, p, m, v)[rank]), v)
+    if schedule == "zb-v":
+        return ((2 * p - 1 - rank, rank + 1), (2 * p - rank, rank))
+    if schedule == "interleaved":
+        return chunk_peaks(((op, chunk) for op, _, chunk in schedules.interleaved_order(p, m, v, rank)), v)
+    return ((alive[rank],),)

@@ -87,7 +87,7 @@ class Prediction:
 def predict(model, layout, machine, global_batch, dtype="float32", query_block=64):
     """The Prediction of one valid layout (``enumerate`` checks validity first)."""
     m = micro_batches(layout, global_batch)
-    bub, alive, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
+    bub, _, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
     d = PRECISIONS[dtype].activation
     stages = sorted({0, layout.pp - 1})
     memory, sent, steps, launches, calls = 0, {}, {}, 0.0, {}
@@ -96,10 +96,8 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
             calls[g] = max(calls.get(g, 0.0), v)
         held = sum(state.state_bytes(model, layout, s, dtype).values())
-        layers = state.stage_layers(model, layout, s)
-        held += activations.rank_bytes(model, layout, len(layers), alive[s], *state.edges(layout, s), d, query_block,
-                                       moe_layers=sum(model.is_moe(i) for i in layers),
-                                       received=state.receiving_chunks(layout, s))
+        peaks = bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s)
+        held += activations.rank_bytes(model, layout, s, peaks, d, query_block)
         memory = max(memory, held)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
         for g in b:  # the busier stage's count of each group

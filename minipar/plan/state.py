@@ -44,13 +44,6 @@ def edges(layout, stage):
     return 0 in chunks, layout.pp * layout.vpp - 1 in chunks
 
 
-def receiving_chunks(layout, stage):
-    """How many of rank ``stage``'s chunks take their input from another stage and keep it, the
-    model's last chunk aside (the last stage's edge term counts its input)."""
-    last = layout.pp * layout.vpp - 1
-    return sum(0 < chunk < last for chunk in stage_chunks(layout, stage))
-
-
 def stage_layers(model, layout, stage):
     """The blocks pipeline rank ``stage`` holds, in order: its chunks' runs of L/(p v) blocks."""
     per_chunk = model.num_layers // (layout.pp * layout.vpp)

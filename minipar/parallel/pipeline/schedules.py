@@ -173,6 +173,12 @@ def interleaved_one_f_one_b(p, m, v, rank):
     simulator shows the rule above free of deadlock there too, with the same bubble and fewer
     activations held, so it is used for every m.)"""
     check(p, m, v, interleaved=True)
+    return _with_communication(Pipeline(p, m, v), rank, interleaved_order(p, m, v, rank))
+
+
+def interleaved_order(p, m, v, rank):
+    """The (op, mb, chunk) compute order of ``interleaved_one_f_one_b``'s rank, unchecked and
+    without its messages (what the planner walks for the chunks in flight, at any size)."""
     total = v * m
 
     def chunk(k, forward):
@@ -184,8 +190,7 @@ def interleaved_one_f_one_b(p, m, v, rank):
     for i in range(total - warmup):
         k = warmup + i
         compute += [(FORWARD, _mb(k, p, v), chunk(k, True)), (BACKWARD, _mb(i, p, v), chunk(i, False))]
-    compute += [(BACKWARD, _mb(k, p, v), chunk(k, False)) for k in range(total - warmup, total)]
-    return _with_communication(Pipeline(p, m, v), rank, compute)
+    return compute + [(BACKWARD, _mb(k, p, v), chunk(k, False)) for k in range(total - warmup, total)]
 
 
 def forward_only(p, m, v, rank, shape="round-robin"):

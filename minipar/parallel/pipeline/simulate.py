@@ -174,6 +174,22 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     return sim
 
 
+def chunk_peaks(order, v):
+    """The micro-batches a rank holds in each of its v chunks at its peaks, from its own ``order``
+    of (op, local chunk) alone (messages change when, not what): after each forward, the count per
+    chunk; kept, those no other equals or exceeds in every chunk. A planner weighs them with each
+    chunk's bytes (the first chunk's embeddings, the last's logits) and takes the largest sum,
+    which a single total (``peak_alive``) cannot give when the chunks differ."""
+    counts, seen = [0] * v, set()
+    for op, chunk in order:
+        if op == FORWARD:
+            counts[chunk] += 1
+            seen.add(tuple(counts))
+        elif op in (BACKWARD, BACKWARD_WEIGHT):
+            counts[chunk] -= 1
+    return tuple(sorted(c for c in seen if not any(o != c and all(map(int.__ge__, o, c)) for o in seen)))
+
+
 def _account(r, ins, alive, split_done):
     """Track the micro-batches whose activations rank r holds (a forward's, until its backward or,
     split, its W: W needs the layer inputs), and check the order F, then B, then W."""
