@@ -39,6 +39,7 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
     ("PP2 DP2 EP2 MoE", 1, 2, 2, False, 4, None, False, "1f1b"), ("DP4 selective", 1, 1, 1, False, 0, None, True, "1f1b"),
     ("TP2 PP2 SP sel.", 2, 2, 1, True, 0, None, True, "1f1b"), ("DP4 EP2 MoE sel.", 1, 1, 2, False, 4, None, True, "1f1b"),
     ("PP2 DP2 ZB-V", 1, 2, 1, False, 0, None, False, "zb-v"), ("TP2 PP2 ZB-V sel", 2, 2, 1, True, 0, None, True, "zb-v"),
+    ("PP2 DP2 interl.", 1, 2, 1, False, 0, None, False, "interleaved"),
 ]
 
 # The relative error each row (each stage, where a tuple) may have. TIGHT where rank_bytes counts
@@ -56,7 +57,7 @@ TOLERANCE = {
     "CP2 DP2": TIGHT, "TP2 PP2 SP Z1": TP_COLLECTIVES, "DP4 ZeRO-3": TIGHT,
     "DP4 EP2 MoE": ROUTER, "DP4 EP4 MoE c1": ROUTER, "TP2 DP2 EP2 MoE": ROUTER, "TP2 SP EP2 MoE": ROUTER,
     "PP2 DP2 EP2 MoE": ROUTER, "DP4 selective": TIGHT, "TP2 PP2 SP sel.": TP_COLLECTIVES, "DP4 EP2 MoE sel.": ROUTER,
-    "PP2 DP2 ZB-V": TIGHT, "TP2 PP2 ZB-V sel": TP_COLLECTIVES,
+    "PP2 DP2 ZB-V": TIGHT, "TP2 PP2 ZB-V sel": TP_COLLECTIVES, "PP2 DP2 interl.": TIGHT,
 }
 
 
@@ -72,9 +73,9 @@ def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule):
     grid = ProcessGrid(tp, pp, comm.size // (tp * pp), comm, ep=ep)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                        dropout=0.1, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
-    v = 2 if schedule == "zb-v" else 1
+    v = 1 if schedule == "1f1b" else 2
     gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity="selective" if selective else None,
-              virtual_stages=v, pipeline_shape="v" if v == 2 else "round-robin")
+              virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin")
     opt = make_optimizer(gpt, grid, 0, bucket_bytes=args.bucket_kb << 10, **HYPER)
     run = MeasuringExecutor(gpt, grid, schedule, args.micro_batches, optimizer=opt)
     gpt.rng.iteration = 0
@@ -111,7 +112,7 @@ for name, tp, pp, ep, sp, experts, capacity, selective, schedule in MORE_LAYOUTS
     dp = comm.size // (tp * pp)
     moe_model = Model(4, 64, 8, 64, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity, dropout=0.1)
     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp, selective_recompute=selective, schedule=schedule,
-                    vpp=2 if schedule == "zb-v" else 1, micro_batch_size=args.batch_size // dp // args.micro_batches)
+                    vpp=1 if schedule == "1f1b" else 2, micro_batch_size=args.batch_size // dp // args.micro_batches)
     peaks = bubble.in_flight(schedule, pp, args.micro_batches, layout.vpp, grid.pp_rank)
     planned = activations.rank_bytes(moe_model, layout, grid.pp_rank, peaks, 4, transient=False)
     worst = max(worst, rows_of(name, grid.pp_rank, measured, planned))
