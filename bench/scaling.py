@@ -15,12 +15,14 @@ each alike, and the figure kept is the median over rounds.
                  with the textbook unit costs, is idle time no implementation can remove
     efficiency = speed-up / ideal
 
-For a pipeline three bubbles stand side by side: the schedule's with equal stages (the formula's),
-the one the step's own compute leaves with messages free (the trainer's ``bubble_expected``: the
-simulator replaying the schedule with every forward, backward and W as long as it took), and the
-one measured. The second's excess over the first is the stages' imbalance (the last runs the head
-and the loss) and the micro-batches' unevenness (on a shared machine some run slower); the third's
-over the second is what messages and the executor's own work cost.
+For a pipeline four bubbles stand side by side: the schedule's with equal stages (the formula's);
+its bubble with each chunk costing its training FLOPs (``minipar.mfu``'s count: the last chunk's
+head makes it the longest), which no implementation can go below without moving work between
+stages; the one the step's own compute leaves with messages free (the trainer's
+``bubble_expected``: the simulator replaying the schedule with every forward, backward and W as
+long as it took); and the one measured. The third's excess over the second is the micro-batches'
+unevenness (on a shared machine some run slower) and the work the FLOPs leave out (LayerNorms, the
+loss); the fourth's over the third is what messages and the executor's own work cost.
 
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
 parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
@@ -38,7 +40,9 @@ from fractions import Fraction
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from minipar.mfu import flops_per_token  # noqa: E402
 from minipar.parallel.pipeline import schedules  # noqa: E402
+from minipar.parallel.pipeline.instructions import Pipeline  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
 from minipar.cli import Parser, non_negative_int, parse, positive_int  # noqa: E402
 
@@ -71,22 +75,34 @@ LAYOUTS = {
 }
 
 
-BUBBLES = "bubble: equal stages, its compute, measured"
+BUBBLES = "bubble: equal stages, its FLOPs, its compute, measured"
 
 
-def ideal(layout, n):
-    """(ideal speed-up, the schedule's bubble) of ``layout`` on ``n`` ranks."""
+def ideal(layout, n, n_layer, n_embd):
+    """(ideal speed-up, the schedule's bubble with equal stages, its bubble with each chunk costing
+    its FLOPs) of ``layout`` on ``n`` ranks; both bubbles None without a pipeline."""
     schedule = LAYOUTS[layout][2]
     if schedule is None:
-        return n, Fraction(0)
+        return n, None, None
     m = BATCH // MICRO  # micro-batches of the one DP replica
     v = 2 if schedule in ("interleaved", "zb-v") else 1
-    split = schedule.startswith("zb")
-    # a split backward: B and W each half of the unit model's backward of 2 (Qi et al. 2024)
-    sim = simulate(schedules.build(schedule, n, m, v), m, v, forward=1, backward=1 if split else 2,
-                   weight=1 if split else None, shape=schedules.shape_of(schedule))
-    bubble = sum(sim.bubble.values()) / n
-    return n * (1 - bubble), bubble
+    shape = schedules.shape_of(schedule)
+    # training FLOPs per token of one block, and of the last chunk's head (minipar.mfu's count)
+    block, head = flops_per_token(1, n_embd, 128, 0), flops_per_token(0, n_embd, 128, 256)
+    pipe = Pipeline(n, m, v, shape)
+    flops = {(r, c): Fraction(n_layer, n * v) * block + head * (pipe.global_chunk(r, c) == n * v - 1)
+             for r in range(n) for c in range(v)}
+
+    def bubble(cost):  # forward a third of a chunk's cost, backward two (split: B and W one each)
+        split = schedule.startswith("zb")
+        third = {k: x / 3 for k, x in cost.items()}
+        sim = simulate(schedules.build(schedule, n, m, v), m, v, forward=third,
+                       backward=third if split else {k: 2 * x for k, x in third.items()},
+                       weight=third if split else None, shape=shape)
+        return sum(sim.bubble.values()) / n
+
+    equal = bubble(dict.fromkeys(flops, 1))
+    return n * (1 - equal), equal, bubble(flops)
 
 
 def step_ms(ranks, flags, steps, skip):
@@ -159,11 +175,11 @@ def main():
     for name in layouts:
         t = statistics.median(times[name])
         base = one[LAYOUTS[name][1]]
-        best, bubble = ideal(name, n)
+        best, bubble, of_flops = ideal(name, n, args.n_layer, args.n_embd)
         speedup = base / t
         idle = ""
         if LAYOUTS[name][2]:
-            idle = (f"{float(bubble):.3f}, {statistics.median(expected[name]):.3f}, "
+            idle = (f"{float(bubble):.3f}, {float(of_flops):.3f}, {statistics.median(expected[name]):.3f}, "
                     f"{statistics.median(measured[name]):.3f}")
         rows.append((name, base, t, speedup, float(best), speedup / float(best), idle))
     print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "

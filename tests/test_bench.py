@@ -128,8 +128,11 @@ def test_scaling_benchmark_runs_and_takes_pipelines_ideal_from_the_simulator():
         sys.path.pop(0)
     from fractions import Fraction
     # m = 8 micro-batches on p = 2: (p-1)/(m+p-1) for 1F1B, (p-1)/(6m+p-1) for ZB-V (Qi et al.)
-    assert scaling.ideal("1f1b", 2) == (2 * (1 - Fraction(1, 9)), Fraction(1, 9))
-    assert scaling.ideal("zb-v", 2)[1] == Fraction(1, 49) and scaling.ideal("dp", 4) == (4, 0)
+    best, equal, by_flops = scaling.ideal("1f1b", 2, 4, 128)
+    assert (best, equal) == (2 * (1 - Fraction(1, 9)), Fraction(1, 9))
+    # the last stage's head (6 V h = 196,608 FLOPs a token) on 2 blocks of 72 h^2 + 12 T h: 1/14 more
+    assert by_flops == Fraction(9, 67) and float(by_flops) == pytest.approx(0.134, abs=5e-4)
+    assert scaling.ideal("zb-v", 2, 4, 128)[1] == Fraction(1, 49) and scaling.ideal("dp", 4, 4, 128) == (4, None, None)
     run = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "scaling.py"), "--only", "dp,1f1b",
                           "--rounds", "1", "--steps", "3", "--skip", "1", "--n-layer", "2", "--n-embd", "32"],
                          capture_output=True, text=True, timeout=300)
