@@ -126,6 +126,16 @@ def test_adamw_refuses_parameters_it_could_not_update_in_place():
         AdamW([strided])
 
 
+def test_adamw_refuses_16_bit_copies_it_could_not_write_through():
+    """A model copy is written through a flat view of itself: a strided copy (whose reshape would be
+    a new array, so every update would be lost) or one of another shape is refused up front."""
+    master = Parameter(numpy.ones((4, 3)))
+    for copy in (numpy.ones((3, 4), numpy.float32).T, numpy.ones((3, 4), numpy.float32)):
+        with pytest.raises(ValueError, match="copies: one C-contiguous array"):
+            AdamW([master], copies=[copy])
+    AdamW([master], copies=[numpy.ones((4, 3), numpy.float32)])  # the right one is taken
+
+
 def test_gradcheck_compares_entry_by_entry():
     from minipar.gradcheck import gradcheck
 

@@ -46,3 +46,35 @@ def test_a_saved_16_bit_input_is_held_as_it_is_and_widened_only_in_backward(dtyp
     (y.sum() + z.sum() + ln.sum()).backward()
     assert a.grad.dtype == dtype and numpy.allclose(
         b.grad.astype(numpy.float32), a.data.astype(numpy.float32), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, float16])
+def test_a_saved_part_of_a_widened_input_is_held_as_its_own_16_bit_copy(dtype):
+    """An op that saves a part of its widened input (here its first row, C-contiguous but smaller
+    than the input) holds that part's own 16-bit copy, exact, of the part's shape; backward sees it
+    widened again."""
+    from minipar.autograd import Function
+    from minipar.functional.widen import in_float32
+
+    @in_float32()
+    class TimesFirstRow(Function):
+        """y = x * x[0], the first row taken as a constant (no gradient through it)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.row = x[:1]
+            return x * ctx.row
+
+        @staticmethod
+        def backward(ctx, grad):
+            assert ctx.row.dtype == numpy.float32
+            return grad * ctx.row
+
+    data = numpy.linspace(-2, 2, 12).reshape(3, 4)
+    x = Tensor(data, requires_grad=True, dtype=dtype)
+    y = TimesFirstRow.apply(x)
+    held = y._node.ctx.row
+    assert held.dtype == dtype and held.shape == (1, 4)
+    numpy.testing.assert_array_equal(held.astype(numpy.float32), x.data[:1].astype(numpy.float32))
+    y.backward(numpy.ones((3, 4), dtype))
+    numpy.testing.assert_array_equal(x.grad.astype(numpy.float32), numpy.broadcast_to(held.astype(numpy.float32), (3, 4)))

@@ -135,3 +135,33 @@ def test_attention_dropout_held_in_16_bits_keeps_its_exact_scale(dtype):
     dv, dv_exact = qkv.grad[..., 2 * C:], wide.grad[..., 2 * C:].astype(dtype)
     assert dv.dtype == dtype
     numpy.testing.assert_array_equal(dv.view(numpy.uint16), dv_exact.view(numpy.uint16))
+
+
+ROWS = 4100  # a float32 sum of 4100 ones is exact; a 16-bit running sum stalls at 256 (bf16) or 2048 (fp16)
+
+
+def _linear_bias(dtype):
+    b = Tensor(numpy.zeros(3), requires_grad=True, dtype=dtype)
+    return F.linear(Tensor(numpy.ones((ROWS, 2)), dtype=dtype), Tensor(numpy.ones((3, 2)), dtype=dtype), b), b
+
+
+def _embedding_row(dtype):
+    w = Tensor(numpy.zeros((2, 3)), requires_grad=True, dtype=dtype)
+    return F.embedding(numpy.zeros(ROWS, numpy.int64), w), w  # one id, repeated: its rows add up
+
+
+def _broadcast_add(dtype):
+    b = Tensor(numpy.zeros(3), requires_grad=True, dtype=dtype)
+    return F.add(Tensor(numpy.ones((ROWS, 3)), dtype=dtype), b), b
+
+
+@pytest.mark.parametrize("make", [_linear_bias, _embedding_row, _broadcast_add])
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_gradients_summed_over_rows_accumulate_in_float32(make, dtype):
+    """A 16-bit gradient that is a sum over many rows (a bias, an embedding row used by many
+    tokens, a broadcast operand) is accumulated in float32 and rounded to 16 bits once."""
+    y, param = make(dtype)
+    y.backward(numpy.ones(y.shape, dtype))
+    expected = numpy.asarray(float(ROWS), numpy.float32).astype(dtype)  # 4096 in bf16, 4100 in fp16
+    assert param.grad.dtype == dtype
+    assert numpy.all(param.grad.reshape(-1)[:3] == expected), param.grad

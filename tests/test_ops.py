@@ -200,3 +200,45 @@ def test_layer_norm_blas_row_sums_equal_the_plain_formula(bias):
     out, dx, dw, db = layer_norm_reference(x, w, b if bias else None, 1e-5, g)
     for ours, plain in [(y.data, out), (tx.grad, dx), (tw.grad, dw)] + ([(tb.grad, db)] if bias else []):
         numpy.testing.assert_allclose(ours, plain, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -2])
+@pytest.mark.parametrize("op", [F.softmax, F.log_softmax])
+def test_softmax_gradients_along_any_axis(op, axis):
+    """softmax and log_softmax normalise along the axis they are given, not only the last: their
+    backward sums along that same axis (central differences, random upstream gradient)."""
+    for r in gradcheck(lambda a: op(a, axis=axis), [_t(3, 4, 5, seed=3)]):
+        assert r.ok, r
+
+
+@pytest.mark.parametrize("which", ["x", "weight", "bias"])
+def test_layer_norm_gradient_of_each_input_alone(which):
+    """With only one of x, weight and bias requiring a gradient (the others frozen), that one still
+    receives its full gradient."""
+    inputs = [_t(2, 3, 6, seed=4), _t(6, seed=5), _t(6, seed=6)]
+    for name, t in zip(["x", "weight", "bias"], inputs):
+        t.requires_grad = name == which
+    reports = gradcheck(F.layer_norm, inputs)
+    assert len(reports) == 1 and reports[0].ok, reports
+
+
+def test_attention_dropout_of_some_heads_and_sequences_is_their_part_of_the_whole_mask():
+    """A rank holding heads 2..3 (head_offset=2) of sequence 1 (rows=[1]) of a 4-head batch draws
+    exactly those heads' and that sequence's dropout masks: its output is the whole op's columns
+    and row for them, forward and backward."""
+    rng = numpy.random.default_rng(7)
+    B, T, H, D, p, key = 2, 6, 4, 3, 0.5, (11, 4)
+    qkv = rng.standard_normal((B, T, 3 * H * D))
+    dy = rng.standard_normal((B, T, H * D))
+    whole = Tensor(qkv, requires_grad=True, dtype=numpy.float64)
+    (F.causal_attention(whole, H, p, key=key) * Tensor(dy, dtype=numpy.float64)).sum().backward()
+    y_whole = F.causal_attention(Tensor(qkv, dtype=numpy.float64), H, p, key=key).data
+    heads = slice(2 * D, 4 * D)  # heads 2 and 3 within each of q, k and v
+    cols = numpy.concatenate([numpy.arange(3 * H * D)[i * H * D:(i + 1) * H * D][heads] for i in range(3)])
+    part = Tensor(qkv[1:, :, cols], requires_grad=True, dtype=numpy.float64)
+    y_part = F.causal_attention(part, 2, p, key=key, rows=[1], head_offset=2)
+    (y_part * Tensor(dy[1:, :, heads], dtype=numpy.float64)).sum().backward()
+    numpy.testing.assert_allclose(y_part.data, y_whole[1:, :, heads], rtol=1e-12, atol=1e-14)
+    numpy.testing.assert_allclose(part.grad, whole.grad[1:, :, cols], rtol=1e-12, atol=1e-14)
+    # heads 0..1 of that sequence draw other masks, or the check above could not fail
+    assert not numpy.allclose(y_whole[1:, :, heads], F.causal_attention(part, 2, p, key=key, rows=[1]).data)

@@ -113,3 +113,35 @@ def test_optimizer_argument_errors():
         AdamW([Parameter(numpy.ones(2))], betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="learning rate"):
         SGD([Parameter(numpy.ones(2))], lr=-1.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_gradient_is_widened_before_any_arithmetic(dtype):
+    """fp32 masters with 16-bit gradients (mixed precision, loss scale 1, no clipping): each block
+    of the gradient is widened to float32 as it is read, so the step equals the one taken with
+    the same gradients given in float32, bit for bit (g^2 computed in 16 bits would not be)."""
+    from minipar.dtypes import as_dtype
+
+    rng = numpy.random.default_rng(3)
+    shapes = [(3000,), (40, 30)]
+    start = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(as_dtype(dtype)) for s in shapes] for _ in range(2)]
+    finals = []
+    for widen in (False, True):
+        params = [Tensor(v.copy(), requires_grad=True, dtype=numpy.float32) for v in start]
+        opt = AdamW(params, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.astype(numpy.float32) if widen else g.copy()
+            opt.step()
+        finals.append([p.data.copy() for p in params])
+    for narrow, wide in zip(*finals):
+        numpy.testing.assert_array_equal(narrow, wide)
+
+
+def test_clip_grad_norm_with_a_bound_of_zero_does_not_clip():
+    """max_norm 0 turns clipping off (--grad-clip 0): the norm is returned, the gradients untouched."""
+    a = Tensor(numpy.zeros(2), requires_grad=True)
+    a.grad = numpy.array([3.0, 4.0])
+    assert clip_grad_norm([a], 0.0) == pytest.approx(5.0)
+    numpy.testing.assert_array_equal(a.grad, [3.0, 4.0])

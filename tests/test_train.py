@@ -325,6 +325,26 @@ def test_the_schedule_warms_up_decays_over_its_steps_and_then_holds():
     assert got[4] == pytest.approx(0.55) and got[6:] == [0.1, 0.1]  # half way: the mean; after: --min-lr
 
 
+def test_a_constant_schedule_is_a_schedule_a_checkpoint_can_keep():
+    """--min-lr equal to --lr (a constant rate after warm-up) is a run's schedule: the flags take it
+    and a checkpoint that saved it resumes, under the same flags or taking the saved ones; only
+    --min-lr above --lr is refused, in the flags and in a saved schedule."""
+    from minipar.lr_schedule import flag_problems, resume_problem, schedule_state
+
+    def flags(**changes):
+        values = dict(lr=0.01, min_lr=0.01, warmup_iters=0, lr_decay_iters=None, max_iters=4, weight_decay=0.1,
+                      use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False, load="ckpt")
+        return argparse.Namespace(**{**values, **changes})
+
+    args = flags()
+    assert flag_problems(args) == [] and args.lr_decay_iters == 4
+    saved = schedule_state(args)
+    assert resume_problem(saved, args, "ckpt") is None
+    assert resume_problem(saved, flags(use_checkpoint_opt_param_scheduler=True, lr=0.5, min_lr=0.5), "ckpt") is None
+    assert "--min-lr 0.02 is above --lr 0.01" in flag_problems(flags(min_lr=0.02))[0]
+    assert "min_lr above lr" in resume_problem({**saved, "min_lr": 0.02}, args, "ckpt")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is here: test_gpu.py covers the GPU")
 def test_cuda_without_cupy_is_a_one_line_error(corpus):
     run = train(*TINY, "--data", corpus, "--max-iters", "1", "--device", "cuda")
