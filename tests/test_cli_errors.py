@@ -55,6 +55,7 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, 
     (["--cp-comm-type", "a2a"], ["--cp-comm-type a2a is how context-parallel ranks communicate, and --cp is 1"]),
     (["--save-interval", "5"], ["--save-interval 5 is how often --save DIR writes a checkpoint: give --save"]),
     (["--prompt", "hello", "--sample", "0"], ["--prompt 'hello' starts a sample, and --sample is 0"]),
+    (["--sample", "5", "--prompt", ""], ["--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0"]),
     # named one at a time, --num-virtual-stages 2 was refused next for --pp 1
     (["--schedule", "zb-v"], ["it needs --num-virtual-stages 2 and --pp > 1, got --num-virtual-stages 1, --pp 1"]),
     (["--override-opt_param-scheduler"], ["--override-opt_param-scheduler chooses between a checkpoint's "
@@ -133,6 +134,34 @@ def test_exporting_the_weights_over_those_the_run_started_from_is_allowed():
     assert clashing_paths(SimpleNamespace(**dict(args, plot="w.safetensors"))) == [
         "--export-weights and --plot both name w.safetensors: each needs a file of its own",
         "--plot w.safetensors would write into --init-weights w.safetensors, an input of this run: put it elsewhere"]
+
+
+def test_a_path_that_only_begins_like_an_input_is_not_inside_it():
+    """texts.jsonl and texts-ckpt lie beside the folder texts, not in it: names that share a
+    beginning do not clash, and what is in the folder still does."""
+    from types import SimpleNamespace
+
+    from minipar.train_checks import clashing_paths
+
+    args = dict(log_json="texts.jsonl", export_weights=None, plot=None, save="texts-ckpt", export_hf=None,
+                data="texts", init_weights=None)
+    assert clashing_paths(SimpleNamespace(**args)) == []
+    assert clashing_paths(SimpleNamespace(**dict(args, save="texts/ckpt"))) == [
+        "--save texts/ckpt would write into --data texts, an input of this run: put it elsewhere"]
+
+
+def test_initial_weights_and_a_checkpoint_are_two_starting_points(tmp_path):
+    """--init-weights and --load both set the weights: one of them would be dropped in silence."""
+    from minipar.cli import FlagError
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    args = build_parser().parse_args([*ONE_STEP, "--init-weights", str(tmp_path / "w.safetensors"),
+                                      "--load", str(tmp_path)])
+    with pytest.raises(FlagError) as refusal:
+        check_args(args, 1)
+    assert refusal.value.lines == ["--init-weights and --load both set the weights: give one"]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a directory no file can be created in")

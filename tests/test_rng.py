@@ -83,6 +83,19 @@ def test_every_field_of_the_key_changes_the_mask(field):
     assert 0.4 < (changed != base).mean() < 0.6  # independent fair coins disagree half the time
 
 
+def test_each_dropout_of_a_model_has_a_key_of_its_own():
+    """A model's dropout at (layer, site) is keyed by exactly (seed, iteration, layer, site): two
+    places that fold those together (layer 1 site 0 and layer 0 site 1) would drop the same
+    elements, and a key without the iteration would drop them again every step."""
+    dropout = DropoutRNG(seed=9)
+    dropout.iteration = 4
+    assert dropout.key(3, 2) == (9, 4, 3, 2)
+    keys = {dropout.key(layer, site) for layer in range(6) for site in range(4)}
+    assert len(keys) == 24
+    masks = {keep(k, 0.5, numpy.arange(4), numpy.arange(64)).tobytes() for k in keys}
+    assert len(masks) == 24
+
+
 def _splitmix64(z):
     """Stafford's Mix13, on Python integers: the reference the array code must equal."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
@@ -172,8 +185,8 @@ def test_neighbouring_decisions_are_not_correlated():
 
 def test_recomputation_redraws_the_masks_of_the_tokens_it_held():
     """A recomputed block runs again in backward, when the forward's ``at`` has ended and another
-    iteration may be current: it must draw the masks of the iteration and rows it held then, and
-    leave the current ones as they were."""
+    iteration may be current: it must draw the masks of the iteration, rows and positions it held
+    then, and leave the current ones as they were."""
     from minipar.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16, dropout=0.3), None)
@@ -184,7 +197,7 @@ def test_recomputation_redraws_the_masks_of_the_tokens_it_held():
         model.zero_grad()
         inp = minipar.Tensor(x, requires_grad=True)
         model.rng.iteration = 3
-        with model.rng.at(rows=[4, 5]):
+        with model.rng.at(rows=[4, 5], positions=range(8, 16)):  # a later part of a longer sequence
             out = checkpoint(block, inp, block.parameters(), rng=model.rng) if recompute else block(inp)
         model.rng.iteration = 4  # a later forward's (the next micro-batch's, or step's) is current now
         (out * out).sum().backward()  # outside the forward's rows

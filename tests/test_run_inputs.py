@@ -126,6 +126,25 @@ def test_corpora_of_the_same_length_are_compared_by_content(monkeypatch):
     assert run_inputs.corpus_matches([one.size, one.sha256], one, "--data x") is None
 
 
+def test_ranks_that_loaded_different_tokenizers_are_refused(monkeypatch):
+    """--tokenizer is compared by its files' bytes (the SHA-256 the tokenizer keeps): ranks whose
+    hosts hold other vocabularies under the same path would train on different token ids."""
+    from minipar.tokenizer import BPETokenizer
+
+    def tokenizer(sha256):  # as train_sources leaves it in args.tokenizer, its files already read
+        made = BPETokenizer.__new__(BPETokenizer)
+        made.sha256 = sha256
+        return made
+
+    data = Dataset(b"x" * 10)
+    rank_0 = SimpleNamespace(data=None, load=None, seed=1, tokenizer=tokenizer("a" * 64))
+    check = _rank_1_against(monkeypatch, rank_0, data)
+    assert check(SimpleNamespace(data=None, load=None, seed=1, tokenizer=tokenizer("a" * 64)), data) == []
+    problems = check(SimpleNamespace(data=None, load=None, seed=1, tokenizer=tokenizer("b" * 64)), data)
+    assert len(problems) == 1 and problems[0].startswith("rank 1 was launched with other flags than rank 0 "
+                                                         "(--tokenizer {'tokenizer sha256': 'bbbb"), problems
+
+
 def test_a_rank_that_reads_another_index_of_the_checkpoint_is_refused(monkeypatch, tmp_path):
     (tmp_path / "index.json").write_text('{"iteration": 2}')
     args, data = SimpleNamespace(data=None, load=str(tmp_path), seed=1), Dataset(b"x" * 10)

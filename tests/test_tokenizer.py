@@ -101,6 +101,19 @@ def test_the_corpus_is_tokenized_once_and_the_cache_verified(bpe, tmp_path, monk
     assert numpy.array_equal(elsewhere.splits["train"], train_ids)
 
 
+def test_a_corpus_changed_in_place_is_tokenized_again(bpe, tmp_path):
+    """The cache is keyed by the corpus's bytes as well as the tokenizer: a file edited under the
+    same name must not be read back as its old ids."""
+    corpus = tmp_path / "corpus.txt"
+    tokenizer = BPETokenizer(bpe[0])
+    for text in (TEXT, TEXT.replace("return", "yield")):
+        corpus.write_text(text)
+        data = Dataset(corpus.read_bytes(), tokenizer=tokenizer, path=str(corpus))
+        ids = numpy.concatenate([data.splits["train"], data.splits["val"]])
+        assert numpy.array_equal(ids, tokenizer.encode(text)), "the ids of the corpus before it changed"
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".tokens")]) == 2
+
+
 def train(*args, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "minipar.train", *args], capture_output=True, text=True,

@@ -131,6 +131,7 @@ def test_comm_stats_tally_ring_collectives_and_charge_them_when_read():
     assert set(by_op) == {"all_reduce", "broadcast", "send"} and by_op["all_gather"].calls == 0
     by_op["all_reduce"].calls = 99  # a copy: reading cannot change the count
     assert stats.by_op["all_reduce"].calls == 2 and stats.total().bytes_sent == 28 + 8 + 5
+    assert stats.total().bytes_received == 28 + 0 + 0  # the root receives nothing, a send nothing back
     stats.reset()
     assert not stats.by_op and stats.total().calls == 0
     assert stats.tallies["all_reduce"] is held and held.calls == held.nbytes == 0  # zeroed where it is held

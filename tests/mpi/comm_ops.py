@@ -42,6 +42,14 @@ out = comm.all_to_all(x)
 check(out.shape == x.shape and all(np.array_equal(out[2 * k : 2 * k + 2], data(50 + k, (2 * N, 3))[2 * r : 2 * r + 2])
                                    for k in range(N)), "all_to_all")
 check(np.array_equal(comm.iall_to_all(out).wait(), x), "all_to_all is its own inverse")
+# all_to_all cuts axis 0 into N chunks: rows that do not divide are refused, even where their
+# elements would (MPI sees only elements, and would cut rows in two)
+for bad in [np.ones(()), np.ones((2 * N + 1, N))] if N > 1 else [np.ones(())]:
+    try:
+        comm.all_to_all(bad)
+        check(False, f"all_to_all accepted shape {bad.shape} on {N} ranks")
+    except ValueError as exc:
+        check(f"all_to_all: axis 0 of shape {bad.shape} does not split into {N} chunks" in str(exc), f"all_to_all: {exc}")
 
 # broadcast from the last rank
 x = data(30 + r, (6,))
