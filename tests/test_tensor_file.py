@@ -1,5 +1,6 @@
 """Our safetensors writer (``checkpoint/tensor_file.py``), read back by the safetensors library."""
 
+import errno
 import json
 import os
 
@@ -71,3 +72,64 @@ def test_write_file_finishes_every_buffer_that_os_write_takes_only_part_of(tmp_p
     expected = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
     assert write_file(str(path), parts) == len(expected) == 7 + 400 + 3
     assert path.read_bytes() == expected
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file an fsync is for")
+def test_write_file_syncs_its_bytes_before_the_rename_names_them(tmp_path, monkeypatch):
+    """Durability: the temporary's bytes reach the disk (fsync of its descriptor) before the rename
+    makes the target name them; a crash after the rename must not find a named but empty file."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = str(tmp_path / "f")
+    write_file(path, b"data")
+    assert len(events) == 2 and events[1][0] == "replace" and events[1][2] == path, events
+    assert events[0] == ("fsync", events[1][1]), events  # the temporary itself, before its rename
+
+
+def test_fsync_dir_syncs_the_directory_itself(tmp_path, monkeypatch):
+    """``fsync_dir`` is what makes a rename durable: it must fsync a descriptor of that directory."""
+    from minipar.checkpoint.files import fsync_dir
+
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real_fsync(fd))
+    fsync_dir(str(tmp_path))
+    assert synced == [os.stat(tmp_path).st_ino]
+
+
+def test_a_write_that_fails_names_the_target_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """An OSError names the file the caller asked for (not the temporary, which is gone), and any
+    failure, an OSError or not, removes the temporary and leaves the previous file as it was."""
+    path = tmp_path / "f"
+    path.write_bytes(b"old")
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as os.write says it: no file named
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as caught:
+        write_file(str(path), b"new")
+    assert caught.value.filename == str(path), caught.value.filename
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["f"] and path.read_bytes() == b"old"
+    with pytest.raises(TypeError):
+        write_file(str(path), [b"new", object()])  # not a buffer: fails half-way through the parts
+    assert os.listdir(tmp_path) == ["f"] and path.read_bytes() == b"old"
+
+
+def test_a_temporary_that_cannot_be_created_names_the_target(tmp_path):
+    """write_file's OSError names the file asked for even when the temporary beside it cannot be
+    made (a missing or read-only folder, no inodes left): never a random name that never existed."""
+    path = str(tmp_path / "gone" / "f")
+    with pytest.raises(OSError) as caught:
+        write_file(path, b"data")
+    assert caught.value.filename == path, caught.value.filename

@@ -40,7 +40,11 @@ def write_file(path, data):
     atomically and durably; return how many bytes were written. An OSError (the disk is full) leaves no
     temporary file behind and names ``path``."""
     directory, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+    except OSError as exc:
+        exc.filename = path  # mkstemp's error names the temporary it could not make
+        raise
     written = 0
     try:
         try:
