@@ -52,3 +52,32 @@ def test_failed_write_keeps_the_previous_file(tmp_path):
         save_weights({"a": object()}, path)  # not an array: the write fails
     numpy.testing.assert_array_equal(load_weights(path)["a"], numpy.ones(3))
     assert os.listdir(tmp_path) == ["w.safetensors"]
+
+
+def test_save_weights_syncs_the_directory_once_the_file_is_renamed_into_it(tmp_path, monkeypatch):
+    """The rename that names the new file reaches the disk too: its directory is fsynced after it."""
+    from minipar.checkpoint import weights
+
+    synced = []
+    monkeypatch.setattr(weights, "fsync_dir", lambda d: synced.append((d, os.listdir(d))))
+    save_weights({"a": numpy.ones(3, numpy.float32)}, str(tmp_path / "w.safetensors"))
+    assert synced == [(str(tmp_path), ["w.safetensors"])]
+
+
+def test_float16_weights_are_refused_though_safetensors_reads_them(tmp_path):
+    """A run takes float32 or float64 weights only: float16 ones would start it from rounded values."""
+    path = str(tmp_path / "w.safetensors")
+    save_weights({"a": numpy.ones(3, numpy.float16)}, path)
+    with pytest.raises(ValueError, match="tensor a is F16: weights must be float32 or float64"):
+        load_weights(path)
+
+
+def test_a_tensor_renamed_in_the_header_is_refused(tmp_path):
+    """The checksum covers each tensor's name: weights moved to another name do not load as it."""
+    path = tmp_path / "w.safetensors"
+    save_weights({"h.0.w": numpy.arange(4, dtype=numpy.float32), "h.1.w": numpy.ones(4, numpy.float32)}, str(path))
+    raw = path.read_bytes()
+    assert raw.count(b'"h.1.w"') == 1
+    path.write_bytes(raw.replace(b'"h.1.w"', b'"h.2.w"'))  # the same length, the same order: a valid file
+    with pytest.raises(ValueError, match="damaged"):
+        load_weights(str(path))

@@ -44,6 +44,27 @@ def test_a_save_directory_has_one_writer_and_a_crash_frees_it(tmp_path, corpus):
     assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+def test_a_refused_lock_keeps_no_descriptor_and_a_released_one_is_free_at_once(tmp_path):
+    """In one process: a second SaveLock on a held directory is refused (flock locks belong to the
+    open file, not the process) without leaking its descriptor; ``release`` frees the directory for
+    the next run; the holder's line replaces whatever the lock file held before."""
+    save = str(tmp_path / "ckpt")
+    os.makedirs(save)
+    with open(os.path.join(save, ".lock"), "w") as f:
+        f.write("pid 1 on a host whose name was far longer than this one's, since long ago\n" * 3)
+    held = SaveLock(save).acquire()
+    with open(os.path.join(save, ".lock")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pid {os.getpid()} on "), lines
+    descriptors = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(SaveDirectoryBusy, match=f"in use by another run \\(pid {os.getpid()} on [^,]*, since [^)]*\\)"):
+        SaveLock(save).acquire()
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the refused attempt closed its descriptor
+    held.release()
+    SaveLock(save).acquire().release()
+
+
 def test_a_run_does_not_write_over_checkpoints_it_does_not_continue(tmp_path, corpus):
     save = str(tmp_path / "ckpt")
     assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save", save).returncode == 0

@@ -114,6 +114,19 @@ def test_a_checkpoint_loads_into_another_optimizer_and_gathers_whole(tmp_path):
         np.testing.assert_array_equal(whole[name], value)
 
 
+def test_whole_weights_of_another_shape_are_refused_not_loaded_in_part(tmp_path):
+    """load_full_state compares every tensor's whole shape with the model's: an embedding with more
+    rows (or columns) is a different model, though the model's part of it would fill every piece."""
+    model, opt, grid = _make("adamw")
+    state = full.gather_full_state(model, opt, grid)
+    for shape in ((64, 16), (32, 32)):
+        wrong = dict(state, **{"transformer.wte.weight": np.ones(shape)})
+        with pytest.raises(ValueError, match=rf"do not fit the model:\n  transformer.wte.weight: shape "
+                           rf"\({shape[0]}, {shape[1]}\), model has \(32, 16\)"):
+            full.load_full_state(model, opt, wrong, grid)
+    np.testing.assert_array_equal(model.transformer.wte.weight.data, state["transformer.wte.weight"])  # untouched
+
+
 def _damage(path, how):
     step = os.path.join(path, "iter_0000001")
     shard = os.path.join(step, "rank_00000.safetensors")
