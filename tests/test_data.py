@@ -75,6 +75,7 @@ def test_every_window_can_be_drawn():
     assert starts == set(range(8))
 
 
+@pytest.mark.timeout(30)  # a FIFO read would block: fail in seconds, not at the suite's 600
 def test_fifo_in_a_corpus_directory_is_skipped(tmp_path):
     (tmp_path / "a.txt").write_text("text")
     os.mkfifo(tmp_path / "pipe")

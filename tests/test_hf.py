@@ -194,6 +194,7 @@ def test_a_tensor_parallel_checkpoint_exports_what_one_rank_exports(tmp_path, co
         assert a[name].tobytes() == value.tobytes() == b[name].tobytes(), name
 
 
+@pytest.mark.timeout(30)  # a FIFO read would block: fail in seconds, not at the suite's 600
 @pytest.mark.parametrize("kind", ["fifo", "nested", "list"])
 def test_a_config_json_that_is_no_settings_object_is_one_line(kind, tmp_path):
     """A FIFO blocked the read forever; JSON nested too deep was a RecursionError traceback."""
