@@ -22,7 +22,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type":
          "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype",
          "ep": "--ep", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
          "moe_layer_freq": "--moe-layer-freq", "moe_expert_capacity_factor": "--moe-expert-capacity-factor",
-         "vocab_size": "--vocab-size"}
+         "vocab_size": "--vocab-size", "recompute": "--recompute"}
 
 # the mixture-of-experts flags' defaults (train.py's parser takes them from here): any other value
 # without --num-experts is a flag that would do nothing
@@ -213,10 +213,13 @@ def check_args(args, world_size):
     if args.exit_interval and not args.save:
         problems.append("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
-    if not layout:  # the sizes make sense: will the model fit before it is allocated?
-        from minipar.parallel.memory import problem as memory_problem
+    if not layout:  # the sizes make sense: will the model and its activations fit before they are allocated?
+        from minipar.parallel.memory import BYTES, problem as memory_problem
+        from minipar.plan import activations, shapes
 
-        problems.append(memory_problem(run, backend.free_memory(), FLAGS))
+        model, plan_layout, m = shapes.from_run_config(run, args.recompute_granularity == "selective")
+        held = activations.peak_bytes(model, plan_layout, m, BYTES[run.dtype])
+        problems.append(memory_problem(run, backend.free_memory(), FLAGS, held))
     problems = [p for p in problems if p] + layout
     if problems:
         raise FlagError(*problems)

@@ -266,19 +266,25 @@ def test_a_model_too_large_for_the_machine_is_refused_from_its_size(tmp_path):
     start = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "minipar.train", "--n-layer", "1000", "--n-embd", "8192", "--plot", ""],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
-    refused(run, PROG, "this run needs about 12,886.7 GB on each rank: 12,886.7 GB for a model of 805,416,026,112 "
-            "parameters", "other activations not counted", "is available to each (MemAvailable", "--n-layer", "--tp")
+    refused(run, PROG, "12,886.7 GB for a model of 805,416,026,112 parameters", "GB for the activations the fullest "
+            "rank keeps", "is available to each (MemAvailable", "--n-layer", "--tp")
     assert time.perf_counter() - start < 10
     # a vocabulary of a billion tokens (the check once counted 256, and NumPy failed allocating 119 GiB)
     run = subprocess.run([sys.executable, "-m", "minipar.train", "--vocab-size", "1000000000", "--plot", ""],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
-    refused(run, PROG, "for a model of 128,000,809,728 parameters", "; a smaller --vocab-size;")
+    refused(run, PROG, "for a model of 128,000,809,728 parameters", "fix: a smaller --vocab-size;")
     # ten million sequences a step: their token ids alone (the check once counted none, and the
     # run was killed for memory after 25 s without a word)
     run = subprocess.run([sys.executable, "-m", "minipar.train", "--global-batch-size", "10000000", "--plot", ""],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
-    refused(run, PROG, "this run needs about 1,331.2 GB on each rank: 0.0 GB for a model of 842,496 parameters",
-            "and 1,331.2 GB for the batch's token ids and a micro-batch's logits", "fix: a smaller --global-batch-size;")
+    refused(run, PROG, "0.0 GB for a model of 842,496 parameters", "and 20.5 GB for the batch's token ids and",
+            "fewer sequences per micro-batch (--micro-batch-size, --global-batch-size)")
+    # a context of 300,000 positions: attention's T x T part of one layer (the check once counted no
+    # activations, and the run took the machine's memory and was killed without a word)
+    run = subprocess.run([sys.executable, "-m", "minipar.train", "--block-size", "300000", "--n-layer", "1",
+                          "--n-head", "1", "--global-batch-size", "1", "--plot", ""],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
+    refused(run, PROG, "GB for the activations the fullest rank keeps", "fix: fewer activations: a shorter --block-size")
 
 
 @pytest.mark.parametrize("n_layer,n_embd,block_size", [(1, 16, 16), (3, 24, 8)])

@@ -341,3 +341,20 @@ def test_the_pairs_attention_keeps_are_the_sum_over_its_query_blocks():
             blocks = sum(min(q0 + q, s) * (min(q0 + q, s) - q0) for q0 in range(0, s, q))
             assert kept_pairs(s, q) == blocks, (s, q)
     assert kept_pairs(128, 128) == 128 * 128  # one block: every pair, the masked ones too
+
+
+def test_a_run_the_trainer_resolved_plans_as_the_same_model_and_layout():
+    """``from_run_config`` is ``run_config``'s inverse, so the memory check at the trainer's start
+    counts the activations of the run it was given (uneven --pipeline-layers aside)."""
+    from minipar.parallel.validate import resolve
+    from minipar.plan.shapes import from_run_config
+
+    model = Model(4, 64, 8, 32, 300, num_experts=4, moe_router_topk=1, moe_layer_freq=2, dropout=0.1)
+    layout = Layout(tp=2, pp=2, dp=2, ep=2, vpp=2, zero_stage=1, micro_batch_size=2, recompute=True,
+                    sequence_parallel=True, schedule="interleaved")
+    run, problems = resolve(run_config(model, layout, 16, "bfloat16"))
+    assert problems == []
+    back, again, m = from_run_config(run)
+    assert (back, again, m) == (replace(model, dropout=0.0), layout, 4)  # RunConfig keeps no dropout
+    assert activations.peak_bytes(back, again, m, 2) == max(
+        activations.rank_bytes(back, again, s, bubble.in_flight("interleaved", 2, 4, 2, s), 2) for s in (0, 1))

@@ -108,7 +108,7 @@ def test_export_then_init_weights(tmp_path, corpus):
     (["--dtype", "float16"], "invalid choice"),
     (["--data", "/nonexistent/corpus.txt"], "no such file"),
     (["--init-weights", "w.safetensors"], "no such file"),
-    (["--block-size", "100000", "--data", "CORPUS"], "too few for --block-size"),
+    (["--block-size", "15000", "--global-batch-size", "1", "--n-layer", "1", "--data", "CORPUS"], "too few for --block-size"),
     (["--dropout", "1.5"], "in [0, 1)"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--data", "/dev/null"], "neither a regular file nor a directory"),

@@ -4,10 +4,10 @@ machine is refused before anything is allocated (``python -m minipar.train`` ask
 A rank holds a 1/(TP x PP) part of the parameters, their gradients and AdamW's two moments: four
 arrays of the parameters' size. ZeRO shards them over the DP (x CP) group stage by stage: the moments
 (stage 1), then the gradients (2), then the parameters (3). Of what a step allocates beside that,
-two arrays are counted, a floor that the batch alone decides: the step's token ids, and one
-micro-batch's logits (``batch_bytes``). The rest of the activations depend on the schedule and
-recomputation, and are not counted. It imports nothing from minipar, like ``validate``, which
-resolves the sizes it reads.
+the step's token ids are counted, and the activations: the caller's count (the trainer gives the
+planner's, ``plan.activations.peak_bytes``, which depends on the schedule and recomputation), or
+without one a floor the batch alone decides, one micro-batch's logits (``batch_bytes``). It imports
+nothing from minipar, like ``validate``, which resolves the sizes it reads.
 
 A mixture-of-experts block holds a router (E h) and E experts of the MLP's 8 h^2 + 5 h in place of
 its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of its stage, and
@@ -71,25 +71,28 @@ def gb(n):
     return f"{n / 1e9:,.1f} GB"
 
 
-def batch_bytes(cfg):
+def batch_bytes(cfg, logits=True):
     """Bytes of two arrays every step allocates on some rank: the token ids, inputs and targets
     of the whole global batch (int64, (B, T) each: every rank reads the batch, then takes its
-    rows), and one micro-batch's logits on the last stage ((rows, T / CP, V / TP) in the model's
-    dtype)."""
+    rows), and (``logits``) one micro-batch's logits on the last stage ((rows, T / CP, V / TP) in
+    the model's dtype)."""
     rows = cfg.micro_batch_size or cfg.global_batch // ((cfg.dp or 1) * (cfg.micro_batches or 1))
     vocab = -(-(cfg.vocab_size or 256) // cfg.tp)
-    return 2 * 8 * cfg.global_batch * cfg.block_size + BYTES[cfg.dtype] * rows * (cfg.block_size // cfg.cp) * vocab
+    ids = 2 * 8 * cfg.global_batch * cfg.block_size
+    return ids + (BYTES[cfg.dtype] * rows * (cfg.block_size // cfg.cp) * vocab if logits else 0)
 
 
-def problem(cfg, free, names):
+def problem(cfg, free, names, activations=None):
     """A line saying that ``cfg`` cannot fit in ``free`` (bytes, ranks sharing them, what they are,
     as ``backend.free_memory`` reads them; None: not known), naming the fixes by the caller's
-    ``names`` of the fields; None if it fits."""
+    ``names`` of the fields; None if it fits. ``activations``: the bytes the fullest rank's
+    activations take at their peak, where the caller can count them (otherwise one micro-batch's
+    logits stand for them, a floor)."""
     if free is None:
         return None
     total, ranks, what = free
-    held, batch = state_bytes(cfg), batch_bytes(cfg)
-    need, available = held + batch, total / ranks
+    held, batch = state_bytes(cfg), batch_bytes(cfg, logits=activations is None)
+    need, available = held + batch + (activations or 0), total / ranks
     if need <= available:
         return None
     name = names.get
@@ -100,13 +103,19 @@ def problem(cfg, free, names):
     elif cfg.zero_stage < 3:
         fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over DP={cfg.dp})")
     n = total_parameters(cfg)
+    if activations and activations > need / 2:  # long sequences (attention's T x T part), many in flight
+        fixes.insert(0, f"fewer activations: a shorter {name('block_size', 'sequence')}, fewer sequences per "
+                        f"micro-batch ({name('micro_batch_size', 'micro-batch size')}, {name('global_batch', 'batch')}),"
+                        f" recomputation ({name('recompute', 'recompute')}) or {name('cp', 'CP')} to split the sequence")
     if (cfg.vocab_size or 256) * cfg.n_embd > n / 2:  # the embedding (tied with the head) is most of it
         fixes.insert(0, f"a smaller {name('vocab_size', 'vocabulary')}")
     if batch > need / 2:
         fixes.insert(0, f"a smaller {name('global_batch', 'batch')}")
     state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments"
+    kept = (f"{gb(batch)} for the batch's token ids and a micro-batch's logits (other activations not counted)"
+            if activations is None else
+            f"{gb(batch)} for the batch's token ids and {gb(activations)} for the activations the fullest rank keeps")
     return (f"this run needs about {gb(need)} on each rank: {gb(held)} for a model of {n:,} parameters "
             f"({cfg.dtype} parameters, gradients{state} on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x "
-            f"{cfg.dp or 1}, ZeRO stage {cfg.zero_stage}) and {gb(batch)} for the batch's token ids and "
-            f"a micro-batch's logits (other activations not counted), but {gb(available)} is available to each "
+            f"{cfg.dp or 1}, ZeRO stage {cfg.zero_stage}) and {kept}, but {gb(available)} is available to each "
             f"({what} {gb(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")

@@ -66,7 +66,7 @@ one for a dense model (under TP too), and within 10% for MoE, whose router is no
 
 import math
 
-from . import state
+from . import bubble, state
 
 
 def kept_pairs(s, query_block):
@@ -202,3 +202,17 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     chunks = state.stage_chunks(layout, stage)
     kept = max(sum(peak) * held // layout.vpp + sum(n * edge(c) for n, c in zip(peak, chunks)) for peak in peaks)
     return kept + (one + max(experts, 0) if recompute and transient else 0)
+
+
+def peak_bytes(model, layout, m, d, query_block=64):
+    """The most activation bytes any pipeline rank keeps at its peak (its first or last stage, the
+    fuller; ``rank_bytes`` with the transient layer), with m micro-batches a step. Where the
+    schedule's count is not planned at this size (``bubble.NotPlanned``), one micro-batch in each
+    chunk: a floor."""
+    def peaks(stage):
+        try:
+            return bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, stage)
+        except bubble.NotPlanned:
+            return ((1,) * layout.vpp,)
+
+    return max(rank_bytes(model, layout, s, peaks(s), d, query_block) for s in {0, layout.pp - 1})

@@ -116,9 +116,24 @@ def run_config(model, layout, global_batch, dtype="float32"):
         zero_stage=layout.zero_stage, recompute=layout.recompute, dtype=dtype if dtype in validate.DTYPES else "float32")
 
 
+def from_run_config(run, selective_recompute=False):
+    """(Model, Layout, m) of a resolved ``validate.RunConfig`` (its DP and micro-batches known): the
+    inverse of ``run_config``. Uneven --pipeline-layers are not a Layout's: they plan as the even split."""
+    model = Model(run.n_layer, run.n_embd, run.n_head, run.block_size, run.vocab_size or 256,
+                  num_experts=run.num_experts or 0, moe_router_topk=run.moe_router_topk or 2,
+                  moe_layer_freq=run.moe_layer_freq or 1, moe_expert_capacity_factor=run.moe_expert_capacity_factor,
+                  dropout=run.dropout or 0.0)
+    layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp, cp=run.cp, ep=run.ep, vpp=run.virtual_stages,
+                    zero_stage=run.zero_stage, micro_batch_size=run.micro_batch_size, recompute=run.recompute,
+                    selective_recompute=selective_recompute, sequence_parallel=run.sequence_parallel,
+                    cp_comm_type=run.cp_comm_type or "p2p", schedule=run.schedule or "1f1b")
+    return model, layout, run.micro_batches
+
+
 def micro_batches(layout, global_batch):
     """m: micro-batches per pipeline per step (global batch / DP / micro-batch size)."""
     return global_batch // layout.dp // layout.micro_batch_size
 
 
-__all__ = ["PRECISIONS", "Precision", "Model", "Layout", "Machine", "PRESETS", "run_config", "micro_batches"]
+__all__ = ["PRECISIONS", "Precision", "Model", "Layout", "Machine", "PRESETS", "run_config", "from_run_config",
+           "micro_batches"]
