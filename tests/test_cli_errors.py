@@ -58,6 +58,8 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, 
     (["--sample", "5", "--prompt", ""], ["--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0"]),
     # named one at a time, --num-virtual-stages 2 was refused next for --pp 1
     (["--schedule", "zb-v"], ["it needs --num-virtual-stages 2 and --pp > 1, got --num-virtual-stages 1, --pp 1"]),
+    (["--schedule", "interleaved"], ["--schedule interleaved takes turns between each rank's chunks: with "
+                                     "--num-virtual-stages 1 it is 1F1B; give --num-virtual-stages 2 or more"]),
     (["--override-opt_param-scheduler"], ["--override-opt_param-scheduler chooses between a checkpoint's "
                                           "learning-rate schedule and the flags': give --load"]),
     (["--use-checkpoint-lr-scheduler", "--override-lr-scheduler"],  # Megatron's older names

@@ -95,6 +95,10 @@ def resolve(cfg, names=None):
     if known("pp", "virtual_stages") and v > 1 and (one_rank or other):
         needs = [f"{say.name('pp')} > 1"] * one_rank + [say("schedule", "interleaved") + " or zb-v"] * other
         out.append(f"{say('virtual_stages')} needs {' and '.join(needs)}")
+    if known("world_size", "schedule", "virtual_stages") and cfg.schedule == "interleaved" and v == 1:
+        out.append(f"{say('schedule', 'interleaved')} takes turns between each rank's chunks: with "
+                   f"{say('virtual_stages', 1)} it is 1F1B; give {say.name('virtual_stages')} 2 or more, "
+                   f"or {say('schedule', '1f1b')}")
     if known("schedule", "virtual_stages") and cfg.schedule == "zb-v" and v != 2:
         needs, given = say("virtual_stages", 2), f"{v}"
         if one_rank:  # v = 2 alone would be refused next for p = 1: name both
