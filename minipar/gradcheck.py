@@ -135,6 +135,8 @@ def op_cases(seed=0):
         ("layer_norm", F.layer_norm, [t(2, 3, 6), t(6), t(6)]),
         ("gelu (tanh approximation)", F.gelu, [t(3, 7)]),
         ("embedding (repeated ids)", lambda w: F.embedding(repeated_ids, w), [t(5, 3)]),
+        ("embedding (rows skipped, as a vocabulary-parallel rank's)",
+         lambda w: F.embedding(repeated_ids, w, skip=repeated_ids == repeated_ids.flat[0]), [t(5, 3)]),
         ("cross_entropy (ignore_index=-1)", lambda x: F.cross_entropy(x, targets), [t(2, 3, 7)]),
         ("cross_entropy (sum)", lambda x: F.cross_entropy(x, targets, reduction="sum"), [t(2, 3, 7)]),
         ("permute (k=2, 2 slots dropped)", lambda x: F.permute(x, slots, 2), [t(4, 3)]),

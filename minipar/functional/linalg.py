@@ -85,34 +85,43 @@ def linear(x, weight, bias=None):
 
 
 class Embedding(Function):
-    """out[i] = W[ids[i]]. In backward an id that occurs several times must receive the sum of all
-    its rows of the gradient, which ``dW[ids] += g`` would not do (fancy-index assignment keeps
-    only the last write). We sort the rows by id and sum each run of equal ids
-    (``backend.sum_segments``): ~3x faster than ``add.at`` for a batch of 1024 tokens on the CPU,
-    and, unlike ``add.at`` on a GPU, the same sums in the same order every run."""
+    """out[i] = W[ids[i]], or 0 where ``skip[i]`` (a vocabulary-parallel rank's ids outside its
+    slice: zeroed where they are made, so no lookup and masked copy are both kept). In backward an
+    id that occurs several times must receive the sum of all its rows of the gradient, which
+    ``dW[ids] += g`` would not do (fancy-index assignment keeps only the last write). We sort the
+    rows by id and sum each run of equal ids (``backend.sum_segments``): ~3x faster than ``add.at``
+    for a batch of 1024 tokens on the CPU, and, unlike ``add.at`` on a GPU, the same sums in the
+    same order every run."""
 
     @staticmethod
-    def forward(ctx, ids, weight):
-        ctx.ids, ctx.weight_shape, ctx.dtype = ids, weight.shape, weight.dtype
-        return weight[ids]
+    def forward(ctx, ids, weight, skip):
+        ctx.ids, ctx.skip, ctx.weight_shape, ctx.dtype = ids, skip, weight.shape, weight.dtype
+        out = weight[ids]
+        if skip is not None:
+            out[skip] = 0
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         ids = ctx.ids.reshape(-1)
         rows = grad.reshape(-1, ctx.weight_shape[1])
+        if ctx.skip is not None:  # a skipped row's gradient reaches no weight
+            kept = ~ctx.skip.reshape(-1)
+            ids, rows = ids[kept], rows[kept]
         order = xp.argsort(ids, kind="stable")
         sorted_ids = ids[order]
         run_starts = xp.flatnonzero(xp.concatenate([xp.ones(1, bool), sorted_ids[1:] != sorted_ids[:-1]]))
         grad_w = xp.zeros(ctx.weight_shape, ctx.dtype)
         if ids.size == 0:
-            return None, grad_w
+            return None, grad_w, None
         sums = backend.sum_segments(rows[order].astype(compute_dtype(rows.dtype), copy=False), run_starts)
         grad_w[sorted_ids[run_starts]] = sums  # a 16-bit gradient's rows summed in float32
-        return None, grad_w
+        return None, grad_w, None
 
 
-def embedding(ids, weight):
-    """Rows of ``weight`` (num_embeddings, dim) picked by the integer array ``ids``."""
+def embedding(ids, weight, skip=None):
+    """Rows of ``weight`` (num_embeddings, dim) picked by the integer array ``ids``; zero rows
+    where the boolean ``skip`` (the shape of ``ids``) is true."""
     ids = ids.data if isinstance(ids, Tensor) else xp.asarray(ids)
     if ids.dtype.kind not in "iu":
         raise TypeError(f"embedding ids must be integers, got {ids.dtype}")
@@ -120,4 +129,7 @@ def embedding(ids, weight):
         raise IndexError(
             f"embedding ids must lie in [0, {weight.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]"
         )
-    return Embedding.apply(ids, floats("embedding", weight))
+    if skip is not None and (skip.shape != ids.shape or skip.dtype != bool):
+        raise ValueError(f"embedding: skip must be a boolean array of the ids' shape {ids.shape}, got "
+                         f"{skip.dtype} {skip.shape}")
+    return Embedding.apply(ids, floats("embedding", weight), skip)

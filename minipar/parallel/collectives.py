@@ -42,6 +42,10 @@ def _all_reduce(comm, x, axis):
     return comm.all_reduce(x.copy())  # never reduce in place into an array someone else holds
 
 
+def _all_reduce_in_place(comm, x, axis):
+    return comm.all_reduce(x)
+
+
 def _gather(comm, x, axis):
     """All ranks' x concatenated along ``axis`` in rank order."""
     stacked = comm.all_gather(xp.ascontiguousarray(x))  # (N, *x.shape)
@@ -86,9 +90,11 @@ def copy_to_region(x, comm):
     return RegionCollective.apply(x, comm, None, _identity, _all_reduce)
 
 
-def reduce_from_region(x, comm):
-    """Megatron's g: partial results leave a tensor-parallel region, summed (all-reduce / identity)."""
-    return RegionCollective.apply(x, comm, None, _all_reduce, _identity)
+def reduce_from_region(x, comm, in_place=False):
+    """Megatron's g: partial results leave a tensor-parallel region, summed (all-reduce / identity).
+    ``in_place``: x is the caller's own, read by nothing after this (its backward does not read
+    it): the sum overwrites it where the communicator can, and the graph keeps one array."""
+    return RegionCollective.apply(x, comm, None, _all_reduce_in_place if in_place else _all_reduce, _identity)
 
 
 def gather_from_region(x, comm):

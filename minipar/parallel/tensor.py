@@ -131,10 +131,12 @@ class VocabParallelEmbedding(Module):
                              f"got [{int(ids.min())}, {int(ids.max())}]")
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.masked_fill(F.embedding(xp.where(outside, 0, local), self.weight), outside[..., None], 0.0)
+        # the rows outside the slice zeroed in the lookup and the sum taken in place, as Megatron
+        # does: the graph keeps one (B, T, C) array here, not the lookup, its masked copy and the sum
+        out = F.embedding(xp.where(outside, 0, local), self.weight, skip=outside)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(out, self.comm)
-        return reduce_from_region(out, self.comm)
+        return reduce_from_region(out, self.comm, in_place=True)
 
     def logits(self, x):
         """The tied output head: this rank's vocabulary slice of x @ wte^T, (B, T, V/N)."""

@@ -56,10 +56,9 @@ its peak (``bubble.in_flight``: 1F1B p on the first stage, GPipe m; with v chunk
 chunk), that chunk's layers' activations and its edge: in the model's first chunk the embeddings'
 4 s b h, in the last ln_f's and the head's input, 3 s b h, and the logits with their softmax,
 2 b s V/t d (those two counts read off measured graphs), in every other chunk the input it received
-from the stage before, s b h. Tensor parallelism's vocabulary-parallel embedding keeps 2 s b h more,
-the rows it looked up and those it masked to its slice of the vocabulary, before they are summed;
-with sequence parallelism the edge terms are split by t but the head's input, gathered whole, is
-s b h more. The per-layer formula is exact on one device; a rank's peak is within 1% of the measured
+from the stage before, s b h. With sequence parallelism the edge terms are split by t, but the
+vocabulary-parallel embedding's rows, looked up whole before their reduce-scatter, and the head's
+input, gathered whole, are s b h more each. The per-layer formula is exact on one device; a rank's peak is within 1% of the measured
 one for a dense model (under TP too), and within 10% for MoE, whose router is not uniform
 (``tests/mpi/plan_activations.py``).
 """
@@ -190,9 +189,8 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
 
     def edge(chunk):
         extra = 0
-        if chunk == 0:  # the embeddings' rows, their sum, dropout's mask and output; under TP also the
-            extra += 4 * sbh // shard + (2 * sbh if t > 1 else 0)  # lookup's rows and those masked to the
-            # rank's vocabulary slice, both whole: the sum's inputs (measured: 6 s b h, or 2 + 4/t with SP)
+        if chunk == 0:  # the embeddings' rows, their sum, dropout's mask and output; under SP also the
+            extra += 4 * sbh // shard + (sbh if shard > 1 else 0)  # rows looked up, whole, before the reduce-scatter
         if chunk == last:  # ln_f's input, xhat and output (the head's input), the logits and their softmax
             extra += 3 * sbh // shard + logits + (sbh if shard > 1 else 0)  # SP: the head's input gathered
         elif chunk > 0 and not recompute:  # the input received, kept for the backward (under full
