@@ -58,9 +58,9 @@ chunk), that chunk's layers' activations and its edge: in the model's first chun
 2 b s V/t d (those two counts read off measured graphs), in every other chunk the input it received
 from the stage before, s b h. With sequence parallelism the edge terms are split by t, but the
 vocabulary-parallel embedding's rows, looked up whole before their reduce-scatter, and the head's
-input, gathered whole, are s b h more each. The per-layer formula is exact on one device; a rank's peak is within 1% of the measured
-one for a dense model (under TP too), and within 10% for MoE, whose router is not uniform
-(``tests/mpi/plan_activations.py``).
+input, gathered whole, are s b h more each. The per-layer formula is exact on one device; a rank's
+peak is within 1% of the measured one for a dense model (under TP too), and within 10% for MoE,
+whose router is not uniform (``tests/mpi/plan_activations.py``).
 """
 
 import math
