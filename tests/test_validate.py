@@ -42,7 +42,8 @@ def test_a_good_run_has_no_problem_and_its_sizes_are_derived():
     (dict(micro_batch_size=3), "8 sequences per data-parallel rank do not split into micro-batches of 3"),
     (dict(micro_batches=3), "global_batch=16 does not split into micro_batches=3 equal micro-batches"),
     (dict(micro_batches=3, micro_batch_size=4), "micro_batches=3 x micro_batch_size=4 is not the 8 sequences"),
-    (dict(schedule="interleaved", micro_batches=1, global_batch=2), "micro_batches=1 is not divisible by PP=2"),
+    (dict(schedule="interleaved", virtual_stages=2, micro_batches=1, global_batch=2), "micro_batches=1 is not divisible by PP=2"),
+    (dict(schedule="interleaved"), "schedule='interleaved' takes turns between each rank's chunks: with virtual_stages=1 it is 1F1B"),
     (dict(micro_batch_size=1, global_batch=40000), "need 80000 message tags, more than MPI promises (32767)"),
     (dict(block_size=15), "sequence_parallel splits the sequence: block_size=15 is not divisible by TP=2"),
     (dict(tp=1, world_size=4), "sequence_parallel splits along the tensor-parallel group: it needs TP > 1"),
@@ -80,7 +81,8 @@ def test_messages_name_the_callers_flags():
     assert "--num-virtual-stages 2 needs --pp > 1 and --schedule interleaved or zb-v" in found
     assert any("use --zero-stage 1 (or 0) with --sequence-parallel" in f for f in found)
     # a size set through the batch says which flag sets it
-    found = problems(RunConfig(world_size=4, pp=2, schedule="interleaved", global_batch=8, micro_batch_size=4), FLAGS)
+    found = problems(RunConfig(world_size=4, pp=2, virtual_stages=2, schedule="interleaved", global_batch=8,
+                               micro_batch_size=4), FLAGS)
     assert found == ["the interleaved schedule runs micro-batches in groups of --pp: 1 micro-batches "
                      "(global_batch=8 / (DP=2 x --micro-batch-size 4)) is not divisible by --pp 2; set "
                      "--micro-batch-size so that the micro-batches are a multiple of 2"]
