@@ -9,7 +9,7 @@ import pytest
 
 import minipar
 from minipar.checkpoint import full, sharded
-from minipar.checkpoint.boxes import flat_boxes, region, to_global
+from minipar.checkpoint.boxes import flat_boxes, intersect, region, to_global
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
@@ -89,6 +89,27 @@ def float64():
     minipar.set_default_dtype("float64")
     yield
     minipar.set_default_dtype("float32")
+
+
+def test_boxes_intersect_as_brute_force_says_and_a_region_is_relative_to_its_origin():
+    """Resharding reads each saved box's overlap with the box a rank needs, at that box's offset:
+    against a brute-force count of the cells two boxes share (boxes that only touch share none),
+    and a region taken from an array that starts at ``origin``."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        a0, b0 = rng.integers(0, 5, 2), rng.integers(0, 5, 2)
+        a1, b1 = a0 + rng.integers(1, 4, 2), b0 + rng.integers(1, 4, 2)
+        cells = np.zeros((9, 9), int)
+        cells[region(a0, a1)] += 1
+        cells[region(b0, b1)] += 1
+        both = intersect(tuple(a0), tuple(a1), tuple(b0), tuple(b1))
+        assert (both is None) == (cells.max() < 2)
+        if both is not None:
+            assert cells[region(*both)].min() == 2 and (cells == 2).sum() == np.prod(np.subtract(both[1], both[0]))
+    assert intersect((0, 0), (2, 3), (2, 0), (4, 3)) is None  # rows 0-1 and 2-3 touch, share no cell
+    whole = np.arange(30).reshape(5, 6)
+    part = whole[2:5, 1:6]  # an array holding rows 2-4 and columns 1-5 of the whole
+    np.testing.assert_array_equal(part[region((3, 2), (5, 4), origin=(2, 1))], whole[3:5, 2:4])
 
 
 @pytest.mark.parametrize("kind", ["adamw", "zero1", "zero3"])
