@@ -345,16 +345,18 @@ def test_the_pairs_attention_keeps_are_the_sum_over_its_query_blocks():
 
 def test_a_run_the_trainer_resolved_plans_as_the_same_model_and_layout():
     """``from_run_config`` is ``run_config``'s inverse, so the memory check at the trainer's start
-    counts the activations of the run it was given (uneven --pipeline-layers aside)."""
+    counts the activations of the run it was given, an uneven --pipeline-layers included."""
     from minipar.parallel.validate import resolve
     from minipar.plan.shapes import from_run_config
 
-    model = Model(4, 64, 8, 32, 300, num_experts=4, moe_router_topk=1, moe_layer_freq=2, dropout=0.1)
+    model = Model(6, 64, 8, 32, 300, num_experts=4, moe_router_topk=1, moe_layer_freq=2, dropout=0.1)
     layout = Layout(tp=2, pp=2, dp=2, ep=2, vpp=2, zero_stage=1, micro_batch_size=2, recompute=True,
-                    sequence_parallel=True, schedule="interleaved")
+                    sequence_parallel=True, schedule="interleaved", pipeline_layers=(1, 2, 2, 1))
     run, problems = resolve(run_config(model, layout, 16, "bfloat16"))
     assert problems == []
     back, again, m = from_run_config(run)
     assert (back, again, m) == (replace(model, dropout=0.0), layout, 4)  # RunConfig keeps no dropout
     assert activations.peak_bytes(back, again, m, 2) == max(
         activations.rank_bytes(back, again, s, bubble.in_flight("interleaved", 2, 4, 2, s), 2) for s in (0, 1))
+    assert [list(state.chunk_layers(back, again, g)) for g in range(4)] == [[0], [1, 2], [3, 4], [5]]
+    assert state.stage_layers(back, again, 0) == [0, 3, 4] and state.stage_layers(back, again, 1) == [1, 2, 5]

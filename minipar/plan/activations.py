@@ -166,7 +166,7 @@ def moe_bytes(model, layout, d):
 
 def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     """Activation bytes at the peak on pipeline rank ``stage``: its chunks (``state.stage_chunks``,
-    L/(p v) blocks each) times the micro-batches its schedule holds in each at its peaks
+    their blocks ``state.chunk_layers``) times the micro-batches its schedule holds in each at its peaks
     (``peaks``: ``bubble.in_flight``'s count vectors, one count per local chunk), the largest sum.
     Each micro-batch in a chunk keeps its blocks' activations, and the chunk's edge terms: the
     first chunk's embeddings, the last's head and logits, any other's input received from the
@@ -179,16 +179,18 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     sbh = d * s * b * model.hidden_size
     shard = t if layout.sequence_parallel else 1
     recompute = layout.recompute
-    blocks = state.stage_layers(model, layout, stage)
-    moe_layers = sum(map(model.is_moe, blocks))
     one = layer_bytes(model, layout, d, query_block)
-    experts = moe_bytes(model, layout, d) if moe_layers else 0  # an MoE block's bytes beyond a dense one's
-    held = len(blocks) * sbh // shard if recompute else len(blocks) * one + moe_layers * experts
+    moe = any(map(model.is_moe, state.stage_layers(model, layout, stage)))
+    experts = moe_bytes(model, layout, d) if moe else 0  # an MoE block's bytes beyond a dense one's
     logits = 2 * b * s * -(-model.vocab_size // t) * d  # the head's output and the loss's softmax
     last = layout.pp * layout.vpp - 1
 
-    def edge(chunk):
-        extra = 0
+    def chunk_bytes(chunk):  # one micro-batch's: its blocks' activations and the chunk's edge
+        blocks = state.chunk_layers(model, layout, chunk)
+        if recompute:
+            extra = len(blocks) * sbh // shard
+        else:
+            extra = len(blocks) * one + sum(map(model.is_moe, blocks)) * experts
         if chunk == 0:  # the embeddings' rows, their sum, dropout's mask and output; under SP also the
             extra += 4 * sbh // shard + (sbh if shard > 1 else 0)  # rows looked up, whole, before the reduce-scatter
         if chunk == last:  # ln_f's input, xhat and output (the head's input), the logits and their softmax
@@ -197,14 +199,15 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
             extra += sbh // shard  # recomputation it is the first layer's kept input)
         return extra
 
-    chunks = state.stage_chunks(layout, stage)
-    kept = max(sum(peak) * held // layout.vpp + sum(n * edge(c) for n, c in zip(peak, chunks)) for peak in peaks)
+    held = [chunk_bytes(c) for c in state.stage_chunks(layout, stage)]
+    kept = max(sum(n * h for n, h in zip(peak, held)) for peak in peaks)
     return kept + (one + max(experts, 0) if recompute and transient else 0)
 
 
 def peak_bytes(model, layout, m, d, query_block=64):
-    """The most activation bytes any pipeline rank keeps at its peak (its first or last stage, the
-    fuller; ``rank_bytes`` with the transient layer), with m micro-batches a step. Where the
+    """The most activation bytes any pipeline rank keeps at its peak (``rank_bytes`` with the
+    transient layer: the first or last stage, or with uneven ``pipeline_layers`` any), with m
+    micro-batches a step. Where the
     schedule's count is not planned at this size (``bubble.NotPlanned``), one micro-batch in each
     chunk: a floor."""
     def peaks(stage):
@@ -213,4 +216,5 @@ def peak_bytes(model, layout, m, d, query_block=64):
         except bubble.NotPlanned:
             return ((1,) * layout.vpp,)
 
-    return max(rank_bytes(model, layout, s, peaks(s), d, query_block) for s in {0, layout.pp - 1})
+    stages = range(layout.pp) if layout.pipeline_layers else {0, layout.pp - 1}
+    return max(rank_bytes(model, layout, s, peaks(s), d, query_block) for s in stages)

@@ -66,6 +66,7 @@ class Layout:
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"
     schedule: str = "1f1b"
+    pipeline_layers: tuple = None  # layers of each global chunk, in order (--pipeline-layers); None: L/(p v) each
 
     @property
     def world_size(self):
@@ -113,12 +114,13 @@ def run_config(model, layout, global_batch, dtype="float32"):
         schedule=layout.schedule, global_batch=global_batch, micro_batch_size=layout.micro_batch_size,
         n_layer=model.num_layers, n_head=model.num_attention_heads, n_embd=model.hidden_size,
         block_size=model.seq_length, vocab_size=model.vocab_size, sequence_parallel=layout.sequence_parallel,
-        zero_stage=layout.zero_stage, recompute=layout.recompute, dtype=dtype if dtype in validate.DTYPES else "float32")
+        zero_stage=layout.zero_stage, recompute=layout.recompute, pipeline_layers=layout.pipeline_layers,
+        dtype=dtype if dtype in validate.DTYPES else "float32")
 
 
 def from_run_config(run, selective_recompute=False):
     """(Model, Layout, m) of a resolved ``validate.RunConfig`` (its DP and micro-batches known): the
-    inverse of ``run_config``. Uneven --pipeline-layers are not a Layout's: they plan as the even split."""
+    inverse of ``run_config``."""
     model = Model(run.n_layer, run.n_embd, run.n_head, run.block_size, run.vocab_size or 256,
                   num_experts=run.num_experts or 0, moe_router_topk=run.moe_router_topk or 2,
                   moe_layer_freq=run.moe_layer_freq or 1, moe_expert_capacity_factor=run.moe_expert_capacity_factor,
@@ -126,7 +128,8 @@ def from_run_config(run, selective_recompute=False):
     layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp, cp=run.cp, ep=run.ep, vpp=run.virtual_stages,
                     zero_stage=run.zero_stage, micro_batch_size=run.micro_batch_size, recompute=run.recompute,
                     selective_recompute=selective_recompute, sequence_parallel=run.sequence_parallel,
-                    cp_comm_type=run.cp_comm_type or "p2p", schedule=run.schedule or "1f1b")
+                    cp_comm_type=run.cp_comm_type or "p2p", schedule=run.schedule or "1f1b",
+                    pipeline_layers=run.pipeline_layers)
     return model, layout, run.micro_batches
 
 

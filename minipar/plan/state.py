@@ -44,10 +44,17 @@ def edges(layout, stage):
     return 0 in chunks, layout.pp * layout.vpp - 1 in chunks
 
 
+def chunk_layers(model, layout, chunk):
+    """The blocks of global pipeline chunk ``chunk``: the next L/(p v), or the chunk's count of
+    ``layout.pipeline_layers`` (an uneven split) after those of the chunks before it."""
+    sizes = layout.pipeline_layers or (model.num_layers // (layout.pp * layout.vpp),) * (layout.pp * layout.vpp)
+    start = sum(sizes[:chunk])
+    return range(start, start + sizes[chunk])
+
+
 def stage_layers(model, layout, stage):
-    """The blocks pipeline rank ``stage`` holds, in order: its chunks' runs of L/(p v) blocks."""
-    per_chunk = model.num_layers // (layout.pp * layout.vpp)
-    return [layer for g in stage_chunks(layout, stage) for layer in range(g * per_chunk, (g + 1) * per_chunk)]
+    """The blocks pipeline rank ``stage`` holds, in order: its chunks' runs of blocks."""
+    return [layer for g in stage_chunks(layout, stage) for layer in chunk_layers(model, layout, g)]
 
 
 def block_parameters(model, layout, layer):

@@ -41,6 +41,7 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
     ("PP2 DP2 ZB-V", 1, 2, 1, False, 0, None, False, "zb-v"), ("TP2 PP2 ZB-V sel", 2, 2, 1, True, 0, None, True, "zb-v"),
     ("PP2 DP2 interl.", 1, 2, 1, False, 0, None, False, "interleaved"),
 ]
+UNEVEN = [("PP2 DP2 3,1", (3, 1)), ("PP2 DP2 1,3", (1, 3))]  # --pipeline-layers, 1F1B
 
 # The relative error a row may have: 1% where rank_bytes counts what the graphs keep (every dense
 # layout, within 0.6%: a wrong embedding term, 4 s b h, or logits term, 2 b s V, moves these rows
@@ -53,16 +54,17 @@ def tolerance(name):
     return ROUTER if "MoE" in name else TIGHT
 
 
-def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule):
+def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None):
     """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
-    ``experts`` experts (top-2) and, if ``selective``, selective recomputation."""
+    ``experts`` experts (top-2), if ``selective`` selective recomputation, and ``layers`` per
+    pipeline chunk (None: an even split)."""
     minipar.manual_seed(0)
     grid = ProcessGrid(tp, pp, comm.size // (tp * pp), comm, ep=ep)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                        dropout=0.1, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
     v = 1 if schedule == "1f1b" else 2
     gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity="selective" if selective else None,
-              virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin")
+              virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin", layers_per_stage=layers)
     opt = make_optimizer(gpt, grid, 0, bucket_bytes=args.bucket_kb << 10, **HYPER)
     run = MeasuringExecutor(gpt, grid, schedule, args.micro_batches, optimizer=opt)
     gpt.rng.iteration = 0
@@ -103,6 +105,13 @@ for name, tp, pp, ep, sp, experts, capacity, selective, schedule in MORE_LAYOUTS
     peaks = bubble.in_flight(schedule, pp, args.micro_batches, layout.vpp, grid.pp_rank)
     planned = activations.rank_bytes(moe_model, layout, grid.pp_rank, peaks, 4, transient=False)
     worst = max(worst, rows_of(name, grid.pp_rank, measured, planned))
+for name, layers in UNEVEN:
+    measured, grid = measure_gpt(1, 2, 1, False, 0, None, False, "1f1b", layers)
+    layout = Layout(pp=2, dp=comm.size // 2, micro_batch_size=args.batch_size // (comm.size // 2) // args.micro_batches,
+                    pipeline_layers=layers)
+    peaks = bubble.in_flight("1f1b", 2, args.micro_batches, 1, grid.pp_rank)
+    worst = max(worst, rows_of(name, grid.pp_rank, measured, activations.rank_bytes(model, layout, grid.pp_rank, peaks,
+                                                                                     4, transient=False)))
 worst = float(comm.all_reduce(numpy.array([worst]), op="max")[0])
 if comm.rank == 0:
     print("activation MB per rank, measured/planned (tolerance)\n" + "\n".join(rows))
