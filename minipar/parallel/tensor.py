@@ -94,9 +94,9 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm)
-        partial = F.linear(x, self.weight)
+        partial = F.linear(x, self.weight)  # this op's own: summed in place (backward reads none of it)
         y = (reduce_scatter_to_sequence_region(partial, self.comm) if self.sequence_parallel
-             else reduce_from_region(partial, self.comm))
+             else reduce_from_region(partial, self.comm, in_place=True))
         return y + self.bias if self.bias is not None else y
 
 

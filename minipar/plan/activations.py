@@ -15,10 +15,10 @@ the MLP (q, k, v, the attention output, GELU's values, the T x T part: the heads
 columns are split); the LayerNorms, the residual stream, the row-parallel layers' outputs and the
 dropouts stay whole (h wide), unless sequence parallelism splits them along s too (the LayerNorm
 outputs, gathered before the column-parallel layers, stay whole). The collectives' autograd nodes
-keep their own inputs: Megatron's g the partial sum and the sum before the bias, 4 s b h more per
-layer (f passes the LayerNorm output on as a view, which holds nothing of its own; with sequence
-parallelism the partial sums, 2 s b h, and the shards before the gathers and after the
-reduce-scatters, 4 s b h / t). Context parallelism gives each rank s = T/CP positions, and its
+keep their own inputs: Megatron's g sums the row-parallel layer's partial output in place (nothing
+else reads it), and that sum before the bias is 2 s b h more per layer (f passes the LayerNorm
+output on as a view, which holds nothing of its own; with sequence parallelism the partial sums,
+2 s b h, and the shards before the gathers and after the reduce-scatters, 4 s b h / t). Context parallelism gives each rank s = T/CP positions, and its
 queries see about 1/CP of the causal T x T pairs. Full
 recomputation keeps each layer's input (s b h, split by SP) and, while one layer's backward
 runs, that layer's whole set once more.
@@ -132,8 +132,8 @@ def layer_bytes(model, layout, d, query_block=64):
     sbh = d * s * b * model.hidden_size
     if t > 1 and layout.sequence_parallel:  # the LayerNorms' own (sharded) outputs before the gathers,
         total += 2 * sbh + 4 * sbh // t     # the row-parallel partial sums (whole) and their shards
-    elif t > 1:  # g's partial sums and their all-reduced sums (f's outputs are views of the LayerNorms')
-        total += 4 * sbh
+    elif t > 1:  # g's sums, each in place of its partial sum (f's outputs are views of the LayerNorms')
+        total += 2 * sbh
     return total
 
 
@@ -159,8 +159,8 @@ def moe_bytes(model, layout, d):
     dense = 12 * sbh // t  # GELU's input, tanh and output, split by TP
     if sp:  # ln_2's gathered output, the MLP's partial sum and its reduce-scattered shard
         dense += 2 * sbh + sbh // t
-    elif t > 1:  # g's partial sum and its sum (f's output is a view of ln_2's)
-        dense += 2 * sbh
+    elif t > 1:  # g's sum, in place of its partial sum (f's output is a view of ln_2's)
+        dense += sbh
     return router + routing + experts - dense
 
 
