@@ -76,11 +76,18 @@ def in_flight(schedule, p, m, v, rank):
     the V's descending chunk and r + 1 of its ascending one, or 2p - r and r: a micro-batch
     takes the descending chunk first, so the rank nearest the V's bottom holds the two most
     alike (as the instruction lists give, tested)."""
-    _, alive, source = pipeline(schedule, p, m, v)  # raises NotPlanned where pipeline does
-    if source == "simulator":
-        return chunk_peaks(((i.op, i.chunk) for i in schedules.build(schedule, p, m, v)[rank]), v)
+    if p > 1 and p * v * m <= SIMULATE_UP_TO:
+        return _instruction_peaks(schedule, p, m, v)[rank]
+    _, alive, _ = pipeline(schedule, p, m, v)  # closed forms; raises NotPlanned where pipeline does
     if schedule == "zb-v":
         return ((2 * p - 1 - rank, rank + 1), (2 * p - rank, rank))
     if schedule == "interleaved":
         return chunk_peaks(((op, chunk) for op, _, chunk in schedules.interleaved_order(p, m, v, rank)), v)
     return ((alive[rank],),)
+
+
+@lru_cache(maxsize=64)
+def _instruction_peaks(schedule, p, m, v):
+    """``chunk_peaks`` of every rank's instruction list, built once for all the ranks asked about."""
+    built = schedules.build(schedule, p, m, v)
+    return tuple(chunk_peaks(((i.op, i.chunk) for i in built[r]), v) for r in range(p))
