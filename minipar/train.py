@@ -248,7 +248,12 @@ def main(argv=None):
     try:
         return trainer.run()
     except CheckpointError as exc:  # a save that failed (a full disk): the last good one stays
-        return _end(comm, parser.prog, f"--save: {exc}")
+        if exc.speaks is None:
+            return _end(comm, parser.prog, f"--save: {exc}")
+        if exc.speaks:  # every rank raised it: one line, then all end together, nothing aborted
+            print(f"{parser.prog}: error: --save: {exc}", file=sys.stderr, flush=True)
+        comm.barrier()
+        return 1
     except OSError as exc:
         if not _an_output(args, exc.filename):  # not one of the run's own writes: a bug to be seen whole
             raise

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy
 import pytest
 
 from minipar.checkpoint import sharded
@@ -44,11 +45,9 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(name, tmp_
     message = str(caught.value)
     assert message.startswith("checkpoint iter_0000002 was not saved: No space left on device") and name in message
     assert "the previous checkpoint and " + os.path.join(save, "latest") + " are unchanged" in message
-    # no partial files, no temporaries; a rank's own failure leaves the folder, empty: another
-    # rank may be about to open its file in it (removing it once made those ranks fail too)
-    partial = ["iter_0000002.partial"] if name.startswith("rank_") else []
-    assert sorted(os.listdir(save)) == ["iter_0000001", *partial, "latest"]
-    assert all(os.listdir(os.path.join(save, folder)) == [] for folder in partial)
+    # no partial files, no temporaries, no partial folder: every rank had finished writing into it
+    # when rank 0 removed it
+    assert sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     assert _load(save) == {"iteration": 1, "optimizer_steps": 0}
 
 
@@ -128,8 +127,8 @@ def test_a_really_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("checkpoint iter_0000002 was not saved: No space left on device")
-    # the shard did not fit: its rank's folder stays, empty, for the next start to remove
-    assert lines[1] == "['iter_0000001', 'iter_0000002.partial', 'latest'] {'optimizer_steps': 0}", lines
+    # the shard did not fit, and nothing of the save is left
+    assert lines[1] == "['iter_0000001', 'latest'] {'optimizer_steps': 0}", lines
 
 
 def test_every_file_of_a_checkpoint_has_the_users_mode_and_no_temporary_is_left(tmp_path):
@@ -260,3 +259,51 @@ def test_a_resave_whose_latest_cannot_be_written_keeps_the_previous_one(tmp_path
     monkeypatch.undo()
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     assert _load(save) == {"iteration": 1, "optimizer_steps": 0}
+
+
+class _World:
+    """A stand-in for the world of ``size`` ranks, as rank ``rank`` sees it, where ``failing``
+    ranks could not write: its all-reduce returns what MPI's would."""
+
+    def __init__(self, rank, size, failing):
+        self.rank, self.size, self.failing = rank, size, failing
+
+    def all_reduce(self, votes):
+        assert list(votes) == [int(r == self.rank and r in self.failing) for r in range(self.size)]
+        return numpy.array([int(r in self.failing) for r in range(self.size)])
+
+
+def test_a_save_some_ranks_could_not_write_fails_on_every_rank_and_the_lowest_says_why(tmp_path):
+    (tmp_path / "iter_0000003.partial").mkdir()
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "rank_00001.safetensors")
+    errors = {}
+    for rank in range(4):
+        with pytest.raises(CheckpointError) as caught:
+            sharded._agree(_World(rank, 4, {1, 3}), full if rank in (1, 3) else None, str(tmp_path),
+                           str(tmp_path / "iter_0000003"), str(tmp_path / "iter_0000003.partial"))
+        errors[rank] = caught.value
+    assert [e.speaks for e in errors.values()] == [False, True, False, False]
+    assert str(errors[1]).startswith("checkpoint iter_0000003 was not saved: No space left on device "
+                                     "(rank_00001.safetensors) (and 1 more rank could not write theirs)")
+    assert str(errors[0]) == "checkpoint iter_0000003 was not saved (rank 1 says why)"
+    assert os.listdir(tmp_path) == []  # rank 0 removed the folder every rank had finished with
+    sharded._agree(_World(0, 4, set()), None, str(tmp_path), str(tmp_path / "iter_0000004"))  # none failed
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("mount"),
+                    reason="a real full disk needs root, unshare and mount (a private tmpfs)")
+def test_a_full_disk_under_every_rank_of_a_run_prints_one_line_and_ends_every_rank(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    train = (f"{os.path.join(ROOT, 'run_mpi.sh')} -n 2 -m minipar.train --tp 2 --n-layer 1 --max-iters 1 "
+             f"--eval-iters 1 --sample 0 --plot '' --save {disk / 'ckpt'}")
+    run = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {disk} && {train}"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(os.environ, PYTHON=sys.executable,
+                                  PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]))
+    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
+        pytest.skip(f"no private tmpfs here: {run.stderr.strip()}")
+    errors = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line]  # MPI's Abort lines aside
+    assert run.returncode == 1 and len(errors) == 1, run.stdout + run.stderr
+    assert "--save: checkpoint iter_0000001 was not saved: No space left on device" in errors[0], errors
+    assert "(and 1 more rank could not write theirs)" in errors[0], errors

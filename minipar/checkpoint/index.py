@@ -36,7 +36,13 @@ _MISSING = object()
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: the message names the file and the problem."""
+    """A checkpoint that cannot be used: the message names the file and the problem.
+
+    ``speaks``: None where one rank alone found the problem (its caller must end the other ranks);
+    True or False where every rank raised it together (a failed save), True on the one rank whose
+    message says why."""
+
+    speaks = None
 
 
 def seal(index):

@@ -11,14 +11,14 @@ A checkpoint is a directory ``iter_0000020/`` in the save directory:
                              and its own checksum
 
 Saving is atomic at the level of the checkpoint. All ranks write into ``iter_0000020.partial/``;
-after a barrier, rank 0 merges the ranks' lists into ``index.json``, checks that the boxes cover
-every tensor exactly once, renames the directory to ``iter_0000020`` and points ``latest`` at it.
-A crash at any moment leaves the previous checkpoint, and ``latest``, as they were. Every file is
-written whole or not at all, never through a planted link (``files.py``). A save that cannot write
-(the disk is full) raises CheckpointError on the rank that failed, saying that this checkpoint was
-not saved, why, and that the previous one and ``latest`` are unchanged; that rank's partial files
-are removed, and the next start removes the folder. The caller ends every rank: ``save`` is a
-collective the others are still inside.
+once all have (an all-reduce of who failed), rank 0 merges the ranks' lists into ``index.json``,
+checks that the boxes cover every tensor exactly once, renames the directory to ``iter_0000020``
+and points ``latest`` at it. A crash at any moment leaves the previous checkpoint, and ``latest``,
+as they were. Every file is written whole or not at all, never through a planted link
+(``files.py``). A save that cannot write (the disk is full) raises CheckpointError on every rank,
+after every rank has finished its own writing: the lowest rank that failed says that this
+checkpoint was not saved, why, and that the previous one and ``latest`` are unchanged; the others
+say only that it was not saved (``CheckpointError.speaks``). Nothing of it is left behind.
 
 Loading on any layout: every rank computes the boxes of the whole tensors its own pieces cover,
 reads the saved boxes that intersect them (only those: a TP=4 rank does not read the other
@@ -65,37 +65,60 @@ def _checksum(key, dtype, shape, array):
 def save(directory, iteration, model, optimizer, grid, trainer_state):
     """Write a checkpoint of iteration ``iteration`` into ``directory`` (a collective over the
     world). ``trainer_state``: JSON-able facts to resume with (seed, RNG, data position...).
-    Raises CheckpointError if a file cannot be written (see the module's docstring)."""
+    Raises CheckpointError on every rank if any rank cannot write (see the module's docstring)."""
     world = grid.world
     trainer_state = dict(trainer_state, optimizer_steps=optimizer.step_count)
     final = os.path.join(directory, f"iter_{iteration:07d}")
     partial = final + ".partial"
+    failed = None
     if world.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
             remove(partial)  # what a crashed save of this same iteration left
             os.makedirs(partial)
         except OSError as exc:
-            raise _not_saved(directory, final, exc) from exc
-    world.barrier()
+            failed = exc
+    _agree(world, failed, directory, final)
     stem = os.path.join(partial, f"rank_{world.rank:05d}")
     try:
         _write_mine(stem, model, optimizer, grid)
     except OSError as exc:
         remove(stem + ".safetensors")
-        remove(stem + ".json")  # (the folder stays: a rank yet to open its file would fail on its absence)
-        raise _not_saved(directory, final, exc) from exc
-    world.barrier()
+        remove(stem + ".json")
+        failed = exc
+    _agree(world, failed, directory, final, partial)
     if world.rank == 0:
         try:
             index = _merge(partial, world.size, iteration, model, grid, trainer_state, weights_dtype(model, optimizer))
             _publish(directory, partial, final, index)
         except OSError as exc:
             remove(partial)  # every rank has finished writing into it
-            raise _not_saved(directory, final, exc) from exc
-    world.barrier()
+            failed = exc
+    _agree(world, failed, directory, final)
     return final
 
+
+def _agree(world, failed, directory, final, partial=None):
+    """Every rank learns whether any rank's step failed (``failed``: its OSError, or None), and if
+    one did, every rank raises: the lowest failing rank says why, the others say only that it did
+    (``CheckpointError.speaks``), so a disk that is full for all of them prints one line, not one
+    per rank, and no rank is left waiting for one that gave up. ``partial``: every rank has
+    finished writing into it, so after a failure rank 0 removes it and nothing is left behind."""
+    votes = numpy.zeros(world.size, numpy.int64)  # a host array: MPI moves it on any device
+    votes[world.rank] = failed is not None
+    if world.size > 1:
+        votes = world.all_reduce(votes)
+    if not votes.any():
+        return
+    first, count = int(numpy.argmax(votes)), int(votes.sum())
+    if partial is not None and world.rank == 0:
+        remove(partial)
+    if world.rank == first:
+        error = _not_saved(directory, final, failed, others=count - 1)
+    else:
+        error = CheckpointError(f"checkpoint {os.path.basename(final)} was not saved (rank {first} says why)")
+    error.speaks = world.rank == first
+    raise error
 
 def _write_mine(stem, model, optimizer, grid):
     """This rank's shard file (if it writes any box) and its list of boxes."""
@@ -144,8 +167,10 @@ def _put_back(final, partial):
         pass  # find() still recovers iter_N.old, and the next start removes iter_N.partial
 
 
-def _not_saved(directory, final, exc):
+def _not_saved(directory, final, exc, others=0):
     where = f" ({exc.filename})" if exc.filename else ""
+    if others:
+        where += f" (and {others} more rank{'s' * (others > 1)} could not write theirs)"
     latest = os.path.join(directory, "latest")
     fix = ("free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
            "make it writable" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "fix that")
