@@ -17,6 +17,7 @@ prints them, and every rank exits with status 2, never a hang.
 
 import os
 import sys
+import time
 
 from minipar.cli import DefaultsHelpFormatter, FlagError, Parser, agree, non_negative_float, non_negative_int, positive_float, positive_int
 from minipar.parallel.validate import SCHEDULES
@@ -197,6 +198,9 @@ def unwritten(args, iteration, trained):
             f"write the outputs from it with --load {args.save} --max-iters 0 and the same output flags")
 
 
+INTERRUPT_GRACE_S = 2.0
+
+
 def interrupted(args, iteration):
     """The line a Ctrl-C ends the run with: where it stopped and which checkpoint survives (a save
     in progress is written aside and renamed at its end, so the previous one is whole)."""
@@ -260,8 +264,12 @@ def main(argv=None):
         return _end(comm, parser.prog, f"cannot write {exc.filename} ({exc.strerror or exc}): "
                     + unwritten(args, trainer.model.rng.iteration, trainer.trained))
     except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback
-        if comm.rank == 0:
-            print(f"{parser.prog}: {interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)
+        if comm.rank != 0:
+            # Ctrl-C reaches every rank, and rank 0's line and exit end the job within this grace;
+            # a rank still here was interrupted alone (kill -INT of its process): it says so itself
+            time.sleep(INTERRUPT_GRACE_S)
+        who = "" if comm.rank == 0 else f"rank {comm.rank} "
+        print(f"{parser.prog}: {who}{interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)
         return 128 + 2  # the shell's status for a death by SIGINT (2), so scripts see the interruption
     finally:
         if lock is not None:
