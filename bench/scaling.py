@@ -23,6 +23,8 @@ stages; the one the step's own compute leaves with messages free (the trainer's
 long as it took); and the one measured. The third's excess over the second is the micro-batches'
 unevenness (on a shared machine some run slower) and the work the FLOPs leave out (LayerNorms, the
 loss); the fourth's over the third is what messages and the executor's own work cost.
+PipeDream-2BW never flushes, so its formula's bubble is none and its FLOPs' only the stages'
+imbalance; its stream of batches is not replayed ("-").
 
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
 parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
@@ -69,6 +71,7 @@ LAYOUTS = {
     "zb-h1": (PIPE + ["--schedule", "zb-h1"], "dense", "zb-h1"),
     "zb-h2": (PIPE + ["--schedule", "zb-h2"], "dense", "zb-h2"),
     "zb-v": (PIPE + ["--schedule", "zb-v", "--vpp", "2"], "dense", "zb-v"),
+    "pipedream-2bw": (PIPE + ["--schedule", "pipedream-2bw"], "dense", "pipedream-2bw"),
     "cp-ring": (["--cp", "{n}", "--cp-comm-type", "p2p"], "dense", None),
     "cp-ulysses": (["--cp", "{n}", "--cp-comm-type", "a2a"], "dense", None),
     "ep": (["--ep", "{n}"], "moe", None),
@@ -101,6 +104,11 @@ def ideal(layout, n, n_layer, n_embd):
                        weight=third if split else None, shape=shape)
         return sum(sim.bubble.values()) / n
 
+    if schedule == "pipedream-2bw":
+        # no flush: batch t+1's forwards fill batch t's drain, so in a long stream a stage idles
+        # only while the slowest stage works (none with equal stages)
+        loads = [sum(flops[r, c] for c in range(v)) for r in range(n)]
+        return n, Fraction(0), 1 - Fraction(sum(loads), n * max(loads))
     equal = bubble(dict.fromkeys(flops, 1))
     return n * (1 - equal), equal, bubble(flops)
 
@@ -179,8 +187,9 @@ def main():
         speedup = base / t
         idle = ""
         if LAYOUTS[name][2]:
-            idle = (f"{float(bubble):.3f}, {float(of_flops):.3f}, {statistics.median(expected[name]):.3f}, "
-                    f"{statistics.median(measured[name]):.3f}")
+            replayed = [b for b in expected[name] if b is not None]  # PipeDream-2BW's stream is not replayed
+            idle = (f"{float(bubble):.3f}, {float(of_flops):.3f}, "
+                    f"{f'{statistics.median(replayed):.3f}' if replayed else '-'}, {statistics.median(measured[name]):.3f}")
         rows.append((name, base, t, speedup, float(best), speedup / float(best), idle))
     print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "
           f"GPT of {args.n_layer} layers, hidden {args.n_embd}, 4 heads, T 128, batch {BATCH}")

@@ -133,9 +133,13 @@ def test_scaling_benchmark_runs_and_takes_pipelines_ideal_from_the_simulator():
     # the last stage's head (6 V h = 196,608 FLOPs a token) on 2 blocks of 72 h^2 + 12 T h: 1/14 more
     assert by_flops == Fraction(9, 67) and float(by_flops) == pytest.approx(0.134, abs=5e-4)
     assert scaling.ideal("zb-v", 2, 4, 128)[1] == Fraction(1, 49) and scaling.ideal("dp", 4, 4, 128) == (4, None, None)
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "scaling.py"), "--only", "dp,1f1b",
+    # PipeDream-2BW never flushes: only the imbalance, stage 0 idle 1/15 of the time: 1/30 of all
+    assert scaling.ideal("pipedream-2bw", 2, 4, 128) == (2, 0, Fraction(1, 30))
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "scaling.py"), "--only", "dp,1f1b,pipedream-2bw",
                           "--rounds", "1", "--steps", "3", "--skip", "1", "--n-layer", "2", "--n-embd", "32"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {line.split()[0]: line.split() for line in run.stdout.splitlines()[3:] if line.strip()}
-    assert set(rows) == {"dp", "1f1b"} and rows["1f1b"][4] == "1.78x", run.stdout
+    assert set(rows) == {"dp", "1f1b", "pipedream-2bw"} and rows["1f1b"][4] == "1.78x", run.stdout
+    two_bw = rows["pipedream-2bw"]  # its stream is not replayed: no compute-alone bubble
+    assert two_bw[4] == "2.00x" and two_bw[6] == "0.000," and two_bw[8] == "-,", run.stdout
