@@ -77,6 +77,6 @@ def print_two_bw(args, run, tol):
     for label, losses in (("synchronous", run.synchronous), ("PipeDream-2BW", run.losses)):
         print(f"  {label:<14}" + " ".join(f"{x:>7.4f}" for x in losses[:8]))
     print(f"  apart by up to {run.apart:.2e}: asynchrony changes the maths (step 1 reuses grad f(W(0)))")
-    print("stashed weights per rank (one more copy of its parameters), bytes:\n  "
+    print("stash per rank (one more copy of its parameters, and one of a batch's gradients), bytes:\n  "
           + ", ".join(f"{b:,}" for b in run.stash))
     print(f"loss curves: {args.out}/pipedream_2bw_loss.png")

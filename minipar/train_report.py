@@ -12,6 +12,9 @@ import sys
 
 import numpy
 
+from minipar.checkpoint import full
+from minipar.lr_schedule import learning_rate
+from minipar.models import GPT
 from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.weight_stash import WeightStash
 
@@ -135,7 +138,7 @@ class Reports:
     def _record(self, it, loss, norm, bubble, ms, mfu):
         """Iteration ``it``'s row of --log-json (and of the progress line)."""
         args = self.args
-        record = {"iter": it, "loss": loss, "lr": self.opt.lr, "grad_norm": norm, "ms": ms, "bubble": bubble,
+        record = {"iter": it, "loss": loss, "lr": learning_rate(it, args), "grad_norm": norm, "ms": ms, "bubble": bubble,
                   "mfu": mfu}
         # the bubble of this step's compute alone (stage_times): a replay of up to 4096
         # chunk-passes, 0.1 s at that size, so only for a log; on every rank alike, so that
@@ -202,3 +205,38 @@ class Reports:
               f"z-loss {r['z_loss']:.5f})")
         for layer, loads, dropped, total in zip(r["layers"], r["tokens_per_expert"], r["dropped"], slots):
             print(f"  layer {layer:>3}: {' '.join(f'{n:>6}' for n in loads)}   dropped {dropped} of {total}")
+
+    def _finish(self, history, val_history):
+        """What a finished run writes: its weights, a Hugging Face snapshot, the loss curve, a sample."""
+        args = self.args
+        needed = args.export_weights or args.export_hf or args.sample > 0
+        weights = full.gather_full_state(self.model, self.opt, self.grid) if needed else None
+        if not self.speaks:
+            return
+        if args.export_weights:
+            from minipar.checkpoint import save_weights
+
+            save_weights(weights, args.export_weights)
+            print(f"weights written to {args.export_weights}")
+        if args.export_hf:
+            from minipar.checkpoint.hf import save_snapshot
+
+            tokenizer = args.tokenizer.files if args.tokenizer is not None else ()
+            save_snapshot(weights, self.config, args.export_hf, args.dropout, args.hf_token_ids, tokenizer)
+            print(f"Hugging Face snapshot written to {args.export_hf}")
+        if args.plot and history:
+            from minipar.plots import plot_loss
+
+            plot_loss(history, val_history, args.plot, title=f"GPT {self.model_parameters():,} params")
+            print(f"loss curve written to {args.plot}")
+        if args.sample > 0:
+            from minipar import data
+
+            encode, decode = (args.tokenizer.encode, args.tokenizer.decode) if args.tokenizer is not None else (
+                data.encode, data.decode)  # BPE ids, or bytes
+            serial = GPT(self.config)
+            dtype = serial.parameters()[0].dtype  # a 16-bit model samples from its masters' rounding
+            serial.load_state_dict({name: w.astype(dtype, copy=False) for name, w in weights.items()})
+            prompt = encode(args.prompt)[None, :].astype(numpy.int64)
+            rng = numpy.random.default_rng(args.seed)
+            print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))

@@ -20,6 +20,7 @@ same global norm, so every rank stops, and the ranks name the tensors that went 
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -65,14 +66,15 @@ class Trainer(Reports):
         hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.opt = make_optimizer(model, grid, args.zero_stage, policy=policy, scaler=scaler, **hyper)  # the only place the stage is read
         if args.schedule == "pipedream-2bw":  # no flush: each batch on its stashed weight version
-            self.opt = WeightStash(self.opt)
+            self.opt = WeightStash(self.opt, max_norm=args.grad_clip)
             self.executor = PipeDream2BW(model, grid, args.micro_batches, self.opt, recompute=args.recompute)
         else:
             self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
                                              optimizer=self.opt, recompute=args.recompute)
         self.end = args.max_iters  # the run's last iteration + 1 (PipeDream-2BW drains before it)
         # chunks per rank; PipeDream-2BW's step runs the next batch's forwards too: no replay for it
-        self.v, self.replayable = args.vpp, not isinstance(self.executor, PipeDream2BW)
+        self.lagged = isinstance(self.executor, PipeDream2BW)  # its results come a step late (_steps)
+        self.v, self.replayable = args.vpp, not self.lagged
         self.start, self._n_params = 0, None
         self.stuck = 0  # fp16 steps skipped in a row at a scale that cannot go lower (saved: a resume goes on counting)
         if weights is not None:
@@ -108,6 +110,14 @@ class Trainer(Reports):
     def step(self, it):
         """Train iteration ``it``; returns the loss, gradient norm and bubble (the same on every rank)
         and the names of this rank's non-finite gradients."""
+        started = self._start(it)
+        if self.lagged:  # waited for at once: the update set aside in this step made now
+            self.opt.apply()
+        return self._results(started)
+
+    def _start(self, it):
+        """Run iteration ``it`` and start the one all-reduce of what it reports: the loss, and every
+        stage's summary averaged over the stage's ranks. ``_results`` waits for it."""
         self.opt.lr = learning_rate(it, self.args)
         self.model.rng.iteration = it  # dropout masks are keyed by the iteration (and the position)
         x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
@@ -120,27 +130,70 @@ class Trainer(Reports):
         # the scale lowered), so NumPy's overflow warnings say nothing the progress line does not
         quiet = numpy.errstate(over="ignore", invalid="ignore") if self.scaler is not None else contextlib.nullcontext()
         with quiet:
-            if isinstance(self.executor, PipeDream2BW):  # the next batch's forwards run during this step
+            if self.lagged:  # the next batch's forwards run during this step; the stash updates
                 following = (self.data.batch("train", it + 1, self.args.batch_size, self.args.block_size,
                                              self.args.seed) if it + 1 < self.end else None)
-                record = self.executor.step(x, y, optimizer_step=self._update, following=following)
+                record = self.executor.step(x, y, optimizer_step=self.opt.step, following=following)
             else:
                 record = self.executor.step(x, y, optimizer_step=self._update)
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
         # routing over the whole step (a collective of a few numbers per layer)
-        self.routing = step_statistics(self.model, self.world) if self.config.num_experts else None
-        bad = [] if math.isfinite(self.norm) or self.opt.skipped_step else self._nonfinite()
+        routing = step_statistics(self.model, self.world) if self.config.num_experts else None
+        bad = None if self.lagged or math.isfinite(self.norm) or self.opt.skipped_step else self._nonfinite()
         self.opt.zero_grad()
         loss = record.loss if self.reports_loss else 0.0
-        # one all-reduce: the loss, and every stage's summary averaged over the stage's ranks
         g = self.grid
         m = self.args.micro_batches if self.replayable else None  # PipeDream-2BW's: no replay
         table = numpy.zeros((g.pp, stage_times.width(g.pp, self.v, m)))
         table[g.pp_rank] = stage_times.summary(record.timeline, g.pp, self.v, m)
         table /= self.world.size // g.pp
-        totals = self.world.all_reduce(numpy.concatenate([[loss], table.ravel()]))
-        self.stages = totals[1:].reshape(table.shape)
-        return float(totals[0]), self.norm, stage_times.bubble(self.stages), bad
+        totals = numpy.concatenate([[loss], table.ravel()])
+        return it, self.world.iall_reduce(totals), table.shape, bad, routing
+
+    def _results(self, started):
+        """(loss, gradient norm, bubble, non-finite gradients) of a ``_start``: the same on every rank."""
+        _, request, shape, bad, self.routing = started
+        totals = request.wait()
+        self.stages = totals[1:].reshape(shape)
+        norm = self.opt.norms.pop(0) if self.lagged else self.norm  # PipeDream-2BW's, at its update
+        if bad is None:
+            bad = [] if math.isfinite(norm) else self._nonfinite()
+        return float(totals[0]), norm, stage_times.bubble(self.stages), bad
+
+    def _steps(self, start, end, watchdog):
+        """Train iterations start .. end - 1, yielding (iteration, its results, its ms, and None or,
+        when an evaluation follows it, a call that returns the validation loss) in order.
+        PipeDream-2BW's results come one step late: summed over the stages, which end a batch at
+        different times, while the next step runs (``weight_stash.py``), so that no stage waits for
+        another; its evaluation runs right after its step all the same (on the weights it made)."""
+        late = None
+        try:
+            for it in range(start, end):
+                watchdog.arm(f"the step of iteration {it}")
+                clock = time.perf_counter()
+                started = self._start(it)
+                ms = 1e3 * (time.perf_counter() - clock)
+                evaluation = None
+                if (it + 1) % self.args.eval_interval == 0 or it == self.args.max_iters - 1:
+                    evaluation = functools.partial(self._evaluate_after, it, watchdog)
+                    if self.lagged:  # on the weights this step made: before the next step moves them
+                        evaluation = functools.partial(float, evaluation())
+                if not self.lagged:
+                    yield it, self._results(started), ms, evaluation
+                    continue
+                if late is not None:
+                    yield late[0][0], self._results(late[0]), *late[1:]
+                late = started, ms, evaluation
+            if late is not None:
+                yield late[0][0], self._results(late[0]), *late[1:]
+                late = None
+        finally:  # a run stopped early (diverged) leaves no sum unwaited
+            if late is not None:
+                late[0][1].wait()
+
+    def _evaluate_after(self, it, watchdog):
+        watchdog.arm(f"the evaluation after iteration {it}")
+        return self.evaluate()
 
     def _groups(self):
         g = self.grid
@@ -200,23 +253,17 @@ class Trainer(Reports):
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
                   buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}",
                                            self.world.abort) as watchdog:
-            clock = time.perf_counter()
-            for it in range(self.start, end):
-                watchdog.arm(f"the step of iteration {it}")
-                loss, norm, bubble, bad = self.step(it)
+            for it, (loss, norm, bubble, bad), ms, evaluation in self._steps(self.start, end, watchdog):
                 if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)
                 # fp16 steps skipped in a row at a scale that cannot go lower train nothing, ever
                 self.stuck = self.stuck + 1 if self.opt.skipped_step and self.at_floor else 0
                 if self.stuck == STUCK_STEPS:
                     return self._stuck(it)
-                now = time.perf_counter()
-                ms, clock = 1e3 * (now - clock), now
                 record = self._record(it, loss, norm, bubble, ms, model_flops / (ms / 1e3) / peak)
                 last = it == end - 1
-                if (it + 1) % args.eval_interval == 0 or it == args.max_iters - 1:
-                    watchdog.arm(f"the evaluation after iteration {it}")
-                    val_loss = record["val_loss"] = self.evaluate()
+                if evaluation is not None:
+                    val_loss = record["val_loss"] = evaluation()
                     val_history.append((it, val_loss))
                     # other work on the machine only slows a measurement: the highest one is the
                     # nearest the peak (one taken while the machine was busy made MFU exceed 100%)
@@ -224,7 +271,6 @@ class Trainer(Reports):
                 if args.save and ((it + 1) % args.save_interval == 0 or last):
                     watchdog.arm(f"the checkpoint of iteration {it + 1}")
                     self.save(it + 1)
-                clock = time.perf_counter()  # validation and saving are not a step's time
                 history.append(loss)
                 try:
                     write_all(log.fileno(), (json.dumps(record) + "\n").encode())
@@ -256,37 +302,3 @@ class Trainer(Reports):
                        if piece.kind == "param" and piece.write for start, stop, _ in piece.global_boxes())
             self._n_params = int(self.world.all_reduce(numpy.array([mine], numpy.int64))[0])
         return self._n_params
-
-    def _finish(self, history, val_history):
-        args = self.args
-        needed = args.export_weights or args.export_hf or args.sample > 0
-        weights = full.gather_full_state(self.model, self.opt, self.grid) if needed else None
-        if not self.speaks:
-            return
-        if args.export_weights:
-            from minipar.checkpoint import save_weights
-
-            save_weights(weights, args.export_weights)
-            print(f"weights written to {args.export_weights}")
-        if args.export_hf:
-            from minipar.checkpoint.hf import save_snapshot
-
-            tokenizer = args.tokenizer.files if args.tokenizer is not None else ()
-            save_snapshot(weights, self.config, args.export_hf, args.dropout, args.hf_token_ids, tokenizer)
-            print(f"Hugging Face snapshot written to {args.export_hf}")
-        if args.plot and history:
-            from minipar.plots import plot_loss
-
-            plot_loss(history, val_history, args.plot, title=f"GPT {self.model_parameters():,} params")
-            print(f"loss curve written to {args.plot}")
-        if args.sample > 0:
-            from minipar import data
-
-            encode, decode = (args.tokenizer.encode, args.tokenizer.decode) if args.tokenizer is not None else (
-                data.encode, data.decode)  # BPE ids, or bytes
-            serial = GPT(self.config)
-            dtype = serial.parameters()[0].dtype  # a 16-bit model samples from its masters' rounding
-            serial.load_state_dict({name: w.astype(dtype, copy=False) for name, w in weights.items()})
-            prompt = encode(args.prompt)[None, :].astype(numpy.int64)
-            rng = numpy.random.default_rng(args.seed)
-            print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))

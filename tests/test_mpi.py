@@ -243,16 +243,16 @@ STOPS_ON_RANK_1 = """import sys
 from minipar import train, trainer
 from minipar.comm import world
 
-original = trainer.Trainer.step
+original = trainer.Trainer._start  # what the loop runs of each step
 
 
-def step(self, it):
+def start(self, it):
     if it == 2 and world().rank == 1:
         raise SystemExit(0)
     return original(self, it)
 
 
-trainer.Trainer.step = step
+trainer.Trainer._start = start
 sys.exit(train.main(sys.argv[1:]))
 """
 

@@ -42,6 +42,8 @@ from minipar.rng import DropoutRNG, context_positions, part
 
 
 class GPT(WholeModel, Module):
+    tied_sum_elsewhere = False  # see finalize_grads
+
     def __init__(self, config, grid=None, sequence_parallel=False, virtual_stages=1, cp_comm_type="p2p",
                  recompute_granularity=None, pipeline_shape="round-robin", moe_routing=None, layers_per_stage=None):
         self.config = config
@@ -271,7 +273,9 @@ class GPT(WholeModel, Module):
         """Finish the gradients once after the last backward of a step, before the optimizer:
         with sequence parallelism, sum the ones each rank holds only part of; with pipeline
         stages, add the tied embedding's two parts (the first stage's use as the input
-        embedding, the last stage's as the output head), so both copies take the same step.
+        embedding, the last stage's as the output head), so both copies take the same step,
+        unless ``tied_sum_elsewhere`` (PipeDream-2BW's stash adds them later, on its own copy of
+        the gradients: the one sum here between stages, which end a batch at different times).
         A second call before the next backward is refused on every rank (it would add twice)."""
         if not hasattr(self, "_grads_final"):  # any backward through this rank's layers resets it
             self.parameters()[0].register_grad_hook(lambda _: setattr(self, "_grads_final", False))
@@ -282,7 +286,7 @@ class GPT(WholeModel, Module):
         if self.sequence_parallel:
             tensor.finalize_grads(self, self.tp)
         for p in self.parameters():
-            if "embedding" in p.placement.grad_sum:  # the tied embedding, on a pipeline
+            if "embedding" in p.placement.grad_sum and not self.tied_sum_elsewhere:  # the tied embedding, on a pipeline
                 if p.grad is None:
                     p.grad = xp.zeros_like(p.data)
                 self.embedding_group.all_reduce(p.grad)

@@ -60,8 +60,8 @@ class PipeDream2BW(PipelineExecutor):
                              "whose forwards have already run")
         state = self.in_flight[b][0]
         state.optimizer_step = optimizer_step
-        if following is not None:  # batch t+1 runs on W(t): the newest now, the stash after this step
-            self.in_flight[b + 1] = (self._state(*following), stash.newest, iteration + 1)
+        if following is not None:  # batch t+1 runs on W(t): made by the pending update, the stash after this step
+            self.in_flight[b + 1] = (self._state(*following), stash.upcoming, iteration + 1)
         instructions, self.forwarded = S.two_bw_instructions(self.grid.pp, m, self.grid.pp_rank, b, self.forwarded,
                                                             following is not None)
         try:
@@ -76,10 +76,18 @@ class PipeDream2BW(PipelineExecutor):
         finally:
             self.model.rng.iteration, self._tag_batch = iteration, None
         del self.in_flight[b]
+        if following is None:  # the stream ends: the update no forward will ask for is made now
+            stash.apply()
         self.batch = b + 1
         if self.model.chunks[-1] == self.pipe.n_chunks - 1:
             state.record.loss = state.loss
         return state.record
+
+    def evaluate(self, x, y):
+        """The evaluation of the executor, on the newest weights: those after the last step, the
+        update set aside there made first (all stages take part in an evaluation anyway)."""
+        self.optimizer.apply()
+        return super().evaluate(x, y)
 
     def _dispatch(self, ins, state):
         """Run a stream instruction on its batch's state, as micro-batch (k mod m) of batch (k div m),

@@ -23,38 +23,63 @@ executor (``pipedream.py``) runs each forward and backward inside ``weights(vers
 points the parameters at that version's arrays (recompute reruns a forward in the backward, which
 must read the same version).
 
+No stage waits for another at the step. Stage s ends batch t (its last backward) later than stage
+s + 1, the first stage last of all, and whatever sums the stages' gradients (the tied embedding's two
+parts, the norm that clipping divides by) would hold each stage until the first one got there: in a
+stream of batches 2 (p - 1) forward-times every step, which is most of the bubble PipeDream-2BW is
+there to remove ((p - 1) / (m + p - 1) for 1F1B; 2 (p - 1) / (3 m + 2 (p - 1)) with F = 1, B = 2).
+But W(t+1) is first read by batch t+2's forwards, a batch later. So ``step`` (at the end of batch
+t) only sets batch t's gradients aside, a copy (the next batch's backwards fill the buffers) whose
+sums between stages it starts, and ``apply`` makes the update when W(t+1) is first asked for
+(``weights``), or at the next ``step``, or when the stream drains. By then every sum is in.
+
 ``plant_bug``: the newest arrays are updated in place instead (the stash gets a copy): a micro-batch
 forwarded before the step then runs its backward on the next version's weights, the bug weight
 stashing exists to prevent.
 """
 
 import contextlib
+import math
 
 from minipar.backend import xp
+from minipar.parallel.grad_norm import start_grad_norm
 from minipar.parallel.protocol import DistributedOptimizer
 
 
 class WeightStash(DistributedOptimizer):
     """``inner``: a stage-0 optimizer over the model's parameters (``DataParallelAdamW``), without
-    fp32 masters (those would be a third copy of the weights the stash would have to follow)."""
+    fp32 masters (those would be a third copy of the weights the stash would have to follow).
+    ``max_norm``: clip each update's gradients to this global norm (0: do not clip)."""
 
-    def __init__(self, inner, plant_bug=False):
+    def __init__(self, inner, plant_bug=False, max_norm=0.0):
         if inner.stage != 0 or inner.policy is not None:
             raise ValueError("PipeDream-2BW stashes the model's own weights: it needs ZeRO stage 0 and "
                              "no 16-bit policy (fp32 masters would be a third version)")
         super().__init__(inner.model, inner.comm)
-        self.inner, self.stage, self.plant_bug = inner, inner.stage, plant_bug
+        self.inner, self.stage, self.plant_bug, self.max_norm = inner, inner.stage, plant_bug, max_norm
         self.params = inner.model.parameters()
+        inner.model.tied_sum_elsewhere = True  # ``step`` adds the tied embedding's parts, on its copy
         self.newest = 0  # W(0); the stash is W(-1) := W(0), the version batch 0 runs on
         self.stash = [p.data.copy() for p in self.params]
+        self.saved = [xp.empty_like(p.data) for p in self.params]  # a batch's gradients, until its update
+        self.pending = None  # the set-aside batch's (grad_scale, lr, its norm's sum, the tied embedding's sums)
+        self.norms = []  # each update's gradient norm, in order, for the caller to take
 
     @property
     def stashed(self):
         return self.newest - 1
 
+    @property
+    def upcoming(self):
+        """The version the batch after the one in flight runs on: the one the pending update makes."""
+        return self.newest + (self.pending is not None)
+
     @contextlib.contextmanager
     def weights(self, version):
-        """Run the forward or backward inside on weight ``version`` (the newest or the stashed one)."""
+        """Run the forward or backward inside on weight ``version`` (the newest or the stashed one;
+        the first forward on the version the pending update makes makes it)."""
+        if version == self.upcoming and self.pending is not None:
+            self.apply()
         if version == self.newest:
             yield
             return
@@ -71,7 +96,34 @@ class WeightStash(DistributedOptimizer):
                 p.data = a
 
     def step(self, grad_scale=1.0):
-        """W(t+1) = W(t) - lr * g, g summed from the batch run on W(t-1); W(t) becomes the stash."""
+        """At the end of batch t's backwards: the previous batch's update if it is still pending,
+        then batch t's gradients set aside and their sums between stages started (``apply`` makes
+        the update). The stage's own sums (data parallelism, sequence parallelism) are taken now."""
+        self.inner.finish_gradients()
+        self.apply()
+        for s, p in zip(self.saved, self.params):
+            xp.copyto(s, p.grad)
+        group = getattr(self.model, "embedding_group", None)
+        tied = [group.iall_reduce(s) for s, p in zip(self.saved, self.params) if "embedding" in p.placement.grad_sum]
+        # the first stage's norm counts the tied embedding, whole: it is started once that sum is in,
+        # in ``apply`` (waiting for it here would wait for the last stage to make progress in MPI)
+        norm = None if tied and self.grid.pp_rank == 0 else start_grad_norm(self.params, self.grid, self.saved)
+        # the learning rate too: the caller sets the next step's before this update is made
+        self.pending = (grad_scale, self.lr, norm, tied)
+
+    def apply(self):
+        """The update set aside by ``step``: W(t+1) = W(t) - AdamW(batch t's gradients, clipped), the
+        arrays read so far kept as the stash W(t) (see the module's docstring)."""
+        if self.pending is None:
+            return
+        (grad_scale, lr, norm, tied), self.pending = self.pending, None
+        for request in tied:
+            request.wait()
+        total = (norm if norm is not None else start_grad_norm(self.params, self.grid, self.saved)).wait()
+        self.norms.append(total)
+        if self.max_norm > 0 and total > self.max_norm:  # DistributedOptimizer.clip_grad_norm's factor
+            for g in self.saved:
+                g *= self.max_norm / (total + 1e-6)
         if self.plant_bug:  # the stash gets a copy, the arrays the in-flight graphs read are updated
             for p, s in zip(self.params, self.stash):
                 s[...] = p.data
@@ -81,12 +133,23 @@ class WeightStash(DistributedOptimizer):
             self.stash, old = [p.data for p in self.params], self.stash
             for p, a in zip(self.params, old):
                 p.data = a
-        self.inner.step(grad_scale)
+        live = [p.grad for p in self.params]  # the next batch's, being summed: AdamW reads the set-aside ones
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
+        lr, self.lr = self.lr, lr
+        try:
+            if math.isfinite(total):  # else W(t+1) = W(t), and the trainer ends the run on the norm
+                self.inner.adamw.step(grad_scale)
+        finally:
+            self.lr = lr
+            for p, g in zip(self.params, live):
+                p.grad = g
         self.newest += 1
 
     def stash_bytes(self):
-        """The bytes the second version costs: one more copy of this rank's parameters."""
-        return sum(s.nbytes for s in self.stash)
+        """The bytes the second version costs: one more copy of this rank's parameters, and one of
+        their gradients (a batch's, set aside until its update)."""
+        return sum(s.nbytes for s in self.stash) + sum(g.nbytes for g in self.saved)
 
     # ---- everything else is the stage's ------------------------------------------------------
     @property
@@ -113,6 +176,10 @@ class WeightStash(DistributedOptimizer):
 
     def state_bytes(self):
         return {**self.inner.state_bytes(), "stash": self.stash_bytes()}
+
+    def nonfinite_gradients(self):
+        """Parameters whose set-aside gradient (the last batch's) has a NaN or an infinity."""
+        return [p for p, g in zip(self.params, self.saved) if not bool(xp.isfinite(g).all())]
 
     def full_gradients(self):
         return self.inner.full_gradients()
