@@ -295,6 +295,17 @@ def test_zero_shards_the_moments_then_the_gradients_then_the_parameters():
         assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(n / 4 * arrays * 8)
 
 
+def test_the_batch_floor_counts_one_micro_batchs_logits_on_its_cp_and_tp_share():
+    from minipar.parallel.memory import batch_bytes
+    from minipar.parallel.validate import RunConfig
+
+    run = RunConfig(tp=2, cp=2, dp=2, global_batch=8, micro_batches=2, block_size=16, vocab_size=255,
+                    dtype="bfloat16")
+    ids = 2 * 8 * 8 * 16  # inputs and targets of the whole batch, int64
+    # 2 rows, 16 / CP positions, the vocabulary padded to 256 / TP columns, 2 bytes each
+    assert batch_bytes(run, logits=False) == ids and batch_bytes(run) == ids + 2 * 2 * 8 * 128
+
+
 def test_an_unknown_minipar_device_is_a_flag_problem(tmp_path):
     run = subprocess.run([sys.executable, "-m", "minipar.train", *ONE_STEP], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path, env=dict(os.environ, MINIPAR_DEVICE="tpu"))

@@ -13,6 +13,7 @@ from mpi_run import check_mpi, logged_losses as losses, run_train
     (4, "4 1 a2a"),                # Ulysses, a head per rank
     (4, "2 2 p2p sp"),             # with tensor and sequence parallelism
     (4, "2 1 a2a zero1 selective"),  # with DP = 2, ZeRO-1 over DP x CP, selective recomputation
+    (2, "2 1 p2p zero3"),          # ZeRO-3 over DP x CP: here the CP ranks alone shard the state
     (4, "2 1 p2p pp2"),            # with two pipeline stages
 ])
 def test_the_gpt_on_a_context_parallel_grid_equals_one_device(n, args):

@@ -61,6 +61,22 @@ def test_ties_go_to_the_lowest_expert_index():
     assert route.indices.tolist() == [[1, 2, 0]]
 
 
+def test_ties_among_many_experts_go_to_the_lowest_index_too():
+    # past 16 experts NumPy's default argsort is no longer an insertion sort, and not stable
+    probs = numpy.zeros((1, 64))
+    probs[0, [5, 40, 41, 63]] = 0.25
+    assert top_k(probs, 4).tolist() == [[5, 40, 41, 63]]
+
+
+def test_a_16_bit_router_scores_in_float32():
+    # logits 1 and 1 + 2^-10: one bfloat16 (8 significant bits), which would tie them for expert 0
+    minipar.set_default_dtype("bfloat16")
+    router = Router(2, 2, 1)
+    router.weight.data[...] = numpy.array([[1.0, 0.0], [1.0, 1.0]]).astype(router.weight.dtype)
+    route = router(Tensor(numpy.array([[1.0, 2.0**-10]]), dtype="bfloat16"))
+    assert route.indices.tolist() == [[1]] and route.probs.dtype == numpy.float32
+
+
 def test_router_weights_renormalised_or_not():
     logits = rows(3)
     p = numpy.exp(logits) / numpy.exp(logits).sum(1, keepdims=True)

@@ -2,11 +2,13 @@
 backward, free of deadlock; the bubble amortised over the batches; the sizes it refuses."""
 
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 
 from minipar.parallel import validate
 from minipar.parallel.pipeline import schedules as S
+from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.simulate import simulate
 
 
@@ -43,6 +45,24 @@ def test_fewer_micro_batches_than_stages_still_run():
     p, m = 4, 2
     sim = simulate({r: S.pipedream_2bw(p, m, r, 5) for r in range(p)}, m * 5)
     assert max(sim.bubble.values()) < Fraction(p - 1, m + p - 1)
+
+
+def test_a_long_stream_reuses_two_bands_of_message_tags():
+    """Batch t's messages are tagged in band 1 + t mod 2 (band 0: an evaluation's), so the two
+    batches in flight never share a tag, and a stream of any length stays within the 6 m p tags
+    checked against MPI's bound at the start."""
+    p, m, batches = 2, 3, 6
+    run = PipeDream2BW.__new__(PipeDream2BW)  # its tags alone: no model, no communicator
+    run.m, run.pipe = m, S.Pipeline(p, m)
+    for r in range(p):
+        run.grid = SimpleNamespace(pp_rank=r)
+        tags = {}
+        for ins in S.pipedream_2bw(p, m, r, batches):
+            if ins.op in (S.SEND_ACT, S.SEND_GRAD, S.RECV_ACT, S.RECV_GRAD):
+                run._tag_batch, mb = divmod(ins.mb, m)
+                tags.setdefault(run._tag_batch, set()).add(run._tag(S.Instruction(ins.op, mb, ins.chunk)))
+        assert max(map(max, tags.values())) < 6 * m * p and min(map(min, tags.values())) >= 2 * m * p
+        assert all(not tags[t] & tags[t + 1] for t in range(batches - 1))
 
 
 @pytest.mark.parametrize("fields,message", [

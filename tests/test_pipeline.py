@@ -67,7 +67,7 @@ def test_forward_only_schedules_run_every_micro_batch_through_every_chunk(p, m, 
     plans = {r: S.forward_only(p, m, v, r) for r in range(p)}
     sim = simulate(plans, m, v, forward_only=True)
     assert all(i.op != S.BACKWARD for s in plans.values() for i in s)
-    assert sim.messages == m * (p * v - 1)
+    assert sim.messages == m * (p * v - 1) and sim.makespan == v * m + p - 1
 
 
 @pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 3, 6, 1), ("interleaved", 4, 8, 2)])

@@ -32,6 +32,13 @@ def test_a_split_cuts_equal_parts_that_join_into_the_whole(shape, axis, chunks, 
         np.testing.assert_array_equal(split.unshard(parts), whole)
 
 
+def test_the_vocabulary_is_padded_to_the_next_multiple_of_tp_and_no_further():
+    from minipar.parallel.tensor import padded_vocab
+
+    assert [padded_vocab(50257, tp) for tp in (1, 2, 8)] == [50257, 50258, 50264]
+    assert padded_vocab(256, 4) == 256 and padded_vocab(10, 4) == 12
+
+
 def test_a_split_of_the_fused_qkv_gives_each_rank_its_heads_of_q_k_and_v():
     q, k, v = np.zeros((4, 2)), np.ones((4, 2)), np.full((4, 2), 2.0)
     part = Split("tp", 0, 12, chunks=3).shard(np.concatenate([q, k, v]), 1, 2)

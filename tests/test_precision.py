@@ -82,7 +82,7 @@ def _batches(steps, rows=4, repeat=False):
 def _train(stage, dtype, policy=None, scaler=None, steps=3, max_norm=0.05, plant=None, repeat=False):
     """The trainer's loop (two micro-batches) on one device; ``plant``: the step at which one
     gradient is set to inf after backward; ``max_norm=None``: no clipping, so the step unscales
-    on its own. Returns (optimizer, model, losses, skipped)."""
+    on its own (a tuple: each step's). Returns (optimizer, model, losses, skipped)."""
     minipar.set_default_dtype(dtype)
     minipar.manual_seed(0)
     grid = ProcessGrid(1, 1)
@@ -100,8 +100,9 @@ def _train(stage, dtype, policy=None, scaler=None, steps=3, max_norm=0.05, plant
         opt.finish_gradients()
         if it == plant:
             opt._gradients()[0][0] = np.inf
-        if max_norm is not None:
-            opt.clip_grad_norm(max_norm)
+        norm = max_norm[it] if isinstance(max_norm, tuple) else max_norm
+        if norm is not None:
+            opt.clip_grad_norm(norm)
         opt.step()
         skipped.append(opt.skipped_step)
         opt.zero_grad()
@@ -122,11 +123,12 @@ def test_float64_policy_equals_the_plain_float64_run_bit_for_bit(stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-@pytest.mark.parametrize("max_norm", [0.05, None])
+@pytest.mark.parametrize("max_norm", [0.05, None, (0.05, None, None)])
 def test_a_growing_scale_unscales_each_step_by_the_scale_its_backward_used(stage, max_norm):
     """The scale doubles after every clean step (a window of 1): each step's gradients carry the
     scale before that update, and dividing by it (a power of two: exact) leaves every bit of the
-    plain float64 run, with clipping (which unscales) and without (the step unscales)."""
+    plain float64 run, with clipping (which unscales), without (the step unscales), and without
+    after a step with (what the clip kept for its step is not kept for the next)."""
     plain = _train(stage, "float64", max_norm=max_norm)[0].full_state_dict()
     opt = _train(stage, "float64", Policy.of("float64", main="float64"), DynamicLossScaler(4.0, growth_interval=1),
                  max_norm=max_norm)[0]
@@ -134,6 +136,25 @@ def test_a_growing_scale_unscales_each_step_by_the_scale_its_backward_used(stage
     mixed = opt.full_state_dict()
     for name, value in plain.items():
         np.testing.assert_array_equal(mixed[name], value, err_msg=f"stage {stage}: {name}")
+
+
+def test_gradients_read_after_the_overflow_check_carry_the_scale_backward_used():
+    """The check grows the scale (a window of 1); the gradients it checked were made with the
+    scale before, which the unscaled copies for checks against one device divide by."""
+    grads = []
+    for policy, scaler in ((None, None), (Policy.of("float64", main="float64"), DynamicLossScaler(4.0, growth_interval=1))):
+        minipar.set_default_dtype("float64")
+        minipar.manual_seed(0)
+        grid = ProcessGrid(1, 1)
+        model = GPT(CONFIG, grid)
+        opt = make_optimizer(model, grid, 0, policy=policy, scaler=scaler, **HYPER)
+        x, y = _batches(1)[0]
+        (model(x, y)[1] * opt.loss_scale).backward()
+        if scaler is not None:
+            assert not opt.check_overflow() and opt.loss_scale == 8.0
+        grads.append(list(opt.full_gradients().values()))
+    for plain, mixed in zip(*grads):
+        np.testing.assert_array_equal(mixed, plain)
 
 
 @pytest.mark.parametrize("stage", sorted(BY_STAGE))
@@ -175,6 +196,12 @@ def test_an_overflow_skips_the_step_leaving_every_bit_and_halves_the_scale(stage
     for name, value in clean_opt.full_state_dict().items():
         np.testing.assert_array_equal(opt.full_state_dict()[name].view(np.uint16), value.view(np.uint16))
     assert float16 == model.parameters()[0].dtype
+
+
+def test_skipped_steps_count_every_overflow_of_the_run():
+    opt, _, _, skipped = _train(0, "float16", Policy.of("float16"), DynamicLossScaler(2.0**8, hysteresis=1),
+                                steps=3, plant=1)
+    assert skipped == [False, True, False] and opt.skipped_steps == 1
 
 
 @pytest.mark.parametrize("stage", sorted(BY_STAGE))

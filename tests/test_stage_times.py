@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minipar.parallel.pipeline import schedules as S
-from minipar.parallel.pipeline import stage_times
+from minipar.parallel.pipeline import stage_times, trace
 from minipar.parallel.pipeline.simulate import simulate, theoretical_bubble
 
 
@@ -49,6 +49,7 @@ def test_the_replay_gives_back_the_step_a_slow_micro_batch_included(name, v):
     table = table_of(sim, p, v, m)
     costs = stage_times.costs_ms(table, v, m)
     assert costs["forward"] == [[1500.0] * v, [2000.0] * v] and costs["backward"] == costs["forward"]
+    assert trace.op_costs(sim.timeline)[S.FORWARD] == slow  # op_costs' medians leave it out too
     assert costs["weight"] == (costs["forward"] if split else [[0.0] * v] * p)
     measured = stage_times.bubble(table)
     assert measured == pytest.approx(float(sum(sim.bubble.values()) / p), rel=1e-12)
@@ -66,6 +67,7 @@ def test_no_durations_without_a_pipeline_past_the_limit_or_for_pipedream():
     assert stage_times.expected("1f1b", 1, 1, one) is None
     m = stage_times.SIMULATE_UP_TO // 2 + 1
     assert stage_times.width(2, 1, m) == 2 and stage_times.width(2, 1, None) == 2
+    assert stage_times.width(2, 1, m - 1) == 2 + 3 * (m - 1)  # at the limit itself durations still travel
     assert stage_times.expected("1f1b", 1, m, np.ones((2, 2))) is None
 
 

@@ -3,6 +3,7 @@ written against them trains every ZeRO stage exactly as one device with AdamW do
 
 import contextlib
 import inspect
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -123,6 +124,47 @@ def test_the_executor_takes_any_stage(stage):
     assert np.isfinite(run.step(x, y, optimizer_step=update).loss)
     opt.zero_grad()
     assert opt.step_count == 1
+
+
+class QuietRecorder:
+    """The optimizer as the executor sees it, noting whether each gradient hook fires under no_sync."""
+
+    stage, loss_scale, quiet = 0, 1.0, False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.quiet = True
+        try:
+            yield
+        finally:
+            self.quiet = False
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_executor_lets_only_each_chunks_last_backward_send(schedule):
+    """Every backward (split: every W) but a chunk's last runs under no_sync, so that data
+    parallelism's sums start from the last one's hooks while the step goes on. (All of them under
+    no_sync would still give the right sums, every one of them left to finish_gradients.)"""
+    minipar.manual_seed(0)
+    grid = ProcessGrid(1, 1)
+    model = GPT(CONFIG, grid)
+    opt, fired = QuietRecorder(), []
+    for p in model.parameters():
+        p.register_grad_hook(lambda _: fired.append(opt.quiet))
+    run = PipelineExecutor(model, grid, schedule, micro_batches=3, optimizer=opt)
+    (x, y), = _batches(1, rows=6)
+    run.step(x, y)
+    n = len(model.parameters())
+    assert fired == [True] * 2 * n + [False] * n  # three micro-batches, each parameter's hook once in each
+
+
+def test_the_executor_needs_what_sums_over_cp_too():
+    """With context parallelism alone (DP = 1) each rank still holds only its positions' part of
+    every gradient: without an optimizer to sum them it would step on that part."""
+    model = GPT(CONFIG, ProcessGrid(1, 1))
+    cp_only = SimpleNamespace(tp=1, pp=1, dp=1, cp=2)  # all the check reads of a CP = 2 grid
+    with pytest.raises(ValueError, match="DP x CP > 1"):
+        PipelineExecutor(model, cp_only, "1f1b", micro_batches=1)
 
 
 def test_finish_gradients_finalizes_the_model_once():

@@ -66,6 +66,16 @@ def test_region_collectives_on_one_rank_are_identities():
         numpy.testing.assert_array_equal(x.grad, numpy.ones(x.shape))
 
 
+def test_a_scattered_slice_is_a_copy_the_caller_may_keep():
+    comm = ProcessGrid().tp_group
+    x = numpy.arange(12.0, dtype=numpy.float32).reshape(1, 4, 3)
+    for op in (C.scatter_to_region, C.scatter_to_sequence_region):
+        whole = x.copy()
+        y = op(Tensor(whole), comm)
+        whole[...] = -1  # the caller reuses its array (one rank's slice is all of it)
+        numpy.testing.assert_array_equal(y.data, x)
+
+
 def test_polite_wait_yields_then_sleeps_with_growing_naps(monkeypatch):
     from minipar.comm import base
 

@@ -49,6 +49,11 @@ def test_a_good_run_has_no_problem_and_its_sizes_are_derived():
     (dict(tp=1, world_size=4), "sequence_parallel splits along the tensor-parallel group: it needs TP > 1"),
     (dict(zero_stage=2, pp=1, world_size=4), "partial sums are added: use zero_stage=1 (or 0) with sequence_parallel"),
     (dict(zero_stage=3, sequence_parallel=False), "with pipeline parallelism use zero_stage=1 (or 0)"),
+    (dict(ep=0), "EP must be a positive integer, got 0"),
+    (dict(zero_stage=True), "zero_stage must be 0, 1, 2 or 3, got True"),
+    (dict(cp_comm_type="ring"), "cp_comm_type='ring' is not a context-parallel communication: choose one of p2p, a2a"),
+    (dict(cp=2, cp_comm_type="a2a", n_head=6, n_embd=48), "n_head=6 is not divisible by TP x CP = 4"),
+    (dict(cp=2, tp=4, pp=1, block_size=12), "each context-parallel rank's 6 positions over TP=4: choose block_size a multiple of 8"),
 ])
 def test_each_kind_of_problem_is_one_line_naming_the_field_and_the_fix(changes, message):
     found = problems(replace(GOOD, **changes))

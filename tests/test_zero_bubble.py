@@ -64,6 +64,11 @@ def test_the_formulas_refuse_what_they_do_not_cover():
         zero_bubble_idle("zb-h1", 4, 8, 1, 2, 2)
     with pytest.raises(ValueError, match="m >= 7"):
         zero_bubble_idle("zb-h2", 4, 6, 1, 1, 1)
+    # with fewer micro-batches the steady state is never reached: each idles more than its formula
+    with pytest.raises(ValueError, match="m >= 4"):
+        zero_bubble_idle("zb-h1", 4, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match="m >= 7"):
+        zero_bubble_idle("zb-v", 4, 6, 1, 1, 1)
     with pytest.raises(ValueError, match="choose one of"):
         zero_bubble_idle("1f1b", 4, 8, 1, 1, 1)
 
@@ -184,7 +189,9 @@ def test_zb_v_needs_two_chunks_per_rank():
             S.build("zb-v", 2, 4, v)
     assert "F0.1" in S.table(S.build("zb-v", 2, 4, 2)) and "W3.0" in S.table(S.build("zb-v", 2, 4, 2))
     plans = {r: S.forward_only(3, 4, 2, r, shape="v") for r in range(3)}
-    assert simulate(plans, 4, 2, forward_only=True, shape="v").messages == 4 * 5
+    sim = simulate(plans, 4, 2, forward_only=True, shape="v")
+    # all of chunk 0, then all of chunk 1: the way down and back up is filled once, 2 (p - 1) idle
+    assert sim.messages == 4 * 5 and sim.makespan == 2 * 4 + 2 * (3 - 1)
 
 
 def test_the_executor_refuses_zero_3_with_a_split_backward():

@@ -143,6 +143,10 @@ raises_everywhere(lambda: ring_attention(local, H, comm, positions[:-1]), "posit
 raises_everywhere(lambda: ring_attention(local, H, comm, positions, 0.1), "pass key=")
 raises_everywhere(lambda: ring_attention(local, H, comm, np.zeros_like(positions)), "once each")
 raises_everywhere(lambda: ring_attention(local, H, comm, positions, head_offset=r), "called differently")
+# ranks that differ only in their dtype (their ring messages would differ in size) or dropout
+narrow = Tensor(full_qkv[:, positions], dtype="float32" if r == 0 else "float64")
+raises_everywhere(lambda: ring_attention(narrow, H, comm, positions), "called differently")
+raises_everywhere(lambda: ulysses_attention(local, H, comm, positions, 0.1 * (1 + r), KEY), "called differently")
 
 if r == 0:
     print(f"context parallel attention {'OK' if passed else 'FAILED'} on {N} ranks")

@@ -2,7 +2,7 @@
 logits of each rank's positions, every gradient (summed over DP x CP) and the parameters after
 AdamW steps, through the pipeline executor the trainer uses.
 
-    run_mpi.sh -n 4 tests/mpi/context_gpt.py CP TP COMM [sp] [zero1] [pp2] [selective]
+    run_mpi.sh -n 4 tests/mpi/context_gpt.py CP TP COMM [sp] [zero1 | zero3] [pp2] [selective]
 """
 
 import sys
@@ -58,7 +58,8 @@ minipar.manual_seed(1)
 grid = ProcessGrid(tp=tp, pp=pp, cp=cp)
 model = GPT(config, grid, sequence_parallel="sp" in options, cp_comm_type=comm_type,
             recompute_granularity="selective" if "selective" in options else None)
-opt = make_optimizer(model, grid, 1 if "zero1" in options else 0, **HYPER)
+stage = 3 if "zero3" in options else 1 if "zero1" in options else 0
+opt = make_optimizer(model, grid, stage, **HYPER)
 executor = PipelineExecutor(model, grid, "1f1b", micro_batches=pp, optimizer=opt)
 named = dict(model.named_parameters())
 checked = []
@@ -66,7 +67,7 @@ checked = []
 
 def update():
     opt.finish_gradients()
-    if model.rng.iteration == 0 and "zero1" not in options:  # ZeRO-1 holds summed pieces, not p.grad
+    if model.rng.iteration == 0 and not stage:  # ZeRO holds summed pieces, not p.grad
         for n, p in named.items():
             close(p.grad, local_shard(p, grads[n], grid), f"gradient of {n}")
         checked.append("gradients")
@@ -86,8 +87,9 @@ for step, (x, y) in enumerate(batches):
     model.rng.iteration = step
     executor.step(x, y, optimizer_step=update)
     opt.zero_grad()
+final = opt.full_state_dict() if stage == 3 else {n: p.data for n, p in named.items()}  # ZeRO-3 keeps pieces
 for n, p in named.items():
-    close(p.data, local_shard(p, after[n], grid), f"{n} after {STEPS} steps")
+    close(final[n], local_shard(p, after[n], grid), f"{n} after {STEPS} steps")
 
 print(f"rank {comm.rank}: context parallel CP={cp} TP={tp} {comm_type} {' '.join(sorted(options))} OK "
       f"({', '.join(checked + ['parameters'])})", flush=True)

@@ -99,7 +99,8 @@ ddp.finish_gradients()
 for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):
     close(p.grad, p_s.grad, f"recomputed embedding grad {name}")
 # misuse is refused: a backward after finish_gradients() without zero_grad(), gradients moved out of
-# the buckets by an optimizer's zero_grad(); a second finish_gradients() changes nothing
+# the buckets by an optimizer's zero_grad(), a second backward outside no_sync() (its gradients would
+# miss the sums the first one started); a second finish_gradients() changes nothing
 before = [p.grad.copy() for p in replica.parameters()]
 ddp.finish_gradients()
 close(np.concatenate([p.grad.ravel() for p in replica.parameters()]), np.concatenate([b.ravel() for b in before]),
@@ -115,7 +116,14 @@ try:
     replica(xs, ys)[1].backward()
 except RuntimeError:
     refused += 1
-if refused != 2:
+ddp.zero_grad()  # the buckets' views back
+replica(xs, ys)[1].backward()
+try:
+    replica(xs, ys)[1].backward()
+except RuntimeError as e:
+    refused += "reported complete twice" in str(e)
+ddp.zero_grad()  # the first backward's sums are still running: let them end
+if refused != 3:
     raise AssertionError(f"rank {r}: misuse of DataParallelAdamW was accepted")
 
 # gradient accumulation: two micro-batches, the all-reduce only after the second

@@ -24,7 +24,7 @@ def check(ok, what):
 
 lay = grid.layout
 check((grid.tp_rank, grid.cp_rank, grid.dp_rank, grid.pp_rank) == lay.coords(r), "coordinates")
-for kind in ("tp", "cp", "dp", "pp", "dp_cp", "embedding"):
+for kind in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp", "embedding"):  # EP = 1: edp is dp_cp
     group = getattr(grid, f"{kind}_group")
     expected = getattr(lay, f"{kind}_group")(r)
     if expected is None:

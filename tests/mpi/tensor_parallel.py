@@ -96,7 +96,12 @@ for parallel_in, sp in ((True, False), (False, False), (True, True)):
     close(xr.grad, part(xs.grad, -1) if parallel_in else xs.grad, f"row dx in_parallel={parallel_in}")
     close(row.weight.grad, part(serial.weight.grad, 1), "row dW")
     if sp:  # each rank saw its shard of the sequence: the bias gradient is partial until summed
-        row.bias.grad = tp.all_reduce(row.bias.grad.copy())
+        T.finalize_grads(row, tp)
+        try:
+            T.finalize_grads(row, tp)  # a second sum would double it
+            raise AssertionError(f"rank {r}: a second finalize_grads was not refused")
+        except RuntimeError as e:
+            assert "already called" in str(e), e
     close(row.bias.grad, serial.bias.grad, f"row db sp={sp}")
 
 # VocabParallelEmbedding with a vocabulary that needs padding (10 rows over 4 ranks -> 12)
