@@ -12,6 +12,9 @@ its timeline with it (a later stage's first instruction is a receive), so no two
 compared, and it holds across hosts. Measuring each rank against its own span instead would let
 the last stage, which starts the step waiting and finishes before the first, hide part of its idle
 time (with equal stages, 1F1B's p = 2, m = 8 would read 0.076 instead of the formula's 1/9).
+PipeDream-2BW's ranks do not start a step together (nothing at its end makes them wait for each
+other, ``weight_stash.py``), and each rank's steps follow each other with no gap: there the
+makespan is the longest of the ranks' own steps, and the bubble the idle time within them.
 
 ``expected`` replays the schedule (``simulate``) with every instruction's measured duration and
 free messages. The formula (p - 1)/(m + p - 1) assumes equal stages that take the same time for
