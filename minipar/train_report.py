@@ -13,6 +13,8 @@ import sys
 import numpy
 
 from minipar.checkpoint import full
+from minipar.checkpoint.boxes import volume
+from minipar.checkpoint.pieces import pieces
 from minipar.lr_schedule import learning_rate
 from minipar.models import GPT
 from minipar.parallel.pipeline import stage_times
@@ -205,6 +207,15 @@ class Reports:
               f"z-loss {r['z_loss']:.5f})")
         for layer, loads, dropped, total in zip(r["layers"], r["tokens_per_expert"], r["dropped"], slots):
             print(f"  layer {layer:>3}: {' '.join(f'{n:>6}' for n in loads)}   dropped {dropped} of {total}")
+
+    def model_parameters(self):
+        """Parameters of the whole model: every rank counts what it would save (each element
+        exactly once over the world) and the counts are added (a collective, on first call)."""
+        if self._n_params is None:
+            mine = sum(volume(start, stop) for piece in pieces(self.model, self.opt, self.grid)
+                       if piece.kind == "param" and piece.write for start, stop, _ in piece.global_boxes())
+            self._n_params = int(self.world.all_reduce(numpy.array([mine], numpy.int64))[0])
+        return self._n_params
 
     def _finish(self, history, val_history):
         """What a finished run writes: its weights, a Hugging Face snapshot, the loss curve, a sample."""

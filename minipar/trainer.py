@@ -31,9 +31,7 @@ import numpy
 import minipar
 from minipar import precision
 from minipar.checkpoint import full, sharded
-from minipar.checkpoint.boxes import volume
 from minipar.checkpoint.files import write_all
-from minipar.checkpoint.pieces import pieces
 from minipar.lr_schedule import learning_rate, schedule_state
 from minipar.mfu import measured_peak, model_flops_per_token
 from minipar.models import GPT
@@ -139,7 +137,7 @@ class Trainer(Reports):
         self.sent = {name: group.stats.total().bytes_sent for name, group in self._groups()}
         # routing over the whole step (a collective of a few numbers per layer)
         routing = step_statistics(self.model, self.world) if self.config.num_experts else None
-        bad = None if self.lagged or math.isfinite(self.norm) or self.opt.skipped_step else self._nonfinite()
+        bad = [] if self.lagged or math.isfinite(self.norm) or self.opt.skipped_step else self._nonfinite()
         self.opt.zero_grad()
         loss = record.loss if self.reports_loss else 0.0
         g = self.grid
@@ -155,9 +153,11 @@ class Trainer(Reports):
         _, request, shape, bad, self.routing = started
         totals = request.wait()
         self.stages = totals[1:].reshape(shape)
-        norm = self.opt.norms.pop(0) if self.lagged else self.norm  # PipeDream-2BW's, at its update
-        if bad is None:
-            bad = [] if math.isfinite(norm) else self._nonfinite()
+        if self.lagged:  # PipeDream-2BW's, found at its update
+            norm, params = self.opt.updates.pop(0)
+            bad = self._names(params)
+        else:
+            norm = self.norm
         return float(totals[0]), norm, stage_times.bubble(self.stages), bad
 
     def _steps(self, start, end, watchdog):
@@ -166,7 +166,7 @@ class Trainer(Reports):
         PipeDream-2BW's results come one step late: summed over the stages, which end a batch at
         different times, while the next step runs (``weight_stash.py``), so that no stage waits for
         another; its evaluation runs right after its step all the same (on the weights it made)."""
-        late = None
+        late = started = None
         try:
             for it in range(start, end):
                 watchdog.arm(f"the step of iteration {it}")
@@ -187,9 +187,11 @@ class Trainer(Reports):
             if late is not None:
                 yield late[0][0], self._results(late[0]), *late[1:]
                 late = None
-        finally:  # a run stopped early (diverged) leaves no sum unwaited
-            if late is not None:
-                late[0][1].wait()
+        finally:  # a run stopped early (diverged) leaves no sum unwaited (a second wait is free)
+            if started is not None:
+                started[1].wait()
+            if self.lagged:
+                self.opt.apply()
 
     def _evaluate_after(self, it, watchdog):
         watchdog.arm(f"the evaluation after iteration {it}")
@@ -205,8 +207,11 @@ class Trainer(Reports):
 
     def _nonfinite(self):
         """Names of this rank's parameters whose gradient has a NaN or an infinity."""
+        return self._names(self.opt.nonfinite_gradients())
+
+    def _names(self, params):
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return sorted({names[id(p)] for p in self.opt.nonfinite_gradients()})
+        return sorted({names[id(p)] for p in params})
 
     def evaluate(self):
         """The mean validation loss over --eval-iters batches (forwards only)."""
@@ -293,12 +298,3 @@ class Trainer(Reports):
         self.trained = True  # what follows writes the outputs of a finished run
         self._finish(history, val_history)
         return 0
-
-    def model_parameters(self):
-        """Parameters of the whole model: every rank counts what it would save (each element
-        exactly once over the world) and the counts are added (a collective, on first call)."""
-        if self._n_params is None:
-            mine = sum(volume(start, stop) for piece in pieces(self.model, self.opt, self.grid)
-                       if piece.kind == "param" and piece.write for start, stop, _ in piece.global_boxes())
-            self._n_params = int(self.world.all_reduce(numpy.array([mine], numpy.int64))[0])
-        return self._n_params

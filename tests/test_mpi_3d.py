@@ -207,6 +207,15 @@ def test_divergence_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
     assert "The last checkpoint in" in out and kept["iteration"] == diverged_at
 
 
+def test_a_diverged_pipedream_2bw_run_stops_in_one_line_a_step_late():
+    """Its results come a step late (the stages' sums finish during the next step): the run still
+    stops on the diverged step, in one line, with its pending update made and its sums waited for."""
+    code, out, _ = train(2, "--max-iters", "30", "--pp", "2", "--schedule", "pipedream-2bw", "--lr", "1e12",
+                         "--warmup-iters", "0", "--min-lr", "0", "--grad-clip", "0")
+    lines = [line for line in out.splitlines() if "training diverged" in line]
+    assert code != 0 and len(lines) == 1 and "non-finite gradients: rank" in lines[0] and "Traceback" not in out, out
+
+
 LESSON_6 = os.path.join(ROOT, "lessons", "06_3d_parallel.py")
 
 

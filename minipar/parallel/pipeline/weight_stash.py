@@ -46,6 +46,10 @@ from minipar.parallel.grad_norm import start_grad_norm
 from minipar.parallel.protocol import DistributedOptimizer
 
 
+_MADE_IN_APPLY = ("PipeDream-2BW's gradients are whole only in its set-aside copy (the tied embedding's parts "
+                  "are added there): each update's norm is in WeightStash.updates, clipped to its max_norm")
+
+
 class WeightStash(DistributedOptimizer):
     """``inner``: a stage-0 optimizer over the model's parameters (``DataParallelAdamW``), without
     fp32 masters (those would be a third copy of the weights the stash would have to follow).
@@ -63,7 +67,7 @@ class WeightStash(DistributedOptimizer):
         self.stash = [p.data.copy() for p in self.params]
         self.saved = [xp.empty_like(p.data) for p in self.params]  # a batch's gradients, until its update
         self.pending = None  # the set-aside batch's (grad_scale, lr, its norm's sum, the tied embedding's sums)
-        self.norms = []  # each update's gradient norm, in order, for the caller to take
+        self.updates = []  # each update's (gradient norm, parameters whose gradient was not finite), in order
 
     @property
     def stashed(self):
@@ -120,7 +124,8 @@ class WeightStash(DistributedOptimizer):
         for request in tied:
             request.wait()
         total = (norm if norm is not None else start_grad_norm(self.params, self.grid, self.saved)).wait()
-        self.norms.append(total)
+        bad = [] if math.isfinite(total) else [p for p, g in zip(self.params, self.saved) if not xp.isfinite(g).all()]
+        self.updates.append((total, bad))
         if self.max_norm > 0 and total > self.max_norm:  # DistributedOptimizer.clip_grad_norm's factor
             for g in self.saved:
                 g *= self.max_norm / (total + 1e-6)
@@ -163,13 +168,13 @@ class WeightStash(DistributedOptimizer):
         self.inner.finish_gradients()
 
     def grad_norm(self):
-        return self.inner.grad_norm()
+        raise RuntimeError(_MADE_IN_APPLY)
 
     def _gradients(self):
         return self.inner._gradients()
 
     def clip_grad_norm(self, max_norm):
-        return self.inner.clip_grad_norm(max_norm)
+        raise RuntimeError(_MADE_IN_APPLY)
 
     def zero_grad(self):
         self.inner.zero_grad()
@@ -177,12 +182,8 @@ class WeightStash(DistributedOptimizer):
     def state_bytes(self):
         return {**self.inner.state_bytes(), "stash": self.stash_bytes()}
 
-    def nonfinite_gradients(self):
-        """Parameters whose set-aside gradient (the last batch's) has a NaN or an infinity."""
-        return [p for p, g in zip(self.params, self.saved) if not bool(xp.isfinite(g).all())]
-
     def full_gradients(self):
-        return self.inner.full_gradients()
+        raise RuntimeError(_MADE_IN_APPLY)
 
     def state_arrays(self):
         return self.inner.state_arrays()
