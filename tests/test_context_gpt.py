@@ -2,7 +2,6 @@
 (``tests/mpi/context_gpt.py``), and through ``python -m minipar.train``: the same losses, and
 checkpoints that reshard across CP sizes."""
 
-import os
 
 import pytest
 from mpi_run import check_mpi, logged_losses as losses, run_train
