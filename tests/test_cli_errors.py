@@ -293,6 +293,8 @@ def test_zero_shards_the_moments_then_the_gradients_then_the_parameters():
     run = RunConfig(tp=2, pp=2, dp=4, n_layer=4, n_embd=64, block_size=32, dtype="float64")
     for stage, arrays in [(0, 4), (1, 2 + 2 / 4), (2, 1 + 3 / 4), (3, 4 / 4)]:
         assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(n / 4 * arrays * 8)
+    # PipeDream-2BW's stash: the weights again and a batch's gradients (its WeightStash.stash_bytes)
+    assert state_bytes(replace(run, schedule="pipedream-2bw")) == pytest.approx(n / 4 * 6 * 8)
 
 
 def test_the_batch_floor_counts_one_micro_batchs_logits_on_its_cp_and_tp_share():

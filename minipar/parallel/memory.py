@@ -3,7 +3,8 @@ machine is refused before anything is allocated (``python -m minipar.train`` ask
 
 A rank holds a 1/(TP x PP) part of the parameters, their gradients and AdamW's two moments: four
 arrays of the parameters' size. ZeRO shards them over the DP (x CP) group stage by stage: the moments
-(stage 1), then the gradients (2), then the parameters (3). Of what a step allocates beside that,
+(stage 1), then the gradients (2), then the parameters (3). PipeDream-2BW (ZeRO 0 only) holds two
+more: the stashed weight version and a batch's gradients set aside until its update. Of what a step allocates beside that,
 the step's token ids are counted, and the activations: the caller's count (the trainer gives the
 planner's, ``plan.activations.peak_bytes``, which depends on the schedule and recomputation), or
 without one a floor the batch alone decides, one micro-batch's logits (``batch_bytes``). It imports
@@ -64,7 +65,10 @@ def state_bytes(cfg):
                 + optimizer * (1 / n if stage >= 1 else 1))
 
     dp = (cfg.dp or 1) * (cfg.cp or 1)  # ZeRO shards dense state over DP x CP, experts' over DP x CP / EP
-    return per_rank * arrays(dp) + experts / ep / cfg.pp * arrays(dp / ep)
+    held = per_rank * arrays(dp) + experts / ep / cfg.pp * arrays(dp / ep)
+    if cfg.schedule == "pipedream-2bw":  # its stash: the weights again, and a batch's gradients set aside
+        held += (per_rank + experts / ep / cfg.pp) * (weight + grad)
+    return held
 
 
 def gb(n):
@@ -111,7 +115,8 @@ def problem(cfg, free, names, activations=None):
         fixes.insert(0, f"a smaller {name('vocab_size', 'vocabulary')}")
     if batch > need / 2:
         fixes.insert(0, f"a smaller {name('global_batch', 'batch')}")
-    state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments"
+    state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments" + (
+        " (and PipeDream-2BW's stashed weights and gradients)" if cfg.schedule == "pipedream-2bw" else "")
     kept = (f"{gb(batch)} for the batch's token ids and a micro-batch's logits (other activations not counted)"
             if activations is None else
             f"{gb(batch)} for the batch's token ids and {gb(activations)} for the activations the fullest rank keeps")
