@@ -198,7 +198,7 @@ def unwritten(args, iteration, trained):
             f"write the outputs from it with --load {args.save} --max-iters 0 and the same output flags")
 
 
-INTERRUPT_GRACE_S = 2.0
+INTERRUPT_GRACE_S, INTERRUPT_STAGGER_S = 2.0, 0.5  # how long a rank other than 0 waits before it speaks
 
 
 def interrupted(args, iteration):
@@ -266,8 +266,10 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback
         if comm.rank != 0:
             # Ctrl-C reaches every rank, and rank 0's line and exit end the job within this grace;
-            # a rank still here was interrupted alone (kill -INT of its process): it says so itself
-            time.sleep(INTERRUPT_GRACE_S)
+            # a rank still here was interrupted alone (kill -INT of its process), or rank 0 cannot
+            # speak (Python sees a signal only between calls, and rank 0 may be inside MPI waiting
+            # for this rank): it says so itself, the lowest such rank first, its exit ending the rest
+            time.sleep(INTERRUPT_GRACE_S + INTERRUPT_STAGGER_S * min(comm.rank - 1, 16))
         who = "" if comm.rank == 0 else f"rank {comm.rank} "
         print(f"{parser.prog}: {who}{interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)
         return 128 + 2  # the shell's status for a death by SIGINT (2), so scripts see the interruption

