@@ -166,7 +166,7 @@ class Trainer(Reports):
         PipeDream-2BW's results come one step late: summed over the stages, which end a batch at
         different times, while the next step runs (``weight_stash.py``), so that no stage waits for
         another; its evaluation runs right after its step all the same (on the weights it made)."""
-        late = started = None
+        lag, queue = int(self.lagged), []  # started steps whose results are not yet taken
         try:
             for it in range(start, end):
                 watchdog.arm(f"the step of iteration {it}")
@@ -178,18 +178,16 @@ class Trainer(Reports):
                     evaluation = functools.partial(self._evaluate_after, it, watchdog)
                     if self.lagged:  # on the weights this step made: before the next step moves them
                         evaluation = functools.partial(float, evaluation())
-                if not self.lagged:
-                    yield it, self._results(started), ms, evaluation
-                    continue
-                if late is not None:
-                    yield late[0][0], self._results(late[0]), *late[1:]
-                late = started, ms, evaluation
-            if late is not None:
-                yield late[0][0], self._results(late[0]), *late[1:]
-                late = None
-        finally:  # a run stopped early (diverged) leaves no sum unwaited (a second wait is free)
-            if started is not None:
-                started[1].wait()
+                queue.append((started, ms, evaluation))
+                while len(queue) > lag:
+                    done, ms, evaluation = queue.pop(0)
+                    yield done[0], self._results(done), ms, evaluation
+            while queue:
+                done, ms, evaluation = queue.pop(0)
+                yield done[0], self._results(done), ms, evaluation
+        finally:  # a run stopped early (diverged) leaves no sum unwaited and no update pending
+            for done, _, _ in queue:
+                done[1].wait()
             if self.lagged:
                 self.opt.apply()
 

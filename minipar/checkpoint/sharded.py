@@ -120,6 +120,7 @@ def _agree(world, failed, directory, final, partial=None):
     error.speaks = world.rank == first
     raise error
 
+
 def _write_mine(stem, model, optimizer, grid):
     """This rank's shard file (if it writes any box) and its list of boxes."""
     tensors, boxes, held = {}, [], set()

@@ -4,11 +4,12 @@ machine is refused before anything is allocated (``python -m minipar.train`` ask
 A rank holds a 1/(TP x PP) part of the parameters, their gradients and AdamW's two moments: four
 arrays of the parameters' size. ZeRO shards them over the DP (x CP) group stage by stage: the moments
 (stage 1), then the gradients (2), then the parameters (3). PipeDream-2BW (ZeRO 0 only) holds two
-more: the stashed weight version and a batch's gradients set aside until its update. Of what a step allocates beside that,
-the step's token ids are counted, and the activations: the caller's count (the trainer gives the
-planner's, ``plan.activations.peak_bytes``, which depends on the schedule and recomputation), or
-without one a floor the batch alone decides, one micro-batch's logits (``batch_bytes``). It imports
-nothing from minipar, like ``validate``, which resolves the sizes it reads.
+more: the stashed weight version and a batch's gradients set aside until its update. Of what a
+step allocates beside that, the step's token ids are counted, and the activations: the caller's
+count (the trainer gives the planner's, ``plan.activations.peak_bytes``, which depends on the
+schedule and recomputation), or without one a floor the batch alone decides, one micro-batch's
+logits (``batch_bytes``). It imports nothing from minipar, like ``validate``, which resolves the
+sizes it reads.
 
 A mixture-of-experts block holds a router (E h) and E experts of the MLP's 8 h^2 + 5 h in place of
 its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of its stage, and

@@ -18,8 +18,9 @@ outputs, gathered before the column-parallel layers, stay whole). The collective
 keep their own inputs: Megatron's g sums the row-parallel layer's partial output in place (nothing
 else reads it), and that sum before the bias is 2 s b h more per layer (f passes the LayerNorm
 output on as a view, which holds nothing of its own; with sequence parallelism the partial sums,
-2 s b h, and the shards before the gathers and after the reduce-scatters, 4 s b h / t). Context parallelism gives each rank s = T/CP positions, and its
-queries see about 1/CP of the causal T x T pairs. Full
+2 s b h, and the shards before the gathers and after the reduce-scatters, 4 s b h / t). Context
+parallelism gives each rank s = T/CP positions, and its queries see about 1/CP of the causal
+T x T pairs. Full
 recomputation keeps each layer's input (s b h, split by SP) and, while one layer's backward
 runs, that layer's whole set once more.
 
@@ -207,9 +208,8 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
 def peak_bytes(model, layout, m, d, query_block=64):
     """The most activation bytes any pipeline rank keeps at its peak (``rank_bytes`` with the
     transient layer: the first or last stage, or with uneven ``pipeline_layers`` any), with m
-    micro-batches a step. Where the
-    schedule's count is not planned at this size (``bubble.NotPlanned``), one micro-batch in each
-    chunk: a floor."""
+    micro-batches a step. Where the schedule's count is not planned at this size
+    (``bubble.NotPlanned``), one micro-batch in each chunk: a floor."""
     def peaks(stage):
         try:
             return bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, stage)

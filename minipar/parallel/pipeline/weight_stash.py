@@ -141,12 +141,12 @@ class WeightStash(DistributedOptimizer):
         live = [p.grad for p in self.params]  # the next batch's, being summed: AdamW reads the set-aside ones
         for p, g in zip(self.params, self.saved):
             p.grad = g
-        lr, self.lr = self.lr, lr
+        current, self.lr = self.lr, lr
         try:
             if math.isfinite(total):  # else W(t+1) = W(t), and the trainer ends the run on the norm
                 self.inner.adamw.step(grad_scale)
         finally:
-            self.lr = lr
+            self.lr = current
             for p, g in zip(self.params, live):
                 p.grad = g
         self.newest += 1
