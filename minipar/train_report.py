@@ -146,7 +146,8 @@ class Reports:
         # chunk-passes, 0.1 s at that size, so only for a log; on every rank alike, so that
         # every rank starts the next step together
         m = args.micro_batches
-        expected = stage_times.expected(args.schedule, self.v, m, self.stages) if args.log_json else None
+        expected = stage_times.expected(args.schedule, self.v, m, self.stages,
+                                        args.defer_embedding_wgrad) if args.log_json else None
         if expected is not None:
             record.update(bubble_expected=expected, stage_ms=stage_times.costs_ms(self.stages, self.v, m))
         if self.opt.policy is not None:  # mixed precision: the scale the step's loss was multiplied by

@@ -67,8 +67,8 @@ class Trainer(Reports):
             self.opt = WeightStash(self.opt, max_norm=args.grad_clip)
             self.executor = PipeDream2BW(model, grid, args.micro_batches, self.opt, recompute=args.recompute)
         else:
-            self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches,
-                                             optimizer=self.opt, recompute=args.recompute)
+            self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches, optimizer=self.opt,
+                                             recompute=args.recompute, defer_embedding_wgrad=args.defer_embedding_wgrad)
         self.end = args.max_iters  # the run's last iteration + 1 (PipeDream-2BW drains before it)
         # chunks per rank; PipeDream-2BW's step runs the next batch's forwards too: no replay for it
         self.lagged = isinstance(self.executor, PipeDream2BW)  # its results come a step late (_steps)

@@ -255,6 +255,11 @@ class GPT(WholeModel, Module):
         x = tr.ln_f(x)
         return F.linear(x, tr.wte.weight) if self.tp is None else tr.wte.logits(x)
 
+    @property
+    def head_weight(self):
+        """The output head's weight, the tied token embedding (this rank's vocabulary rows under TP)."""
+        return self.transformer.wte.weight
+
     def loss(self, logits, targets):
         """The mean cross-entropy over this rank's positions of ``targets`` (B, T)."""
         targets = self.local_targets(xp.asarray(array_of(targets)))

@@ -11,6 +11,7 @@ from typing import Optional
 MAX_TAG = 32767  # the largest tag MPI promises (MPI_TAG_UB is at least this)
 SCHEDULES = ("gpipe", "1f1b", "1f1b-slack", "interleaved", "zb-h1", "zb-h2", "zb-v", "pipedream-2bw")  # the names pipeline/schedules.py builds
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules that run the weights' gradients (W) apart from B
+DEFERS_HEAD = ("gpipe", "1f1b", "1f1b-slack", "interleaved")  # flushed, with whole backwards: the head's W can wait for the flush
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # the last two: mixed precision's model dtypes
 CP_COMM_TYPES = ("p2p", "a2a")  # ring attention, DeepSpeed-Ulysses (parallel/context.py)
 NAMES = {"tp": "TP", "pp": "PP", "dp": "DP", "cp": "CP", "ep": "EP"}  # a field's name in a message when the caller gives none
@@ -46,6 +47,7 @@ class RunConfig:
     recompute: bool = False  # no rule of its own; part of the run's description
     fp32_grads: bool = False  # 16-bit runs: gradients accumulated and reduced in fp32 (memory counts them)
     pipeline_layers: Optional[tuple] = None  # layers of each global pipeline chunk; None: n_layer / (pp x v) each
+    defer_embedding_wgrad: bool = False  # the head's weight gradients run at the pipeline's flush
     dtype: str = "float32"
 
 

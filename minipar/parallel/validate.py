@@ -26,7 +26,7 @@ import numbers
 from dataclasses import replace
 
 from minipar.parallel.run_config import (  # noqa: F401  RunConfig and the names: re-exported, asked of validate
-    CP_COMM_TYPES, DTYPES, MAX_TAG, NAMES, SCHEDULES, SPLIT_BACKWARD, RunConfig, Say, field_problems)
+    CP_COMM_TYPES, DEFERS_HEAD, DTYPES, MAX_TAG, NAMES, SCHEDULES, SPLIT_BACKWARD, RunConfig, Say, field_problems)
 
 
 def _pipeline_layers_problems(cfg, say, pp, v, known):
@@ -212,8 +212,26 @@ def _batch(cfg, say, known, dp, out):
     return m, mbs
 
 
+def _deferred_head(cfg, say, known, out):
+    """The head's weight gradients wait for a flush (``schedules.defer_head_weight``): a pipeline,
+    and a schedule that flushes with whole backwards."""
+    if not cfg.defer_embedding_wgrad:
+        return
+    flag = say("defer_embedding_wgrad")
+    if known("pp") and cfg.pp == 1:
+        out.append(f"{flag} runs the head's weight gradients at the pipeline's flush, while the last "
+                   f"stage waits for the first: it needs {say.name('pp')} > 1")
+    if known("schedule") and cfg.schedule in SPLIT_BACKWARD:
+        out.append(f"{say('schedule', cfg.schedule)} already runs every weight gradient apart (W), the "
+                   f"head's among them: drop {flag}")
+    elif known("schedule") and cfg.schedule not in DEFERS_HEAD:
+        out.append(f"{say('schedule', cfg.schedule)} never flushes, so nothing hides the head's weight "
+                   f"gradients: {flag} needs one of {', '.join(DEFERS_HEAD)}")
+
+
 def _schedule(cfg, say, known, dp, m, out):
     """The schedule's own requirements of the micro-batches."""
+    _deferred_head(cfg, say, known, out)
     if m is None or not known("pp", "virtual_stages"):
         return
     p, v = cfg.pp, cfg.virtual_stages

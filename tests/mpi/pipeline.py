@@ -7,8 +7,10 @@ tied embedding's two copies start equal on ranks seeded differently.
     run_mpi.sh -n 4 tests/mpi/pipeline.py --pp 4 --schedule interleaved --v 2 --m 4 [--recompute]
     run_mpi.sh -n 2 tests/mpi/pipeline.py --pp 2 --layers 3,1        # an uneven split of the layers
 
-``--plant-bug`` (zero-bubble schedules) skips W, the weights' gradients, of micro-batch 1: the
-gradients must then be found wrong.
+``--plant-bug`` (zero-bubble schedules) skips W, the weights' gradients, of micro-batch 1 (with
+``--defer-embedding-wgrad``, the head's W): the gradients must then be found wrong.
+``--defer-embedding-wgrad``: the head's weight gradients at the flush; none reaches the head before
+its first W, and the parked bytes are each micro-batch's head input and logits' gradient.
 """
 
 import argparse
@@ -39,6 +41,7 @@ p.add_argument("--recompute", action="store_true")
 p.add_argument("--sequence-parallel", action="store_true")
 p.add_argument("--zero-stage", type=int, default=0)
 p.add_argument("--plant-bug", action="store_true")
+p.add_argument("--defer-embedding-wgrad", action="store_true")
 p.add_argument("--bucket-bytes", type=int, default=4 << 20, help="DP's gradient buckets (1: one per parameter, "
                "each sum started by its own gradient's hook)")
 p.add_argument("--layers", help="layers of each pipeline chunk, e.g. 3,1 (an uneven split); default 2 each")
@@ -57,15 +60,26 @@ try:
     model = GPT(config, grid, sequence_parallel=args.sequence_parallel, virtual_stages=args.v,
                 pipeline_shape=schedules.shape_of(args.schedule), layers_per_stage=layers)
     opt = make_optimizer(model, grid, args.zero_stage, args.bucket_bytes, **hyper)  # the step protocol: data parallelism + AdamW
-    run = PipelineExecutor(model, grid, args.schedule, args.m, optimizer=opt, recompute=args.recompute)
+    run = PipelineExecutor(model, grid, args.schedule, args.m, optimizer=opt, recompute=args.recompute,
+                           defer_embedding_wgrad=args.defer_embedding_wgrad)
 except ValueError as e:  # bad sizes: every rank must refuse, before any message (then all meet here)
     print(f"rank {world().rank} refused: {e}", flush=True)
     world().barrier()
     sys.exit(3)
-if args.plant_bug:  # W of micro-batch 1 dropped: its weights' gradients never reach .grad
-    def skip_w(state, ins, keep=run._handlers[schedules.BACKWARD_WEIGHT]):
-        state.weight_grads.pop((ins.mb, ins.chunk)) if ins.mb == 1 else keep(state, ins)
-    run._handlers[schedules.BACKWARD_WEIGHT] = skip_w
+deferred = args.defer_embedding_wgrad
+if args.plant_bug:  # W (or the head's W) of micro-batch 1 dropped: its gradients never reach .grad
+    op = schedules.HEAD_WEIGHT if deferred else schedules.BACKWARD_WEIGHT
+    parked = "head_grads" if deferred else "weight_grads"
+
+    def skip_w(state, ins, keep=run._handlers[op]):
+        getattr(state, parked).pop((ins.mb, ins.chunk)) if ins.mb == 1 else keep(state, ins)
+    run._handlers[op] = skip_w
+if deferred:  # the head's weight gets no gradient from a backward, only from its W at the flush
+    def backward_leaves_the_head(state, ins, keep=run._handlers[schedules.BACKWARD]):
+        keep(state, ins)
+        g = model.head_weight.grad
+        assert ins.chunk not in run.last_head or g is None or not g.any(), f"rank {rank}: {ins} reached the head"
+    run._handlers[schedules.BACKWARD] = backward_leaves_the_head
 opt_s = AdamW(serial.parameters(), **hyper)
 rank = world().rank
 batch = 2 * args.m * grid.dp
@@ -131,10 +145,15 @@ for n, p in mine.items():
     err = rel_err(p.data, shard(n, reference[n]))
     worst["parameter"] = max(worst["parameter"], err)
     assert err < 1e-10, f"rank {rank}: parameter {n} off by {err:.1e} after 2 steps"
-plans = schedules.build(args.schedule, grid.pp, args.m, args.v)
+plans = schedules.build(args.schedule, grid.pp, args.m, args.v, deferred)
 held = simulate(plans, args.m, args.v, weight=1, shape=schedules.shape_of(args.schedule)).peak_alive[grid.pp_rank]
 assert trained.peak_alive == held, f"rank {rank}: held {trained.peak_alive} activations, the simulator {held}"
-assert (trained.peak_weight_bytes > 0) == args.schedule.startswith("zb-"), trained.peak_weight_bytes
+if deferred:  # the last chunk's rank parks every micro-batch's head input (whole under SP) and logits' gradient
+    rows = batch // args.m // grid.dp
+    head = args.m * rows * config.block_size * (config.n_embd + model.head_weight.shape[0]) * 8
+    assert trained.peak_weight_bytes == head * bool(run.last_head), f"rank {rank}: {trained.peak_weight_bytes}, not {head}"
+else:
+    assert (trained.peak_weight_bytes > 0) == args.schedule.startswith("zb-"), trained.peak_weight_bytes
 
 # The tied embedding's copies start equal even on ranks seeded differently: the first stage's copy
 # is broadcast to the last (as Megatron-LM), not left to the seeds agreeing

@@ -21,6 +21,10 @@ schedules. The zero-bubble schedules (Qi et al. 2024: ZB-H1, ZB-H2) split the ba
     _backward_weight  W: runs the parked half where the schedule puts it, in what was the bubble
 
 so a chunk's gradients are complete after its last W, not its last backward (``last_backward``).
+With ``defer_embedding_wgrad`` (Megatron-LM's deferred embedding wgrad, ``schedules.defer_head_weight``)
+the last chunk's backwards leave only the tied head's weight gradient, parked the same way:
+
+    _head_weight      the head's W, run at the flush, before the step
 ZB-V places the chunks in a V (``instructions.Pipeline``): the model must be built in the same
 shape (checked), and rank p - 1 hands its chunk 0's output to its own chunk 1 by a message to
 itself, like any other.
@@ -75,15 +79,19 @@ class PipelineExecutor:
     rank's stage of ``model`` (a GPT built on ``grid``). ``optimizer``: the step-protocol object
     (``parallel/protocol.py``) that sums the gradients over the data-parallel group; its
     ``no_sync()`` covers all but each chunk's last backward (or W). It may be left out when DP = 1 and the
-    caller sums nothing. ``recompute``: keep only each block's input during forward."""
+    caller sums nothing. ``recompute``: keep only each block's input during forward.
+    ``defer_embedding_wgrad``: the head's weight gradients wait for the flush (a flushed schedule
+    with whole backwards, PP > 1)."""
 
-    def __init__(self, model, grid, schedule="1f1b", micro_batches=1, optimizer=None, recompute=False):
+    def __init__(self, model, grid, schedule="1f1b", micro_batches=1, optimizer=None, recompute=False,
+                 defer_embedding_wgrad=False):
         v = len(model.chunks)
         # the schedule, its micro-batches and message tags on this grid: the run's rules, before any message
         validate.check(validate.RunConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, virtual_stages=v, schedule=schedule,
                                           micro_batches=micro_batches, n_layer=model.config.n_layer,
                                           pipeline_layers=model.layers_per_stage,
-                                          zero_stage=getattr(optimizer, "stage", 0) or 0),
+                                          zero_stage=getattr(optimizer, "stage", 0) or 0,
+                                          defer_embedding_wgrad=defer_embedding_wgrad),
                        what="PipelineExecutor")
         if schedule == "pipedream-2bw" and not getattr(self, "runs_across_steps", False):
             raise ValueError("the pipedream-2bw schedule runs across steps on stashed weights: use "
@@ -100,7 +108,7 @@ class PipelineExecutor:
         if list(model.chunks) != placed:  # the same on every rank: refused before any message
             raise ValueError(f"the {schedule!r} schedule places chunks {placed} on pipeline rank {grid.pp_rank}, "
                              f"the model holds {list(model.chunks)}: build the GPT with pipeline_shape={shape!r}")
-        plans = S.build(schedule, grid.pp, micro_batches, v)  # every rank's, to check them all alike
+        plans = S.build(schedule, grid.pp, micro_batches, v, defer_embedding_wgrad)  # every rank's, to check them all alike
         self.instructions = plans[grid.pp_rank]
         self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank, shape)
         self.comm = grid.pp_group  # None when PP = 1: then nothing is sent
@@ -112,6 +120,7 @@ class PipelineExecutor:
             S.BACKWARD: self._backward,
             S.BACKWARD_INPUT: self._backward_input,
             S.BACKWARD_WEIGHT: self._backward_weight,
+            S.HEAD_WEIGHT: self._head_weight,
             S.SEND_GRAD: self._send_grad,
             S.STEP: self._step,
         }
@@ -130,6 +139,8 @@ class PipelineExecutor:
             last[min(ends, key=lambda c: last[c][0])] = (None, None)
         self.last_backward = {c: mb for c, (_, mb) in last.items()}
         self.weights = model.parameters()  # whose gradients a split backward leaves to W
+        # the chunk whose backwards leave the head's weight gradient, and its last such W
+        self.last_head = {ins.chunk: ins.mb for ins in self.instructions if ins.op == S.HEAD_WEIGHT}
 
     def step(self, x, y, optimizer_step=None):
         """One training step on the global batch (x, y) (every rank passes the same one): run the
@@ -216,9 +227,13 @@ class PipelineExecutor:
     def _backward(self, state, ins):
         unit = (ins.mb, ins.chunk)
         inp, out = state.kept.pop(unit)  # dropping the graph frees the activations
-        quiet = self.optimizer is not None and ins.mb != self.last_backward[ins.chunk]
-        with self.optimizer.no_sync() if quiet else contextlib.nullcontext():
-            out.backward(state.output_grads.pop(unit, None))  # None: the loss, on the last chunk
+        grad = state.output_grads.pop(unit, None)  # None: the loss, on the last chunk
+        with self._quiet(ins.mb, self.last_backward[ins.chunk]):
+            if ins.chunk in self.last_head:  # all but the head's weight gradient, parked for the flush
+                state.head_grads[unit] = backward_input(out, [self.model.head_weight], grad)
+                self._count_parked(state)
+            else:
+                out.backward(grad)
         if inp is not None:
             state.input_grads[unit] = inp.grad
 
@@ -229,14 +244,27 @@ class PipelineExecutor:
         state.weight_grads[unit] = backward_input(out, self.weights, state.output_grads.pop(unit, None))
         if inp is not None:
             state.input_grads[unit] = inp.grad
-        held = sum(w.nbytes() for w in state.weight_grads.values())
-        state.record.peak_weight_bytes = max(state.record.peak_weight_bytes, held)
+        self._count_parked(state)
 
     def _backward_weight(self, state, ins):
         pending = state.weight_grads.pop((ins.mb, ins.chunk))
-        quiet = self.optimizer is not None and ins.mb != self.last_backward[ins.chunk]
-        with self.optimizer.no_sync() if quiet else contextlib.nullcontext():
+        with self._quiet(ins.mb, self.last_backward[ins.chunk]):
             pending.run()
+
+    def _head_weight(self, state, ins):
+        pending = state.head_grads.pop((ins.mb, ins.chunk))
+        with self._quiet(ins.mb, self.last_head[ins.chunk]):
+            pending.run()
+
+    def _quiet(self, mb, last):
+        """Gradients that more micro-batches will add to are not ready: inside ``no_sync()``."""
+        quiet = self.optimizer is not None and mb != last
+        return self.optimizer.no_sync() if quiet else contextlib.nullcontext()
+
+    @staticmethod
+    def _count_parked(state):
+        held = sum(w.nbytes() for w in (*state.weight_grads.values(), *state.head_grads.values()))
+        state.record.peak_weight_bytes = max(state.record.peak_weight_bytes, held)
 
     def _send_grad(self, state, ins):
         grad = state.input_grads.pop((ins.mb, ins.chunk))

@@ -11,6 +11,8 @@ An instruction is one of
     send_grad (mb, chunk)    send the gradient of the chunk's input back (non-blocking)
     backward_input  (mb, chunk)   B: the backward's half that computes the input's gradient only
     backward_weight (mb, chunk)   W: the other half, the weights' gradients (no message)
+    head_weight     (mb, chunk)   the output head's weight gradient, left by a backward for the
+                                  pipeline's flush (Megatron-LM's deferred embedding wgrad)
     step                     the optimizer step, after everything
 
 A pipeline of p ranks runs m micro-batches through p*v chunks of the model's layers, v per rank,
@@ -26,7 +28,10 @@ FORWARD, BACKWARD = "forward", "backward"
 # the zero-bubble split of BACKWARD (Qi et al. 2024): B, the input's gradient, and W, the weights'
 BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 BACKWARDS = (BACKWARD, BACKWARD_INPUT)  # what receives an output's gradient and sends its input's
-COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+# the tied head's weight gradient, x^T dlogits, taken out of the last chunk's backwards and run at
+# the flush, where the last stage waits for the first (Megatron-LM's defer_embedding_wgrad_compute)
+HEAD_WEIGHT = "head_weight"
+COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, HEAD_WEIGHT)
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, STEP = "recv_act", "send_act", "recv_grad", "send_grad", "step"
 
 
@@ -66,4 +71,4 @@ class Pipeline:
         return self.p * self.v
 
 
-LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}  # as in the papers' figures
+LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W", HEAD_WEIGHT: "H"}  # as in the papers' figures

@@ -29,6 +29,9 @@ around them by the same rule); what an instruction is, and which rank holds whic
   next batch's forwards fill what would be the drain. Its weights are stashed (``weight_stash.py``)
   and its executor runs across steps (``pipedream.py``).
 
+``build(..., defer_head=True)`` adds Megatron-LM's deferred embedding wgrad to a schedule whose
+backwards are whole (``defer_head_weight``).
+
 Sends never block (a send only starts) and receives do, so a schedule is free of deadlock exactly
 when replaying the sends and receives in order always lets some rank move on: ``simulate.py``
 checks that, and measures each schedule's bubble with unit costs.
@@ -37,8 +40,8 @@ checks that, and measures each schedule's bubble with unit costs.
 from minipar.parallel import validate
 from minipar.parallel.pipeline import zero_bubble
 from minipar.parallel.pipeline.instructions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT,  # noqa: F401 (re-exported)
-                                                    BACKWARDS, COMPUTE, FORWARD, LETTERS, RECV_ACT, RECV_GRAD,
-                                                    SEND_ACT, SEND_GRAD, STEP, Instruction, Pipeline)
+                                                    BACKWARDS, COMPUTE, FORWARD, HEAD_WEIGHT, LETTERS, RECV_ACT,
+                                                    RECV_GRAD, SEND_ACT, SEND_GRAD, STEP, Instruction, Pipeline)
 
 NAMES = {"pp": "p", "micro_batches": "m", "virtual_stages": "v"}  # a message's words for the sizes
 
@@ -217,18 +220,40 @@ def shape_of(name):
     return SHAPES.get(name, "round-robin")
 
 
-def build(name, p, m, v=1):
-    """Every rank's instruction list for a schedule by name: {rank: [Instruction]}."""
+def build(name, p, m, v=1, defer_head=False):
+    """Every rank's instruction list for a schedule by name: {rank: [Instruction]}; ``defer_head``:
+    with the head's weight gradients at the flush (``defer_head_weight``)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if defer_head:
+        validate.check(validate.RunConfig(pp=p, schedule=name, defer_embedding_wgrad=True),
+                       names=NAMES, what="pipeline schedule")
     if name == "interleaved":
-        return {r: interleaved_one_f_one_b(p, m, v, r) for r in range(p)}
-    if name == "zb-v":
+        plans = {r: interleaved_one_f_one_b(p, m, v, r) for r in range(p)}
+    elif name == "zb-v":
         check(p, m, v, schedule=name)  # raises unless v = 2
-        return {r: zb_v(p, m, r) for r in range(p)}
-    if v != 1:
-        check(p, m, v)  # raises: virtual stages need the interleaved schedule
-    return {r: SCHEDULES[name](p, m, r) for r in range(p)}
+        plans = {r: zb_v(p, m, r) for r in range(p)}
+    else:
+        if v != 1:
+            check(p, m, v)  # raises: virtual stages need the interleaved schedule
+        plans = {r: SCHEDULES[name](p, m, r) for r in range(p)}
+    return defer_head_weight(plans, Pipeline(p, m, v)) if defer_head else plans
+
+
+def defer_head_weight(plans, pipe):
+    """Megatron-LM's deferred embedding wgrad (``--defer-embedding-wgrad-compute``): the rank
+    holding the last chunk leaves out of each of its backwards the tied head's weight gradient,
+    dW = dlogits^T x (the head's B keeps dx = dlogits W, which the stage before waits for), and runs
+    them all just before the step, as ``head_weight`` instructions in the backwards' order. In a
+    flushed schedule the last stage finishes first: its last backward is done while the gradient
+    still travels down the other p - 1 stages, so the flush hides the deferred products, and every
+    micro-batch's backward on the critical path is shorter by one product of the vocabulary's
+    size. The price: each micro-batch's head input and logits' gradient, held until the flush."""
+    rank, head = pipe.place(pipe.n_chunks - 1)
+    order = plans[rank]
+    deferred = [Instruction(HEAD_WEIGHT, ins.mb, ins.chunk) for ins in order
+                if ins.op == BACKWARD and ins.chunk == head]
+    return {**plans, rank: order[:-1] + deferred + order[-1:]}  # the step stays last
 
 
 def table(schedules, compute_only=True):

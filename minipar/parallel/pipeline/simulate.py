@@ -34,6 +34,8 @@ measured timeline (``trace.op_costs``), in any one unit. Replaying all ranks thi
 Zero-bubble schedules split each backward into B (input gradient) and W (weights' gradients):
 ``backward`` is then B's cost and ``weight`` W's, and a micro-batch's activations stay held until
 its W, which needs the layers' inputs. Their idle times are ``zero_bubble_idle``'s formulas.
+A schedule with the head's weight gradients deferred (``schedules.defer_head_weight``) takes their
+cost as ``head``, out of its chunk's backward and into each ``head_weight`` instruction.
 """
 
 from collections import Counter
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD,
-                                                 RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Pipeline)
+                                                 HEAD_WEIGHT, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Pipeline)
 
 
 @dataclass
@@ -92,7 +94,7 @@ def per_chunk(cost, schedules, v):
 
 
 def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None, forward_only=False,
-             shape="round-robin", durations=None):
+             shape="round-robin", durations=None, head=0):
     """Replay ``schedules`` ({rank: [Instruction]}) and return a Simulation; raises RuntimeError on
     a deadlock or a broken schedule (``forward_only``: an evaluation schedule, no backwards).
     ``forward``, ``backward``, ``weight`` and ``recompute`` (added to each backward's first half):
@@ -102,7 +104,8 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     (weight 0 when None), so one set of costs (F, B, W) compares every schedule. ``shape``: how
     the chunks are placed (``Pipeline``), "v" for ZB-V. ``durations``: {(rank, op, mb, chunk): time}
     of instructions that took their own time (a measured step, micro-batch by micro-batch), in
-    place of their chunk's cost."""
+    place of their chunk's cost. ``head``: the part of a backward (of its W) that is the head's
+    weight gradient, moved to ``head_weight`` where the schedule defers it."""
     p = len(schedules)
     pipe = Pipeline(p, m, v, shape)
     split = any(ins.op == BACKWARD_WEIGHT for s in schedules.values() for ins in s)
@@ -111,9 +114,13 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     w = per_chunk(0 if weight is None else weight, schedules, v)
     b = per_chunk(backward, schedules, v)
     extra = per_chunk(recompute, schedules, v)
-    cost = {FORWARD: per_chunk(forward, schedules, v), BACKWARD_WEIGHT: w,
+    deferred = {(r, ins.chunk) for r, s in schedules.items() for ins in s if ins.op == HEAD_WEIGHT}
+    h = {k: x if k in deferred else 0 for k, x in per_chunk(head, schedules, v).items()}
+    cost = {FORWARD: per_chunk(forward, schedules, v), BACKWARD_WEIGHT: w, HEAD_WEIGHT: h,
             BACKWARD_INPUT: {k: b[k] + extra[k] for k in b},
-            BACKWARD: {k: b[k] + extra[k] + w[k] for k in b}}
+            BACKWARD: {k: b[k] + extra[k] + w[k] - h[k] for k in b}}
+    if any(x < 0 for x in cost[BACKWARD].values()):
+        raise ValueError("the head's weight gradient cannot cost more than the backward it is taken from")
     # whole numbers until a cost is a Fraction: a replay of measured durations in integer
     # microseconds (``stage_times``) then runs on ints, which Python adds far faster
     clock = {r: 0 for r in schedules}
@@ -122,6 +129,7 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     received = Counter()
     alive = {r: set() for r in schedules}  # (mb, chunk) forwarded, its backward (or W) not yet run
     split_done = {r: set() for r in schedules}  # (mb, chunk) whose B has run, waiting for its W
+    head_due = {r: set() for r in schedules}  # (mb, chunk) whose backward left the head's W
     peak = {r: 0 for r in schedules}
     busy = {r: 0 for r in schedules}
     timeline = {r: [] for r in schedules}
@@ -142,7 +150,7 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
                         raise RuntimeError(f"rank {r} sends {key} twice")
                     sent[key] = clock[r]
                 elif ins.op in COMPUTE:
-                    _account(r, ins, alive, split_done)
+                    _account(r, ins, alive, split_done, head_due if (r, ins.chunk) in deferred else None)
                     peak[r] = max(peak[r], len(alive[r]))
                     took = cost[ins.op][r, ins.chunk]
                     if durations is not None:
@@ -159,13 +167,15 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     if unmatched or any(v != 1 for v in received.values()):
         raise RuntimeError(f"sends and receives do not pair up: {unmatched[:5]}")
     for r in schedules:
-        if split_done[r]:
-            raise RuntimeError(f"rank {r} ends with B's whose W never ran: {sorted(split_done[r])}")
+        if split_done[r] or head_due[r]:
+            raise RuntimeError(f"rank {r} ends with B's whose W never ran: {sorted(split_done[r] | head_due[r])}")
         if alive[r] and not forward_only:
             raise RuntimeError(f"rank {r} ends with forwards never backpropagated: {sorted(alive[r])}")
         done = Counter((op, c) for op, _, c, _, _ in timeline[r])
-        kinds = 1 if forward_only else 3 if split else 2
-        if any(n != m for n in done.values()) or len(done) != kinds * v:
+        kinds = () if forward_only else (BACKWARD_INPUT, BACKWARD_WEIGHT) if split else (BACKWARD,)
+        runs = {(op, c) for c in range(v) for op in (FORWARD,) + kinds}
+        runs |= {(HEAD_WEIGHT, c) for rank, c in deferred if rank == r and not forward_only}
+        if any(n != m for n in done.values()) or set(done) != runs:
             raise RuntimeError(f"rank {r} does not run every micro-batch once through each chunk")
     makespan = max(clock.values())
     sim = Simulation(makespan, busy, timeline, peak, messages=len(sent))
@@ -190,11 +200,17 @@ def chunk_peaks(order, v):
     return tuple(sorted(c for c in seen if not any(o != c and all(map(int.__ge__, o, c)) for o in seen)))
 
 
-def _account(r, ins, alive, split_done):
+def _account(r, ins, alive, split_done, head_due):
     """Track the micro-batches whose activations rank r holds (a forward's, until its backward or,
-    split, its W: W needs the layer inputs), and check the order F, then B, then W."""
+    split, its W: W needs the layer inputs), and check the order F, then B, then W (or the head's
+    W, which needs only the head's input and the logits' gradient, held apart from ``alive``;
+    ``head_due`` None where the chunk defers none)."""
     unit = (ins.mb, ins.chunk)
-    if ins.op == FORWARD:
+    if ins.op == HEAD_WEIGHT:
+        if head_due is None or unit not in head_due[r]:
+            raise RuntimeError(f"rank {r} runs the head's W {unit} before its backward (or twice)")
+        head_due[r].remove(unit)
+    elif ins.op == FORWARD:
         if unit in alive[r]:
             raise RuntimeError(f"rank {r} runs forward {unit} twice")
         alive[r].add(unit)
@@ -209,6 +225,8 @@ def _account(r, ins, alive, split_done):
         alive[r].remove(unit)
     else:
         alive[r].remove(unit)
+        if head_due is not None:
+            head_due[r].add(unit)
 
 
 def zero_bubble_idle(name, p, m, forward, backward, weight):

@@ -28,13 +28,14 @@ from functools import lru_cache
 
 import numpy
 
-from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, build,
-                                                 shape_of)
+from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD,
+                                                 HEAD_WEIGHT, build, shape_of)
 from minipar.parallel.pipeline.simulate import simulate
 from minipar.parallel.validate import SPLIT_BACKWARD
 
-# the kinds of compute a summary holds durations of: forwards, backwards (whole, or B), W's
-KINDS = ((FORWARD,), (BACKWARD, BACKWARD_INPUT), (BACKWARD_WEIGHT,))
+# the kinds of compute a summary holds durations of: forwards, backwards (whole, or B), W's (a
+# chunk has W's or deferred head W's, never both: only whole backwards defer the head's)
+KINDS = ((FORWARD,), (BACKWARD, BACKWARD_INPUT), (BACKWARD_WEIGHT, HEAD_WEIGHT))
 SIMULATE_UP_TO = 4096  # chunk-passes p x v x m: beyond this no durations travel and nothing is replayed
 
 
@@ -72,9 +73,10 @@ def costs_ms(table, v, m):
             for kind, name in enumerate(("forward", "backward", "weight"))}
 
 
-def expected(schedule, v, m, table):
-    """The bubble of ``schedule`` when every instruction takes the time it took (``table``) and
-    messages none; None when the table has no durations (no pipeline, or too long to replay)."""
+def expected(schedule, v, m, table, defer_head=False):
+    """The bubble of ``schedule`` (``defer_head``: with the head's weight gradients at the flush)
+    when every instruction takes the time it took (``table``) and messages none; None when the
+    table has no durations (no pipeline, or too long to replay)."""
     p = len(table)
     if table.shape[1] != 2 + 3 * v * m:
         return None
@@ -82,18 +84,18 @@ def expected(schedule, v, m, table):
     split = schedule in SPLIT_BACKWARD
     # whole microseconds: the simulator's clocks stay ints
     us = numpy.maximum(1, numpy.round(each * 1e6)).astype(int)
-    fused = BACKWARD_INPUT if split else BACKWARD
+    ops = (FORWARD, BACKWARD_INPUT if split else BACKWARD, HEAD_WEIGHT if defer_head else BACKWARD_WEIGHT)
     durations = {(r, op, mb, c): int(us[r, kind, c, mb]) for r in range(p) for c in range(v) for mb in range(m)
-                 for kind, op in enumerate((FORWARD, fused, BACKWARD_WEIGHT)) if kind < 2 or split}
-    sim = simulate(_plan(schedule, p, m, v), m, v, weight=1 if split else None, shape=shape_of(schedule),
+                 for kind, op in enumerate(ops) if kind < 2 or split or defer_head}
+    sim = simulate(_plan(schedule, p, m, v, defer_head), m, v, weight=1 if split else None, shape=shape_of(schedule),
                    durations=durations)
     return float(sum(sim.bubble.values()) / p)
 
 
 @lru_cache(maxsize=4)
-def _plan(schedule, p, m, v):
+def _plan(schedule, p, m, v, defer_head):
     """The schedule's instruction lists, built once per run, not once per step."""
-    return build(schedule, p, m, v)
+    return build(schedule, p, m, v, defer_head)
 
 
 def _kind(op):

@@ -16,7 +16,7 @@ class StepRecord:
     instruction, in seconds of ``time.perf_counter``; ``loss``: the sum of this rank's scaled
     micro-batch losses (the last stage; None elsewhere); ``peak_alive``: the most chunk
     activations held at once (until the backward, or, split, until its W); ``peak_weight_bytes``:
-    the most bytes the parked W's kept alive at once (0 without the split)."""
+    the most bytes the parked W's (and deferred head W's) kept alive at once (0 without either)."""
 
     timeline: list = field(default_factory=list)
     loss: float = None
@@ -38,6 +38,8 @@ class StepState:
     output_grads    received gradients of chunk outputs, each waiting for its backward
     input_grads     gradients of chunk inputs, each waiting to be sent back
     weight_grads    the W half of each split backward (``WeightGradients``), waiting for its W
+    head_grads      the head's weight gradient left by each backward of the last chunk, waiting for
+                    the flush (``defer_embedding_wgrad``)
     sends           requests of the sends still in flight
     receives        the step's receives, posted ahead (``receives.PostedReceives``)
     loss            the sum of the scaled micro-batch losses computed here so far
@@ -54,6 +56,7 @@ class StepState:
     output_grads: dict = field(default_factory=dict)
     input_grads: dict = field(default_factory=dict)
     weight_grads: dict = field(default_factory=dict)
+    head_grads: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     receives: object = None
     loss: float = 0.0

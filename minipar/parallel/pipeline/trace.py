@@ -10,10 +10,12 @@ import json
 import os
 import statistics
 
-from minipar.parallel.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, LETTERS
+from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD,
+                                                 HEAD_WEIGHT, LETTERS)
 
 # forward blue, backward (or its input half B) orange, the weights' half W green
-COLORS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", BACKWARD_INPUT: "#dd8452", BACKWARD_WEIGHT: "#55a868"}
+COLORS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", BACKWARD_INPUT: "#dd8452", BACKWARD_WEIGHT: "#55a868",
+          HEAD_WEIGHT: "#8172b3"}
 
 
 def origin(timelines):
@@ -66,8 +68,9 @@ def chrome_trace(timelines, path, chunks=1):
 
 
 def gantt(timelines, path, title, chunks=1, unit="ms"):
-    """A Gantt picture: one row per rank, forwards blue, backwards (B) orange, W green, each labelled with its
-    micro-batch (and chunk), the gaps between them the bubble."""
+    """A Gantt picture: one row per rank, forwards blue, backwards (B) orange, W green, the head's
+    deferred W (H) purple, each labelled with its micro-batch (and chunk), the gaps between them
+    the bubble."""
     import matplotlib
 
     matplotlib.use("Agg")
