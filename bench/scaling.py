@@ -24,7 +24,9 @@ long as it took); and the one measured. The third's excess over the second is th
 unevenness (on a shared machine some run slower) and the work the FLOPs leave out (LayerNorms, the
 loss); the fourth's over the third is what messages and the executor's own work cost.
 PipeDream-2BW never flushes, so its formula's bubble is none and its FLOPs' only the stages'
-imbalance; its stream of batches is not replayed ("-").
+imbalance; its stream of batches is not replayed ("-"). ``1f1b+defer`` is 1F1B with the head's
+weight gradients run at the flush (``--defer-embedding-wgrad-compute``): the FLOPs' bubble counts
+them there.
 
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
 parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
@@ -54,6 +56,7 @@ BATCH, MICRO = 16, 2  # the global batch, and a pipeline's micro-batch: m = BATC
 MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", str(BATCH), "--seed", "0"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 PIPE = ["--pp", "{n}", "--micro-batch-size", str(MICRO)]
+DEFER = "--defer-embedding-wgrad-compute"
 
 # name: (extra flags, "dense" or "moe" model, pipeline schedule or None); {n} is the rank count
 LAYOUTS = {
@@ -67,6 +70,8 @@ LAYOUTS = {
     "gpipe": (PIPE + ["--schedule", "gpipe"], "dense", "gpipe"),
     "1f1b": (PIPE + ["--schedule", "1f1b"], "dense", "1f1b"),
     "1f1b-slack": (PIPE + ["--schedule", "1f1b-slack"], "dense", "1f1b-slack"),
+    # the head's weight gradients at the flush (Megatron-LM's deferred embedding wgrad)
+    "1f1b+defer": (PIPE + ["--schedule", "1f1b", DEFER], "dense", "1f1b"),
     "interleaved": (PIPE + ["--schedule", "interleaved", "--vpp", "2"], "dense", "interleaved"),
     "zb-h1": (PIPE + ["--schedule", "zb-h1"], "dense", "zb-h1"),
     "zb-h2": (PIPE + ["--schedule", "zb-h2"], "dense", "zb-h2"),
@@ -84,9 +89,10 @@ BUBBLES = "bubble: equal stages, its FLOPs, its compute, measured"
 def ideal(layout, n, n_layer, n_embd):
     """(ideal speed-up, the schedule's bubble with equal stages, its bubble with each chunk costing
     its FLOPs) of ``layout`` on ``n`` ranks; both bubbles None without a pipeline."""
-    schedule = LAYOUTS[layout][2]
+    flags, _, schedule = LAYOUTS[layout]
     if schedule is None:
         return n, None, None
+    defer = DEFER in flags
     m = BATCH // MICRO  # micro-batches of the one DP replica
     v = 2 if schedule in ("interleaved", "zb-v") else 1
     shape = schedules.shape_of(schedule)
@@ -96,12 +102,12 @@ def ideal(layout, n, n_layer, n_embd):
     flops = {(r, c): Fraction(n_layer, n * v) * block + head * (pipe.global_chunk(r, c) == n * v - 1)
              for r in range(n) for c in range(v)}
 
-    def bubble(cost):  # forward a third of a chunk's cost, backward two (split: B and W one each)
+    def bubble(cost, head=0):  # forward a third of a chunk's cost, backward two (split: B and W one each)
         split = schedule.startswith("zb")
         third = {k: x / 3 for k, x in cost.items()}
-        sim = simulate(schedules.build(schedule, n, m, v), m, v, forward=third,
+        sim = simulate(schedules.build(schedule, n, m, v, defer), m, v, forward=third,
                        backward=third if split else {k: 2 * x for k, x in third.items()},
-                       weight=third if split else None, shape=shape)
+                       weight=third if split else None, shape=shape, head=head)
         return sum(sim.bubble.values()) / n
 
     if schedule == "pipedream-2bw":
@@ -110,7 +116,9 @@ def ideal(layout, n, n_layer, n_embd):
         loads = [sum(flops[r, c] for c in range(v)) for r in range(n)]
         return n, Fraction(0), 1 - Fraction(sum(loads), n * max(loads))
     equal = bubble(dict.fromkeys(flops, 1))
-    return n * (1 - equal), equal, bubble(flops)
+    # deferred, the head's W (a third of the head's FLOPs) leaves the last chunk's backward
+    head_w = {k: head / 3 * (pipe.global_chunk(*k) == n * v - 1) for k in flops}
+    return n * (1 - equal), equal, bubble(flops, head_w)
 
 
 def step_ms(ranks, flags, steps, skip):

@@ -20,6 +20,12 @@ from mpi_run import ROOT, check_mpi, run_mpi
     (4, ["--pp", "2", "--schedule", "1f1b", "--m", "2", "--bucket-bytes", "1"]),  # PP 2 x DP 2, a bucket a parameter
     (4, ["--pp", "2", "--tp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "1f1b", "--recompute"]),
+    # the head's W's at the flush (Megatron-LM's deferred embedding wgrad): DP's sums started by
+    # hooks, a bucket a parameter, the tied embedding's from its last head W; with TP, SP, recompute
+    (4, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2", "--bucket-bytes", "1",
+         "--defer-embedding-wgrad"]),
+    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "gpipe", "--m", "3", "--recompute",
+         "--defer-embedding-wgrad"]),
 ])
 def test_pipeline_matches_the_single_device_run(n, args):
     out = check_mpi(n, "pipeline.py", *args, timeout=180)
@@ -48,7 +54,8 @@ def test_zero_bubble_pipeline_matches_the_single_device_run(n, args):
     assert out.count("OK (layers") == n and "W held 0 bytes" not in out
 
 
-@pytest.mark.parametrize("args", [["--schedule", "zb-h1"], ["--schedule", "zb-v", "--v", "2"]])
+@pytest.mark.parametrize("args", [["--schedule", "zb-h1"], ["--schedule", "zb-v", "--v", "2"],
+                                  ["--schedule", "1f1b", "--defer-embedding-wgrad"]])
 def test_a_skipped_w_is_caught(args):
     code, out, _ = run_mpi(2, "pipeline.py", "--pp", "2", "--m", "4", "--plant-bug", *args, timeout=60)
     assert code != 0 and "gradient of" in out and "off by" in out, out

@@ -14,7 +14,8 @@ import pytest
 from minipar.comm.stats import ring_bytes
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import memory, validate
-from minipar.parallel.pipeline.simulate import theoretical_bubble
+from minipar.parallel.pipeline import schedules
+from minipar.parallel.pipeline.simulate import chunk_peaks, theoretical_bubble
 from minipar.plan import activations, bubble, cost, hetero, state, traffic
 from minipar.plan.enumerate import as_json, plan
 from minipar.plan.shapes import PRESETS, Layout, Machine, Model, run_config
@@ -116,6 +117,30 @@ def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms
     # ZB-V's first rank holds the V's first chunk (the embeddings) far fuller than its last (the logits)
     assert bubble.in_flight("zb-v", 2, 4, 2, 0) == ((3, 1), (4, 0))
     assert bubble.pipeline("1f1b", 1, 8) == (Fraction(0), (1,), "no pipeline")
+
+
+def test_deferred_head_weights_are_one_count_more_on_the_last_rank(monkeypatch):
+    """--defer-embedding-wgrad-compute: a backward of the last chunk frees its activations and parks
+    the head's input and logits' gradient until the flush, so 1F1B's last rank (PP 2, m 4) peaks
+    with 1 in flight and 3 parked, or 4 parked; the closed forms give what the instruction lists give."""
+    order = [(i.op, i.chunk) for i in schedules.build("1f1b", 2, 4, 1, defer_head=True)[1]]
+    assert chunk_peaks(order, 1) == ((0, 4), (1, 3))
+    assert chunk_peaks([o for o in order if o[0] != schedules.HEAD_WEIGHT], 1) == ((1,),)
+    cases = (("1f1b", 4, 8, 1), ("1f1b-slack", 3, 5, 1), ("gpipe", 2, 6, 1), ("interleaved", 2, 4, 2),
+             ("interleaved", 3, 9, 3))
+    simulated = [[bubble.in_flight(s, p, m, v, r, True) for r in range(p)] for s, p, m, v in cases]
+    for (s, p, m, v), peaks in zip(cases, simulated):
+        assert peaks[:-1] == [bubble.in_flight(s, p, m, v, r) for r in range(p - 1)]
+        assert {len(c) for c in peaks[-1]} == {v + 1} and max(c[-1] for c in peaks[-1]) == m
+    bubble.in_flight.cache_clear()
+    monkeypatch.setattr(bubble, "SIMULATE_UP_TO", 0)
+    try:
+        assert [[bubble.in_flight(s, p, m, v, r, True) for r in range(p)] for s, p, m, v in cases] == simulated
+        with pytest.raises(ValueError, match="drop defer_embedding_wgrad"):
+            bubble.in_flight("zb-h1", 2, 4, 1, 1, True)
+    finally:  # no closed form left cached for the tests that want the simulator's
+        bubble.pipeline.cache_clear()
+        bubble.in_flight.cache_clear()
 
 
 def test_the_activation_formula_lives_in_minipar_and_the_benchmark_uses_it():
@@ -351,12 +376,13 @@ def test_a_run_the_trainer_resolved_plans_as_the_same_model_and_layout():
 
     model = Model(6, 64, 8, 32, 300, num_experts=4, moe_router_topk=1, moe_layer_freq=2, dropout=0.1)
     layout = Layout(tp=2, pp=2, dp=2, ep=2, vpp=2, zero_stage=1, micro_batch_size=2, recompute=True,
-                    sequence_parallel=True, schedule="interleaved", pipeline_layers=(1, 2, 2, 1))
+                    sequence_parallel=True, schedule="interleaved", pipeline_layers=(1, 2, 2, 1),
+                    defer_embedding_wgrad=True)
     run, problems = resolve(run_config(model, layout, 16, "bfloat16"))
     assert problems == []
     back, again, m = from_run_config(run)
     assert (back, again, m) == (replace(model, dropout=0.0), layout, 4)  # RunConfig keeps no dropout
     assert activations.peak_bytes(back, again, m, 2) == max(
-        activations.rank_bytes(back, again, s, bubble.in_flight("interleaved", 2, 4, 2, s), 2) for s in (0, 1))
+        activations.rank_bytes(back, again, s, bubble.in_flight("interleaved", 2, 4, 2, s, True), 2) for s in (0, 1))
     assert [list(state.chunk_layers(back, again, g)) for g in range(4)] == [[0], [1, 2], [3, 4], [5]]
     assert state.stage_layers(back, again, 0) == [0, 3, 4] and state.stage_layers(back, again, 1) == [1, 2, 5]

@@ -3,9 +3,11 @@ docstring states: data parallelism's all-reduce hides behind the backward (2/3 o
 ring attention's passes behind attention's FLOPs (12 L T h of each token's), MFU counts model FLOPs
 only, and a layout's memory is its fuller stage's, each stage with its own micro-batches in flight."""
 
+from dataclasses import replace
+
 import pytest
 
-from minipar.plan import activations, cost, state, traffic
+from minipar.plan import activations, bubble, cost, state, traffic
 from minipar.plan.shapes import Layout, Machine, Model
 
 SMALL = Model(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16)
@@ -75,3 +77,20 @@ def test_memory_is_the_fuller_stages_with_its_own_micro_batches_in_flight(vocab,
         held[name] = states + acts
     assert max(held, key=held.get) == fuller
     assert cost.predict(model, layout, Machine(gpus=2), 8).memory_gb == held[fuller] / 1e9
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+def test_deferred_head_weights_add_their_parked_bytes_at_the_last_ranks_peak(tp, sp):
+    """--defer-embedding-wgrad-compute: 1F1B's last rank (PP 2, m 4) peaks with one micro-batch in
+    flight and three head W's parked, each the head's input (whole under SP) and the logits'
+    gradient, d b s (h + V/t); the first rank parks none. The plan's memory counts them."""
+    plain = Layout(tp=tp, pp=2, micro_batch_size=2, sequence_parallel=sp)
+    deferred, parked = replace(plain, defer_embedding_wgrad=True), 4 * 2 * 16 * (16 + 256 // tp)
+    peaks = bubble.in_flight("1f1b", 2, 4, 1, 1, defer_head=True)
+    last = activations.rank_bytes(SMALL, deferred, 1, peaks, 4)
+    assert last == activations.rank_bytes(SMALL, plain, 1, ((1,),), 4) + 3 * parked
+    first = activations.rank_bytes(SMALL, plain, 0, ((2,),), 4)
+    assert activations.rank_bytes(SMALL, deferred, 0, bubble.in_flight("1f1b", 2, 4, 1, 0, True), 4) == first
+    assert activations.peak_bytes(SMALL, deferred, 4, 4) == max(first, last)
+    held = [sum(state.state_bytes(SMALL, deferred, s).values()) + acts for s, acts in ((0, first), (1, last))]
+    assert cost.predict(SMALL, deferred, Machine(gpus=2 * tp), 8).memory_gb == max(held) / 1e9

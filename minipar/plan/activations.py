@@ -59,9 +59,13 @@ chunk), that chunk's layers' activations and its edge: in the model's first chun
 2 b s V/t d (those two counts read off measured graphs), in every other chunk the input it received
 from the stage before, s b h. With sequence parallelism the edge terms are split by t, but the
 vocabulary-parallel embedding's rows, looked up whole before their reduce-scatter, and the head's
-input, gathered whole, are s b h more each. The per-layer formula is exact on one device; a rank's
-peak is within 1% of the measured one for a dense model (under TP too), and within 10% for MoE,
-whose router is not uniform (``tests/mpi/plan_activations.py``).
+input, gathered whole, are s b h more each. With the head's weight gradients deferred to the
+flush (``Layout.defer_embedding_wgrad``) the last chunk's rank also parks, from each backward of
+that chunk until the flush, the micro-batch's head input (whole, s b h) and the logits' gradient
+(b s V/t): one count more in ``in_flight``'s vectors. The per-layer formula is exact on one
+device; a rank's peak is within 1% of the measured one for a dense model (under TP too, and with
+the head's W deferred), and within 10% for MoE, whose router is not uniform
+(``tests/mpi/plan_activations.py``).
 """
 
 import math
@@ -175,7 +179,8 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     the one layer whose forward is run again inside its backward (a graph walked between forward
     and backward, as ``bench/memory_breakdown.py`` walks it, does not see it). ZeRO-3 keeps what
     the same layout without it keeps: its graph holds the parameters by reference, not their
-    gathered copies."""
+    gathered copies. With ``defer_embedding_wgrad`` the last chunk's rank's vectors have one count
+    more, the head W's parked (``bubble.in_flight(..., defer_head=True)``)."""
     b, s, t = layout.micro_batch_size, model.seq_length // layout.cp, layout.tp
     sbh = d * s * b * model.hidden_size
     shard = t if layout.sequence_parallel else 1
@@ -200,8 +205,11 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
             extra += sbh // shard  # recomputation it is the first layer's kept input)
         return extra
 
-    held = [chunk_bytes(c) for c in state.stage_chunks(layout, stage)]
-    kept = max(sum(n * h for n, h in zip(peak, held)) for peak in peaks)
+    chunks = state.stage_chunks(layout, stage)
+    held = [chunk_bytes(c) for c in chunks]
+    if layout.defer_embedding_wgrad and last in chunks:  # a parked head W: its input (whole under SP),
+        held.append(sbh + logits // 2)  # and the logits' gradient, one of the two logits-sized arrays
+    kept = max(sum(n * h for n, h in zip(peak, held, strict=True)) for peak in peaks)
     return kept + (one + max(experts, 0) if recompute and transient else 0)
 
 
@@ -212,8 +220,8 @@ def peak_bytes(model, layout, m, d, query_block=64):
     (``bubble.NotPlanned``), one micro-batch in each chunk: a floor."""
     def peaks(stage):
         try:
-            return bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, stage)
-        except bubble.NotPlanned:
+            return bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, stage, layout.defer_embedding_wgrad)
+        except bubble.NotPlanned:  # a zero-bubble schedule, which defers no head W
             return ((1,) * layout.vpp,)
 
     stages = range(layout.pp) if layout.pipeline_layers else {0, layout.pp - 1}

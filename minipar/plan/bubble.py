@@ -68,26 +68,37 @@ def pipeline(schedule, p, m, v=1, recompute=False):
 
 
 @lru_cache(maxsize=4096)
-def in_flight(schedule, p, m, v, rank):
+def in_flight(schedule, p, m, v, rank, defer_head=False):
     """The micro-batches rank ``rank`` holds in each of its v chunks at its peaks (``chunk_peaks``:
     count vectors, one count per local chunk). From the schedule's own instruction list up to
     ``SIMULATE_UP_TO`` chunk-passes; beyond, one chunk holds the closed form's total (v = 1),
     interleaved's order is walked without its messages, and ZB-V's rank r holds 2p - 1 - r of
     the V's descending chunk and r + 1 of its ascending one, or 2p - r and r: a micro-batch
     takes the descending chunk first, so the rank nearest the V's bottom holds the two most
-    alike (as the instruction lists give, tested)."""
+    alike (as the instruction lists give, tested). ``defer_head`` (``schedules.defer_head_weight``):
+    the last rank's vectors count one more, the head W's parked; in closed form (n, m - n) for n
+    up to the total (v = 1: the last rank's backwards alternate with its forwards, each parking one,
+    and none runs before the flush), and interleaved's walk takes the head W's at its end, as the
+    instruction lists have them (tested)."""
     if p > 1 and p * v * m <= SIMULATE_UP_TO:
-        return _instruction_peaks(schedule, p, m, v)[rank]
+        return _instruction_peaks(schedule, p, m, v, defer_head)[rank]
+    if defer_head:  # refused as schedules.build does: p = 1, or a schedule that never flushes
+        validate.check(validate.RunConfig(pp=p, schedule=schedule, defer_embedding_wgrad=True),
+                       what="pipeline schedule")
     _, alive, _ = pipeline(schedule, p, m, v)  # closed forms; raises NotPlanned where pipeline does
+    parks = defer_head and rank == p - 1  # every deferring schedule places the last chunk round-robin
     if schedule == "zb-v":
         return ((2 * p - 1 - rank, rank + 1), (2 * p - rank, rank))
     if schedule == "interleaved":
-        return chunk_peaks(((op, chunk) for op, _, chunk in schedules.interleaved_order(p, m, v, rank)), v)
+        order = [(op, chunk) for op, _, chunk in schedules.interleaved_order(p, m, v, rank)]
+        return chunk_peaks(order + [(schedules.HEAD_WEIGHT, v - 1)] * m * parks, v)
+    if parks:
+        return tuple((n, m - n) for n in range(alive[rank] + 1))
     return ((alive[rank],),)
 
 
 @lru_cache(maxsize=64)
-def _instruction_peaks(schedule, p, m, v):
+def _instruction_peaks(schedule, p, m, v, defer_head=False):
     """``chunk_peaks`` of every rank's instruction list, built once for all the ranks asked about."""
-    built = schedules.build(schedule, p, m, v)
+    built = schedules.build(schedule, p, m, v, defer_head)
     return tuple(chunk_peaks(((i.op, i.chunk) for i in built[r]), v) for r in range(p))

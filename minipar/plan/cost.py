@@ -96,7 +96,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
             calls[g] = max(calls.get(g, 0.0), v)
         held = sum(state.state_bytes(model, layout, s, dtype).values())
-        peaks = bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s)
+        peaks = bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s, layout.defer_embedding_wgrad)
         held += activations.rank_bytes(model, layout, s, peaks, d, query_block)
         memory = max(memory, held)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)

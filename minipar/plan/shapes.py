@@ -67,6 +67,7 @@ class Layout:
     cp_comm_type: str = "p2p"
     schedule: str = "1f1b"
     pipeline_layers: tuple = None  # layers of each global chunk, in order (--pipeline-layers); None: L/(p v) each
+    defer_embedding_wgrad: bool = False  # the head's weight gradients at the flush: the last rank parks their inputs
 
     @property
     def world_size(self):
@@ -115,6 +116,7 @@ def run_config(model, layout, global_batch, dtype="float32"):
         n_layer=model.num_layers, n_head=model.num_attention_heads, n_embd=model.hidden_size,
         block_size=model.seq_length, vocab_size=model.vocab_size, sequence_parallel=layout.sequence_parallel,
         zero_stage=layout.zero_stage, recompute=layout.recompute, pipeline_layers=layout.pipeline_layers,
+        defer_embedding_wgrad=layout.defer_embedding_wgrad,
         dtype=dtype if dtype in validate.DTYPES else "float32")
 
 
@@ -129,7 +131,7 @@ def from_run_config(run, selective_recompute=False):
                     zero_stage=run.zero_stage, micro_batch_size=run.micro_batch_size, recompute=run.recompute,
                     selective_recompute=selective_recompute, sequence_parallel=run.sequence_parallel,
                     cp_comm_type=run.cp_comm_type or "p2p", schedule=run.schedule or "1f1b",
-                    pipeline_layers=run.pipeline_layers)
+                    pipeline_layers=run.pipeline_layers, defer_embedding_wgrad=bool(run.defer_embedding_wgrad))
     return model, layout, run.micro_batches
 
 

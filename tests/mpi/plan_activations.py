@@ -5,7 +5,9 @@ rank's most bytes held by the autograd graphs between forward and backward over 
 that walk cannot see): 1% for a dense model, where the formula counts what the graphs keep, 10%
 for MoE, where it assumes a uniform router. The MoE layouts (4 experts, top-2, dropless or with
 capacity factor 1, expert-parallel over EP ranks), the selective recomputation ones and the uneven
-splits measure the same walk on a GPT built here.
+splits measure the same walk on a GPT built here; the rows with the head's weight gradients deferred
+(--defer-embedding-wgrad-compute) add the parked head W's, which no graph holds, after every forward
+and backward (a backward frees a graph but parks its head input and logits' gradient).
 
     run_mpi.sh -n 4 tests/mpi/plan_activations.py
 """
@@ -23,7 +25,7 @@ from minipar.plan import activations, bubble
 from minipar.plan.shapes import Layout, Model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from memory_breakdown import HYPER, MeasuringExecutor, measure  # noqa: E402
+from memory_breakdown import HYPER, MeasuringExecutor, graph_bytes, measure  # noqa: E402
 from minipar.models import GPT, GPTConfig  # noqa: E402
 from minipar.parallel import ProcessGrid  # noqa: E402
 from minipar.parallel.optimizers import make_optimizer  # noqa: E402
@@ -42,6 +44,7 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
     ("PP2 DP2 interl.", 1, 2, 1, False, 0, None, False, "interleaved"),
 ]
 UNEVEN = [("PP2 DP2 3,1", (3, 1)), ("PP2 DP2 1,3", (1, 3))]  # --pipeline-layers, 1F1B
+DEFERRED = [("PP2 DP2 defer", 1, False), ("TP2 PP2 SP defer", 2, True)]  # (name, tp, sequence parallel), 1F1B
 
 # The relative error a row may have: 1% where rank_bytes counts what the graphs keep (every dense
 # layout, within 0.8%: a wrong embedding term, 4 s b h, or logits term, 2 b s V, moves these rows
@@ -54,10 +57,26 @@ def tolerance(name):
     return ROUTER if "MoE" in name else TIGHT
 
 
-def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None):
+class ParkingExecutor(MeasuringExecutor):
+    """The graphs and the head W's parked for the flush, after every forward and backward."""
+
+    def _forward(self, state, ins):
+        super()._forward(state, ins)
+        self._measure(state)
+
+    def _backward(self, state, ins):
+        super()._backward(state, ins)
+        self._measure(state)
+
+    def _measure(self, state):
+        graphs = graph_bytes([out for _, out in state.kept.values()], self.model.parameters())
+        self.peak = max(self.peak, graphs + sum(w.nbytes() for w in state.head_grads.values()))
+
+
+def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False):
     """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
     ``experts`` experts (top-2), if ``selective`` selective recomputation, and ``layers`` per
-    pipeline chunk (None: an even split)."""
+    pipeline chunk (None: an even split); ``defer``: and the parked head W's."""
     minipar.manual_seed(0)
     grid = ProcessGrid(tp, pp, comm.size // (tp * pp), comm, ep=ep)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
@@ -66,7 +85,8 @@ def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=N
     gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity="selective" if selective else None,
               virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin", layers_per_stage=layers)
     opt = make_optimizer(gpt, grid, 0, bucket_bytes=args.bucket_kb << 10, **HYPER)
-    run = MeasuringExecutor(gpt, grid, schedule, args.micro_batches, optimizer=opt)
+    run = (ParkingExecutor if defer else MeasuringExecutor)(gpt, grid, schedule, args.micro_batches, optimizer=opt,
+                                                            defer_embedding_wgrad=defer)
     gpt.rng.iteration = 0
     run.step(*batch, optimizer_step=opt.finish_gradients)
     return run.peak, grid
@@ -74,7 +94,8 @@ def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=N
 
 def planned(model, layout, stage):
     """rank_bytes of pipeline rank ``stage``, with the micro-batches its schedule holds in each chunk."""
-    peaks = bubble.in_flight(layout.schedule, layout.pp, args.micro_batches, layout.vpp, stage)
+    peaks = bubble.in_flight(layout.schedule, layout.pp, args.micro_batches, layout.vpp, stage,
+                             layout.defer_embedding_wgrad)
     return activations.rank_bytes(model, layout, stage, peaks, 4, transient=False)
 
 
@@ -111,6 +132,11 @@ for name, layers in UNEVEN:
     measured, grid = measure_gpt(1, 2, 1, False, 0, None, False, "1f1b", layers)
     layout = Layout(pp=2, dp=comm.size // 2, micro_batch_size=args.batch_size // (comm.size // 2) // args.micro_batches,
                     pipeline_layers=layers)
+    worst = max(worst, rows_of(name, measured, planned(model, layout, grid.pp_rank)))
+for name, tp, sp in DEFERRED:
+    measured, grid = measure_gpt(tp, 2, 1, sp, 0, None, False, "1f1b", defer=True)
+    layout = Layout(tp=tp, pp=2, dp=grid.dp, sequence_parallel=sp, defer_embedding_wgrad=True,
+                    micro_batch_size=args.batch_size // grid.dp // args.micro_batches)
     worst = max(worst, rows_of(name, measured, planned(model, layout, grid.pp_rank)))
 worst = float(comm.all_reduce(numpy.array([worst]), op="max")[0])
 if comm.rank == 0:

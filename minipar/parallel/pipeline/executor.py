@@ -13,18 +13,16 @@ instructions lives in one ``StepState`` (``state.py``). The methods:
     _send_grad  start a non-blocking send of the input's gradient
     _step       wait for the sends still in flight, then the caller's optimizer step
 
-A new instruction is one method and one entry in ``self._handlers``, plus its place in the
-schedules. The zero-bubble schedules (Qi et al. 2024: ZB-H1, ZB-H2) split the backward in two:
+and, with the backward split in two (``minipar.weight_grad``),
 
-    _backward_input   B: the input's gradient only (``minipar.weight_grad.backward_input``), which
-                      the previous stage waits for; the weights' half is parked in the state
-    _backward_weight  W: runs the parked half where the schedule puts it, in what was the bubble
+    _backward_input   B of the zero-bubble schedules (Qi et al. 2024): the input's gradient only,
+                      which the previous stage waits for; the weights' half is parked in the state
+    _backward_weight  W: the parked half, where the schedule puts it, in what was the bubble
+    _head_weight      the tied head's weight gradient, parked by each backward of the last chunk
+                      under ``defer_embedding_wgrad`` (``schedules.defer_head_weight``), at the flush
 
 so a chunk's gradients are complete after its last W, not its last backward (``last_backward``).
-With ``defer_embedding_wgrad`` (Megatron-LM's deferred embedding wgrad, ``schedules.defer_head_weight``)
-the last chunk's backwards leave only the tied head's weight gradient, parked the same way:
-
-    _head_weight      the head's W, run at the flush, before the step
+A new instruction is one method and one entry in ``self._handlers``, plus its place in the schedules.
 ZB-V places the chunks in a V (``instructions.Pipeline``): the model must be built in the same
 shape (checked), and rank p - 1 hands its chunk 0's output to its own chunk 1 by a message to
 itself, like any other.
@@ -71,7 +69,6 @@ from minipar.rng import rows_of
 from minipar.weight_grad import backward_input
 
 __all__ = ["MAX_TAG", "PipelineExecutor", "StepRecord"]
-
 
 
 class PipelineExecutor:

@@ -189,14 +189,24 @@ def chunk_peaks(order, v):
     of (op, local chunk) alone (messages change when, not what): after each forward, the count per
     chunk; kept, those no other equals or exceeds in every chunk. A planner weighs them with each
     chunk's bytes (the first chunk's embeddings, the last's logits) and takes the largest sum,
-    which a single total (``peak_alive``) cannot give when the chunks differ."""
-    counts, seen = [0] * v, set()
+    which a single total (``peak_alive``) cannot give when the chunks differ. Where the order
+    defers the head's weight gradients (``head_weight`` ops), each vector has one count more, the
+    micro-batches whose head W is parked, and is taken after that chunk's backwards too: they free
+    its activations but park the head's input and the logits' gradient, so the sum can peak there."""
+    order = list(order)
+    deferring = {chunk for op, chunk in order if op == HEAD_WEIGHT}
+    counts, seen = [0] * (v + bool(deferring)), set()
     for op, chunk in order:
         if op == FORWARD:
             counts[chunk] += 1
             seen.add(tuple(counts))
         elif op in (BACKWARD, BACKWARD_WEIGHT):
             counts[chunk] -= 1
+            if op == BACKWARD and chunk in deferring:
+                counts[v] += 1
+                seen.add(tuple(counts))
+        elif op == HEAD_WEIGHT:
+            counts[v] -= 1
     return tuple(sorted(c for c in seen if not any(o != c and all(map(int.__ge__, o, c)) for o in seen)))
 
 
