@@ -25,8 +25,8 @@ unevenness (on a shared machine some run slower) and the work the FLOPs leave ou
 loss); the fourth's over the third is what messages and the executor's own work cost.
 PipeDream-2BW never flushes, so its formula's bubble is none and its FLOPs' only the stages'
 imbalance; its stream of batches is not replayed ("-"). ``1f1b+defer`` is 1F1B with the head's
-weight gradients run at the flush (``--defer-embedding-wgrad-compute``): the FLOPs' bubble counts
-them there.
+weight gradients run at the flush (``--defer-embedding-wgrad-compute``), ``1f1b-slack+defer``
+1F1B-slack with them: the FLOPs' bubble counts them there.
 
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
 parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
@@ -72,6 +72,7 @@ LAYOUTS = {
     "1f1b-slack": (PIPE + ["--schedule", "1f1b-slack"], "dense", "1f1b-slack"),
     # the head's weight gradients at the flush (Megatron-LM's deferred embedding wgrad)
     "1f1b+defer": (PIPE + ["--schedule", "1f1b", DEFER], "dense", "1f1b"),
+    "1f1b-slack+defer": (PIPE + ["--schedule", "1f1b-slack", DEFER], "dense", "1f1b-slack"),
     "interleaved": (PIPE + ["--schedule", "interleaved", "--vpp", "2"], "dense", "interleaved"),
     "zb-h1": (PIPE + ["--schedule", "zb-h1"], "dense", "zb-h1"),
     "zb-h2": (PIPE + ["--schedule", "zb-h2"], "dense", "zb-h2"),

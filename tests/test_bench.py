@@ -132,6 +132,9 @@ def test_scaling_benchmark_runs_and_takes_pipelines_ideal_from_the_simulator():
     assert (best, equal) == (2 * (1 - Fraction(1, 9)), Fraction(1, 9))
     # the last stage's head (6 V h = 196,608 FLOPs a token) on 2 blocks of 72 h^2 + 12 T h: 1/14 more
     assert by_flops == Fraction(9, 67) and float(by_flops) == pytest.approx(0.134, abs=5e-4)
+    for deferred in ("1f1b+defer", "1f1b-slack+defer"):  # the head's W at the flush: off the critical path
+        assert scaling.ideal(deferred, 2, 4, 128)[1] == equal
+        assert float(scaling.ideal(deferred, 2, 4, 128)[2]) == pytest.approx(0.117, abs=5e-4)
     assert scaling.ideal("zb-v", 2, 4, 128)[1] == Fraction(1, 49) and scaling.ideal("dp", 4, 4, 128) == (4, None, None)
     # PipeDream-2BW never flushes: only the imbalance, stage 0 idle 1/15 of the time: 1/30 of all
     assert scaling.ideal("pipedream-2bw", 2, 4, 128) == (2, 0, Fraction(1, 30))
