@@ -8,6 +8,7 @@ ZB-V, and PipeDream-2BW's asynchronous pipeline), checked against one device.
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule zb-v   # one schedule, not all of them
     ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule pipedream-2bw --steps 30  # its loss curve
     ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --show-schedules   # a core per rank
+    ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b --defer-embedding-wgrad-compute
 
 The GPT's 8 blocks are cut into stages: on 4 ranks, rank r runs blocks 2r and 2r+1, the first rank
 also the embeddings, the last the final LayerNorm and the loss (with 2 virtual stages, rank r holds
@@ -71,6 +72,14 @@ Exercises (predict first, then run the command and read the table named):
    "theory" bubble and its "activations held" row for p = 2, m = 8, then run it and 1F1B a few
    times each with a core per rank and compare "sim, step" (docs/pipeline_parallel.md, "Slack"):
    ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b-slack   (then --schedule 1f1b)
+8. The last stage also runs the tied head, so 1F1B's steady state runs at its pace. Megatron-LM's
+   --defer-embedding-wgrad-compute leaves the head's weight gradient (H: x^T dlogits, 2 V h FLOPs a
+   token) out of each of the last stage's backwards and runs them all at the flush. Predict where
+   the H's go in the schedule table, and what share of the last stage's work moves (its 4 blocks
+   cost 72 h^2 + 12 T h a token each; h 128, T 64, V 256), then run it with and without the flag:
+   ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b --defer-embedding-wgrad-compute
+   --show-schedules. Is the change in "sim, step" above this machine's noise? GPT-2's head is worth
+   4.5 blocks (docs/pipeline_parallel.md, "The head's weight gradient at the flush").
 """
 
 import os
@@ -90,7 +99,7 @@ from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.weight_stash import WeightStash
-from minipar.parallel.validate import RunConfig, problems
+from minipar.parallel.validate import DEFERS_HEAD, RunConfig, problems
 from minipar.plots import plot_curves
 from pipeline_report import report
 
@@ -98,7 +107,7 @@ N_HEAD, N_EMBD = 4, 128  # the GPT's width; its depth and context are flags
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual_stages": "--virtual-stages",
          "n_layer": "--n-layer", "global_batch": "--batch-size", "block_size": "--block-size",
-         "schedule": "--schedule"}
+         "schedule": "--schedule", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute"}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # then PipeDream-2BW
 ON_REQUEST = ("1f1b-slack",)  # run only when named with --schedule: 1F1B's twin on unit costs
 RECOMPUTED = ("gpipe", "1f1b", "interleaved")  # also run with activation recompute
@@ -116,7 +125,8 @@ def run_config(n, args, pp, schedule, v):
     """A run this lesson makes on n ranks with pp stages, as plain numbers."""
     return RunConfig(world_size=n, pp=pp, virtual_stages=v, schedule=schedule,
                      global_batch=args.batch_size, micro_batches=args.micro_batches, n_layer=args.n_layer,
-                     n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dtype=args.dtype)
+                     n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dtype=args.dtype,
+                     defer_embedding_wgrad=args.defer_embedding_wgrad)
 
 
 def all_problems(n, args, pp):
@@ -154,11 +164,16 @@ def flags(p):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--out", default="out/pipeline", help="where the timeline pictures and traces go")
     p.add_argument("--show-schedules", action="store_true", help="print each schedule as a table first")
+    p.add_argument("--defer-embedding-wgrad-compute", dest="defer_embedding_wgrad", action="store_true",
+                   help=f"the head's weight gradients at the flush (with --schedule {', '.join(DEFERS_HEAD)})")
 
 
 def check(args, ranks):
     if args.schedule not in (None, *SCHEDULES, *ON_REQUEST, TWO_BW):  # validate's line, naming every schedule
         return problems(RunConfig(schedule=args.schedule), FLAGS)
+    if args.defer_embedding_wgrad and args.schedule is None:  # (validate's lines name a given schedule)
+        return [f"--defer-embedding-wgrad-compute applies to one schedule at a time: add --schedule with one "
+                f"of {', '.join(DEFERS_HEAD)}"]
     ignored = []  # (--virtual-stages 1, or 2 for zb-v, says what the schedule does anyway)
     if args.virtual_stages is not None and args.schedule not in (None, "interleaved") and \
             args.virtual_stages != (2 if args.schedule == "zb-v" else 1):
@@ -188,7 +203,8 @@ def pipeline_run(comm, name, v, recompute, args, config, grid, batches, referenc
     opt = make_optimizer(model, grid, 0, **lesson.HYPER)  # data parallelism + AdamW (DP = 1: nothing sent)
     if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
         model.finalize_grads = lambda: None
-    run = PipelineExecutor(model, grid, name, args.micro_batches, optimizer=opt, recompute=recompute)
+    run = PipelineExecutor(model, grid, name, args.micro_batches, optimizer=opt, recompute=recompute,
+                           defer_embedding_wgrad=args.defer_embedding_wgrad)
     compare, costs = lesson.Comparison(reference), {}
     for step, (x, y) in enumerate(batches):
         model.rng.iteration = step  # keys the dropout masks (with each token's place)
@@ -211,16 +227,17 @@ def pipeline_run(comm, name, v, recompute, args, config, grid, batches, referenc
         compare.loss(step, comm.all_reduce(np.array([0.0 if record.loss is None else record.loss]))[0])
         opt.zero_grad()
     compare.record("parameters", parameter_error(comm, model, reference))
-    costs.update(timelines=gather_timelines(comm, grid, name, args.micro_batches, v, record.timeline),
+    costs.update(timelines=gather_timelines(comm, grid, name, args.micro_batches, v, record.timeline,
+                                            args.defer_embedding_wgrad),
                  peak_alive=comm.all_gather(np.array([record.peak_alive]))[:, 0],
                  sent=grid.pp_group.stats.total().bytes_sent if grid.pp_group is not None else 0)
     costs["activation bytes"] = comm.all_gather(np.array([costs["activation bytes"]]))[:, 0]
     return compare.worst_over(comm), costs
 
 
-def gather_timelines(comm, grid, name, m, v, timeline):
+def gather_timelines(comm, grid, name, m, v, timeline, defer_head=False):
     """Every rank's (start, end) per instruction, on every rank; kept: the pipeline of replica 0."""
-    plans = schedules.build(name, grid.pp, m, v)
+    plans = schedules.build(name, grid.pp, m, v, defer_head)
     n = max(len(s) for s in plans.values())
     mine = np.full((n, 2), np.nan)
     mine[: len(timeline)] = [(start, end) for *_, start, end in timeline]
@@ -278,7 +295,7 @@ def main():
               "B3 its backward (split: its input half), W3 the weights' half; interleaved and ZB-V, F3.1:\n"
               "the forward of micro-batch 3 on the rank's chunk 1.\n")
         for name, vv in runs:
-            print(f"{name} (compute order per rank)\n{schedules.table(schedules.build(name, p, m, vv))}\n")
+            print(f"{name} (compute order per rank)\n{schedules.table(schedules.build(name, p, m, vv, args.defer_embedding_wgrad))}\n")
     results = {(name, recompute): pipeline_run(comm, name, vv, recompute, args, config, grid, batches, reference)
                for name, vv in runs for recompute in (False, True)[: 1 + (name in RECOMPUTED)]}
     tol = lesson.TOLERANCE[args.dtype]

@@ -93,7 +93,8 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
     stage_ranks = [grid.layout.rank(pp=r) for r in range(p)]
     lines, ok = [], True
     for name, vv in runs:
-        plan, shape = schedules.build(name, p, m, vv), schedules.shape_of(name)
+        defer = args.defer_embedding_wgrad  # the head's W's at the flush: unit costs leave them free
+        plan, shape = schedules.build(name, p, m, vv, defer), schedules.shape_of(name)
         recomputed = (name, True) in results
         text, theory = bubble(name, p, m, vv)
         units = [simulate(plan, m, vv, shape=shape, **unit_costs(name, r)) for r in (0, 1)[: 1 + recomputed]]
@@ -120,7 +121,7 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
         # took, messages free (what the trainer logs as bubble_expected): measured minus this is
         # what the messages and the executor cost
         timed = [costs] + ([costs_r] if recomputed else [])
-        replayed = [replay(name, run["timelines"], p, vv, m) for run in timed]
+        replayed = [replay(name, run["timelines"], p, vv, m, defer) for run in timed]
         measured = [trace.bubble(run["timelines"]) for run in timed]
         mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
         mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks] if recomputed else None
@@ -139,7 +140,7 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
     return lines, ok
 
 
-def replay(name, timelines, p, v, m):
+def replay(name, timelines, p, v, m, defer_head=False):
     """The bubble of the step in ``timelines`` ({pipeline rank: timeline}) with free messages."""
     table = np.stack([stage_times.summary(timelines[r], p, v, m) for r in range(p)])
-    return stage_times.expected(name, v, m, table)
+    return stage_times.expected(name, v, m, table, defer_head)

@@ -10,7 +10,8 @@ import lesson
 def report(args, grid, results, runs, lines, tol, two_bw=None):
     p, m = grid.pp, args.micro_batches
     print(f"PP={p} x DP={grid.dp}; GPT of {args.n_layer} blocks; global batch {args.batch_size} in {m} "
-          f"micro-batches;\n{args.dtype}, dropout 0.1, {args.steps} AdamW steps")
+          f"micro-batches;\n{args.dtype}, dropout 0.1, {args.steps} AdamW steps"
+          + ("; the head's weight gradients at the flush (H)" if args.defer_embedding_wgrad else ""))
     short = {"interleaved": "interl"}
     columns = {short.get(n, n) + ("+r" if r else ""): errors for (n, r), (errors, _) in results.items()}
     for i in range(0, len(columns), 6):  # six columns fit a line

@@ -89,10 +89,20 @@ def test_pipeline_lesson(n, args, layout, tmp_path):
     assert {f.name for f in tmp_path.iterdir()} >= drawn | {"pipedream_2bw_loss.png"}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "pipedream-2bw"])
-def test_pipeline_lesson_fails_on_a_planted_bug(schedule, tmp_path):
-    """1F1B: the tied embedding's parts never added; PipeDream-2BW: the weights updated in place."""
-    code, out, _ = run_mpi(2, LESSON_4, "--out", str(tmp_path), "--plant-bug", "--schedule", schedule, timeout=300)
+def test_pipeline_lesson_defers_the_head_ws(tmp_path):
+    """Exercise 8: 1F1B with the head's W's at the flush, against one device, H's in the table."""
+    out = check_mpi(2, LESSON_4, "--out", str(tmp_path), "--schedule", "1f1b", "--defer-embedding-wgrad-compute",
+                    "--n-layer", "4", "--micro-batches", "4", "--show-schedules", timeout=300)
+    assert "the head's weight gradients at the flush (H)" in out and "1f1b equals the single-device run" in out
+    assert " H3\n" in out and (tmp_path / "1f1b_measured.png").stat().st_size > 0, out
+
+
+@pytest.mark.parametrize("args", [["--schedule", "1f1b"], ["--schedule", "pipedream-2bw"],
+                                  ["--schedule", "gpipe", "--defer-embedding-wgrad-compute"]])
+def test_pipeline_lesson_fails_on_a_planted_bug(args, tmp_path):
+    """1F1B (and GPipe with the head's W's deferred): the tied embedding's parts never added;
+    PipeDream-2BW: the weights updated in place."""
+    code, out, _ = run_mpi(2, LESSON_4, "--out", str(tmp_path), "--plant-bug", *args, timeout=300)
     assert code != 0 and "MISMATCH" in out, out
 
 
