@@ -95,6 +95,30 @@ def test_sequence_collectives_need_batch_sequence_hidden():
     comm = ProcessGrid().tp_group
     with pytest.raises(ValueError, match=r"\(batch, sequence, hidden\)"):
         C.gather_from_sequence_region(Tensor(numpy.ones((4, 3))), comm)
+    with pytest.raises(ValueError, match=r"\(batch, sequence, hidden\)"):
+        C.gather_tokens_from_sequence_region(Tensor(numpy.ones((4, 3))), comm)
+    with pytest.raises(ValueError, match=r"in rank order, N = 1, got shape \(2, 1, 4, 3\)"):
+        C.reduce_scatter_tokens_to_sequence_region(Tensor(numpy.ones((2, 1, 4, 3))), comm)
+
+
+def test_the_mlp_keeps_sequence_parallel_tokens_in_rank_order():
+    """On one rank the rank-order pair only adds and drops the leading axis of one rank; rank_order
+    needs sequence parallelism."""
+    from minipar.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    comm = ProcessGrid().tp_group
+    x = Tensor(numpy.arange(12.0).reshape(1, 4, 3), requires_grad=True)
+    stacked = C.gather_tokens_from_sequence_region(x, comm)
+    y = C.reduce_scatter_tokens_to_sequence_region(stacked * 2.0, comm)
+    y.backward(numpy.ones(y.shape, numpy.float32))
+    assert stacked.shape == (1, 1, 4, 3) and y.shape == x.shape
+    numpy.testing.assert_array_equal(y.data, 2 * x.data)
+    numpy.testing.assert_array_equal(x.grad, numpy.full(x.shape, 2.0))
+    for make in (lambda: ColumnParallelLinear(3, 4, comm, rank_order=True),
+                 lambda: RowParallelLinear(4, 3, comm, rank_order=True),
+                 lambda: ColumnParallelLinear(3, 4, comm, sequence_parallel=True, gather_output=True, rank_order=True)):
+        with pytest.raises(ValueError, match="rank_order keeps a sequence-parallel layer's gathered tokens"):
+            make()
 
 
 def test_grid_sizes_are_checked_for_type():

@@ -37,15 +37,19 @@ class _Layers:
         self.context_attention = {"p2p": context.ring_attention, "a2a": context.ulysses_attention}[cp_comm_type]
         self.ep, self.moe_step, self.moe_routing = ep, moe_step, moe_routing
 
-    def column(self, n_in, n_out, bias, chunks=1):
+    def column(self, n_in, n_out, bias, chunks=1, rank_order=False):
+        """``rank_order``: under sequence parallelism, leave the gathered tokens in the order the
+        all-gather stacks them (for a consumer that treats each token alone: no copy)."""
         if self.tp is None:
             return Linear(n_in, n_out, bias)
-        return tensor.ColumnParallelLinear(n_in, n_out, self.tp, bias, chunks=chunks, sequence_parallel=self.sp)
+        return tensor.ColumnParallelLinear(n_in, n_out, self.tp, bias, chunks=chunks, sequence_parallel=self.sp,
+                                           rank_order=rank_order and self.sp)
 
-    def row(self, n_in, n_out, bias, std):
+    def row(self, n_in, n_out, bias, std, rank_order=False):
         if self.tp is None:
             return Linear(n_in, n_out, bias, std=std)
-        return tensor.RowParallelLinear(n_in, n_out, self.tp, bias, std=std, sequence_parallel=self.sp)
+        return tensor.RowParallelLinear(n_in, n_out, self.tp, bias, std=std, sequence_parallel=self.sp,
+                                        rank_order=rank_order and self.sp)
 
     def vocab_embedding(self, vocab, dim):
         if self.tp is None:
@@ -134,10 +138,13 @@ class CausalSelfAttention(Module):
 
 
 class MLP(Module):
+    """dropout(c_proj(GELU(c_fc(x)))). Each token passes alone, so under sequence parallelism the
+    tokens between c_fc and c_proj stay in the order the all-gather stacks them (``rank_order``)."""
+
     def __init__(self, config, layers, layer):
-        self.c_fc = layers.column(config.n_embd, 4 * config.n_embd, config.bias)
+        self.c_fc = layers.column(config.n_embd, 4 * config.n_embd, config.bias, rank_order=True)
         self.c_proj = layers.row(4 * config.n_embd, config.n_embd, config.bias,
-                                 std=0.02 / math.sqrt(2 * config.n_layer))
+                                 std=0.02 / math.sqrt(2 * config.n_layer), rank_order=True)
         self.dropout = layers.dropout(config.dropout, layer, Site.MLP_OUTPUT)
 
     def forward(self, x):

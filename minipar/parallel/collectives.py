@@ -19,6 +19,16 @@ and, for sequence parallelism (Korthikanti et al. 2022), along the sequence axis
     reduce_scatter_to_sequence_region    reduce-scatter / all-gather
     scatter_to_sequence_region           keep this rank's slice / all-gather
 
+Our activations are (B, T, C), so a sequence shard, positions r T/N .. (r+1) T/N of every
+sequence, is not one block of the whole: an all-gather leaves the shards stacked, (N, B, T/N, C),
+and putting them in sequence order is a copy of the whole activation, as is cutting a whole one
+into the stack a reduce-scatter takes (Megatron's activations are [s, b, h], so its shards are
+blocks and neither copy exists). Between the MLP's two linear layers nothing cares where a token
+sits (two products and GELU, each token alone), so there the tokens stay in the stack's order:
+
+    gather_tokens_from_sequence_region        all-gather / reduce-scatter, in rank order
+    reduce_scatter_tokens_to_sequence_region  reduce-scatter / all-gather, in rank order
+
 An all-reduce is a reduce-scatter followed by an all-gather, which is why sequence parallelism
 moves the same bytes as the all-reduce it replaces.
 
@@ -58,6 +68,16 @@ def _reduce_scatter(comm, x, axis):
         raise ValueError(f"axis {axis} of length {x.shape[axis]} does not split over {comm.size} ranks")
     chunks = xp.stack(xp.split(x, comm.size, axis=axis))  # chunk r goes to rank r
     return comm.reduce_scatter(chunks)[0]
+
+
+def _gather_ranks(comm, x, axis):
+    """All ranks' x stacked along a new axis 0 in rank order: the all-gather's own layout."""
+    return comm.all_gather(xp.ascontiguousarray(x))
+
+
+def _reduce_scatter_ranks(comm, x, axis):
+    """For rank r, the sum over ranks of x[r] (x stacked by rank along axis 0)."""
+    return comm.reduce_scatter(xp.ascontiguousarray(x))[0]
 
 
 def _slice(comm, x, axis):
@@ -132,6 +152,22 @@ def scatter_to_sequence_region(x, comm):
     """The full sequence -> this rank's shard; the backward all-gathers."""
     x = _sequence_input(x, "scatter_to_sequence_region")
     return RegionCollective.apply(x, comm, SEQUENCE_AXIS, _slice, _gather)
+
+
+def gather_tokens_from_sequence_region(x, comm):
+    """Sequence-parallel shards (B, T/N, C) -> every rank's tokens, (N, B, T/N, C) in rank order,
+    for ops that treat each token alone: ``gather_from_sequence_region`` without its copy."""
+    x = _sequence_input(x, "gather_tokens_from_sequence_region")
+    return RegionCollective.apply(x, comm, 0, _gather_ranks, _reduce_scatter_ranks)
+
+
+def reduce_scatter_tokens_to_sequence_region(x, comm):
+    """Partial sums (N, B, T/N, C) in rank order, as ``gather_tokens_from_sequence_region``
+    leaves the tokens -> this rank's shard (B, T/N, C) of their sum."""
+    if x.ndim != 4 or x.shape[0] != comm.size:
+        raise ValueError(f"reduce_scatter_tokens_to_sequence_region takes (N, batch, sequence / N, hidden) "
+                         f"in rank order, N = {comm.size}, got shape {x.shape}")
+    return RegionCollective.apply(x, comm, 0, _reduce_scatter_ranks, _gather_ranks)
 
 
 def all_to_all(x, comm):

@@ -28,8 +28,10 @@ from minipar.parallel.collectives import (
     copy_to_region,
     gather_from_region,
     gather_from_sequence_region,
+    gather_tokens_from_sequence_region,
     reduce_from_region,
     reduce_scatter_to_sequence_region,
+    reduce_scatter_tokens_to_sequence_region,
     scatter_to_region,
 )
 from minipar.placement import split_over
@@ -47,26 +49,39 @@ def _check_split(what, n, comm):
         raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {comm.size}")
 
 
+def _check_rank_order(rank_order, sequence_parallel, gather_output=False):
+    if rank_order and (not sequence_parallel or gather_output):
+        raise ValueError("rank_order keeps a sequence-parallel layer's gathered tokens in rank order: it "
+                         "needs sequence_parallel=True (and no gather_output)")
+
+
 class ColumnParallelLinear(Module):
     """y = x W_r^T + b_r on every rank r: the output features split across ``comm``.
 
     ``chunks`` > 1 splits each of that many blocks of output rows separately: for the fused qkv
     projection (chunks=3) rank r holds q, k and v of the same heads. ``gather_output`` concatenates
     the slices (rarely wanted: the next layer is usually row-parallel). ``sequence_parallel``: the
-    input is this rank's sequence shard, all-gathered on the way in.
+    input is this rank's sequence shard, all-gathered on the way in; with ``rank_order`` the
+    gathered tokens stay in rank order, (N, B, T/N, .), not sequence order: no copy, for a
+    consumer that treats each token alone (the MLP, whose RowParallelLinear takes them so).
     """
 
     def __init__(self, in_features, out_features, comm, bias=True, std=0.02, chunks=1,
-                 gather_output=False, sequence_parallel=False):
+                 gather_output=False, sequence_parallel=False, rank_order=False):
         if out_features % chunks:
             raise ValueError(f"{out_features} output features do not form {chunks} equal blocks")
         _check_split("output features per chunk", out_features // chunks, comm)
+        _check_rank_order(rank_order, sequence_parallel, gather_output)
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
+        self.rank_order = rank_order
         self.weight = sharded_parameter(normal_((out_features, in_features), std), comm, 0, chunks)
         self.bias = sharded_parameter(xp.zeros(out_features, get_default_dtype()), comm, 0, chunks) if bias else None
 
     def forward(self, x):
-        x = gather_from_sequence_region(x, self.comm) if self.sequence_parallel else copy_to_region(x, self.comm)
+        if not self.sequence_parallel:
+            x = copy_to_region(x, self.comm)
+        else:
+            x = (gather_tokens_from_sequence_region if self.rank_order else gather_from_sequence_region)(x, self.comm)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.comm) if self.gather_output else y
 
@@ -76,16 +91,19 @@ class RowParallelLinear(Module):
 
     ``input_is_parallel=False`` slices a whole input first. With ``sequence_parallel`` the sum is
     reduce-scattered into sequence shards, and the bias (added to a shard) is one of the
-    parameters whose gradient ``finalize_grads`` sums over the group.
+    parameters whose gradient ``finalize_grads`` sums over the group; ``rank_order``: the input's
+    tokens are in rank order, as ``ColumnParallelLinear(rank_order=True)`` leaves them.
     """
 
     def __init__(self, in_features, out_features, comm, bias=True, std=0.02, input_is_parallel=True,
-                 sequence_parallel=False):
+                 sequence_parallel=False, rank_order=False):
         _check_split("input features", in_features, comm)
+        _check_rank_order(rank_order, sequence_parallel)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("a sequence-parallel RowParallelLinear takes its input already split by "
                              "features (input_is_parallel=True), as the column-parallel layer leaves it")
         self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
+        self.rank_order = rank_order
         self.weight = sharded_parameter(normal_((out_features, in_features), std), comm, axis=1)
         self.bias = Parameter(xp.zeros(out_features, get_default_dtype())) if bias else None
         if bias and sequence_parallel:  # each rank adds it to its own positions only
@@ -95,8 +113,11 @@ class RowParallelLinear(Module):
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm)
         partial = F.linear(x, self.weight)  # this op's own: summed in place (backward reads none of it)
-        y = (reduce_scatter_to_sequence_region(partial, self.comm) if self.sequence_parallel
-             else reduce_from_region(partial, self.comm, in_place=True))
+        if not self.sequence_parallel:
+            y = reduce_from_region(partial, self.comm, in_place=True)
+        else:
+            y = (reduce_scatter_tokens_to_sequence_region if self.rank_order
+                 else reduce_scatter_to_sequence_region)(partial, self.comm)
         return y + self.bias if self.bias is not None else y
 
 

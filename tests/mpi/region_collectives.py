@@ -74,5 +74,13 @@ y, g = run(C.scatter_to_sequence_region, leaf(data(1200, full)), data(1300 + r, 
 close(y, data(1200, full)[:, rows], "sequence scatter forward")
 close(g, np.concatenate([data(1300 + k, shard) for k in range(N)], axis=1), "sequence scatter backward")
 
+# the same two in rank order (the MLP's): the gathered shards stacked, not put in sequence order
+y, g = run(C.gather_tokens_from_sequence_region, leaf(data(800 + r, shard)), data(1400 + r, (N,) + shard))
+close(y, np.stack([data(800 + k, shard) for k in range(N)]), "tokens gather forward")
+close(g, sum(data(1400 + k, (N,) + shard) for k in range(N))[r], "tokens gather backward")
+y, g = run(C.reduce_scatter_tokens_to_sequence_region, leaf(data(1500 + r, (N,) + shard)), data(1100 + r, shard))
+close(y, sum(data(1500 + k, (N,) + shard) for k in range(N))[r], "tokens reduce-scatter forward")
+close(g, np.stack([data(1100 + k, shard) for k in range(N)]), "tokens reduce-scatter backward")
+
 if r == 0:
     print(f"region collectives OK on {N} ranks")
