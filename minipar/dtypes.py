@@ -83,15 +83,32 @@ def _is_bfloat16_dtype(dt):
     return bf16 is not None and dt == bf16
 
 
+def _asked(answers, dtype, ask):
+    """``ask(numpy.dtype(dtype))``, remembered per dtype object: every op asks these of every
+    input, and a dict lookup costs a seventh of the question (0.1 against 0.8 us). A dtype's
+    answer never changes, but for a void dtype before ml_dtypes' import ends (bfloat16's kind is
+    "V"), and for names, which are not remembered."""
+    try:
+        return answers[dtype]
+    except (KeyError, TypeError):  # not asked yet, or not hashable
+        pass
+    dt = _numpy_dtype(dtype)
+    answer = ask(dt)
+    if not isinstance(dtype, str) and (dt.kind != "V" or _loaded_bfloat16() is not None):
+        answers[dtype] = answer
+    return answer
+
+
+_FLOAT_ANSWERS, _16BIT_ANSWERS = {}, {}
+
+
 def is_float(dtype):
     """Whether ``dtype`` is one of the floats the engine computes in (bfloat16's kind is "V")."""
-    dt = _numpy_dtype(dtype)
-    return dt in _FLOATS or _is_bfloat16_dtype(dt)
+    return _asked(_FLOAT_ANSWERS, dtype, lambda dt: dt in _FLOATS or _is_bfloat16_dtype(dt))
 
 
 def is_16bit(dtype):
-    dt = _numpy_dtype(dtype)
-    return dt == float16 or _is_bfloat16_dtype(dt)
+    return _asked(_16BIT_ANSWERS, dtype, lambda dt: dt == float16 or _is_bfloat16_dtype(dt))
 
 
 def is_bfloat16(dtype):

@@ -261,6 +261,20 @@ def test_the_auxiliary_losses_carry_the_loss_scale():
     assert err["told"] < 0.02 and err["untold"] > 0.5, err
 
 
+def test_dtype_answers_are_remembered_per_dtype_object_not_per_name():
+    """Every op asks is_16bit / is_float of its inputs: the answers are kept per dtype (a seventh of
+    the cost), but not per name, and not for a void dtype while bfloat16 (kind "V") is unknown."""
+    from minipar import dtypes
+
+    assert not dtypes.is_16bit(np.dtype(np.float32)) and np.dtype(np.float32) in dtypes._16BIT_ANSWERS
+    assert dtypes.is_16bit(np.float16) and dtypes._16BIT_ANSWERS[np.float16] is True
+    assert not dtypes.is_float(np.dtype(np.int64)) and dtypes._FLOAT_ANSWERS[np.dtype(np.int64)] is False
+    assert dtypes.is_16bit("float16") and "float16" not in dtypes._16BIT_ANSWERS
+    void = np.dtype("V2")
+    assert not dtypes.is_16bit(void)
+    assert (void in dtypes._16BIT_ANSWERS) == (dtypes._loaded_bfloat16() is not None)
+
+
 def test_ml_dtypes_is_imported_only_once_bfloat16_is_asked_for():
     """ml_dtypes 0.7 takes ~1 s to import, in every rank of every launch: a float32 step, the
     communicators and the checkpoints never import it; asking for bfloat16 does."""
@@ -277,6 +291,7 @@ model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=1
 ids = np.arange(16).reshape(2, 8) % 16
 model(ids, ids)[1].backward()
 assert is_float("float32") and not is_16bit("float32") and not is_bfloat16("float64") and is_16bit("float16")
+assert not is_16bit(np.dtype("V2")) and not is_float(np.dtype("V2"))  # bfloat16's kind, asked before it exists
 print("before:", "ml_dtypes" in sys.modules)
 bf16 = as_dtype("bfloat16")
 assert is_bfloat16(bf16) and is_16bit(bf16) and is_float(bf16)
