@@ -1,11 +1,8 @@
-"""The planner (minipar/plan): its formulas against minipar's own counts, the enumerator, the
-command line and its JSON. The bytes and state of real runs: tests/mpi/plan_counts.py."""
+"""The planner (minipar/plan): its formulas against minipar's own counts, and the enumerator (its
+command line: test_plan_cli.py; balanced pipelines: test_plan_balance.py). The bytes and state of
+real runs: tests/mpi/plan_counts.py."""
 
-import itertools
-import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from fractions import Fraction
 
@@ -16,8 +13,8 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import memory, validate
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.simulate import chunk_peaks, theoretical_bubble
-from minipar.plan import activations, bubble, cost, hetero, state, traffic
-from minipar.plan.enumerate import as_json, plan
+from minipar.plan import activations, bubble, cost, state, traffic
+from minipar.plan.enumerate import plan
 from minipar.plan.shapes import PRESETS, Layout, Machine, Model, run_config
 from mpi_run import check_mpi, run_mpi
 
@@ -167,11 +164,7 @@ def test_planned_bytes_and_state_equal_a_real_step_on_4_ranks():
     assert "plan counts OK on 4 ranks" in check_mpi(4, "plan_counts.py", timeout=120)
 
 
-# ---- the enumerator, the step-time model and the command line ----------------------------------
-
-
-JSON_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size", "recompute", "memory_gb",
-             "step_time_s", "mfu", "bytes_per_group", "bubble"}
+# ---- the enumerator and the step-time model (the command line: test_plan_cli.py) ----------------------------------
 
 
 def test_every_plan_is_valid_fits_and_is_ranked_and_every_other_layout_has_a_reason():
@@ -219,119 +212,6 @@ def test_megatrons_flops_per_iteration_with_recomputation():
         model_flops, hardware = cost.flops_per_iteration(model, B, recompute=True)
         assert hardware == paper, name
         assert model_flops * 4 == 3 * 96 * B * s * l * h * h + 4 * 12 * B * s * s * l * h + 4 * 6 * B * s * h * V
-
-
-def run_plan(*args):
-    return subprocess.run([sys.executable, "-m", "minipar.plan", *args], capture_output=True, text=True, timeout=120)
-
-
-def test_the_command_line_prints_the_ranked_plans_as_json():
-    run = run_plan("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                   "--global-batch-size", "16", "--gpus", "8", "--json", "--top", "4")
-    assert run.returncode == 0, run.stderr
-    plans = json.loads(run.stdout)
-    assert len(plans) == 4 and all(JSON_KEYS <= set(p) for p in plans)
-    assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
-    for p in plans:  # the bubble is the simulator's
-        m = 16 // p["dp"] // p["micro_batch_size"]
-        assert p["bubble"] == float(bubble.pipeline(p["schedule"], p["pp"], m, p["vpp"], p["recompute"])[0])
-    first = plans[0]
-    assert first["tp"] * first["pp"] * first["dp"] * first["cp"] == 8
-    layout = Layout(**{k: first[k] for k in ("tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size",
-                                             "recompute", "sequence_parallel", "cp_comm_type", "schedule")})
-    again = as_json(layout, cost.predict(Model(4, 64, 4, 32), layout, Machine(gpus=8), 16))
-    assert json.loads(json.dumps(again)) == first
-
-
-def test_the_command_line_explains_failures_and_the_rules_of_thumb():
-    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "2")
-    assert run.returncode == 0, run.stderr
-    for words in ("layouts tried", "why the rest fail", "not divisible by --tensor-model-parallel-size",
-                  "rules of thumb", "TP inside a node", "ZeRO before PP"):
-        assert words in run.stdout, words
-    bad = run_plan("--hidden-size", "64", "--gpus", "8")
-    assert bad.returncode == 2 and "--num-layers" in bad.stderr
-
-
-SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-               "--global-batch-size", "16", "--gpus", "8"]
-
-
-@pytest.mark.parametrize("args,message", [  # each once a traceback, a table of nan or negative times, or ignored
-    (["--intra-node-gbps", "0"], "--intra-node-gbps must be a finite number > 0, got 0.0"),
-    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0, got nan"),
-    (["--efficiency", "inf"], "--efficiency is the share of the peak the kernels reach: in (0, 1], got inf"),
-    (["--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
-    (["--top", "0"], "--top must be >= 1, got 0"),
-    (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
-    (["--moe-router-topk", "5"], "--moe-router-topk 5 routes to experts, and this model has none"),
-    (["--num-experts", "8", "--moe-router-topk", "9"], "--moe-router-topk 9 exceeds --num-experts 8"),
-    (["--node-speeds", "1,inf"], "--node-speeds 1,inf: each speed must be a finite number > 0"),
-    (["--node-speeds", "1,1"], "--node-speeds gives 2 speeds, and --gpus 8 at --gpus-per-node 8 make 1 node"),
-    (["--node-speeds", "1", "--json"], "--node-speeds adds a table to the printed plans, and --json prints them"),
-    (["--gpus", "1000000000000"], "--gpus must be 1 to 1,000,000"),  # hung
-    (["--num-layers", "100000"], "the planner takes at most 1,024 blocks"),  # hung
-    (["--nope", "1"], "unrecognized arguments: --nope 1"),  # after the whole usage text
-])
-def test_bad_planner_flags_are_one_line_before_anything_is_planned(args, message):
-    run = run_plan(*SMALL_FLAGS, *args)
-    lines = run.stderr.strip().splitlines()
-    assert run.returncode == 2 and len(lines) == 1 and message in lines[0] and run.stdout == "", run.stderr
-
-
-def test_the_ring_pass_overhead_flag_reaches_the_cost_model():
-    """It was parsed and never passed on: plans with context parallelism cost the same with it."""
-    times = [{(p["tp"], p["cp"], p["pp"], p["dp"], p["zero_stage"], p["micro_batch_size"], p["recompute"],
-               p["sequence_parallel"], p["cp_comm_type"], p["schedule"], p["vpp"]): p["step_time_s"]
-              for p in json.loads(run_plan(*SMALL_FLAGS, "--json", "--top", "100000", "--ring-pass-overhead-us", us).stdout)}
-             for us in ("0", "1000")]
-    assert times[0].keys() == times[1].keys()
-    ring = [k for k in times[0] if k[1] > 1 and k[8] == "p2p"]
-    assert ring and all(times[1][k] > times[0][k] for k in ring)
-    assert all(times[1][k] == times[0][k] for k in times[0] if k[1] == 1)
-
-
-# ---- heterogeneous GPUs -----------------------------------------------------------------------
-
-
-def test_balance_minimises_the_slowest_stage():
-    for L, speeds in ((8, [1, 1, 0.5]), (12, [2, 1, 1, 0.5]), (6, [1, 1])):
-        layers = hetero.balance(L, speeds)
-        assert sum(layers) == L and min(layers) >= 1
-        best = min(max(Fraction(n) / Fraction(s) for n, s in zip(split, speeds))
-                   for split in itertools.product(range(1, L + 1), repeat=len(speeds)) if sum(split) == L)
-        assert max(Fraction(n) / Fraction(s) for n, s in zip(layers, speeds)) == best
-    assert hetero.balance(8, [1, 1, 1, 1]) == [2, 2, 2, 2]
-    with pytest.raises(ValueError, match="needs a layer"):
-        hetero.balance(2, [1, 1, 1])
-
-
-def test_balancing_a_slow_stage_shortens_the_step_and_the_bubble():
-    out = hetero.compare(16, [1, 1, 1, 0.5], 8)
-    (even, t_even, b_even), (balanced, t_bal, b_bal) = out["even"], out["balanced"]
-    assert even == [4, 4, 4, 4] and balanced == [5, 5, 4, 2] and t_bal < t_even and b_bal < b_even
-    same = hetero.compare(16, [1, 1, 1, 1], 8)  # equal speeds: nothing to gain, the textbook bubble
-    assert same["even"][1:] == same["balanced"][1:] and same["even"][2] == theoretical_bubble(4, 8)
-
-
-def test_stage_speeds_follow_the_nodes_each_stage_sits_on():
-    assert hetero.stage_speeds(Layout(tp=8, pp=2), 8, [1.0, 0.5]) == [1.0, 0.5]
-    assert hetero.stage_speeds(Layout(tp=4, pp=2), 8, [0.5]) == [0.5, 0.5]
-    with pytest.raises(ValueError, match="node speeds"):
-        hetero.stage_speeds(Layout(tp=8, pp=2), 8, [1.0])
-
-
-def test_the_slowest_node_paces_a_stage_that_spans_nodes():
-    """A stage of 16 ranks spans two nodes of 8; its ranks finish each micro-batch together, so a
-    half-speed node makes the whole stage run at half speed."""
-    assert hetero.stage_speeds(Layout(tp=4, pp=2, dp=4), 8, [1.0, 0.5, 1.0, 1.0]) == [0.5, 1.0]
-    assert hetero.stage_speeds(Layout(tp=4, pp=2, dp=4), 8, [1.0, 1.0, 0.25, 1.0]) == [1.0, 0.25]
-
-
-def test_the_command_line_shows_the_balancing_win():
-    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "1", "--gpu-memory-gb", "2", "--node-speeds", "1,0.5")
-    assert run.returncode == 0, run.stderr
-    assert "balanced  layers per stage [8, 4]" in run.stdout and "balancing saves" in run.stdout
 
 
 def test_planned_activations_are_within_each_rows_tolerance_of_the_measured_peaks_on_4_ranks():

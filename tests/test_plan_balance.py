@@ -1,0 +1,51 @@
+"""The planner's heterogeneous pipelines (``plan/hetero.py``): layers per stage balanced to the
+stages' speeds, which the nodes each stage sits on decide, and what balancing saves."""
+
+import itertools
+from fractions import Fraction
+
+import pytest
+
+from minipar.parallel.pipeline.simulate import theoretical_bubble
+from minipar.plan import hetero
+from minipar.plan.shapes import Layout
+from test_plan_cli import run_plan
+
+def test_balance_minimises_the_slowest_stage():
+    for L, speeds in ((8, [1, 1, 0.5]), (12, [2, 1, 1, 0.5]), (6, [1, 1])):
+        layers = hetero.balance(L, speeds)
+        assert sum(layers) == L and min(layers) >= 1
+        best = min(max(Fraction(n) / Fraction(s) for n, s in zip(split, speeds))
+                   for split in itertools.product(range(1, L + 1), repeat=len(speeds)) if sum(split) == L)
+        assert max(Fraction(n) / Fraction(s) for n, s in zip(layers, speeds)) == best
+    assert hetero.balance(8, [1, 1, 1, 1]) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="needs a layer"):
+        hetero.balance(2, [1, 1, 1])
+
+
+def test_balancing_a_slow_stage_shortens_the_step_and_the_bubble():
+    out = hetero.compare(16, [1, 1, 1, 0.5], 8)
+    (even, t_even, b_even), (balanced, t_bal, b_bal) = out["even"], out["balanced"]
+    assert even == [4, 4, 4, 4] and balanced == [5, 5, 4, 2] and t_bal < t_even and b_bal < b_even
+    same = hetero.compare(16, [1, 1, 1, 1], 8)  # equal speeds: nothing to gain, the textbook bubble
+    assert same["even"][1:] == same["balanced"][1:] and same["even"][2] == theoretical_bubble(4, 8)
+
+
+def test_stage_speeds_follow_the_nodes_each_stage_sits_on():
+    assert hetero.stage_speeds(Layout(tp=8, pp=2), 8, [1.0, 0.5]) == [1.0, 0.5]
+    assert hetero.stage_speeds(Layout(tp=4, pp=2), 8, [0.5]) == [0.5, 0.5]
+    with pytest.raises(ValueError, match="node speeds"):
+        hetero.stage_speeds(Layout(tp=8, pp=2), 8, [1.0])
+
+
+def test_the_slowest_node_paces_a_stage_that_spans_nodes():
+    """A stage of 16 ranks spans two nodes of 8; its ranks finish each micro-batch together, so a
+    half-speed node makes the whole stage run at half speed."""
+    assert hetero.stage_speeds(Layout(tp=4, pp=2, dp=4), 8, [1.0, 0.5, 1.0, 1.0]) == [0.5, 1.0]
+    assert hetero.stage_speeds(Layout(tp=4, pp=2, dp=4), 8, [1.0, 1.0, 0.25, 1.0]) == [1.0, 0.25]
+
+
+def test_the_command_line_shows_the_balancing_win():
+    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "1", "--gpu-memory-gb", "2", "--node-speeds", "1,0.5")
+    assert run.returncode == 0, run.stderr
+    assert "balanced  layers per stage [8, 4]" in run.stdout and "balancing saves" in run.stdout

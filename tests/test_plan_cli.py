@@ -1,0 +1,85 @@
+"""The planner's command line (``python -m minipar.plan``): the ranked plans as JSON, the reasons
+the rest fail, and one line for each bad flag before anything is planned."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minipar.plan import bubble, cost
+from minipar.plan.enumerate import as_json
+from minipar.plan.shapes import Layout, Machine, Model
+
+JSON_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size", "recompute", "memory_gb",
+             "step_time_s", "mfu", "bytes_per_group", "bubble"}
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-m", "minipar.plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_prints_the_ranked_plans_as_json():
+    run = run_plan("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                   "--global-batch-size", "16", "--gpus", "8", "--json", "--top", "4")
+    assert run.returncode == 0, run.stderr
+    plans = json.loads(run.stdout)
+    assert len(plans) == 4 and all(JSON_KEYS <= set(p) for p in plans)
+    assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
+    for p in plans:  # the bubble is the simulator's
+        m = 16 // p["dp"] // p["micro_batch_size"]
+        assert p["bubble"] == float(bubble.pipeline(p["schedule"], p["pp"], m, p["vpp"], p["recompute"])[0])
+    first = plans[0]
+    assert first["tp"] * first["pp"] * first["dp"] * first["cp"] == 8
+    layout = Layout(**{k: first[k] for k in ("tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size",
+                                             "recompute", "sequence_parallel", "cp_comm_type", "schedule")})
+    again = as_json(layout, cost.predict(Model(4, 64, 4, 32), layout, Machine(gpus=8), 16))
+    assert json.loads(json.dumps(again)) == first
+
+
+def test_the_command_line_explains_failures_and_the_rules_of_thumb():
+    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "2")
+    assert run.returncode == 0, run.stderr
+    for words in ("layouts tried", "why the rest fail", "not divisible by --tensor-model-parallel-size",
+                  "rules of thumb", "TP inside a node", "ZeRO before PP"):
+        assert words in run.stdout, words
+    bad = run_plan("--hidden-size", "64", "--gpus", "8")
+    assert bad.returncode == 2 and "--num-layers" in bad.stderr
+
+
+SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+               "--global-batch-size", "16", "--gpus", "8"]
+
+
+@pytest.mark.parametrize("args,message", [  # each once a traceback, a table of nan or negative times, or ignored
+    (["--intra-node-gbps", "0"], "--intra-node-gbps must be a finite number > 0, got 0.0"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0, got nan"),
+    (["--efficiency", "inf"], "--efficiency is the share of the peak the kernels reach: in (0, 1], got inf"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
+    (["--top", "0"], "--top must be >= 1, got 0"),
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+    (["--moe-router-topk", "5"], "--moe-router-topk 5 routes to experts, and this model has none"),
+    (["--num-experts", "8", "--moe-router-topk", "9"], "--moe-router-topk 9 exceeds --num-experts 8"),
+    (["--node-speeds", "1,inf"], "--node-speeds 1,inf: each speed must be a finite number > 0"),
+    (["--node-speeds", "1,1"], "--node-speeds gives 2 speeds, and --gpus 8 at --gpus-per-node 8 make 1 node"),
+    (["--node-speeds", "1", "--json"], "--node-speeds adds a table to the printed plans, and --json prints them"),
+    (["--gpus", "1000000000000"], "--gpus must be 1 to 1,000,000"),  # hung
+    (["--num-layers", "100000"], "the planner takes at most 1,024 blocks"),  # hung
+    (["--nope", "1"], "unrecognized arguments: --nope 1"),  # after the whole usage text
+])
+def test_bad_planner_flags_are_one_line_before_anything_is_planned(args, message):
+    run = run_plan(*SMALL_FLAGS, *args)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and message in lines[0] and run.stdout == "", run.stderr
+
+
+def test_the_ring_pass_overhead_flag_reaches_the_cost_model():
+    """It was parsed and never passed on: plans with context parallelism cost the same with it."""
+    times = [{(p["tp"], p["cp"], p["pp"], p["dp"], p["zero_stage"], p["micro_batch_size"], p["recompute"],
+               p["sequence_parallel"], p["cp_comm_type"], p["schedule"], p["vpp"]): p["step_time_s"]
+              for p in json.loads(run_plan(*SMALL_FLAGS, "--json", "--top", "100000", "--ring-pass-overhead-us", us).stdout)}
+             for us in ("0", "1000")]
+    assert times[0].keys() == times[1].keys()
+    ring = [k for k in times[0] if k[1] > 1 and k[8] == "p2p"]
+    assert ring and all(times[1][k] > times[0][k] for k in ring)
+    assert all(times[1][k] == times[0][k] for k in times[0] if k[1] == 1)
