@@ -23,6 +23,14 @@ def float64():
     yield
 
 
+@pytest.fixture
+def corpus(tmp_path):
+    """A small text corpus for the training command line (python -m minipar.train --data)."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
+    return str(path)
+
+
 def pytest_sessionstart(session):
     """Where Python is told not to write bytecode (PYTHONDONTWRITEBYTECODE, set on the machines CI
     runs on), every process compiles each minipar module it imports from source, about 0.4 s of

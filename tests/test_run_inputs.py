@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from mpi_run import ROOT, run_mpi
-from test_train import TINY, corpus, reseal, saved_index, train  # noqa: F401 (corpus: a fixture)
+from test_train import TINY, reseal, saved_index, train
 
 from minipar import run_inputs
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
