@@ -208,10 +208,11 @@ def main():
         for name, base, t, s, best, eff, idle in rows:
             print(f"| {name} | {base:.1f} | {t:.1f} | {s:.2f}x | {best:.2f}x | {eff:.2f} | {idle} |")
     else:
-        print(f"\n{'layout':<12} {'1 rank ms':>10} {f'{n} ranks ms':>11} {'speed-up':>9} {'ideal':>6} "
+        width = max(len(name) for name, *_ in rows)
+        print(f"\n{'layout':<{width}} {'1 rank ms':>10} {f'{n} ranks ms':>11} {'speed-up':>9} {'ideal':>6} "
               f"{'efficiency':>10}  {BUBBLES}")
         for name, base, t, s, best, eff, idle in rows:
-            print(f"{name:<12} {base:>10.1f} {t:>11.1f} {s:>8.2f}x {best:>5.2f}x {eff:>10.2f}  {idle}")
+            print(f"{name:<{width}} {base:>10.1f} {t:>11.1f} {s:>8.2f}x {best:>5.2f}x {eff:>10.2f}  {idle}")
 
 
 if __name__ == "__main__":

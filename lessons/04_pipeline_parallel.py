@@ -73,13 +73,15 @@ Exercises (predict first, then run the command and read the table named):
    times each with a core per rank and compare "sim, step" (docs/pipeline_parallel.md, "Slack"):
    ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b-slack   (then --schedule 1f1b)
 8. The last stage also runs the tied head, so 1F1B's steady state runs at its pace. Megatron-LM's
-   --defer-embedding-wgrad-compute leaves the head's weight gradient (H: x^T dlogits, 2 V h FLOPs a
+   --defer-embedding-wgrad-compute leaves the head's weight gradient (H: dlogits^T x, 2 V h FLOPs a
    token) out of each of the last stage's backwards and runs them all at the flush. Predict where
    the H's go in the schedule table, and what share of the last stage's work moves (its 4 blocks
    cost 72 h^2 + 12 T h a token each; h 128, T 64, V 256), then run it with and without the flag:
    ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b --defer-embedding-wgrad-compute
    --show-schedules. Is the change in "sim, step" above this machine's noise? GPT-2's head is worth
-   4.5 blocks (docs/pipeline_parallel.md, "The head's weight gradient at the flush").
+   4.5 blocks (docs/pipeline_parallel.md, "The head's weight gradient at the flush"). The
+   "activations held" row does not count what the H's park (each waiting H keeps its head input
+   and logits' gradient, up to m of them on the last rank); the planner counts them.
 """
 
 import os

@@ -262,8 +262,9 @@ def test_the_auxiliary_losses_carry_the_loss_scale():
 
 
 def test_dtype_answers_are_remembered_per_dtype_object_not_per_name():
-    """Every op asks is_16bit / is_float of its inputs: the answers are kept per dtype (a seventh of
-    the cost), but not per name, and not for a void dtype while bfloat16 (kind "V") is unknown."""
+    """Every op asks is_16bit / is_float of its inputs: the answers are kept per dtype (about a
+    sixth of the cost), but not per name, and not for a void dtype while bfloat16 (kind "V") is
+    unknown."""
     from minipar import dtypes
 
     assert not dtypes.is_16bit(np.dtype(np.float32)) and np.dtype(np.float32) in dtypes._16BIT_ANSWERS
@@ -273,6 +274,24 @@ def test_dtype_answers_are_remembered_per_dtype_object_not_per_name():
     void = np.dtype("V2")
     assert not dtypes.is_16bit(void)
     assert (void in dtypes._16BIT_ANSWERS) == (dtypes._loaded_bfloat16() is not None)
+
+
+def test_dtype_answers_are_not_remembered_for_holders_or_unhashable_specs():
+    """Anything with a .dtype (a tensor whose .data is replaced) can change its answer: it is asked
+    afresh, and never becomes a key that keeps it alive. A structured dtype's spec (a list)
+    cannot be a key at all and is still answered."""
+    from minipar import dtypes
+
+    class Holder:
+        dtype = np.dtype(np.float16)
+
+    held = Holder()
+    assert dtypes.is_16bit(held) and dtypes.is_float(held)
+    held.dtype = np.dtype(np.int32)
+    assert not dtypes.is_16bit(held) and not dtypes.is_float(held)
+    assert all(key is not held for key in (*dtypes._16BIT_ANSWERS, *dtypes._FLOAT_ANSWERS))
+    dtypes.as_dtype("bfloat16")  # ml_dtypes loaded: void dtypes are remembered from now on
+    assert not dtypes.is_16bit([("a", "f4")]) and not dtypes.is_float([("a", "f4")])
 
 
 def test_ml_dtypes_is_imported_only_once_bfloat16_is_asked_for():
