@@ -98,6 +98,40 @@ def test_ring_attention_skips_future_chunks_and_balances_what_it_computes(cp):
                                                                                  for r in range(cp)]
 
 
+@pytest.mark.parametrize("name", ["balanced", "contiguous", "scattered"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_rectangles_cover_each_visible_pair_once_and_mask_what_they_must(name, cp):
+    T = 8 * cp
+    if name == "scattered":
+        order = numpy.random.default_rng(cp).permutation(T)
+        positions = [order[r::cp] for r in range(cp)]  # unsorted: runs of one position or two
+    else:
+        split = load_balanced_positions if name == "balanced" else contiguous_positions
+        positions = [split(T, cp, r) for r in range(cp)]
+    blocks = [Block(p) for p in positions]
+    for queries in blocks:
+        for keys in blocks:
+            covered = numpy.zeros((T, T), int)
+            for rows, cols, q_pos, k_pos, masked in pairs(queries, keys):
+                assert (q_pos == queries.positions[rows]).all() and (k_pos == keys.positions[cols]).all()
+                covered[numpy.ix_(q_pos, k_pos)] += 1
+                assert masked == bool((k_pos[None, :] > q_pos[:, None]).any())
+            expected = numpy.zeros((T, T), int)  # the pairs of runs not wholly in the future
+            for qa, qb, _, q_last in queries.runs:
+                for ka, kb, k_first, _ in keys.runs:
+                    if k_first <= q_last:
+                        expected[numpy.ix_(queries.positions[qa:qb], keys.positions[ka:kb])] = 1
+            assert (covered == expected).all()
+
+
+def test_a_balanced_rank_computes_three_rectangles_a_pass_at_cp_2():
+    """2 against its own block (the early chunk's diagonal; the late chunk against both, masked),
+    1 against the other rank's: the late chunk against both of its chunks, or both against one."""
+    blocks = [Block(load_balanced_positions(16, 2, r)) for r in range(2)]
+    for r in range(2):
+        assert [len(list(pairs(blocks[r], keys))) for keys in (blocks[r], blocks[1 - r])] == [2, 1]
+
+
 @pytest.mark.parametrize("T,cp,rank", [(12, 4, 0), (10, 2, 1), (16, 2, 2), (16, 0, 0), (0, 2, 0)])
 def test_bad_sizes_raise(T, cp, rank):
     with pytest.raises(ValueError, match="multiple of|need cp"):
