@@ -10,6 +10,7 @@ from minipar.functional import blockwise
 from minipar.functional.blockwise import Block, blockwise_attention, pairs, runs
 from minipar.gradcheck import gradcheck
 from minipar.kernels import emulator, gemm
+from minipar.parallel import ulysses
 from minipar.parallel.context import causal_work, contiguous_positions, load_balanced_positions
 from mpi_run import check_mpi, run_mpi
 
@@ -52,6 +53,30 @@ def test_blockwise_gradient_matches_central_differences():
     for p in (0.0, 0.3):
         (report,) = gradcheck(lambda x: blockwise_attention(x, 2, zigzag, p, key=(1, 1)), [qkv])
         assert report.ok, report
+
+
+@pytest.mark.parametrize("name", ["balanced", "unsorted"])
+def test_ulysses_reorders_match_indexing_and_central_differences(name):
+    """The all-to-all's chunks (N, B, T/N, W) as one sequence in position order and back, one
+    slice copy a run: equal to indexing by the positions, inverse to each other, and their
+    gradients by central differences."""
+    N, T_local = 2, 6
+    if name == "balanced":
+        positions = numpy.stack([load_balanced_positions(N * T_local, N, r) for r in range(N)])
+    else:
+        positions = numpy.random.default_rng(4).permutation(N * T_local).reshape(N, T_local)
+    spans = ulysses._spans(positions)
+    chunks = numpy.random.default_rng(5).standard_normal((N, 2, T_local, 3))
+    sequence = numpy.empty((2, N * T_local, 3))
+    sequence[:, positions.reshape(-1)] = chunks.transpose(1, 0, 2, 3).reshape(2, N * T_local, 3)
+    x = Tensor(chunks, requires_grad=True, dtype="float64")
+    assert numpy.array_equal(ulysses.ChunksToSequence.apply(x, spans).data, sequence)
+    assert numpy.array_equal(ulysses.SequenceToChunks.apply(Tensor(sequence, dtype="float64"), spans, N).data, chunks)
+    (report,) = gradcheck(lambda c: ulysses.ChunksToSequence.apply(c, spans), [x])
+    assert report.ok, report
+    seq = Tensor(sequence, requires_grad=True, dtype="float64")
+    (report,) = gradcheck(lambda q: ulysses.SequenceToChunks.apply(q, spans, N), [seq])
+    assert report.ok, report
 
 
 def test_runs_are_the_stretches_of_consecutive_positions():
