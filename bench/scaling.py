@@ -29,7 +29,12 @@ weight gradients run at the flush (``--defer-embedding-wgrad-compute``), ``1f1b-
 1F1B-slack with them: the FLOPs' bubble counts them there.
 
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
-parallelism) with a one-rank MoE run. The pipelines run m = 8 micro-batches of 2 sequences; the
+parallelism) with a one-rank MoE run. Its ideal N assumes a router that gives every rank as many
+token-slots; the router of a run does not, and each MoE layer's all-to-all waits for the rank
+whose experts took the most. So beside EP stands the share of the slots the busiest rank
+computed (the sum over layers of each layer's largest, from the run's logged routing; 1/N when
+balanced) and the speed-up that routing allows with each part costing its training FLOPs:
+1 / ((1 - f) / N + f x share), f the experts' share of the FLOPs. The pipelines run m = 8 micro-batches of 2 sequences; the
 plain one-rank step runs the whole batch of 16 at once, which is what a pipeline has to beat.
 """
 
@@ -40,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 from fractions import Fraction
+
+import numpy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -84,7 +91,24 @@ LAYOUTS = {
 }
 
 
-BUBBLES = "bubble: equal stages, its FLOPs, its compute, measured"
+BUBBLES = "bubble: equal stages, its FLOPs, its compute, measured; EP: the routing's bound"
+
+
+def busiest_share(tokens_per_expert, ranks):
+    """Of a step's expert token-slots ((layers, experts), rank r holding the r-th run of E/N
+    experts), the share its busiest rank computes, layer by layer."""
+    loads = numpy.asarray(tokens_per_expert)
+    loads = loads.reshape(loads.shape[0], ranks, -1).sum(axis=2)  # (layers, ranks)
+    return float(loads.max(axis=1).sum() / loads.sum())
+
+
+def routing_bound(share, n, n_layer, n_embd):
+    """The speed-up on ``n`` ranks when the dense part splits evenly and the busiest rank computes
+    ``share`` of the expert slots, each part costing its training FLOPs (``minipar.mfu``)."""
+    top_k, experts = int(MOE[MOE.index("--moe-router-topk") + 1]), int(MOE[MOE.index("--num-experts") + 1])
+    total = flops_per_token(n_layer, n_embd, 128, 256, n_layer, top_k, experts)
+    f = n_layer * top_k * 48 * n_embd**2 / total  # each slot's expert MLP: 48 h^2 (72 h^2 a block less attention's 24)
+    return 1 / ((1 - f) / n + f * share)
 
 
 def ideal(layout, n, n_layer, n_embd):
@@ -123,8 +147,9 @@ def ideal(layout, n, n_layer, n_embd):
 
 
 def step_ms(ranks, flags, steps, skip):
-    """Median step time (ms), measured bubble and the bubble of the step's compute alone (None
-    without a pipeline) of one launch, from its --log-json rows after the first ``skip``."""
+    """Median step time (ms), measured bubble, the bubble of the step's compute alone (None
+    without a pipeline) and the busiest rank's share of the expert slots (None without experts)
+    of one launch, from its --log-json rows after the first ``skip``."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [os.path.join(ROOT, "run_mpi.sh"), "-n", str(ranks), "-m", "minipar.train", *flags,
@@ -137,7 +162,9 @@ def step_ms(ranks, flags, steps, skip):
             rows = [json.loads(line) for line in fh]
     rows = rows[skip:]
     expected = statistics.median(r["bubble_expected"] for r in rows) if "bubble_expected" in rows[0] else None
-    return statistics.median(r["ms"] for r in rows), statistics.median(r["bubble"] for r in rows), expected
+    share = (statistics.median(busiest_share(r["tokens_per_expert"], ranks) for r in rows)
+             if "tokens_per_expert" in rows[0] else None)
+    return statistics.median(r["ms"] for r in rows), statistics.median(r["bubble"] for r in rows), expected, share
 
 
 def model_flags(kind, size):
@@ -178,14 +205,16 @@ def main():
     times = {key: [] for key in [("one", m) for m in models] + layouts}
     measured = {name: [] for name in layouts}  # the pipelines' idle share, as the trainer logs it
     expected = {name: [] for name in layouts}  # the bubble of the step's compute alone
+    shares = {name: [] for name in layouts}  # the busiest rank's share of the expert slots
     for _ in range(args.rounds):
         for model in models:
             times[("one", model)].append(step_ms(1, model_flags(model, size), args.steps, args.skip)[0])
         for name in layouts:
-            ms, bubble, of_costs = step_ms(args.ranks, flags_of(name, args.ranks, size), args.steps, args.skip)
+            ms, bubble, of_costs, share = step_ms(args.ranks, flags_of(name, args.ranks, size), args.steps, args.skip)
             times[name].append(ms)
             measured[name].append(bubble)
             expected[name].append(of_costs)
+            shares[name].append(share)
     one = {m: statistics.median(times[("one", m)]) for m in models}
     n = args.ranks
     rows = []
@@ -199,6 +228,10 @@ def main():
             replayed = [b for b in expected[name] if b is not None]  # PipeDream-2BW's stream is not replayed
             idle = (f"{float(bubble):.3f}, {float(of_flops):.3f}, "
                     f"{f'{statistics.median(replayed):.3f}' if replayed else '-'}, {statistics.median(measured[name]):.3f}")
+        elif shares[name][0] is not None:
+            share = statistics.median(shares[name])
+            idle = (f"busiest rank {share:.3f} of the slots: "
+                    f"{routing_bound(share, n, args.n_layer, args.n_embd):.2f}x")
         rows.append((name, base, t, speedup, float(best), speedup / float(best), idle))
     print(f"{n} ranks against 1, median of {args.rounds} rounds, {args.steps - args.skip} steps each; "
           f"GPT of {args.n_layer} layers, hidden {args.n_embd}, 4 heads, T 128, batch {BATCH}")

@@ -138,11 +138,20 @@ def test_scaling_benchmark_runs_and_takes_pipelines_ideal_from_the_simulator():
     assert scaling.ideal("zb-v", 2, 4, 128)[1] == Fraction(1, 49) and scaling.ideal("dp", 4, 4, 128) == (4, None, None)
     # PipeDream-2BW never flushes: only the imbalance, stage 0 idle 1/15 of the time: 1/30 of all
     assert scaling.ideal("pipedream-2bw", 2, 4, 128) == (2, 0, Fraction(1, 30))
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "scaling.py"), "--only", "dp,1f1b,pipedream-2bw",
+    # EP: each layer's busiest rank's slots, over all; a router that balances allows N exactly
+    assert scaling.busiest_share([[3, 1, 2, 2], [5, 1, 1, 1]], 2) == (4 + 6) / 16
+    assert scaling.routing_bound(0.5, 2, 4, 128) == pytest.approx(2.0)
+    # experts 48 h^2 x top-2 a layer: 6,291,456 of 8,859,648 FLOPs a token; all slots on one rank
+    f = 6_291_456 / 8_859_648
+    assert scaling.routing_bound(1.0, 2, 4, 128) == pytest.approx(1 / ((1 - f) / 2 + f))
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "scaling.py"), "--only", "dp,1f1b,pipedream-2bw,ep",
                           "--rounds", "1", "--steps", "3", "--skip", "1", "--n-layer", "2", "--n-embd", "32"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {line.split()[0]: line.split() for line in run.stdout.splitlines()[3:] if line.strip()}
-    assert set(rows) == {"dp", "1f1b", "pipedream-2bw"} and rows["1f1b"][4] == "1.78x", run.stdout
+    assert set(rows) == {"dp", "1f1b", "pipedream-2bw", "ep"} and rows["1f1b"][4] == "1.78x", run.stdout
+    ep = rows["ep"]  # the routing's bound, from the run's logged slots: 1/N to all of them
+    assert ep[6:8] == ["busiest", "rank"] and 0.5 <= float(ep[8]) <= 1.0, run.stdout
+    assert 1.0 < float(ep[-1].rstrip("x")) <= 2.0, run.stdout
     two_bw = rows["pipedream-2bw"]  # its stream is not replayed: no compute-alone bubble
     assert two_bw[4] == "2.00x" and two_bw[6] == "0.000," and two_bw[8] == "-,", run.stdout
