@@ -278,6 +278,29 @@ def blocks(n, size=1 << 16):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def l2_cache_bytes(base="/sys/devices/system/cpu/cpu0/cache", default=512 * 1024):
+    """The first core's L2 cache, as Linux's sysfs under ``base`` gives it, or ``default``."""
+    try:
+        for index in sorted(os.listdir(base)):
+            with open(os.path.join(base, index, "level")) as fh:
+                if fh.read().strip() != "2":
+                    continue
+            with open(os.path.join(base, index, "size")) as fh:
+                text = fh.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+            return int(text.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return default
+
+
+def cache_block(arrays, itemsize=4):
+    """Elements per block (a power of two, at least 4096) for ``blocks``, so that ``arrays``
+    arrays of ``itemsize`` bytes of a block together fill at most the core's L2 cache."""
+    fit = l2_cache_bytes() // (arrays * itemsize)
+    return max(1 << 12, 1 << max(fit, 1).bit_length() - 1)
+
+
 def array_of(value):
     """The array a Tensor holds (its ``.data``), or ``value`` itself when it is already an array
     or a list. A CuPy array has a ``.data`` of its own, a raw memory pointer, so "``.data`` if it

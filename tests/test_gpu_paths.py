@@ -76,6 +76,36 @@ def test_the_gpu_branches_of_the_reductions_agree_with_the_cpu_ones(monkeypatch,
             assert numpy.abs(numpy.asarray(x, "float64") - y).max() <= rtol * scale, shape
 
 
+def test_gelu_on_the_gpu_branches_equals_the_cpu_blocks(monkeypatch):
+    """On a GPU the chain runs as one piece, however many elements: the backward's scratch too
+    (sized from the CPU's block, it once broke every activation larger than one block)."""
+    from minipar.autograd import Context
+    from minipar.functional.gelu import GELU
+
+    rng = numpy.random.default_rng(2)
+    x, g = rng.standard_normal((2, 3 * GELU.BLOCK + 5)).astype("float32")
+    results = {}
+    for device in ("cpu", "cuda"):
+        monkeypatch.setattr(backend, "DEVICE", device)
+        ctx = Context()
+        results[device] = GELU.forward(ctx, x), GELU.backward(ctx, g)
+    for cpu, gpu in zip(results["cpu"], results["cuda"]):
+        assert numpy.array_equal(cpu, gpu)
+
+
+def test_elementwise_blocks_fill_the_l2_cache_sysfs_gives(tmp_path, monkeypatch):
+    for index, (level, size) in enumerate([("1", "48K"), ("2", "1024K"), ("3", "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert backend.l2_cache_bytes(str(tmp_path)) == 1 << 20
+    assert backend.l2_cache_bytes(str(tmp_path / "none")) == 512 * 1024  # not Linux: the default
+    monkeypatch.setattr(backend, "l2_cache_bytes", lambda: 1 << 20)
+    assert backend.cache_block(3) == 1 << 16 and backend.cache_block(5) == 1 << 15
+    monkeypatch.setattr(backend, "l2_cache_bytes", lambda: 1 << 10)
+    assert backend.cache_block(3) == 1 << 12  # never below 4096 elements
+
+
 def test_choosing_a_device_leaves_the_dtype_and_the_generator_alone(monkeypatch):
     """The device (backend), the default dtype (dtypes) and the generator (random) are separate."""
     from minipar import dtypes, random

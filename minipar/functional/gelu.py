@@ -9,7 +9,7 @@ import math
 import numpy
 
 from minipar.autograd import Function
-from minipar.backend import blocks, xp
+from minipar.backend import blocks, cache_block, xp
 from minipar.functional.checks import floats
 from minipar.functional.widen import in_float32
 
@@ -31,11 +31,13 @@ class GELU(Function):
     exp(-2z) = inf for x below about -9.3 gives s = 0: GELU there is below float32's smallest
     normal number anyway.
     These are the largest activations of the model (4x the hidden size), so the ufunc chains run
-    in place, block by block: a block's three arrays (3 x 64 KiB) stay in the core's L2 cache for
-    the whole chain (``backend.blocks``).
+    in place, block by block, each block's three arrays together as large as the core's L2 cache
+    (``backend.cache_block``): they stay there for the whole chain, and a larger block pays
+    NumPy's per-call cost fewer times (1 MiB of L2: blocks of 64K elements, fwd and bwd 2.45 ms
+    on 1M elements against 2.95 ms in blocks of 16K).
     """
 
-    BLOCK = 1 << 14
+    BLOCK = cache_block(3)
 
     @staticmethod
     def forward(ctx, x):
@@ -59,8 +61,9 @@ class GELU(Function):
     def backward(ctx, grad):
         x, s = ctx.x, ctx.s
         g = xp.ascontiguousarray(grad).reshape(-1)
-        dx, u = xp.empty_like(x), xp.empty(min(x.size, GELU.BLOCK), x.dtype)
-        for b in blocks(x.size, GELU.BLOCK):
+        pieces = blocks(x.size, GELU.BLOCK)  # on a GPU one piece: the whole array
+        dx, u = xp.empty_like(x), xp.empty(pieces[0].stop if pieces else 0, x.dtype)
+        for b in pieces:
             xb, sb, d = x[b], s[b], dx[b]
             ub = u[:d.size]
             xp.subtract(1.0, sb, out=ub)
