@@ -17,12 +17,14 @@ from minipar.optim import AdamW, clip_grad_norm
 needs_emulator = pytest.mark.skipif(emulator.compiler() is None, reason="no C++ compiler for the emulator")
 
 
-def one_step(dropout):
+def one_step(dropout, config=None, batch=2):
     """Loss, gradients and updated parameters of one AdamW step of a small GPT, float64."""
     minipar.manual_seed(3)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=256, dropout=dropout))
+    config = config or dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=256)
+    model = GPT(GPTConfig(**config, dropout=dropout))
     rng = numpy.random.default_rng(0)
-    idx, targets = rng.integers(0, 256, (2, 8)), rng.integers(0, 256, (2, 8))
+    shape = (batch, config["block_size"])
+    idx, targets = rng.integers(0, config["vocab_size"], shape), rng.integers(0, config["vocab_size"], shape)
     _, loss = model(idx, targets)
     loss.backward()
     grads = {n: p.grad.copy() for n, p in model.named_parameters()}
@@ -57,6 +59,22 @@ def test_a_training_step_through_the_emulated_kernel_equals_blas(dropout, monkey
     # and the batched attention products all went through the kernel.
     assert seen[(False, True, False)] and seen[(True, False, False)] and seen[(False, False, False)], seen
     assert any(batched for (_, _, batched) in seen), seen
+
+
+def test_a_step_of_real_size_on_the_gpu_branches_equals_the_cpu_one(monkeypatch):
+    """The emulated kernel is slow, so the step above is tiny, and a branch that breaks only past
+    some size (the CPU's elementwise blocks: GELU's backward did) passes it. Here the products
+    are NumPy's, and the activations run to several blocks."""
+    minipar.set_default_dtype("float64")
+    config = dict(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=512)
+    reference = one_step(0.1, config, batch=4)
+    monkeypatch.setattr(backend, "DEVICE", "cuda")
+    monkeypatch.setattr(gemm, "matmul", lambda a, b, out=None: numpy.matmul(a, b, out=out))
+    loss, grads, params = one_step(0.1, config, batch=4)
+    assert abs(loss - reference[0]) <= 1e-13 * abs(reference[0])
+    for name in grads:
+        assert numpy.allclose(grads[name], reference[1][name], rtol=1e-10, atol=1e-13), name
+        assert numpy.allclose(params[name], reference[2][name], rtol=1e-10, atol=1e-13), name
 
 
 @pytest.mark.parametrize("dtype,rtol", [("float64", 1e-13), ("float32", 1e-5)])
