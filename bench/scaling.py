@@ -34,8 +34,10 @@ token-slots; the router of a run does not, and each MoE layer's all-to-all waits
 whose experts took the most. So beside EP stands the share of the slots the busiest rank
 computed (the sum over layers of each layer's largest, from the run's logged routing; 1/N when
 balanced) and the speed-up that routing allows with each part costing its training FLOPs:
-1 / ((1 - f) / N + f x share), f the experts' share of the FLOPs. The pipelines run m = 8 micro-batches of 2 sequences; the
-plain one-rank step runs the whole batch of 16 at once, which is what a pipeline has to beat.
+1 / ((1 - f) / N + f x share), f the experts' share of the FLOPs.
+
+The pipelines run m = 8 micro-batches of 2 sequences; the plain one-rank step runs the whole
+batch of 16 at once, which is what a pipeline has to beat.
 """
 
 import json
@@ -241,7 +243,7 @@ def main():
         for name, base, t, s, best, eff, idle in rows:
             print(f"| {name} | {base:.1f} | {t:.1f} | {s:.2f}x | {best:.2f}x | {eff:.2f} | {idle} |")
     else:
-        width = max(len(name) for name, *_ in rows)
+        width = max(len("layout"), *(len(name) for name, *_ in rows))
         print(f"\n{'layout':<{width}} {'1 rank ms':>10} {f'{n} ranks ms':>11} {'speed-up':>9} {'ideal':>6} "
               f"{'efficiency':>10}  {BUBBLES}")
         for name, base, t, s, best, eff, idle in rows:

@@ -29,7 +29,7 @@ import types
 import numpy
 
 from minipar.allocator import keep_freed_memory
-from minipar.node import local_rank, local_size
+from minipar import node
 from minipar.dtypes import is_16bit
 
 DEVICES = ("cpu", "cuda")
@@ -43,7 +43,7 @@ def free_memory(host=False):
     """(bytes free on this rank's device, how many ranks of the node share them, what was read),
     or None where nothing says: the GPU's free memory, or the host's MemAvailable (Linux), which
     ``host`` asks for on a GPU too."""
-    ranks = local_size()
+    ranks = node.local_size()
     if DEVICE == "cuda" and not host:
         import cupy
 
@@ -73,7 +73,7 @@ def _cupy_on_this_rank():
     if count == 0:
         raise RuntimeError(f"the cuda device was asked for, but CuPy sees no GPU ({why}): run on the "
                            "CPU (--device cpu, MINIPAR_DEVICE=cpu)")
-    cupy.cuda.Device(local_rank() % count).use()  # ranks of a node spread over its GPUs
+    cupy.cuda.Device(node.local_rank() % count).use()  # ranks of a node spread over its GPUs
     return cupy
 
 
@@ -278,26 +278,10 @@ def blocks(n, size=1 << 16):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def l2_cache_bytes(base="/sys/devices/system/cpu/cpu0/cache", default=512 * 1024):
-    """The first core's L2 cache, as Linux's sysfs under ``base`` gives it, or ``default``."""
-    try:
-        for index in sorted(os.listdir(base)):
-            with open(os.path.join(base, index, "level")) as fh:
-                if fh.read().strip() != "2":
-                    continue
-            with open(os.path.join(base, index, "size")) as fh:
-                text = fh.read().strip().upper()
-            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-            return int(text.rstrip("KM")) * scale
-    except (OSError, ValueError):
-        pass
-    return default
-
-
 def cache_block(arrays, itemsize=4):
     """Elements per block (a power of two, at least 4096) for ``blocks``, so that ``arrays``
     arrays of ``itemsize`` bytes of a block together fill at most the core's L2 cache."""
-    fit = l2_cache_bytes() // (arrays * itemsize)
+    fit = node.l2_cache_bytes() // (arrays * itemsize)
     return max(1 << 12, 1 << max(fit, 1).bit_length() - 1)
 
 

@@ -1,6 +1,7 @@
 """Where this process sits on its node, as the launcher says: its rank among the node's processes
 (which picks its GPU) and how many processes the node runs (which share its memory). Every
-launcher says it under its own names; the first one set is read. Standard library only."""
+launcher says it under its own names; the first one set is read. And the size of a core's L2
+cache, as Linux says it. Standard library only."""
 
 import os
 
@@ -26,3 +27,19 @@ def local_size():
         if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
             return int(os.environ[name])
     return 1
+
+
+def l2_cache_bytes(base="/sys/devices/system/cpu/cpu0/cache", default=512 * 1024):
+    """The first core's L2 cache, as Linux's sysfs under ``base`` gives it, or ``default``."""
+    try:
+        for index in sorted(os.listdir(base)):
+            with open(os.path.join(base, index, "level")) as fh:
+                if fh.read().strip() != "2":
+                    continue
+            with open(os.path.join(base, index, "size")) as fh:
+                text = fh.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+            return int(text.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return default

@@ -123,13 +123,19 @@ def test_ring_attention_skips_future_chunks_and_balances_what_it_computes(cp):
                                                                                  for r in range(cp)]
 
 
-@pytest.mark.parametrize("name", ["balanced", "contiguous", "scattered"])
+@pytest.mark.parametrize("name", ["balanced", "contiguous", "scattered", "shuffled runs"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_rectangles_cover_each_visible_pair_once_and_mask_what_they_must(name, cp):
     T = 8 * cp
+    rng = numpy.random.default_rng(cp)
     if name == "scattered":
-        order = numpy.random.default_rng(cp).permutation(T)
+        order = rng.permutation(T)
         positions = [order[r::cp] for r in range(cp)]  # unsorted: runs of one position or two
+    elif name == "shuffled runs":  # runs of 2 to 4 positions in any order: a masked run then a seen one
+        cuts = numpy.cumsum(rng.integers(2, 5, T))
+        pieces = numpy.split(numpy.arange(T), cuts[cuts < T])
+        order = numpy.concatenate([pieces[i] for i in rng.permutation(len(pieces))])
+        positions = numpy.split(order, cp)
     else:
         split = load_balanced_positions if name == "balanced" else contiguous_positions
         positions = [split(T, cp, r) for r in range(cp)]
@@ -147,6 +153,14 @@ def test_ring_rectangles_cover_each_visible_pair_once_and_mask_what_they_must(na
                     if k_first <= q_last:
                         expected[numpy.ix_(queries.positions[qa:qb], keys.positions[ka:kb])] = 1
             assert (covered == expected).all()
+
+
+def test_a_rectangle_that_joins_a_diagonal_run_to_a_past_one_is_masked():
+    """Queries 2, 3 against keys 2, 3, 0, 1: one rectangle, masked for key 3 against query 2,
+    though its second run of keys is wholly in the past."""
+    block = Block(numpy.array([2, 3, 0, 1]))
+    rectangles = [(rows, cols, masked) for rows, cols, _, _, masked in pairs(block, block)]
+    assert rectangles == [(slice(0, 2), slice(0, 4), True), (slice(2, 4), slice(2, 4), True)]
 
 
 def test_a_balanced_rank_computes_three_rectangles_a_pass_at_cp_2():

@@ -28,7 +28,7 @@ FORWARD, BACKWARD = "forward", "backward"
 # the zero-bubble split of BACKWARD (Qi et al. 2024): B, the input's gradient, and W, the weights'
 BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 BACKWARDS = (BACKWARD, BACKWARD_INPUT)  # what receives an output's gradient and sends its input's
-# the tied head's weight gradient, x^T dlogits, taken out of the last chunk's backwards and run at
+# the tied head's weight gradient, dlogits^T x, taken out of the last chunk's backwards and run at
 # the flush, where the last stage waits for the first (Megatron-LM's defer_embedding_wgrad_compute)
 HEAD_WEIGHT = "head_weight"
 COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, HEAD_WEIGHT)
