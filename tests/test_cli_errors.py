@@ -10,7 +10,6 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -261,53 +260,6 @@ def test_a_model_too_large_for_the_machine_is_refused_from_its_size(tmp_path):
     refused(run, PROG, "GB for the activations the fullest rank keeps", "fix: fewer activations: a shorter --block-size")
 
 
-@pytest.mark.parametrize("n_layer,n_embd,block_size", [(1, 16, 16), (3, 24, 8)])
-def test_the_parameter_count_is_the_models(n_layer, n_embd, block_size):
-    from minipar.models import GPT, GPTConfig
-    from minipar.parallel.memory import parameter_count
-
-    model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=block_size))
-    assert parameter_count(n_layer, n_embd, block_size) == sum(p.data.size for p in model.parameters())
-
-
-def test_the_parameter_count_of_a_mixture_of_experts_is_the_models():
-    from minipar.models import GPT, GPTConfig
-    from minipar.parallel.memory import mlp_parameters, state_bytes, total_parameters
-    from minipar.parallel.validate import RunConfig
-
-    config = GPTConfig(n_layer=3, n_head=4, n_embd=16, block_size=16, num_experts=4, moe_layer_freq=2)
-    run = RunConfig(n_layer=3, n_embd=16, block_size=16, vocab_size=256, num_experts=4, moe_layer_freq=2)
-    assert total_parameters(run) == sum(p.data.size for p in GPT(config).parameters())
-    # EP = 2 over DP = 4, ZeRO-1: each rank holds half the experts, their moments over DP / EP = 2 ranks
-    experts = 2 * 4 * mlp_parameters(16)
-    sharded = replace(run, dp=4, ep=2, zero_stage=1, dtype="float64")
-    dense = total_parameters(run) - experts
-    assert state_bytes(sharded) == pytest.approx((dense * (2 + 2 / 4) + experts / 2 * (2 + 2 / 2)) * 8)
-
-
-def test_zero_shards_the_moments_then_the_gradients_then_the_parameters():
-    from minipar.parallel.memory import parameter_count, state_bytes
-    from minipar.parallel.validate import RunConfig
-
-    n = parameter_count(4, 64, 32)
-    run = RunConfig(tp=2, pp=2, dp=4, n_layer=4, n_embd=64, block_size=32, dtype="float64")
-    for stage, arrays in [(0, 4), (1, 2 + 2 / 4), (2, 1 + 3 / 4), (3, 4 / 4)]:
-        assert state_bytes(replace(run, zero_stage=stage)) == pytest.approx(n / 4 * arrays * 8)
-    # PipeDream-2BW's stash: the weights again and a batch's gradients (its WeightStash.stash_bytes)
-    assert state_bytes(replace(run, schedule="pipedream-2bw")) == pytest.approx(n / 4 * 6 * 8)
-
-
-def test_the_batch_floor_counts_one_micro_batchs_logits_on_its_cp_and_tp_share():
-    from minipar.parallel.memory import batch_bytes
-    from minipar.parallel.validate import RunConfig
-
-    run = RunConfig(tp=2, cp=2, dp=2, global_batch=8, micro_batches=2, block_size=16, vocab_size=255,
-                    dtype="bfloat16")
-    ids = 2 * 8 * 8 * 16  # inputs and targets of the whole batch, int64
-    # 2 rows, 16 / CP positions, the vocabulary padded to 256 / TP columns, 2 bytes each
-    assert batch_bytes(run, logits=False) == ids and batch_bytes(run) == ids + 2 * 2 * 8 * 128
-
-
 def test_an_unknown_minipar_device_is_a_flag_problem(tmp_path):
     run = subprocess.run([sys.executable, "-m", "minipar.train", *ONE_STEP], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path, env=dict(os.environ, MINIPAR_DEVICE="tpu"))
@@ -319,18 +271,3 @@ def test_an_unknown_minipar_device_stops_a_lesson_in_one_line(script):
     run = subprocess.run([sys.executable, os.path.join(ROOT, "lessons", script)], capture_output=True,
                          text=True, timeout=60, env=dict(os.environ, MINIPAR_DEVICE="tpu"))
     refused(run, f"{script}: error: ", "MINIPAR_DEVICE='tpu'", "cpu", "cuda")
-
-
-def test_on_a_gpu_the_free_memory_is_shared_by_the_ranks_on_it(monkeypatch):
-    """The CUDA branch on the CPU: a stand-in CuPy with two GPUs of 80 GB free, five ranks here."""
-    import types
-
-    from minipar import backend
-
-    runtime = types.SimpleNamespace(memGetInfo=lambda: (80e9, 141e9), getDeviceCount=lambda: 2,
-                                    getDeviceProperties=lambda i: {"name": b"NVIDIA H200"})
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=lambda: types.SimpleNamespace(id=0)))
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(backend, "DEVICE", "cuda")
-    monkeypatch.setenv("MPI_LOCALNRANKS", "5")
-    assert backend.free_memory() == (80e9, 3, "free memory of the NVIDIA H200")
