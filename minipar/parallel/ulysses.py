@@ -47,8 +47,8 @@ def _sequence_to_chunks(x, spans, N):
 class ChunksToSequence(Function):
     """What the all-to-all delivers, every rank's tokens of this rank's heads, laid out as one
     sequence in position order: each run of consecutive positions is one slice copy (at most 2
-    per rank when load-balanced), where transposing the chunks into rank order and then permuting the
-    tokens copied everything twice. Backward slices the gradient back into chunks."""
+    per rank when load-balanced), where transposing the chunks into rank order and then
+    permuting the tokens copied everything twice. Backward slices the gradient back into chunks."""
 
     @staticmethod
     def forward(ctx, chunks, spans):
