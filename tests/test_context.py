@@ -161,6 +161,11 @@ def test_a_rectangle_that_joins_a_diagonal_run_to_a_past_one_is_masked():
     block = Block(numpy.array([2, 3, 0, 1]))
     rectangles = [(rows, cols, masked) for rows, cols, _, _, masked in pairs(block, block)]
     assert rectangles == [(slice(0, 2), slice(0, 4), True), (slice(2, 4), slice(2, 4), True)]
+    # queries 10, 11 then 4, 5 see the same keys 0..5, past for the first run and not the second:
+    # two rectangles, not one that leaves key 5 visible to query 4
+    rectangles = [(rows, masked) for rows, _, _, _, masked in pairs(Block(numpy.array([10, 11, 4, 5])),
+                                                                     Block(numpy.arange(6)))]
+    assert rectangles == [(slice(0, 2), False), (slice(2, 4), True)]
 
 
 def test_a_balanced_rank_computes_three_rectangles_a_pass_at_cp_2():

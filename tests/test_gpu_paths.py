@@ -115,13 +115,16 @@ def test_gelu_on_the_gpu_branches_equals_the_cpu_blocks(monkeypatch):
 
 
 def test_elementwise_blocks_fill_the_l2_cache_sysfs_gives(tmp_path, monkeypatch):
-    for index, (level, size) in enumerate([("1", "48K"), ("2", "1024K"), ("3", "32768K")]):
-        (tmp_path / f"index{index}").mkdir()
-        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
-        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
     from minipar import node
+    from minipar.functional.gelu import GELU
 
-    assert node.l2_cache_bytes(str(tmp_path)) == 1 << 20
+    for machine, l2 in (("a", "1024K"), ("b", "2M")):
+        for index, (level, size) in enumerate([("1", "48K"), ("2", l2), ("3", "32768K")]):
+            (tmp_path / machine / f"index{index}").mkdir(parents=True)
+            (tmp_path / machine / f"index{index}" / "level").write_text(level + "\n")
+            (tmp_path / machine / f"index{index}" / "size").write_text(size + "\n")
+    assert node.l2_cache_bytes(str(tmp_path / "a")) == 1 << 20 and node.l2_cache_bytes(str(tmp_path / "b")) == 2 << 20
+    assert GELU.BLOCK == backend.cache_block(3)  # the forward's three arrays
     assert node.l2_cache_bytes(str(tmp_path / "none")) == 512 * 1024  # not Linux: the default
     monkeypatch.setattr(node, "l2_cache_bytes", lambda: 1 << 20)
     assert backend.cache_block(3) == 1 << 16 and backend.cache_block(5) == 1 << 15

@@ -114,6 +114,19 @@ def test_pipedream_2bw_from_the_command_line(single, tmp_path):
     assert not any("bubble_expected" in row for row in rows(log))  # its step spans two batches: no replay
 
 
+def test_the_heads_weight_gradient_at_the_flush_from_the_command_line(single, tmp_path):
+    """--defer-embedding-wgrad-compute on PP 2: the last stage runs the head's W's (its "weight"
+    times; the first stage has none) and the run is the single-device one."""
+    log = str(tmp_path / "log.jsonl")
+    code, out, _ = train(2, "--max-iters", "20", "--pp", "2", "--schedule", "1f1b",
+                         "--defer-embedding-wgrad-compute", "--log-json", log)
+    assert code == 0, out
+    assert len(losses(log)) == 20 and close(losses(log), single)
+    for row in rows(log):
+        first, last = row["stage_ms"]["weight"]
+        assert first == [0.0] and last[0] > 0 and 0 <= row["bubble_expected"] < 1, row["stage_ms"]
+
+
 def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):
     save = str(tmp_path / "ckpt")
     code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
@@ -189,6 +202,7 @@ def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
     (2, ["--pp", "2", "--schedule", "pipedream-2bw", "--zero-stage", "1"], "pipedream-2bw stashes a second copy"),
     (2, ["--pp", "2", "--schedule", "pipedream-2bw", "--bf16"], "pipedream-2bw with --bf16"),
     (2, ["--pp", "2", "--schedule", "pipedream-2bw", "--save", "/nonexistent/ckpt"], "pipedream-2bw with --save"),
+    (2, ["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute runs the head's weight gradients"),
 ])
 def test_bad_layouts_get_one_line(n, args, message):
     """Each problem is one line, printed by one rank (a layout may have several: all are named)."""
