@@ -24,7 +24,8 @@ sequence, is not one block of the whole: an all-gather leaves the shards stacked
 and putting them in sequence order is a copy of the whole activation, as is cutting a whole one
 into the stack a reduce-scatter takes (Megatron's activations are [s, b, h], so its shards are
 blocks and neither copy exists). Between the MLP's two linear layers nothing cares where a token
-sits (two products and GELU, each token alone), so there the tokens stay in the stack's order:
+sits (two products and GELU, each token alone), nor in the embedding's lookup (whose ids can be
+put in the stack's order instead), so there the tokens stay in the stack's order:
 
     gather_tokens_from_sequence_region        all-gather / reduce-scatter, in rank order
     reduce_scatter_tokens_to_sequence_region  reduce-scatter / all-gather, in rank order

@@ -150,13 +150,21 @@ class VocabParallelEmbedding(Module):
             # every rank holds the same ids, so every rank raises here, before communicating
             raise IndexError(f"embedding ids must lie in [0, {self.num_embeddings}), "
                              f"got [{int(ids.min())}, {int(ids.max())}]")
+        if self.sequence_parallel:
+            # the ids in the reduce-scatter's rank order, (N, B, T/N): the rows are looked up where
+            # it reads them, and the ids are copied instead of stacking a (B, T, C) activation
+            B, T = ids.shape
+            if T % self.comm.size:
+                raise ValueError(f"a sequence of {T} tokens does not split over {self.comm.size} "
+                                 "sequence-parallel ranks: make the sequence length a multiple of the TP size")
+            ids = ids.reshape(B, self.comm.size, T // self.comm.size).transpose(1, 0, 2)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         # the rows outside the slice zeroed in the lookup and the sum taken in place, as Megatron
         # does: the graph keeps one (B, T, C) array here, not the lookup, its masked copy and the sum
         out = F.embedding(xp.where(outside, 0, local), self.weight, skip=outside)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(out, self.comm)
+            return reduce_scatter_tokens_to_sequence_region(out, self.comm)
         return reduce_from_region(out, self.comm, in_place=True)
 
     def logits(self, x):
