@@ -121,6 +121,17 @@ def test_the_mlp_keeps_sequence_parallel_tokens_in_rank_order():
             make()
 
 
+def test_a_sequence_parallel_embedding_needs_a_sequence_that_splits_over_its_ranks():
+    """Every rank holds the same ids, so every rank raises before the reduce-scatter."""
+    import types
+
+    from minipar.parallel.tensor import VocabParallelEmbedding
+
+    embedding = VocabParallelEmbedding(64, 8, types.SimpleNamespace(rank=0, size=2), sequence_parallel=True)
+    with pytest.raises(ValueError, match="a sequence of 5 tokens does not split over 2 sequence-parallel ranks"):
+        embedding(numpy.zeros((2, 5), numpy.int64))
+
+
 def test_grid_sizes_are_checked_for_type():
     with pytest.raises(ValueError, match="ProcessGrid: TP must be a positive integer, got '1'"):
         ProcessGrid(tp="1", pp=1)
