@@ -96,3 +96,14 @@ def test_the_replay_of_a_step_with_the_head_ws_gives_it_back():
     measured = stage_times.bubble(table)
     assert stage_times.expected("1f1b", 1, m, table, defer_head=True) == pytest.approx(measured, rel=1e-6)
     assert stage_times.expected("1f1b", 1, m, table) != pytest.approx(measured, rel=1e-3)
+    # and the trainer's --log-json row replays it so, the flag read from the run's arguments
+    from types import SimpleNamespace
+
+    from minipar.train import build_parser
+    from minipar.train_report import Reports
+
+    args = build_parser().parse_args(["--pp", "2", "--defer-embedding-wgrad-compute", "--log-json", "log.jsonl"])
+    args.micro_batches = m
+    trainer = SimpleNamespace(args=args, v=1, stages=table, opt=SimpleNamespace(policy=None), routing=None)
+    row = Reports._record(trainer, 0, 1.0, 1.0, measured, 1.0, 0.5)
+    assert row["bubble_expected"] == pytest.approx(measured, rel=1e-6)
