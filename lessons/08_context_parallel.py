@@ -33,6 +33,10 @@ Exercises.
   c. Compare the bytes of p2p and a2a at -n 2 and -n 8. At which CP does a2a send less? Which of the
      two can hide its transfer behind compute (look at ring_attention.py's loop)?
   d. --plant-bug removes the rescale from the online softmax: which parts fail, and why does a2a pass?
+  e. A ring pass computes its chunk pairs as rectangles of scores, joined where they adjoin
+     (blockwise.pairs): at CP=2 a balanced rank computes 3 a pass. Predict the count of each rank
+     at CP=4, balanced and contiguous, then check by extending tests/test_context.py's
+     test_a_balanced_rank_computes_three_rectangles_a_pass_at_cp_2 (pairs of Block(positions)).
 
 Read next: minipar/parallel/context.py, ring_attention.py, ulysses.py, functional/blockwise.py,
 docs/context_parallel.md.
