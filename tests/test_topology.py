@@ -130,6 +130,8 @@ def test_a_sequence_parallel_embedding_needs_a_sequence_that_splits_over_its_ran
     embedding = VocabParallelEmbedding(64, 8, types.SimpleNamespace(rank=0, size=2), sequence_parallel=True)
     with pytest.raises(ValueError, match="a sequence of 5 tokens does not split over 2 sequence-parallel ranks"):
         embedding(numpy.zeros((2, 5), numpy.int64))
+    with pytest.raises(ValueError, match=r"takes \(batch, sequence\) ids, got shape \(8,\)"):
+        embedding(numpy.zeros(8, numpy.int64))
 
 
 def test_grid_sizes_are_checked_for_type():

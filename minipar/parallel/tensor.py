@@ -153,6 +153,8 @@ class VocabParallelEmbedding(Module):
         if self.sequence_parallel:
             # the ids in the reduce-scatter's rank order, (N, B, T/N): the rows are looked up where
             # it reads them, and the ids are copied instead of stacking a (B, T, C) activation
+            if ids.ndim != 2:
+                raise ValueError(f"a sequence-parallel embedding takes (batch, sequence) ids, got shape {ids.shape}")
             B, T = ids.shape
             if T % self.comm.size:
                 raise ValueError(f"a sequence of {T} tokens does not split over {self.comm.size} "
