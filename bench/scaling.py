@@ -63,7 +63,8 @@ from flags import run_problems  # noqa: E402 (a script beside this one)
 
 BATCH, MICRO = 16, 2  # the global batch, and a pipeline's micro-batch: m = BATCH / MICRO
 MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", str(BATCH), "--seed", "0"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+EXPERTS, TOP_K = 4, 2  # the MoE layouts' experts per layer and experts per token
+MOE = ["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOP_K)]
 PIPE = ["--pp", "{n}", "--micro-batch-size", str(MICRO)]
 DEFER = "--defer-embedding-wgrad-compute"
 
@@ -107,9 +108,8 @@ def busiest_share(tokens_per_expert, ranks):
 def routing_bound(share, n, n_layer, n_embd):
     """The speed-up on ``n`` ranks when the dense part splits evenly and the busiest rank computes
     ``share`` of the expert slots, each part costing its training FLOPs (``minipar.mfu``)."""
-    top_k, experts = int(MOE[MOE.index("--moe-router-topk") + 1]), int(MOE[MOE.index("--num-experts") + 1])
-    total = flops_per_token(n_layer, n_embd, 128, 256, n_layer, top_k, experts)
-    f = n_layer * top_k * 48 * n_embd**2 / total  # each slot's expert MLP: 48 h^2 (72 h^2 a block less attention's 24)
+    total = flops_per_token(n_layer, n_embd, 128, 256, n_layer, TOP_K, EXPERTS)
+    f = n_layer * TOP_K * 48 * n_embd**2 / total  # each slot's expert MLP: 48 h^2 (72 h^2 a block less attention's 24)
     return 1 / ((1 - f) / n + f * share)
 
 
