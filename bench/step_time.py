@@ -15,6 +15,10 @@ Beside each step time stands its matmul floor: the step's matrix products alone 
 ``step_products``, the operands transposed as backward reads them), on random operands, through the
 framework's own matmul (NumPy's BLAS for minipar, PyTorch's for PyTorch). No step can be faster;
 step / floor says how much a framework adds around its products.
+
+With ``--ops``, --steps more steps of each framework are then timed op by op, to show where the
+two differ: minipar's by ``minipar.op_times`` (each op's forward and backward), PyTorch's by its
+profiler (each kernel's own time; its products are ``aten::mm`` and ``aten::addmm``).
 """
 
 import argparse
@@ -33,9 +37,10 @@ def parse_args():
     p.add_argument("--steps", type=int, default=10, help="timed steps per framework per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="BLAS / intra-op threads for both")
+    p.add_argument("--ops", action="store_true", help="then time --steps more steps op by op (below)")
     args = p.parse_args()
     for flag, value in vars(args).items():
-        if value < 1:
+        if flag != "ops" and value < 1:
             p.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {value}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
@@ -238,7 +243,34 @@ def main():
     for name in runners:
         if name != "minipar":
             print(f"step time minipar / {name}: {median['minipar'] / median[name]:.2f}x")
+    if ARGS.ops:
+        op_by_op(runners, ARGS.steps)
     return 0
+
+
+def op_by_op(runners, steps):
+    """Each framework's step taken apart, in milliseconds per step."""
+    from minipar.op_times import OpTimes
+
+    with OpTimes() as times:
+        timed(runners["minipar"], steps)
+    print(f"\nminipar, op by op (forward and backward of each op; {steps} steps)\n{times.table(steps)}")
+    if torch is None:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in ("pytorch", "pytorch-sdpa"):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            timed(runners[name], steps)
+        kernels = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in kernels)
+        print(f"\n{name}, kernel by kernel (its profiler's own time of each; {steps} steps)")
+        print(f"{'kernel':<60}{'ms':>9}{'calls':>8}")
+        for e in kernels[:12]:
+            print(f"{e.key[:59]:<60}{e.self_cpu_time_total / 1e3 / steps:>9.2f}{e.count // steps:>8}")
+        rest = total - sum(e.self_cpu_time_total for e in kernels[:12])
+        print(f"{'(the rest)':<60}{rest / 1e3 / steps:>9.2f}\n{'(all: the profiler slows the step)':<60}"
+              f"{total / 1e3 / steps:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,17 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_step_time_benchmark_runs_and_reports():
     run = subprocess.run([sys.executable, BENCH, "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-                          "--block-size", "16", "--batch-size", "2", "--steps", "1", "--rounds", "1"],
+                          "--block-size", "16", "--batch-size", "2", "--steps", "1", "--rounds", "1", "--ops"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     first = dict(line.replace(":", "").split()[2:] for line in run.stdout.splitlines() if line.startswith("first loss"))
     assert "minipar" in first and "GFLOP/s" in run.stdout and "step/floor" in run.stdout
+    ops = run.stdout.split("minipar, op by op")[1].splitlines()
+    assert {"Linear", "CausalAttention", "GELU", "LayerNorm", "(outside"} <= {line.split()[0] for line in ops[2:] if line}
     if "pytorch" in first:  # every model computed the same first loss, attention fused or not
         assert first.keys() == {"minipar", "pytorch", "pytorch-sdpa"}
         assert "minipar / pytorch:" in run.stdout and "minipar / pytorch-sdpa:" in run.stdout
+        assert "pytorch-sdpa, kernel by kernel" in run.stdout and "aten::mm" in run.stdout
 
 
 @pytest.mark.parametrize("script,ranks,args,message", [  # an audit found each a traceback, a hang or a table of nan
@@ -155,3 +158,19 @@ def test_scaling_benchmark_runs_and_takes_pipelines_ideal_from_the_simulator():
     assert 1.0 < float(ep[-1].rstrip("x")) <= 2.0, run.stdout
     two_bw = rows["pipedream-2bw"]  # its stream is not replayed: no compute-alone bubble
     assert two_bw[4] == "2.00x" and two_bw[6] == "0.000," and two_bw[8] == "-,", run.stdout
+
+
+def test_op_times_takes_every_ranks_step_apart():
+    """A pipeline of 2 stages: the loss is the last stage's op, the embedding the first's, and a
+    stage's ops and what ran outside them add up to the step the trainer logged."""
+    from mpi_run import check_mpi
+
+    out = check_mpi(2, BENCH.replace("step_time", "op_times"), "--pp", "2", "--micro-batch-size", "2",
+                    "--n-layer", "2", "--n-embd", "32", "--max-iters", "3")
+    table = out[out.index("ms per iteration"):].splitlines()
+    assert table[2].split() == ["op", "rank", "0", "rank", "1"], out
+    rows = {line.rsplit(None, 2)[0]: [float(v) for v in line.split()[-2:]] for line in table[3:-1]}
+    assert rows["CrossEntropy"][0] == 0 < rows["CrossEntropy"][1] and rows["Embedding"][1] == 0 < rows["Embedding"][0]
+    step = float(table[-1].split()[-1])
+    for rank in (0, 1):
+        assert sum(row[rank] for row in rows.values()) == pytest.approx(step, abs=0.005 * (len(rows) + 1))  # rounding
