@@ -55,7 +55,8 @@ def test_uneven_all_to_all_counts_are_checked_before_anything_is_sent():
 
 def test_ranks_wait_politely_only_when_they_outnumber_the_cores(monkeypatch):
     """A rank with a core to itself waits in MPI's blocking calls (the fastest way); only more
-    ranks on a node than cores makes them wait politely."""
+    ranks on a node than cores makes them wait politely, and then every rank of the job, since
+    MPI never matches a blocking collective with a non-blocking one."""
     from minipar.comm import mpi
 
     class Node:
@@ -69,17 +70,31 @@ def test_ranks_wait_politely_only_when_they_outnumber_the_cores(monkeypatch):
             pass
 
     class Comm:
-        def __init__(self, ranks_here):
-            self.ranks_here = ranks_here
+        """This rank's node holds ``ranks_here`` ranks; the other ranks' choices all-reduce to ``others``."""
+
+        def __init__(self, ranks_here, others=0):
+            self.ranks_here, self.others = ranks_here, others
 
         def Split_type(self, kind):
             return Node(self.ranks_here)
 
+        def Allreduce(self, _, buffer, op):
+            assert op == mpi.MPI.MAX
+            buffer[0] = max(buffer[0], self.others)
+
     monkeypatch.delenv("MINIPAR_WAIT", raising=False)
     monkeypatch.setattr(mpi, "usable_cores", lambda: 2)
     assert [mpi._must_be_polite(Comm(n)) for n in (1, 2, 3, 8)] == [False, False, True, True]
+    assert mpi._must_be_polite(Comm(2, others=1))  # another node (or a pinned rank) must be polite
     monkeypatch.setenv("MINIPAR_WAIT", "polite")
     assert mpi._must_be_polite(Comm(1))
+    monkeypatch.setenv("MINIPAR_WAIT", "blocking")
+    assert not mpi._must_be_polite(Comm(8)) and mpi._must_be_polite(Comm(1, others=1))
+    with pytest.raises(ValueError, match="MINIPAR_WAIT on another rank is not a way to wait"):
+        mpi._must_be_polite(Comm(1, others=2))
+    monkeypatch.setenv("MINIPAR_WAIT", "spin")
+    with pytest.raises(ValueError, match="MINIPAR_WAIT='spin' is not a way to wait: use auto, polite or blocking"):
+        mpi._must_be_polite(Comm(1))
 
 
 def test_every_launchers_variable_marks_a_process_as_a_rank(monkeypatch):

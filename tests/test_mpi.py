@@ -86,6 +86,15 @@ def test_oversubscribed_ranks_wait_politely():
     assert code == 0 and "polite=True" in out
 
 
+def test_one_rank_that_must_wait_politely_makes_every_rank_polite():
+    """Rank 0 keeps a single core: it alone outnumbers its cores. Had rank 1 waited in MPI's
+    blocking calls, the all-reduce that follows would never match rank 0's non-blocking one."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    out = check_mpi(2, "wait_mode.py", "--pin-rank-0", timeout=60)
+    assert "polite=True size=2 every rank polite: [1.0, 1.0]" in out
+
+
 def test_a_failing_rank_ends_a_hand_typed_mpirun_job_too():
     mpirun = os.path.join(sysconfig.get_path("scripts"), "mpirun")
     if not os.path.exists(mpirun):

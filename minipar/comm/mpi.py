@@ -28,7 +28,7 @@ from minipar.comm.stats import CommStats
 from minipar.start import abort_on_uncaught_exception, let_output_through
 
 
-IN_PLACE, SUM, ndarray, BOOL = MPI.IN_PLACE, MPI.SUM, numpy.ndarray, numpy.dtype(bool)
+IN_PLACE, SUM, ndarray = MPI.IN_PLACE, MPI.SUM, numpy.ndarray
 
 
 def _done():
@@ -66,7 +66,7 @@ class MPICommunicator(PersistentCollectives, Communicator):
     # and explains. A call then counts itself in its tally: two additions, written out in each
     # path, since a helper's call would cost about as much as the rest of the path's Python.
     def all_reduce(self, x, op="sum"):
-        if (op == "sum" and self._direct and type(x) is ndarray and x.dtype is not BOOL
+        if (op == "sum" and self._direct and type(x) is ndarray and x.dtype.kind != "b"
                 and (x.ndim == 1 or x.flags.c_contiguous)):
             try:
                 self._mpi_allreduce(IN_PLACE, x, SUM)
@@ -79,7 +79,7 @@ class MPICommunicator(PersistentCollectives, Communicator):
         return self._all_reduce(x, op, wait=True)
 
     def reduce_scatter(self, x, op="sum", out=None):
-        if op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype is not BOOL:
+        if op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype.kind != "b":
             into = numpy.empty(len(x) // self.size, x.dtype) if out is None else out
             if type(into) is ndarray and into.ndim == 1:
                 try:
@@ -94,7 +94,7 @@ class MPICommunicator(PersistentCollectives, Communicator):
 
     def all_gather(self, x, out=None):
         n = self.size
-        if self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype is not BOOL:
+        if self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype.kind != "b":
             into = numpy.empty((n, len(x)), x.dtype) if out is None else out
             if (type(into) is ndarray and into.ndim == 2 and len(into) == n and into.size == x.size * n
                     and into.dtype is x.dtype and into.flags.c_contiguous):
@@ -264,16 +264,26 @@ def usable_cores():
 
 
 def _must_be_polite(comm):
-    """True when this node runs more ranks than this process may use cores."""
+    """True when some node runs more ranks than a rank there may use cores, on every rank alike.
+
+    A polite rank starts each collective non-blocking and polls it, a blocking rank calls MPI's
+    blocking form, and MPI never matches the two: ranks that chose differently (hosts with other
+    core counts, ranks pinned to fewer cores, a MINIPAR_WAIT not passed to every host) would hang
+    in their first collective. So each rank's choice is all-reduced, and one rank that must be
+    polite makes them all polite."""
     choice = os.environ.get("MINIPAR_WAIT", "auto")
-    if choice not in ("auto", "polite", "blocking"):
-        raise ValueError(f"MINIPAR_WAIT={choice!r}: use auto, polite or blocking")
-    if choice != "auto":
-        return choice == "polite"
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = node.Get_size()
-    node.Free()
-    return ranks_here > usable_cores()
+    if choice == "auto":
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        mine = int(node.Get_size() > usable_cores())
+        node.Free()
+    else:
+        mine = {"blocking": 0, "polite": 1}.get(choice, 2)  # 2: not a choice, refused on every rank
+    every = numpy.array([mine], numpy.int64)
+    comm.Allreduce(MPI.IN_PLACE, every, MPI.MAX)
+    if every[0] == 2:
+        whose = f"MINIPAR_WAIT={choice!r}" if mine == 2 else "MINIPAR_WAIT on another rank"
+        raise ValueError(f"{whose} is not a way to wait: use auto, polite or blocking")
+    return bool(every[0])
 
 
 _world = None

@@ -151,7 +151,8 @@ bad_inputs = [("all_reduce", (x32,), {"op": "mean"}), ("all_reduce", (np.ones((4
               # what the direct paths leave to mpi4py and MPI, or check because mpi4py does not
               ("all_reduce", (np.ones(8)[::2],), {}), ("all_reduce", (np.asfortranarray(np.ones((4, 3))),), {}),
               ("reduce_scatter", (np.ones(2 * N, bool),), {}), ("reduce_scatter", (np.ones(4 * N)[::2],), {}),
-              ("all_gather", (np.ones(3, bool),), {}), ("all_gather", (x32,), {"out": np.empty((2 * N, N), np.float32)})]
+              ("all_gather", (np.ones(3, bool),), {}), ("all_gather", (x32,), {"out": np.empty((2 * N, N), np.float32)}),
+              ("all_reduce", (np.ones(3, np.dtype(bool, metadata={"m": 1})),), {})]  # bool, if not numpy's own object
 if N > 1:
     bad_inputs += [("reduce_scatter", (np.ones(2 * N + 1),), {}),
                    ("all_gather", (x32,), {"out": np.asfortranarray(np.empty((N, 2 * N), np.float32))})]
