@@ -85,6 +85,7 @@ class GPT(WholeModel, Module):
         # ``plan.hetero.balance``). The first global chunk embeds, the last one ends with the head
         # (in a V both are on rank 0). A layer keeps its global index, in names and checkpoints.
         self.chunks = [pipe.global_chunk(r, c) for c in range(virtual_stages)]
+        self.pipeline_shape = pipeline_shape
         self.layers_per_stage = None if layers_per_stage is None else tuple(layers_per_stage)
         sizes = self.layers_per_stage or (config.n_layer // self.n_chunks,) * self.n_chunks
         starts = [sum(sizes[:g]) for g in range(self.n_chunks)]

@@ -101,10 +101,11 @@ class PipelineExecutor:
         self.dtype = model.parameters()[0].dtype  # of every activation and gradient sent
         shape = S.shape_of(schedule)
         self.pipe = S.Pipeline(grid.pp, micro_batches, v, shape)
-        placed = [self.pipe.global_chunk(grid.pp_rank, c) for c in range(v)]
-        if list(model.chunks) != placed:  # the same on every rank: refused before any message
-            raise ValueError(f"the {schedule!r} schedule places chunks {placed} on pipeline rank {grid.pp_rank}, "
-                             f"the model holds {list(model.chunks)}: build the GPT with pipeline_shape={shape!r}")
+        # the model's shape, not this rank's chunks: on an odd pipeline the middle rank holds the
+        # same chunks in a V as round-robin, and would accept what the others refuse
+        if model.pipeline_shape != shape:
+            raise ValueError(f"the {schedule!r} schedule places a rank's chunks {shape}, the model was built "
+                             f"{model.pipeline_shape}: build the GPT with pipeline_shape={shape!r}")
         plans = S.build(schedule, grid.pp, micro_batches, v, defer_embedding_wgrad)  # every rank's, to check them all alike
         self.instructions = plans[grid.pp_rank]
         self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank, shape)
