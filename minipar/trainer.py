@@ -121,7 +121,7 @@ class Trainer(Reports):
         x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
         for _, group in self._groups():
             group.stats.reset()
-        self.model.moe.reset()
+        self.model.moe.reset(it)  # with what the next batch's early forwards routed (PipeDream-2BW)
         self.loss_scale = self.opt.loss_scale  # this step's, before its overflow check may move it
         self.at_floor = self.scaler is not None and self.scaler.at_floor()  # ... and whether it can go lower
         # fp16's dynamic loss scale overflows on purpose now and then (the step is then skipped and

@@ -3,6 +3,7 @@ DP, ZeRO-1, TP (with sequence parallelism), CP and PP (``tests/mpi/moe_gpt.py``,
 lesson, and ``python -m minipar.train`` with experts: the same losses at every EP size, and
 checkpoints that reshard across EP sizes."""
 
+import json
 import os
 
 import pytest
@@ -71,3 +72,19 @@ def test_training_with_experts_follows_one_device_and_its_checkpoints_reshard(tm
         code, out, _ = train(n, "--max-iters", "4", *layout, "--load", save, "--log-json", resumed)
         assert code == 0, out
         assert losses(log) + losses(resumed) == pytest.approx(losses(single), rel=1e-12)
+
+
+def test_pipedream_2bw_counts_each_batchs_routing_to_its_own_step(tmp_path):
+    """PipeDream-2BW runs the next batch's first forwards during a step: what they route is that
+    batch's, logged with its own step as on one device (which runs each batch's forwards in its step)."""
+    rows = {}
+    for n, layout in ((1, []), (2, ["--pp", "2"])):
+        log = str(tmp_path / f"pp{n}.jsonl")
+        code, out, _ = train(n, "--max-iters", "3", "--schedule", "pipedream-2bw", "--micro-batch-size", "2",
+                             "--moe-aux-loss-coeff", "0.01", *layout, "--log-json", log)
+        assert code == 0, out
+        with open(log) as f:
+            rows[n] = [json.loads(line) for line in f]
+    for one, two in zip(rows[1], rows[2], strict=True):
+        assert two["tokens_per_expert"] == one["tokens_per_expert"] and two["dropped"] == one["dropped"]
+        assert (two["aux_loss"], two["z_loss"]) == pytest.approx((one["aux_loss"], one["z_loss"]), rel=1e-12)

@@ -149,21 +149,34 @@ class MoEStep:
     their shares). A recomputed forward (in backward) is not counted again. ``loss_scale``: what
     the step's loss is multiplied by before backward (fp16's loss scale, set by the trainer; 1
     otherwise), which the auxiliary losses' gradients must carry too (Megatron's
-    ``MoEAuxLossAutoScaler.set_loss_scale``)."""
+    ``MoEAuxLossAutoScaler.set_loss_scale``).
+
+    A forward counts to the step of its dropout iteration: PipeDream-2BW runs the next batch's
+    first forwards during this step, and what they route is held ``ahead`` until that step starts."""
 
     def __init__(self):
         self.tokens, self.loss_scale = None, 1.0
+        self.ahead = {}  # dropout iteration -> its (loads, dropped, aux, z), recorded before its step
         self.reset()
 
-    def reset(self):
-        self.loads, self.dropped, self.aux, self.z = {}, {}, {}, {}
+    def reset(self, iteration=None):
+        """Start the step of dropout iteration ``iteration`` (None: count every forward to it), with
+        what its forwards recorded ahead."""
+        self.iteration = iteration
+        early = self.ahead.pop(iteration, None) if iteration is not None else None
+        self.ahead = {i: tables for i, tables in self.ahead.items() if iteration is not None and i > iteration}
+        self.loads, self.dropped, self.aux, self.z = early or ({}, {}, {}, {})
 
     def share(self, n_tokens):
         return 1.0 if self.tokens is None else n_tokens / self.tokens
 
-    def record(self, layer, loads, dropped, aux, z):
-        self.loads[layer] = self.loads.get(layer, 0) + loads
-        for table, value in ((self.dropped, dropped), (self.aux, aux), (self.z, z)):
+    def record(self, layer, loads, dropped, aux, z, iteration=None):
+        """Add a forward's routing of ``layer``, made in dropout iteration ``iteration``."""
+        if iteration is None or self.iteration is None or iteration == self.iteration:
+            tables = self.loads, self.dropped, self.aux, self.z
+        else:
+            tables = self.ahead.setdefault(iteration, ({}, {}, {}, {}))
+        for table, value in zip(tables, (loads, dropped, aux, z)):
             table[layer] = table.get(layer, 0) + value
 
 
@@ -241,7 +254,8 @@ class MoEMLP(Module):
             y = F.attach_loss(y, self.aux_loss + self.z_loss, scale)
         if self.step is not None and self.training and not recomputing():
             self.step.record(self.layer, self.tokens_per_expert.astype(numpy.int64), self.dropped,
-                             share * self.aux_loss.item(), share * self.z_loss.item())
+                             share * self.aux_loss.item(), share * self.z_loss.item(),
+                             self.rng.iteration if self.rng is not None else None)
         y = y.reshape(shape)
         return self.dropout(y) if self.dropout is not None else y
 
