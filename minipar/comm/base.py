@@ -4,6 +4,7 @@ A ``Communicator`` is a group of ranks (the whole world, or a tensor-, pipeline-
 group) with the operations parallel training needs, on contiguous xp arrays:
 
     all_reduce(x, op)     every rank ends with the elementwise sum (or max) of all ranks' x, in place
+                          (MPI's max may drop a NaN: all-reduce a finiteness flag to find one)
     reduce_scatter(x)     x is split in ``size`` chunks along axis 0; rank r gets the sum of chunk r
     all_gather(x)         every rank gets all ranks' x stacked along a new axis 0
     all_to_all(x)         x is split in ``size`` chunks along axis 0; chunk i goes to rank i, and
