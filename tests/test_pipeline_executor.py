@@ -21,13 +21,14 @@ from minipar.parallel.zero3 import ZeRO3
 @pytest.mark.parametrize("schedule,recompute", [("gpipe", False), ("1f1b", True)])
 def test_executor_on_one_stage_equals_the_whole_batch(schedule, recompute):
     """PP = 1: the schedule is plain gradient accumulation over micro-batches, with loss shares
-    by token count (micro-batches of unequal counts) and dropout masks of the whole batch."""
+    by token count (micro-batches of unequal counts, the first with every target ignored) and
+    dropout masks of the whole batch."""
     minipar.set_default_dtype("float64")
     try:
         config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.2)
         rng = np.random.default_rng(1)
         x, y = rng.integers(0, 32, (6, 8)), rng.integers(0, 32, (6, 8))
-        y[0, :5] = -1
+        y[:2], y[2, :5] = -1, -1
         minipar.manual_seed(0)
         serial = GPT(config)
         _, loss = serial(x, y)
@@ -48,6 +49,7 @@ def test_executor_on_one_stage_equals_the_whole_batch(schedule, recompute):
         for xb, yb, message in ((x[:4], y[:4], "does not split into micro_batches=3"),
                                 (x + 32, y, r"token ids must lie in \[0, 32\)"),
                                 (x, bad_targets, "or be -1"),
+                                (x, np.full_like(y, -1), r"every target is -1 \(ignored\)"),
                                 (np.zeros((3, 9), np.int64), np.zeros((3, 9), np.int64), "exceeds block_size")):
             with pytest.raises(ValueError, match=message):
                 run.step(xb, yb)

@@ -164,9 +164,10 @@ class GPT(WholeModel, Module):
         return logits, (self.loss(logits, targets) if targets is not None else None)
 
     # ---- pipeline stages ------------------------------------------------------------------------
-    def chunk_forward(self, c, x, targets=None, recompute=False):
+    def chunk_forward(self, c, x, targets=None, recompute=False, reduction="mean"):
         """Run local chunk ``c``: token ids (the first chunk) or the previous chunk's activation
-        in, the activation (B, T, C) out, or for the last chunk the mean loss over ``targets``.
+        in, the activation (B, T, C) out, or for the last chunk the loss over ``targets`` (their
+        mean, or with ``reduction="sum"`` their sum).
         ``recompute``: keep only each block's input, and run the block again in backward (as
         ``recompute_granularity="full"`` does for every call)."""
         g = self.chunks[c]
@@ -180,7 +181,7 @@ class GPT(WholeModel, Module):
         if g < self.n_chunks - 1:
             return x
         logits = self._run_unit("head", self.logits, x)
-        return self.loss(logits, targets) if targets is not None else logits
+        return self.loss(logits, targets, reduction) if targets is not None else logits
 
     def activation_shape(self, batch, T):
         """The shape of what one chunk sends the next: (batch, positions on this rank, n_embd)."""
@@ -212,6 +213,8 @@ class GPT(WholeModel, Module):
             bad = (targets != -1) & ((targets < 0) | (targets >= V))
             if bool(bad.any()):
                 raise ValueError(f"targets must lie in [0, {V}) or be -1 (ignored), got {int(targets[bad][0])}")
+            if targets.size and bool((targets == -1).all()):
+                raise ValueError("every target is -1 (ignored): the batch's mean loss is undefined")
 
     # ---- the forward in its units (ZeRO-3 runs each with its parameters gathered just in time) ----
     def units(self):
@@ -261,13 +264,13 @@ class GPT(WholeModel, Module):
         """The output head's weight, the tied token embedding (this rank's vocabulary rows under TP)."""
         return self.transformer.wte.weight
 
-    def loss(self, logits, targets):
-        """The mean cross-entropy over this rank's positions of ``targets`` (B, T)."""
+    def loss(self, logits, targets, reduction="mean"):
+        """The mean cross-entropy over this rank's positions of ``targets`` (B, T), or their sum."""
         targets = self.local_targets(xp.asarray(array_of(targets)))
         if self.tp is None:
-            return F.cross_entropy(logits, targets)
+            return F.cross_entropy(logits, targets, reduction=reduction)
         return vocab_parallel_cross_entropy(logits, targets, self.tp, self.transformer.wte.start,
-                                            self.config.vocab_size)
+                                            self.config.vocab_size, reduction=reduction)
 
     def gather_logits(self, logits):
         """The whole vocabulary's logits (B, T, V) from this rank's columns (a collective)."""

@@ -23,7 +23,7 @@ from minipar.functional.widen import in_float32
 @in_float32(keep_output=True)  # 16-bit logits: the sums over the vocabulary, and the loss, in float32
 class VocabParallelCrossEntropy(Function):
     @staticmethod
-    def forward(ctx, logits, targets, comm, vocab_start, vocab_size, ignore_index):
+    def forward(ctx, logits, targets, comm, vocab_start, vocab_size, ignore_index, reduction):
         per_rank = logits.shape[-1]
         z = logits.reshape(-1, per_rank).copy()
         t = targets.reshape(-1)
@@ -33,15 +33,15 @@ class VocabParallelCrossEntropy(Function):
         row_max = comm.all_reduce(z.max(axis=1), op="max")
         z -= row_max[:, None]
         local = t - vocab_start
-        mine = (local >= 0) & (local < per_rank)
+        valid = t != ignore_index
+        mine = (local >= 0) & (local < per_rank) & valid  # an ignored target's logit is nobody's (it may be padding's -inf)
         rows = xp.arange(z.shape[0])
         sums = xp.zeros((2, z.shape[0]), z.dtype)  # [sum of exp(z), target's z]: one all-reduce
         sums[1] = xp.where(mine, z[rows, xp.where(mine, local, 0)], 0.0)
         xp.exp(z, out=z)
         sums[0] = z.sum(axis=1)
         comm.all_reduce(sums)
-        valid = t != ignore_index
-        count = int(valid.sum())
+        count = int(valid.sum()) if reduction == "mean" else 1
         total = ((xp.log(sums[0]) - sums[1]) * valid).sum()
         z /= sums[0][:, None]  # this rank's columns of the softmax
         ctx.probs, ctx.rows, ctx.local, ctx.mine, ctx.valid = z, rows, local, mine, valid
@@ -51,24 +51,31 @@ class VocabParallelCrossEntropy(Function):
     @staticmethod
     def backward(ctx, grad):
         dz = ctx.probs
-        hit = ctx.mine & ctx.valid
+        hit = ctx.mine
         dz[ctx.rows[hit], ctx.local[hit]] -= 1.0
         dz *= (ctx.valid * (grad / ctx.count))[:, None]
-        return dz.reshape(ctx.shape), None, None, None, None, None
+        return dz.reshape(ctx.shape), None, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start, vocab_size, ignore_index=-1):
-    """Mean cross-entropy of ``logits`` (..., V/N), this rank's vocabulary columns starting at
-    ``vocab_start``, against integer ``targets`` (...) in the whole vocabulary of ``vocab_size``.
-    Every rank of ``comm`` gets the same loss."""
+def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start, vocab_size, ignore_index=-1, reduction="mean"):
+    """Cross-entropy of ``logits`` (..., V/N), this rank's vocabulary columns starting at
+    ``vocab_start``, against integer ``targets`` (...) in the whole vocabulary of ``vocab_size``:
+    the mean over the targets not ``ignore_index``, or with ``reduction="sum"`` their sum. Every
+    rank of ``comm`` gets the same loss."""
     logits = floats("vocab_parallel_cross_entropy", logits)
     targets = xp.asarray(array_of(targets))
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets of shape {targets.shape} do not match logits {logits.shape}")
+    if logits.shape[-1] * comm.size < vocab_size:
+        raise ValueError(f"{comm.size} ranks of {logits.shape[-1]} vocabulary columns do not hold a vocabulary of "
+                         f"{vocab_size}")
     used = targets[targets != ignore_index]
-    if used.size == 0:
-        raise ValueError("every target equals ignore_index, so the mean is undefined")
-    if int(used.min()) < 0 or int(used.max()) >= vocab_size:
+    if used.size == 0 and reduction == "mean":
+        raise ValueError("every target equals ignore_index, so the mean is undefined; use reduction='sum' "
+                         "and normalise by the global count")
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= vocab_size):
         raise IndexError(f"targets must lie in [0, {vocab_size}) or equal ignore_index ({ignore_index})")
     return VocabParallelCrossEntropy.apply(logits, targets, comm, int(vocab_start), int(vocab_size),
-                                           int(ignore_index))
+                                           int(ignore_index), reduction)

@@ -59,7 +59,7 @@ import time
 from minipar.autograd import Tensor, is_grad_enabled, no_grad
 from minipar.backend import on_gpu, xp
 from minipar.parallel import validate
-from minipar.parallel.data import scale_loss, split_batch, token_count
+from minipar.parallel.data import split_batch, token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.receives import PostedReceives
 from minipar.parallel.pipeline.simulate import message_key, peer
@@ -200,9 +200,9 @@ class PipelineExecutor:
         last = self.model.chunks[ins.chunk] == self.pipe.n_chunks - 1
         with self._dropout_context(state, ins):
             out = self.model.chunk_forward(ins.chunk, ids if inp is None else inp,
-                                           targets if last else None, recompute=self.recompute)
-        if last:  # this micro-batch's share of the step's mean loss (of its positions, with CP)
-            out = scale_loss(out, self.model.local_targets(targets), total=state.tokens)
+                                           targets if last else None, recompute=self.recompute, reduction="sum")
+        if last:  # this micro-batch's share of the step's mean loss (of its positions, with CP): its sum
+            out = out * (1.0 / state.tokens)  # over the step's count; a share with every target ignored adds 0
             state.loss += out.item()
             if self.optimizer is not None and self.optimizer.loss_scale != 1.0:  # fp16's loss scale
                 out = out * self.optimizer.loss_scale
