@@ -92,8 +92,12 @@ class Trainer(Reports):
             self.start = state["iteration"]
             self.stuck = state.get("skipped_in_a_row", 0)  # 0 for checkpoints from before it was saved
         self.speaks = world.rank == 0
-        if args.save and self.speaks:  # the save directory's lock is ours (run_inputs.claim_save_directory)
-            sharded.remove_stale_partials(args.save)
+        if args.save:  # the save directory's lock is ours (run_inputs.claim_save_directory)
+            # the checkpoint loaded may be iter_N.old, which rank 0 puts back under its own name:
+            # only once every rank has read it
+            world.barrier()
+            if self.speaks:
+                sharded.remove_stale_partials(args.save)
         # one copy of each loss share: the rank holding the last chunk (pipeline rank 0 in a V)
         self.reports_loss = model.chunks[-1] == model.n_chunks - 1 and grid.tp_rank == 0
 

@@ -307,3 +307,18 @@ def test_a_full_disk_under_every_rank_of_a_run_prints_one_line_and_ends_every_ra
     assert run.returncode == 1 and len(errors) == 1, run.stdout + run.stderr
     assert "--save: checkpoint iter_0000001 was not saved: No space left on device" in errors[0], errors
     assert "(and 1 more rank could not write theirs)" in errors[0], errors
+
+
+def test_a_resume_from_the_old_name_is_read_by_every_rank_before_it_is_renamed(tmp_path, corpus):
+    """find() resumes from iter_N.old when a re-save stopped between its renames, and rank 0 puts
+    it back under its own name: only once every rank has read it (here ranks but 0 read late)."""
+    from mpi_run import run_mpi, run_train
+    from test_train import TINY
+
+    save = str(tmp_path / "ckpt")
+    common = [*TINY, "--data", corpus, "--save", save, "--save-interval", "2", "--lr-decay-iters", "3"]
+    assert run_train(2, *common, "--max-iters", "2")[0] == 0
+    os.rename(os.path.join(save, "iter_0000002"), os.path.join(save, "iter_0000002.old"))
+    code, out, _ = run_mpi(2, "resume_old.py", *common, "--max-iters", "3", "--load", save)
+    assert code == 0, out
+    assert {"iter_0000002", "iter_0000003"} <= set(os.listdir(save)) and "iter_0000002.old" not in os.listdir(save)
