@@ -149,8 +149,11 @@ class Tensor:
 
     def _accumulate(self, grad, owned):
         if self.grad is None:
-            # .grad is the user's to modify in place (clipping does), so it must not be shared
-            self.grad = grad if owned else grad.copy()
+            wide = getattr(self, "accumulate_dtype", None)  # a 16-bit model's gradients summed in fp32
+            if wide is not None and grad.dtype != wide:
+                self.grad = grad.astype(wide)
+            else:  # .grad is the user's to modify in place (clipping does), so it must not be shared
+                self.grad = grad if owned else grad.copy()
         else:
             self.grad += grad
 

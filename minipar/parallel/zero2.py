@@ -27,6 +27,8 @@ class ZeRO2(ShardedAdamW):
         self._sent = set()  # groups sent this step
         self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
         self._group_of = {id(p): g for g in self.groups for p in g.params}
+        for p in (q for g in self.groups for q in g.params):  # no buffer to sum into: widened as backward starts it
+            p.accumulate_dtype = self.grad_dtype if self.grad_dtype != p.dtype else None
 
     def _gradient_ready(self, p):
         super()._gradient_ready(p)
