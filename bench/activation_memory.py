@@ -14,10 +14,10 @@ of which 5 a s^2 b is attention's T x T part: the softmax output (2), its dropou
 dropout's output (2). Selective recomputation keeps everything else (34 s b h); full
 recomputation keeps the layer's input (2 s b h).
 
-minipar's own count, in d-byte values (d = 4 in float32, dropout masks too: ``rng.scaled`` makes
-them floats of the compute dtype), is what its ops keep, term by term (``formula``, in ``minipar/plan/activations.py``):
+minipar's own count, in d-byte values (d = 4 in float32; the two dropouts' masks are booleans, one
+byte each, as the paper's), is what its ops keep, term by term (``formula``, in ``minipar/plan/activations.py``):
 
-    what backward needs (the ops' contexts)                      22 s b h + 2 s b  (20 without dropout)
+    what backward needs (the ops' contexts)                      20 s b h + 2 s b + masks  (20 without dropout)
       LayerNorms: xhat and 1/sigma                                2 s b h + 2 s b  (1/sigma: float32
                                                                                     in a 16-bit model)
       LayerNorm outputs, the qkv and c_fc inputs                  2 s b h
@@ -25,7 +25,7 @@ them floats of the compute dtype), is what its ops keep, term by term (``formula
       the attention output, c_proj's input                          s b h
       GELU's input and its tanh                                   8 s b h
       GELU's output, the MLP c_proj's input                       4 s b h
-      two dropout masks                                           2 s b h
+      two dropout masks, 1 byte an element                        2 s b h bytes
     what the engine also holds: a node keeps its input tensors     6 s b h  (4 without dropout)
       the residual stream: the layer's output and x + attn        2 s b h
       both c_proj outputs (the dropout's inputs)                  2 s b h
@@ -34,7 +34,7 @@ them floats of the compute dtype), is what its ops keep, term by term (``formula
     selective, with dropout: the mask's coordinates (int64)       8 (b + a + s) bytes
     full: the layer's output, and checkpoint's empty anchor         s b h, + 1 byte
 
-so d s b h (28 + 2/h) + 2 d a b K(s) with dropout (in bfloat16 and float16, d = 2 but for the
+so s b h (26 d + 2) + 2 d s b + 2 d a b K(s) bytes with dropout (in bfloat16 and float16, d = 2 but for the
 LayerNorms' 2 s b values of 1/sigma, which stay float32: ``functional/widen.py``). K(s) = sum over the query blocks of q1 (q1 - q0)
 is what the fused op holds per sequence and head: s^2 for one block (s <= 64, or a GPU), about
 s^2/2 for many, because the blocks skip the masked keys. Selective recomputation drops the T x T

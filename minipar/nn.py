@@ -221,7 +221,7 @@ class Dropout(Module):
         for axis, comm in self.shards:  # in order: nested cuts
             coords[axis] = rng.part(coords[axis], comm.size, comm.rank)
         keep = rng.keep(self.rng.key(self.layer, self.site), self.p, *coords)
-        return F.apply_mask(x, rng.scaled(keep, self.p, x.dtype))
+        return F.apply_mask(x, keep, self.p)
 
 
 def describe(module):

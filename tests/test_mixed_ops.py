@@ -137,6 +137,24 @@ def test_attention_dropout_held_in_16_bits_keeps_its_exact_scale(dtype):
     numpy.testing.assert_array_equal(dv.view(numpy.uint16), dv_exact.view(numpy.uint16))
 
 
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_the_models_dropout_in_16_bits_scales_its_survivors_by_the_exact_scale(dtype):
+    """The embedding's and the residual dropouts (nn.Dropout): each survivor times 1/(1-p) taken
+    in float32 and rounded once, forward and backward; a 16-bit mask of 1/0.9 (1.109 in bfloat16)
+    scaled every survivor low."""
+    from minipar.nn import Dropout
+    from minipar.rng import DropoutRNG
+
+    x = Tensor(numpy.random.default_rng(2).standard_normal((4, 8, 16)), dtype=dtype, requires_grad=True)
+    out = Dropout(0.1, DropoutRNG(seed=3))(x)
+    out.backward(numpy.ones(out.shape, dtype))
+    kept = out.data != 0
+    assert 0.5 < kept.mean() < 1.0 and out.dtype == dtype and x.grad.dtype == dtype
+    exact = (x.data.astype(numpy.float32) * kept * numpy.float32(1 / 0.9)).astype(dtype)
+    numpy.testing.assert_array_equal(out.data.view(numpy.uint16), exact.view(numpy.uint16))
+    numpy.testing.assert_array_equal(x.grad.view(numpy.uint16), (kept / numpy.float32(0.9)).astype(dtype).view(numpy.uint16))
+
+
 ROWS = 4100  # a float32 sum of 4100 ones is exact; a 16-bit running sum stalls at 256 (bf16) or 2048 (fp16)
 
 

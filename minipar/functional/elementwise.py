@@ -10,7 +10,7 @@ from minipar.backend import xp
 from minipar.functional.checks import floats, probability, scalar
 from minipar.functional.widen import in_float32
 from minipar.random import default_generator
-from minipar.rng import keep, scaled
+from minipar.rng import keep
 
 
 def _binary(fn, a, b):
@@ -146,16 +146,23 @@ class MaskedFill(Function):
 
 @in_float32()
 class Dropout(Function):
-    """x times a given mask (0 or 1/(1-p), see ``minipar.rng.scaled``)."""
+    """Inverted dropout with the survivors given: x * keep / (1 - p), so that E[out] = x and
+    evaluation needs no rescaling. The survivors are held as booleans and 1/(1-p) as a number:
+    a 16-bit model computes in float32 and rounds each product once, where a 16-bit mask of
+    1/(1-p) (1/0.9 is 1.109 in bfloat16) would scale every survivor low, forward and backward."""
 
     @staticmethod
-    def forward(ctx, x, mask):
-        ctx.mask = mask
-        return x * mask
+    def forward(ctx, x, keep, scale):
+        ctx.keep, ctx.scale = keep, scale
+        out = x * keep
+        out *= scale
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.mask, None
+        dx = grad * ctx.keep
+        dx *= ctx.scale
+        return dx, None, None
 
 
 def add(a, b):
@@ -215,13 +222,13 @@ def dropout(x, p, training=True, key=None):
         return x
     x = floats("dropout", x)
     survive = keep(key or fresh_key(), p, xp.arange(x.size)).reshape(x.shape)
-    return apply_mask(x, scaled(survive, p, x.dtype))
+    return apply_mask(x, survive, p)
 
 
-def apply_mask(x, mask):
-    """x * mask, differentiable in x: dropout with a mask the caller drew (e.g. a shard's part of
-    a bigger mask)."""
-    return Dropout.apply(floats("dropout", x), mask)
+def apply_mask(x, survive, p):
+    """x where ``survive`` (booleans of x's shape), scaled by 1/(1-p); differentiable in x: dropout
+    with survivors the caller drew (e.g. a shard's part of a bigger mask)."""
+    return Dropout.apply(floats("dropout", x), survive, 1.0 / (1.0 - probability(p)))
 
 
 def fresh_key():

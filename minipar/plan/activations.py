@@ -4,8 +4,8 @@ micro-batches its schedule keeps in flight.
 
 One layer, s positions, b sequences, h hidden, a heads, d bytes per value (``formula`` below):
 
-    d s b h 28 + 2 f s b + 2 d a b K(s)    with dropout    (Korthikanti et al.: s b h (34 + 5 a s/h)
-                                                            with 2-byte values and 1-byte masks)
+    s b h (26 d + 2) + 2 f s b + 2 d a b K(s)    with dropout    (Korthikanti et al.: s b h (34 + 5 a s/h)
+                                                                  with 2-byte values and 1-byte masks)
 
 with f = max(d, 4): the LayerNorms' 1/sigma, one per row, stays float32 in a 16-bit model
 (``functional/widen.py``), where every other saved value is 16-bit.
@@ -97,7 +97,7 @@ def formula(s, b, h, a, d, dropout, granularity=None, query_block=64):
         "attention output (c_proj input)": d * sbh,
         "GELU input and tanh": d * 8 * sbh,
         "GELU output (c_proj input)": d * 4 * sbh,
-        "dropout masks": d * 2 * masks * sbh,
+        "dropout masks (1-byte survivors)": 2 * masks * sbh,
         "residual stream: output, x + attn": d * 2 * sbh,
         "c_proj outputs (dropout inputs)": d * 2 * sbh,
         "dropout outputs (residual inputs)": d * 2 * masks * sbh,
@@ -197,8 +197,8 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
             extra = len(blocks) * sbh // shard
         else:
             extra = len(blocks) * one + sum(map(model.is_moe, blocks)) * experts
-        if chunk == 0:  # the embeddings' rows, their sum, dropout's mask and output; under SP also the
-            extra += 4 * sbh // shard + (sbh if shard > 1 else 0)  # rows looked up, whole, before the reduce-scatter
+        if chunk == 0:  # the embeddings' rows, their sum, dropout's 1-byte mask and output; under SP also the
+            extra += (3 * sbh + sbh // d) // shard + (sbh if shard > 1 else 0)  # rows looked up, whole, before the reduce-scatter
         if chunk == last:  # ln_f's input, xhat and output (the head's input), the logits and their softmax
             extra += 3 * sbh // shard + logits + (sbh if shard > 1 else 0)  # SP: the head's input gathered
         elif chunk > 0 and not recompute:  # the input received, kept for the backward (under full
