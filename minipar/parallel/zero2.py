@@ -51,9 +51,11 @@ class ZeRO2(ShardedAdamW):
         self._sent.add(id(g))
 
     def _send_rest(self):
-        """Groups some parameter of which got no gradient: send them now, in order."""
+        """Groups not sent (some parameter got no gradient) or with gradients that came after
+        they were (a parameter unused in an earlier micro-batch made the count complete early):
+        send them now, in order."""
         for g in self.groups:
-            if id(g) not in self._sent:
+            if id(g) not in self._sent or self._ready[id(g)]:
                 self.reduce_scatter_group(g)
         self._sent.clear()
 

@@ -90,13 +90,15 @@ for stage in (1, 2, 3):
 
 
 class HalfUsed(Module):
-    """Two layers, the second never used: its group still has to be sent (and zero)."""
+    """Two layers, the second never used: its group still has to be sent (and zero). With
+    ``both`` (a later micro-batch) the unused layer runs on the used one's output: the group's
+    gradients then come in across micro-batches, and those after it was first sent must follow."""
 
     def __init__(self):
         self.used, self.unused = Linear(5, 5), Linear(5, 5)
 
-    def forward(self, x):
-        return self.used(x)
+    def forward(self, x, both=False):
+        return self.unused(self.used(x)) if both else self.used(x)
 
 
 for stage in (1, 2):
@@ -110,6 +112,14 @@ for stage in (1, 2):
     grads = zero.full_gradients()
     close(grads[id(sharded.used.weight)], plain.used.weight.grad.reshape(-1), f"stage {stage} used")
     close(grads[id(sharded.unused.weight)], np.zeros(25), f"stage {stage} unused")
+    zero.zero_grad()
+    plain.zero_grad()
+    for both in (False, True):  # two micro-batches: the second layer unused in the first only
+        F.sum(plain(x, both) ** 2).backward()
+        F.sum(sharded(split_batch(x, x, dp)[0], both) ** 2).backward()
+    grads = zero.full_gradients()
+    for name, p in sharded.named_parameters():
+        close(grads[id(p)], dict(plain.named_parameters())[name].grad.reshape(-1), f"stage {stage} 2 micro-batches {name}")
 
 # misuse is refused: a backward after the step's gradients were summed, bad hyperparameters
 serial, model, zero = make(2, 700)
