@@ -41,8 +41,12 @@ def default_corpus_files():
 def _text_files(directory):
     """Every non-hidden regular file under ``directory`` that holds no NUL byte, by sorted relative
     path. Sockets, FIFOs and devices are skipped: opening a FIFO would wait forever."""
+    def unreadable(exc):  # os.walk skips a folder it cannot list unless told: a corpus would shrink unseen
+        raise ValueError(f"{exc.filename}: cannot list this folder of the corpus ({exc.strerror}): make it "
+                         "readable, or move it out of the folder given to --data")
+
     found = []
-    for root, dirs, files in os.walk(directory):
+    for root, dirs, files in os.walk(directory, onerror=unreadable):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found += [os.path.join(root, f) for f in files if not f.startswith(".")]
     found = [f for f in found if os.path.isfile(f)]

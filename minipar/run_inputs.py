@@ -52,7 +52,7 @@ def index_sha256(checkpoint):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-BY_CONTENT = ("load", "data", "init_weights")
+BY_CONTENT = ("load", "data", "init_weights", "taken_from")  # taken_from: the paths a snapshot's flags came from
 
 
 def _flags(args):

@@ -80,3 +80,21 @@ def test_fifo_in_a_corpus_directory_is_skipped(tmp_path):
     (tmp_path / "a.txt").write_text("text")
     os.mkfifo(tmp_path / "pipe")
     assert load_corpus(str(tmp_path)) == b"text"  # and no hang on the FIFO
+
+
+def test_a_folder_of_the_corpus_that_cannot_be_listed_is_an_error(tmp_path, monkeypatch):
+    """os.walk skips a folder it cannot list unless told: the corpus would shrink without a word
+    (a folder of mode 000 is readable by root, so the refusal is played by scandir here)."""
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("def g(x):\n    return x\n")
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.path.basename(os.fspath(path)) == "sub":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ValueError, match=r"sub: cannot list this folder of the corpus \(Permission denied\): make it readable"):
+        load_corpus(str(tmp_path))

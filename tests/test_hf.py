@@ -94,8 +94,11 @@ def test_config_json_says_what_the_model_computes(tmp_path):
     expected = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, n_ctx=16, vocab_size=259, n_inner=None,
                     resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, layer_norm_epsilon=1e-5,
                     tie_word_embeddings=True, activation_function="gelu_new", model_type="gpt2")
-    assert {k: written.get(k) for k in expected} == expected
+    assert {k: written.get(k) for k in expected} == expected and written["torch_dtype"] == "float32"
     assert hf.read_config(str(tmp_path / "out"))[0] == dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=259)
+    wide = {name: value.astype(numpy.float64) for name, value in GPT(config).state_dict().items()}
+    hf.save_snapshot(wide, config, str(tmp_path / "out64"))  # the dtype its tensors are written in
+    assert json.load(open(tmp_path / "out64" / "config.json"))["torch_dtype"] == "float64"
 
 
 def test_an_untied_head_is_refused():

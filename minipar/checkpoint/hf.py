@@ -116,8 +116,9 @@ def read_config(directory):
     return flags, {key: config.get(key) for key in ("bos_token_id", "eos_token_id")}
 
 
-def hf_config(config, dropout=0.0, token_ids=None):
-    """The config.json of minipar's ``GPTConfig``, as transformers' GPT2Config writes it."""
+def hf_config(config, dropout=0.0, token_ids=None, dtype="float32"):
+    """The config.json of minipar's ``GPTConfig``, as transformers' GPT2Config writes it, for
+    weights of ``dtype``."""
     ids = token_ids or {}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
             "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
@@ -127,7 +128,7 @@ def hf_config(config, dropout=0.0, token_ids=None):
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False, "use_cache": True, "tie_word_embeddings": True,
             "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
-            "torch_dtype": "float32"}
+            "torch_dtype": str(dtype)}
 
 
 def read_tensors(path):
@@ -165,7 +166,7 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
         # from_pretrained asks for "format": "pt"
         write_file(os.path.join(tmp, WEIGHTS), tensor_file(to_hf(state), metadata={"format": "pt"}))
         with open(os.path.join(tmp, CONFIG), "w") as fh:
-            json.dump(hf_config(config, dropout, token_ids), fh, indent=2)
+            json.dump(hf_config(config, dropout, token_ids, next(iter(state.values())).dtype), fh, indent=2)
             fh.write("\n")
         for path in extra_files:
             shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
