@@ -26,7 +26,13 @@ def encode(text):
 
 
 def decode(ids):
-    return bytes(numpy.asarray(ids, dtype=numpy.uint8).tolist()).decode("utf-8", errors="replace")
+    """The text of byte ids. An id past 255 (a vocabulary wider than the bytes, whose extra ids the
+    data never holds but an untrained model may sample) is no byte: it reads as U+FFFD, as bytes
+    that are no UTF-8 do, where casting it to a byte would print some other character."""
+    text = bytearray()
+    for i in numpy.asarray(ids).reshape(-1).tolist():
+        text += bytes((i,)) if 0 <= i < 256 else "\ufffd".encode()
+    return text.decode("utf-8", errors="replace")
 
 
 def default_corpus_files():

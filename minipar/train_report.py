@@ -219,12 +219,18 @@ class Reports:
         return self._n_params
 
     def _finish(self, history, val_history):
-        """What a finished run writes: its weights, a Hugging Face snapshot, the loss curve, a sample."""
+        """What a finished run writes: its weights, a Hugging Face snapshot, the loss curve, a
+        sample. Returns the run's exit status: 1 when the weights to write are not finite."""
         args = self.args
         needed = args.export_weights or args.export_hf or args.sample > 0
         weights = full.gather_full_state(self.model, self.opt, self.grid) if needed else None
         if not self.speaks:
-            return
+            return 0
+        if weights is not None and not all(numpy.isfinite(w).all() for w in weights.values()):
+            print("error: the weights after the last step are not finite: its update diverged (the loss "
+                  "logged was computed before it), so nothing is exported or sampled. Lower --lr or raise "
+                  "--warmup-iters.", file=sys.stderr, flush=True)
+            return 1
         if args.export_weights:
             from minipar.checkpoint import save_weights
 
@@ -251,4 +257,9 @@ class Reports:
             serial.load_state_dict({name: w.astype(dtype, copy=False) for name, w in weights.items()})
             prompt = encode(args.prompt)[None, :].astype(numpy.int64)
             rng = numpy.random.default_rng(args.seed)
-            print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))
+            try:
+                print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))
+            except FloatingPointError as exc:
+                print(f"error: --sample: {exc}", file=sys.stderr, flush=True)
+                return 1
+        return 0

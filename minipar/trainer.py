@@ -298,5 +298,4 @@ class Trainer(Reports):
                 print(f"stopped after {end} iterations (--exit-interval {args.exit_interval}); resume with --load {args.save}")
             return 0
         self.trained = True  # what follows writes the outputs of a finished run
-        self._finish(history, val_history)
-        return 0
+        return self._finish(history, val_history)

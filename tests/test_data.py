@@ -98,3 +98,7 @@ def test_a_folder_of_the_corpus_that_cannot_be_listed_is_an_error(tmp_path, monk
     monkeypatch.setattr(os, "scandir", scandir)
     with pytest.raises(ValueError, match=r"sub: cannot list this folder of the corpus \(Permission denied\): make it readable"):
         load_corpus(str(tmp_path))
+
+
+def test_ids_past_a_byte_decode_as_the_replacement_character():
+    assert decode([104, 105, 300, 33]) == "hi\ufffd!" and decode(encode("déjà vu")) == "déjà vu"

@@ -256,3 +256,15 @@ def test_the_peak_is_measured_again_at_each_evaluation_and_the_highest_kept(tmp_
     assert run.returncode == 0, run.stderr
     mfu = [json.loads(line)["mfu"] for line in open(log)]
     assert mfu[0] > 1 and mfu[1] > 1 and mfu[2] < 1e-3 and mfu[3] < 1e-3, mfu  # 1e15 from the first evaluation on
+
+
+@pytest.mark.parametrize("lr,message", [
+    ("1e39", "error: the weights after the last step are not finite: its update diverged"),  # inf weights
+    ("1e38", "error: --sample: the next token's probabilities are not finite"),  # finite, logits overflow
+])
+def test_a_last_update_that_diverged_is_an_error_not_a_traceback(lr, message, corpus):
+    """The divergence check reads each step's loss, computed before its update: the last update's
+    weights are checked before anything is written from them, and sampling refuses what overflows."""
+    run = train(*TINY, "--data", corpus, "--max-iters", "1", "--warmup-iters", "0", "--lr", lr, "--sample", "10")
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith(message), run.stderr
+    assert "Traceback" not in run.stderr

@@ -49,6 +49,9 @@ class WholeModel:
             for _ in range(max_new_tokens):
                 logits = self.gather_logits(self(idx[:, -self.config.block_size :])[0])
                 probs = F.softmax(logits[:, -1, :] * (1.0 / temperature)).numpy().astype(numpy.float64)
+                if not numpy.isfinite(probs).all():
+                    raise FloatingPointError("the next token's probabilities are not finite: the logits "
+                                             "overflow (weights too large) or are nan")
                 probs /= probs.sum(axis=1, keepdims=True)  # exactly 1 in float64, as choice() wants
                 nxt = numpy.array([generator.choice(probs.shape[1], p=row) for row in probs])
                 if self.tp is not None:  # the TP ranks must continue the same text
