@@ -149,6 +149,26 @@ def claim_save_directory(args, rank):
         raise FlagError(f"--save {args.save}: cannot lock it ({exc.strerror})") from None
 
 
+def tokens_of(args):
+    """What turns the corpus into tokens, as a checkpoint records it: "bytes", or the SHA-256 of
+    the tokenizer's files."""
+    return "bytes" if args.tokenizer is None else args.tokenizer.sha256
+
+
+def tokenizer_matches(saved, args):
+    """A problem line if a checkpoint's tokenizer (``tokens_of`` when it was saved) is not this
+    run's, else None. Checkpoints from before it was recorded have none."""
+    ours = tokens_of(args)
+    if saved is None or saved == ours:
+        return None
+
+    def name(tokens):
+        return "bytes (no --tokenizer)" if tokens == "bytes" else f"a tokenizer of sha256 {tokens[:12]}"
+
+    return (f"--load: the checkpoint was trained on tokens of {name(saved)}, this run makes them of "
+            f"{name(ours)}: the same text would be other tokens; resume with the tokenizer it was trained with")
+
+
 def corpus_matches(saved, data, flag):
     """A problem line if a checkpoint's corpus (its trainer state's [bytes, sha256]) is not
     ``data``'s, else None. Checkpoints from before the corpus was recorded have none."""

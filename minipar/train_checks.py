@@ -233,7 +233,7 @@ def check_files(p, args, config, data):
     directory itself (not ``latest``, which may move)."""
     from minipar.checkpoint.sharded import CheckpointError, check_model, read_index
     from minipar.lr_schedule import resume_problem
-    from minipar.run_inputs import corpus_matches
+    from minipar.run_inputs import corpus_matches, tokenizer_matches
 
     if args.load:
         try:
@@ -255,6 +255,7 @@ def check_files(p, args, config, data):
             p.error(f"--load: {args.load}/index.json: its trainer state has no whole number "
                     f"{', '.join(missing)}: it was not written by minipar.train")
         problem = corpus_matches(saved.get("corpus"), data, f"--data {args.data or '(default corpus)'}")
+        problem = problem or tokenizer_matches(saved.get("tokenizer"), args)
         if problem:
             p.error(problem)
         for key, flag in (("seed", "--seed"), ("batch_size", "--global-batch-size")):

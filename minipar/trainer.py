@@ -43,6 +43,7 @@ from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.schedules import shape_of
+from minipar.run_inputs import tokens_of
 from minipar.train_report import STUCK_STEPS, Reports
 from minipar.watchdog import Watchdog
 
@@ -229,6 +230,7 @@ class Trainer(Reports):
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
                  "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256],
+                 "tokenizer": tokens_of(self.args),
                  "schedule": schedule_state(self.args)}
         if self.scaler is not None:
             state["loss_scaler"], state["skipped_in_a_row"] = self.scaler.state_dict(), self.stuck

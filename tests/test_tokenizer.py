@@ -217,3 +217,16 @@ def test_ranks_agree_on_a_tokenizer_by_its_files(bpe, tmp_path):
     code, out, _ = run_train(2, *TINY, "--tokenizer", bpe[0], "--data", str(tmp_path / "corpus.txt"),
                              "--max-iters", "1", "--sample", "0")
     assert code == 0 and "iter     0" in out, out
+
+
+def test_a_resume_makes_its_tokens_as_the_run_it_continues(bpe, tmp_path):
+    """A checkpoint records what made its tokens (bytes, or its tokenizer's files): the same text
+    under another tokenizer would be other tokens, so the resume is refused in one line."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    common = [*TINY, "--data", "corpus.txt", "--lr-decay-iters", "4", "--sample", "0"]
+    assert train(*common, "--tokenizer", bpe[0], "--max-iters", "2", "--save", "ck", cwd=tmp_path).returncode == 0
+    run = train(*common, "--vocab-size", "300", "--max-iters", "4", "--load", "ck", cwd=tmp_path)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert "trained on tokens of a tokenizer of sha256 " in lines[0] and "this run makes them of bytes" in lines[0]
+    assert train(*common, "--tokenizer", bpe[0], "--max-iters", "4", "--load", "ck", cwd=tmp_path).returncode == 0
