@@ -106,3 +106,12 @@ def test_an_moe_blocks_activations_beyond_a_dense_ones_are_counted_exactly_on_on
     model = Model(1, 32, 4, 32, num_experts=experts, moe_router_topk=k, moe_expert_capacity_factor=capacity, dropout=0.1)
     measured = _block_graph_bytes(experts, k, capacity, dtype) - _block_graph_bytes(0, 2, None, dtype)
     assert activations.moe_bytes(model, Layout(micro_batch_size=2), 2 if dtype == "bfloat16" else 4) == measured
+
+
+def test_a_dp_size_that_does_not_divide_the_batch_is_tried_and_refused_with_its_reason():
+    """3 GPUs, a global batch of 4: DP = 3 is a layout the enumerator tries, and the plan refuses it
+    saying why (a generator's truth value once made it skip the grid without a word)."""
+    grids = {(lay.tp, lay.cp, lay.pp, lay.dp) for lay, _ in layouts(Model(4, 64, 4, 64), Machine(3), 4)}
+    assert (1, 1, 1, 3) in grids
+    examples = plan(Model(4, 64, 4, 64), Machine(3), 4).examples.values()
+    assert any("--global-batch-size 4 does not split over DP=3 ranks" in why for why in examples), examples

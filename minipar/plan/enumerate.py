@@ -70,7 +70,7 @@ def _choices(model, global_batch, tp, cp, pp, dp):
     rows = global_batch // dp if global_batch % dp == 0 else 0
     for ep in (divisors(dp) if model.num_experts else [1]):
         for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
-            for mbs in (b for b in MICRO_BATCH_SIZES if rows and rows % b == 0) or (1,):
+            for mbs in tuple(b for b in MICRO_BATCH_SIZES if rows and rows % b == 0) or (1,):  # (1,): refused, with why
                 for zero in (0, 1, 2, 3):
                     for recompute in (None, "selective", "full"):
                         for sp in ((False, True) if tp > 1 else (False,)):
