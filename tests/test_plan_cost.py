@@ -94,3 +94,14 @@ def test_deferred_head_weights_add_their_parked_bytes_at_the_last_ranks_peak(tp,
     assert activations.peak_bytes(SMALL, deferred, 4, 4) == max(first, last)
     held = [sum(state.state_bytes(SMALL, deferred, s).values()) + acts for s, acts in ((0, first), (1, last))]
     assert cost.predict(SMALL, deferred, Machine(gpus=2 * tp), 8).memory_gb == max(held) / 1e9
+
+
+def test_a_pipelines_busiest_link_is_a_middle_stages():
+    """A middle stage sends activations on and gradients back, twice an edge stage's pipeline
+    bytes: the prediction of PP >= 3 takes the busiest stage's, not the edges'."""
+    from minipar.plan.traffic import group_bytes
+
+    model, layout = Model(8, 16, 4, 16), Layout(pp=4, micro_batch_size=1)
+    per_stage = [group_bytes(model, layout, 8, s)["pp"] for s in range(4)]
+    assert per_stage[1] == per_stage[2] > per_stage[0] == per_stage[3]
+    assert cost.predict(model, layout, Machine(4), 8).bytes_per_group["pp"] == per_stage[1]

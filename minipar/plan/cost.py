@@ -89,7 +89,9 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     m = micro_batches(layout, global_batch)
     bub, _, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
     d = PRECISIONS[dtype].activation
-    stages = range(layout.pp) if layout.pipeline_layers else sorted({0, layout.pp - 1})  # the fullest, uneven or not
+    # even stages: the first and last (the fullest: embedding, head) and one in the middle (it sends
+    # on the pipeline both ways, twice an edge's bytes); uneven ones: every stage
+    stages = range(layout.pp) if layout.pipeline_layers else sorted({0, min(1, layout.pp - 1), layout.pp - 1})
     memory, sent, steps, launches, calls = 0, {}, {}, 0.0, {}
     for s in stages:
         launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
