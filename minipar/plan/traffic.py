@@ -105,9 +105,10 @@ def _count(model, layout, global_batch, stage, dtype):
         ops = ("reduce_scatter", "all_gather") if lay.sequence_parallel else ("all_reduce",)
         for op in ops:
             charge("tp", op, S, t, m * (per_block + recomputed + ends))
-        if last:  # the vocabulary-parallel cross-entropy: max, then the sums with the target logits
-            charge("tp", "all_reduce", b * s * d, t, m)
-            charge("tp", "all_reduce", 2 * b * s * d, t, m)
+        if last:  # the vocabulary-parallel cross-entropy: max, then the sums with the target logits,
+            wide = max(d, 4)  # in float32 for a 16-bit model (functional/widen.py)
+            charge("tp", "all_reduce", b * s * wide, t, m)
+            charge("tp", "all_reduce", 2 * b * s * wide, t, m)
         if lay.sequence_parallel:  # finalize_grads: what each TP rank holds whole had partial gradients
             whole = 6 * h * len(layers) + model.seq_length * h * first + 2 * h * last
             charge("tp", "all_reduce", whole * g, t)

@@ -21,7 +21,7 @@ from minipar.trainer import Trainer
 
 MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
          "--plot", "", "--sample", "0", "--dropout", "0.1"]
-LAYOUTS = [  # (flags, the same as a plan Layout, experts)
+LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision])
     ("--tp 2 --sequence-parallel --recompute", dict(tp=2, dp=2, sequence_parallel=True, recompute=True, micro_batch_size=4), 0),
     ("--tp 2 --pp 2 --micro-batch-size 2", dict(tp=2, pp=2, micro_batch_size=2), 0),
     ("--pp 2 --schedule interleaved --vpp 2 --micro-batch-size 1 --zero-stage 1",
@@ -35,6 +35,7 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts)
     ("--cp 2 --recompute", dict(cp=2, dp=2, recompute=True, micro_batch_size=4), 0),
     ("--cp 2 --tp 2 --cp-comm-type a2a", dict(cp=2, tp=2, cp_comm_type="a2a", micro_batch_size=8), 0),
     ("--num-experts 4 --ep 2 --moe-router-topk 2", dict(dp=4, ep=2, micro_batch_size=2), 4),
+    ("--tp 2 --bf16 --micro-batch-size 4", dict(tp=2, dp=2, micro_batch_size=4), 0, "bf16"),  # the loss's sums in fp32
 ]
 
 
@@ -53,7 +54,8 @@ def groups(grid):
 comm = world()
 parser = build_parser()
 failures, lines = [], []
-for flags, fields, experts in LAYOUTS:
+for flags, fields, experts, *precision in LAYOUTS:
+    dtype = precision[0] if precision else "float32"
     args = parser.parse_args(MODEL + flags.split())
     check_args(args, comm.size)
     data, config = build(parser, args)
@@ -67,12 +69,12 @@ for flags, fields, experts in LAYOUTS:
     measured = {k: v for k, v in measured.items() if v}
     model = Model(4, 16, 4, 16, num_experts=experts, moe_router_topk=2)
     layout = Layout(**fields)
-    predicted = group_bytes(model, layout, 8, grid.pp_rank)
-    state, planned = trainer.opt.state_bytes(), state_bytes(model, layout, grid.pp_rank)
+    predicted = group_bytes(model, layout, 8, grid.pp_rank, dtype)
+    state, planned = trainer.opt.state_bytes(), state_bytes(model, layout, grid.pp_rank, dtype)
     bad = [k for k in set(measured) | set(predicted) if k != "ep" and measured.get(k) != predicted.get(k)]
     # the calls too (what plan.overhead's per-call cost multiplies); the experts' are a count as well
     calls = {name: g.stats.total().calls for name, g in measured_groups.items() if name in measured}
-    planned_calls = group_calls(model, layout, 8, grid.pp_rank)
+    planned_calls = group_calls(model, layout, 8, grid.pp_rank, dtype)
     bad += [f"{k} calls" for k in set(calls) | set(planned_calls) if calls.get(k) != planned_calls.get(k)]
     if "ep" in predicted and not abs(measured.get("ep", 0) - predicted["ep"]) <= 0.1 * predicted["ep"]:
         bad.append("ep")
