@@ -256,3 +256,10 @@ def test_expert_parallel_equals_one_device(n):
 def test_expert_parallel_fails_on_a_planted_bug():
     code, out, _ = run_mpi(4, "experts.py", "--plant-bug", timeout=60)
     assert code != 0 and "experts FAILED on 4 ranks" in out and "output: MISMATCH" in out
+
+
+def test_capacity_is_the_documented_ceiling_for_factors_that_are_no_binary_fraction():
+    from minipar.models.moe import capacity
+
+    assert capacity(1.1, 100, 1, 10) == 11 and capacity(1.1, 50, 2, 5) == 22  # 11.000000000000002 in floats
+    assert capacity(1.0, 7, 2, 4) == 4 and capacity(1.25, 8, 1, 4) == 3 and capacity(0.3, 10, 1, 16) == 1

@@ -87,8 +87,10 @@ class Router(Module):
 
 
 def capacity(capacity_factor, n_tokens, top_k, n_experts):
-    """Token-slots each expert may take from ``n_tokens`` tokens: ceil(c N k / E)."""
-    return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+    """Token-slots each expert may take from ``n_tokens`` tokens: ceil(c N k / E). A factor such as
+    1.1 is no binary fraction, and c N k / E a hair above a whole number (1.1 x 100 / 10 is
+    11.000000000000002) would take one slot more: the quotient is rounded to 9 decimals first."""
+    return math.ceil(round(capacity_factor * n_tokens * top_k / n_experts, 9))
 
 
 def capacity_keep(indices, slot_probs, n_experts, capacity_factor, group_ids=None):
