@@ -105,3 +105,12 @@ def test_a_pipelines_busiest_link_is_a_middle_stages():
     per_stage = [group_bytes(model, layout, 8, s)["pp"] for s in range(4)]
     assert per_stage[1] == per_stage[2] > per_stage[0] == per_stage[3]
     assert cost.predict(model, layout, Machine(4), 8).bytes_per_group["pp"] == per_stage[1]
+
+
+def test_a_group_that_crosses_a_nodes_edge_is_inter_node_though_it_fits_in_one():
+    """TP 4 on nodes of 6 GPUs: ranks 4-7 form a TP group across nodes 0 and 1; TP 3 tiles them."""
+    machine = Machine(12, gpus_per_node=6)
+    assert cost.link(Layout(tp=4, dp=3, micro_batch_size=1), machine, "tp") == "inter"
+    assert cost.link(Layout(tp=3, dp=4, micro_batch_size=1), machine, "tp") == "intra"
+    assert cost.link(Layout(tp=2, dp=6, micro_batch_size=1), machine, "dp") == "inter"
+    assert cost.link(Layout(tp=2, dp=1, micro_batch_size=1), Machine(2, gpus_per_node=8), "tp") == "intra"

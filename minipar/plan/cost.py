@@ -22,6 +22,7 @@ Memory: the state (``state.state_bytes``) and the activations (``activations.ran
 first and the last stage, the fuller of the two.
 """
 
+import math
 from dataclasses import dataclass, field
 
 from minipar.mfu import flops_per_token
@@ -59,9 +60,16 @@ def group_span(layout, group):
 
 
 def link(layout, machine, group):
-    """"intra" when the group's ranks share a node, else "inter"."""
+    """"intra" when every group of this kind has its ranks on one node, else "inter". A group of
+    stride s and size n holds ranks b, b + s, ..., b + (n-1) s (Megatron's order), so it is on one
+    node when its first and last are; the pattern repeats every lcm(s n, GPUs a node) ranks (TP 4
+    on nodes of 6: ranks 4-7 cross a node's edge though each group spans only 4)."""
     stride, size = group_span(layout, group)
-    return "intra" if stride * (size - 1) < machine.gpus_per_node else "inter"
+    gpn, width = machine.gpus_per_node, stride * size
+    upto = min(math.lcm(width, gpn), layout.world_size)
+    firsts = (q * width + r for q in range(-(-upto // width)) for r in range(stride))
+    apart = any(b // gpn != (b + stride * (size - 1)) // gpn for b in firsts if b < upto)
+    return "inter" if apart else "intra"
 
 
 def seconds(nbytes, steps, kind, machine):
