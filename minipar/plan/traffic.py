@@ -109,8 +109,11 @@ def _count(model, layout, global_batch, stage, dtype):
             wide = max(d, 4)  # in float32 for a 16-bit model (functional/widen.py)
             charge("tp", "all_reduce", b * s * wide, t, m)
             charge("tp", "all_reduce", 2 * b * s * wide, t, m)
-        if lay.sequence_parallel:  # finalize_grads: what each TP rank holds whole had partial gradients
-            whole = 6 * h * len(layers) + model.seq_length * h * first + 2 * h * last
+        if lay.sequence_parallel:  # finalize_grads: what each TP rank holds whole had partial gradients:
+            # the LayerNorms, the row-parallel biases (a MoE block's MLP has none), a MoE block's
+            # router and this rank's experts (each TP rank routed its own tokens)
+            partial = sum(5 * h + (model.num_experts * h if model.is_moe(i) else h) for i in layers)
+            whole = partial + rank_parameters(model, lay, stage)[1] + model.seq_length * h * first + 2 * h * last
             charge("tp", "all_reduce", whole * g, t)
         charge("tp", "all_reduce", NORM, t)
     # data parallelism (over DP x CP), ZeRO
