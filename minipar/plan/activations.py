@@ -135,6 +135,11 @@ def layer_bytes(model, layout, d, query_block=64):
             value //= t
         total += value
     sbh = d * s * b * model.hidden_size
+    if c > 1 and layout.cp_comm_type == "a2a":  # Ulysses' chain (parallel/ulysses.py): each node keeps
+        # its input, so beside the projection's q, k, v the graph holds the all-to-all's output and
+        # its copy in position order (3 + 3), the heads' output, its chunks and the all-to-all's
+        # answer before the reshape that the output projection reads (1 + 1 + 1); all inside the heads
+        total += 9 * sbh // t
     if t > 1 and layout.sequence_parallel:  # the LayerNorms' own (sharded) outputs before the gathers,
         total += 2 * sbh + 4 * sbh // t     # the row-parallel partial sums (whole) and their shards
     elif t > 1:  # g's sums, each in place of its partial sum (f's outputs are views of the LayerNorms')

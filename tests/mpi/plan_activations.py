@@ -44,6 +44,7 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
     ("PP2 DP2 interl.", 1, 2, 1, False, 0, None, False, "interleaved"),
 ]
 UNEVEN = [("PP2 DP2 3,1", (3, 1)), ("PP2 DP2 1,3", (1, 3))]  # --pipeline-layers, 1F1B
+ULYSSES = [("CP2 DP2 a2a", 1, False), ("CP2 TP2 a2a", 2, False), ("CP2 DP2 a2a sel.", 1, True)]  # (name, tp, selective)
 DEFERRED = [("PP2 DP2 defer", 1, False), ("TP2 PP2 SP defer", 2, True)]  # (name, tp, sequence parallel), 1F1B
 
 # The relative error a row may have: 1% where rank_bytes counts what the graphs keep (every dense
@@ -73,17 +74,19 @@ class ParkingExecutor(MeasuringExecutor):
         self.peak = max(self.peak, graphs + sum(w.nbytes() for w in state.head_grads.values()))
 
 
-def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False):
+def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1):
     """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
     ``experts`` experts (top-2), if ``selective`` selective recomputation, and ``layers`` per
-    pipeline chunk (None: an even split); ``defer``: and the parked head W's."""
+    pipeline chunk (None: an even split); ``defer``: and the parked head W's; ``cp``: context
+    parallelism by Ulysses."""
     minipar.manual_seed(0)
-    grid = ProcessGrid(tp, pp, comm.size // (tp * pp), comm, ep=ep)
+    grid = ProcessGrid(tp, pp, comm.size // (tp * pp * cp), comm, ep=ep, cp=cp)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                        dropout=0.1, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
     v = 1 if schedule == "1f1b" else 2
     gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity="selective" if selective else None,
-              virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin", layers_per_stage=layers)
+              virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin", layers_per_stage=layers,
+              cp_comm_type="a2a")
     opt = make_optimizer(gpt, grid, 0, bucket_bytes=args.bucket_kb << 10, **HYPER)
     run = (ParkingExecutor if defer else MeasuringExecutor)(gpt, grid, schedule, args.micro_batches, optimizer=opt,
                                                             defer_embedding_wgrad=defer)
@@ -128,6 +131,12 @@ for name, tp, pp, ep, sp, experts, capacity, selective, schedule in MORE_LAYOUTS
     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp, selective_recompute=selective, schedule=schedule,
                     vpp=1 if schedule == "1f1b" else 2, micro_batch_size=args.batch_size // dp // args.micro_batches)
     worst = max(worst, rows_of(name, measured, planned(moe_model, layout, grid.pp_rank)))
+for name, tp, selective in ULYSSES:
+    measured, grid = measure_gpt(tp, 1, 1, False, 0, None, selective, "1f1b", cp=2)
+    dp = comm.size // (tp * 2)
+    layout = Layout(tp=tp, cp=2, dp=dp, cp_comm_type="a2a", selective_recompute=selective,
+                    micro_batch_size=args.batch_size // dp // args.micro_batches)
+    worst = max(worst, rows_of(name, measured, planned(model, layout, grid.pp_rank)))
 for name, layers in UNEVEN:
     measured, grid = measure_gpt(1, 2, 1, False, 0, None, False, "1f1b", layers)
     layout = Layout(pp=2, dp=comm.size // 2, micro_batch_size=args.batch_size // (comm.size // 2) // args.micro_batches,
