@@ -173,7 +173,8 @@ def rules_of_thumb(result, machine):
                      f"ZeRO-{z[0].zero_stage} without a pipeline {z[1].step_time_s:.3g} s, fastest with PP={pp[0].pp} "
                      f"{pp[1].step_time_s:.3g} s")
     elif piped and not zero:
-        lines.append("ZeRO before PP when memory allows: memory does not allow: no layout without a pipeline fits")
+        lines.append("ZeRO before PP when memory allows: nothing to compare: no ZeRO layout without a pipeline is "
+                     "both valid and within memory (the reasons above say which)")
     return lines
 
 
