@@ -89,7 +89,8 @@ def apply_sources(args, given):
     if args.vocab_size is None:
         args.vocab_size = BYTES
     elif tokenizer is None and args.vocab_size < BYTES:
-        problems.append(f"--vocab-size {args.vocab_size}: the byte-level tokens need at least {BYTES} "
+        named = args.taken_from.get("vocab_size", "--vocab-size")  # the flag, or the file it came from
+        problems.append(f"{named} {args.vocab_size}: the byte-level tokens need at least {BYTES} "
                         "(give --tokenizer DIR for another vocabulary)")
     if problems:
         raise FlagError(*problems)

@@ -232,3 +232,13 @@ def test_a_folder_without_config_json_is_named_as_such(tmp_path):
     """An empty folder once read as "config.json: not a readable JSON file ([Errno 2] ...)"."""
     with pytest.raises(ValueError, match=f"^{tmp_path} has no config.json: a Hugging Face GPT-2 snapshot holds"):
         hf.read_config(str(tmp_path))
+
+
+def test_a_snapshots_vocabulary_too_small_for_bytes_is_named_by_its_file(tmp_path):
+    """No --vocab-size was given: the error names where the 11 came from, the snapshot's config."""
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11)
+    hf.save_snapshot(GPT(config).state_dict(), config, str(tmp_path / "small"))
+    run = train("--init-weights", str(tmp_path / "small"), "--max-iters", "1", "--sample", "0", "--plot", "")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert f"{tmp_path / 'small' / 'config.json'}'s vocab_size 11: the byte-level tokens need at least 256" in lines[0]
