@@ -119,14 +119,22 @@ def _count(model, layout, global_batch, stage, dtype):
     # data parallelism (over DP x CP), ZeRO
     n, dp = lay.dp * lay.cp, "dp_cp" if lay.cp > 1 else "dp"
     dense, experts = rank_parameters(model, lay, stage)
+    # the dense gradients' buckets (ZeRO's groups): a bucket never mixes dense and expert
+    # gradients, and a MoE block's experts are its last parameters, so each block's experts end a
+    # run of dense ones; one more run when dense ones follow the stage's last experts
+    moe_ids = [i for i in layers if model.is_moe(i)]
+    tail = not moe_ids or last or any(not model.is_moe(i) for i in layers if i > moe_ids[-1])
+    extra_buckets = buckets(dense * g) - 1 + len(moe_ids) + tail - 1
     if n > 1:  # gradients in the gradients' precision, gathered parameters in the weights'
         z = lay.zero_stage
         if z == 0:
             charge(dp, "all_reduce", dense * g, n)
-            calls[dp] += buckets(dense * g) - 1 + moe_layers  # each expert layer cuts a bucket
-        elif z in (1, 2):
+            calls[dp] += extra_buckets
+        elif z in (1, 2):  # one reduce-scatter (a micro-batch's, stage 2) and one all-gather per
+            # group, grouped as data parallelism's buckets
             charge(dp, "reduce_scatter", dense * g, n, m if z == 2 else 1)
             charge(dp, "all_gather", dense * w, n)
+            calls[dp] += extra_buckets * ((m if z == 2 else 1) + 1)
         else:  # ZeRO-3: the tied embedding is a parameter of two units, gathered for each forward
             tied = padded_vocab(model.vocab_size, t) // t * h if first and last else 0
             charge(dp, "all_gather", dense * w, n, 2 * m)
@@ -142,8 +150,14 @@ def _count(model, layout, global_batch, stage, dtype):
         if z > 0:
             charge(dp, "all_reduce", NORM, n)
     if experts and n // lay.ep > 1:
-        charge("edp", "all_reduce", experts * g, n // lay.ep)
-        calls["edp"] += max(moe_layers, buckets(experts * g)) - 1  # a bucket per MoE layer at least
+        groups = max(moe_layers, buckets(experts * g))  # a bucket (a ZeRO group) per MoE layer at least
+        if lay.zero_stage == 0:
+            charge("edp", "all_reduce", experts * g, n // lay.ep)
+            calls["edp"] += groups - 1
+        else:  # ZeRO-1 (2 and 3 refuse experts): each group reduce-scattered and gathered
+            charge("edp", "reduce_scatter", experts * g, n // lay.ep)
+            charge("edp", "all_gather", experts * w, n // lay.ep)
+            calls["edp"] += 2 * (groups - 1)
     # pipeline parallelism
     if lay.pp > 1:
         p, v = lay.pp, lay.vpp
@@ -177,7 +191,8 @@ def _count(model, layout, global_batch, stage, dtype):
         out["ep"] += m * moe * (2 * forwards + 2) * tokens * k * (e - 1) // e * h * d
         steps["ep"] += m * moe * (2 * forwards + 2) * (e - 1)
         calls["ep"] += m * moe * (2 * forwards + 2)
-        charge("ep", "all_reduce", NORM, e)
+        if lay.zero_stage == 0:  # the experts' squares summed over EP; ZeRO's norm sums every piece over DP
+            charge("ep", "all_reduce", NORM, e)
     for (group, op, size), nbytes in ring.items():
         out[group] += ring_bytes(op, nbytes, size)[0]
     sent = {g: v for g, v in out.items() if v}
