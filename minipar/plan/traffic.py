@@ -86,8 +86,10 @@ def _count(model, layout, global_batch, stage, dtype):
     s = model.seq_length // lay.cp
     S = b * s * h * d  # one micro-batch's activation on a rank
     layers = stage_layers(model, lay, stage)
-    moe_layers = sum(model.is_moe(i) for i in layers)
+    moe_ids = [i for i in layers if model.is_moe(i)]
+    moe_layers = len(moe_ids)
     first, last = edges(lay, stage)
+    dense, experts = rank_parameters(model, lay, stage)
 
     ring = Counter()  # (group, op, size): the bytes of the buffers, charged once at the end
 
@@ -113,18 +115,16 @@ def _count(model, layout, global_batch, stage, dtype):
             # the LayerNorms, the row-parallel biases (a MoE block's MLP has none), a MoE block's
             # router and this rank's experts (each TP rank routed its own tokens)
             partial = sum(5 * h + (model.num_experts * h if model.is_moe(i) else h) for i in layers)
-            whole = partial + rank_parameters(model, lay, stage)[1] + model.seq_length * h * first + 2 * h * last
+            whole = partial + experts + model.seq_length * h * first + 2 * h * last
             charge("tp", "all_reduce", whole * g, t)
         charge("tp", "all_reduce", NORM, t)
     # data parallelism (over DP x CP), ZeRO
     n, dp = lay.dp * lay.cp, "dp_cp" if lay.cp > 1 else "dp"
-    dense, experts = rank_parameters(model, lay, stage)
     # the dense gradients' buckets (ZeRO's groups): a bucket never mixes dense and expert
     # gradients, and a MoE block's experts are its last parameters, so each block's experts end a
     # run of dense ones; one more run when dense ones follow the stage's last experts
-    moe_ids = [i for i in layers if model.is_moe(i)]
     tail = not moe_ids or last or any(not model.is_moe(i) for i in layers if i > moe_ids[-1])
-    extra_buckets = buckets(dense * g) - 1 + len(moe_ids) + tail - 1
+    extra_buckets = buckets(dense * g) - 1 + moe_layers + tail - 1
     if n > 1:  # gradients in the gradients' precision, gathered parameters in the weights'
         z = lay.zero_stage
         if z == 0:
