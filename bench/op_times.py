@@ -21,24 +21,15 @@ import os
 import sys
 import tempfile
 
-import numpy as np
-
 from minipar import train
 from minipar.comm import world
 from minipar.op_times import OpTimes
+from minipar.run_inputs import broadcast_text
+from minipar.train_report import gather_text
 from minipar.trainer import Trainer
 
 DEFAULTS = ["--n-head", "4", "--block-size", "128", "--global-batch-size", "16", "--seed", "0", "--max-iters", "12",
             "--eval-interval", "1000", "--eval-iters", "1", "--sample", "0", "--plot", "", "--log-interval", "1000"]
-
-
-def every_rank(comm, text):
-    """Every rank's ``text``, in rank order (exchanged as bytes: no pickle)."""
-    mine = np.frombuffer(text.encode(), np.uint8)
-    lengths = comm.all_gather(np.array([mine.size], np.int64)).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:mine.size] = mine
-    return [bytes(row[:n]).decode() for row, n in zip(comm.all_gather(padded), lengths)]
 
 
 @contextlib.contextmanager
@@ -59,7 +50,7 @@ def untimed_evaluations(times):
 
 def main(argv):
     comm = world()
-    folder = every_rank(comm, tempfile.mkdtemp(prefix="op_times_") if comm.rank == 0 else "")[0]
+    folder = broadcast_text(comm, tempfile.mkdtemp(prefix="op_times_") if comm.rank == 0 else "")
     given = DEFAULTS + ["--log-json", os.path.join(folder, "log.json")] + argv  # one command line on all ranks
     with OpTimes() as times, untimed_evaluations(times):
         status = train.main(given)
@@ -68,9 +59,10 @@ def main(argv):
     args = train.build_parser().parse_args(given)  # the run took them: they parse
     iterations, log = args.max_iters, args.log_json
     rows = {name: (forward + backward) / iterations for name, forward, backward, _, _ in times.rows()}
-    tables = [json.loads(t) for t in every_rank(comm, json.dumps(rows))]
-    if comm.rank:
+    texts = gather_text(comm, json.dumps(rows))  # on rank 0
+    if texts is None:
         return 0
+    tables = [json.loads(t) for t in texts]
     with open(log) as f:
         step = sum(json.loads(line)["ms"] for line in f) / 1e3 / iterations
     names = sorted({n for t in tables for n in t}, key=lambda n: -max(t.get(n, 0) for t in tables))
