@@ -51,7 +51,10 @@ class WeightGradients:
     def defer(self, node, out_grads, indices):
         """Called by the engine during B: park ``node`` for W with the gradients of its outputs."""
         needs = tuple(n and i in indices for i, n in enumerate(node.ctx.needs_input_grad))
-        self._parked.append((node.fn, node.ctx, out_grads, node.inputs, node.in_shapes, needs))
+        # only the weights: a kept activation input (a LayerNorm's residual stream) would hold its
+        # array, and through its node the graph before it, until W, which needs neither
+        inputs = tuple(t if i in indices else None for i, t in enumerate(node.inputs))
+        self._parked.append((node.fn, node.ctx, out_grads, inputs, node.in_shapes, needs))
 
     def nbytes(self):
         """Bytes kept alive for W: output gradients and saved arrays of the parked nodes, each

@@ -126,6 +126,24 @@ def test_w_memory_is_the_input_and_the_output_gradient():
     numpy.testing.assert_array_equal(b.grad, numpy.full(4, 7.0))
 
 
+def test_w_keeps_no_activation_input_alive():
+    """A LayerNorm's W needs its normalised input and output gradient, not its input: parked with
+    its input tensor, the residual stream (and through its node every array before it) would stay
+    alive until W. After B and the graph dropped, nothing holds that input."""
+    import gc
+    import weakref
+    x, g, b = leaf(6, 5), leaf(5, seed=1), leaf(5, seed=2)
+    h = F.tanh(x)  # an activation, made by a node, as the residual stream is
+    seen = weakref.ref(h)
+    out = F.layer_norm(h, g, b)
+    pending = backward_input(out, [g, b], numpy.ones(out.shape))
+    del h, out
+    gc.collect()
+    assert seen() is None, "W's parked LayerNorm keeps its input alive"
+    pending.run()
+    assert g.grad is not None and b.grad is not None
+
+
 def test_an_add_of_a_weight_splits_as_it_fuses():
     """x 2 + b, b a weight: Add's backward hands b's gradient out whatever it was asked, so B must
     drop it and W alone add it (else b's gradient counts twice)."""
