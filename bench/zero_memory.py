@@ -21,7 +21,7 @@ import minipar
 from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import scale_loss, split_batch
+from minipar.parallel.data import scale_loss, split_batch, token_count
 from minipar.parallel.optimizers import make_optimizer
 from minipar.cli import Parser, parse, positive_float, positive_int
 
@@ -37,8 +37,8 @@ def state_peak(stage, n_layer, args, grid):
     opt = make_optimizer(model, grid, stage, bucket_bytes=args.bucket_kb << 10)
     rng = np.random.default_rng(0)
     x, y = split_batch(rng.integers(0, 256, (dp.size, 16)), rng.integers(0, 256, (dp.size, 16)), dp)
-    _, loss = model(x, y)
-    scale_loss(loss, y, dp).backward()
+    logits, _ = model(x)
+    scale_loss(model.loss(logits, y, reduction="sum"), token_count(y, comm=dp)).backward()
     opt.step()
     return opt.peak_state_bytes(), model.num_parameters()
 

@@ -41,7 +41,7 @@ import minipar
 from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallelAdamW, token_count
+from minipar.parallel.data import DataParallelAdamW, scale_loss, token_count
 from minipar.parallel.validate import RunConfig, problems
 
 CONFIG = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.1)
@@ -83,21 +83,25 @@ def main():
         start = time.perf_counter()
         model.rng.iteration = step  # dropout masks: keyed by step and position
         dp.stats.reset()
-        losses, total = [], token_count(y)  # every rank has the global batch: it can count it
+        # the step's loss: L = (1/N) * sum over all ranks' tokens of l_i, with N here its counted
+        # targets (total, not the ranks), which every rank counts itself: each holds the global batch
+        share, total = 0.0, token_count(y)
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):  # micro-batches
             xs, ys = opt.split_batch(x[rows], y[rows])
             mine = np.array_split(rows, N)[dp.rank]  # their global rows, which key the dropout masks
             if args.plant_bug:  # local row numbers: the replicas' masks repeat one another's
                 mine = np.arange(len(mine))
             with opt.no_sync() if i < k - 1 else contextlib.nullcontext(), model.rng.at(rows=mine):
-                _, loss = model(xs, ys)
-                # each micro-batch mean times (its tokens / the step's): its share of the global mean
-                opt.scale_loss(loss, ys, total=total).backward()
-            losses.append(loss.item())
+                logits, _ = model(xs)
+                # this micro-batch's l_i summed, over N: its share of L. The all-reduce sums the
+                # shares' gradients into dL/dw, however unevenly ignored targets fall
+                loss = scale_loss(model.loss(logits, ys, reduction="sum"), total)
+                loss.backward()
+            share += loss.item()
         overlap.append((opt.started_in_backward, len(opt.buckets)))
         opt.finish_gradients()  # the buckets' all-reduces waited for, then model.finalize_grads()
         sent.append(dp.stats.by_op["all_reduce"].bytes_sent)
-        compare.loss(step, dp.all_reduce(np.array([np.mean(losses)]))[0] / N)
+        compare.loss(step, dp.all_reduce(np.array([share]))[0])  # the ranks' shares add up to L
         if step == 0:
             compare.gradients({n: p.grad for n, p in model.named_parameters()})
         opt.clip_grad_norm(1.0)

@@ -100,16 +100,21 @@ def parallel_run(stage, args, config, grid, batches, reference, recompute=False)
         model.rng.iteration = step
         dp.stats.reset()
         tracemalloc.reset_peak()
-        total, losses = token_count(y), []  # every rank holds the global batch and can count it
+        # L = (1/N) * sum over all ranks' tokens of l_i, N here the step's counted targets (total,
+        # not the ranks); every rank holds the global batch and counts them itself
+        total, share = token_count(y), 0.0
         for i, rows in enumerate(np.array_split(np.arange(len(x)), k)):
             xs, ys = split_batch(x[rows], y[rows], dp)
             mine = np.array_split(rows, dp.size)[dp.rank]  # their global rows key the dropout masks
             if args.plant_bug:  # local row numbers: every rank draws the masks of rows 0, 1, ...
                 mine = np.arange(len(mine))
             with (opt.no_sync() if i < k - 1 else contextlib.nullcontext()), model.rng.at(rows=mine):
-                _, loss = model(xs, ys)
-                scale_loss(loss, ys, total=total).backward()  # its share of the global mean
-            losses.append(loss.item() * len(xs))
+                logits, _ = model(xs)
+                # its tokens' l_i summed, over N: its share of L, whose gradients the stage then
+                # sums (all-reduce) or sums into shards (reduce-scatter)
+                loss = scale_loss(model.loss(logits, ys, reduction="sum"), total)
+                loss.backward()
+            share += loss.item()
         opt.finish_gradients()
         if step == 0:  # the verification's own traffic and memory are not the step's
             step_bytes, peak_numpy = traffic(), tracemalloc.get_traced_memory()[1]
@@ -124,7 +129,7 @@ def parallel_run(stage, args, config, grid, batches, reference, recompute=False)
         opt.zero_grad()
         sent.append(step_bytes + traffic())
         peak_numpy = max(peak_numpy, tracemalloc.get_traced_memory()[1])
-        compare.loss(step, dp.all_reduce(np.array([sum(losses)]))[0] / len(x))
+        compare.loss(step, dp.all_reduce(np.array([share]))[0])  # the ranks' shares add up to L
     compare.parameters(opt.full_state_dict())
     tracemalloc.stop()
     held, peak_state = opt.state_bytes(), opt.peak_state_bytes()

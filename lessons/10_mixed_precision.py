@@ -112,8 +112,11 @@ def train_step(model, opt, dp, step, x, y, plant=False, hold=False):
     # fp16's loss scale overflows on purpose (the step is then skipped): NumPy's warnings say nothing more
     with model.rng.at(rows=np.array_split(np.arange(len(x)), dp.size)[dp.rank]), np.errstate(over="ignore",
                                                                                               invalid="ignore"):
-        _, loss = model(xs, ys)
-        (scale_loss(loss, ys, total=token_count(y)) * opt.loss_scale).backward()
+        # L = (1/N) * sum over all ranks' tokens of l_i: this rank's l_i summed, over the global
+        # batch's N (every rank holds it); then times the loss scale, which the optimizer divides out
+        logits, _ = model(xs)
+        loss = scale_loss(model.loss(logits, ys, reduction="sum"), token_count(y))
+        (loss * opt.loss_scale).backward()
     opt.finish_gradients()
     if plant:  # after the sum over DP: only this rank holds it
         opt._gradients()[-1][0] = np.inf
@@ -123,7 +126,7 @@ def train_step(model, opt, dp, step, x, y, plant=False, hold=False):
         opt.clip_grad_norm(1.0)
         opt.step()
     opt.zero_grad()
-    return dp.all_reduce(np.array([loss.item() * len(xs)]))[0] / len(x), opt.skipped_step, overflowed
+    return dp.all_reduce(np.array([loss.item()]))[0], opt.skipped_step, overflowed  # the shares add up to L
 
 
 def digest(opt):

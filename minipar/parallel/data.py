@@ -13,11 +13,16 @@ How the sum is made cheap (as PyTorch DDP and Megatron do):
 * **Gradient accumulation.** Inside ``no_sync()`` nothing is sent: micro-batches add their
   gradients into the buckets, and the backward after the block sends the sum once.
 
-The batch mean. Each rank's loss is a mean over its own tokens (of one micro-batch), and what we
-want is the mean over the step's whole batch. So ``scale_loss`` multiplies each such mean by (its
-token count / the step's global count) before backward, making it its share of the global mean;
-the all-reduce then *sums* the gradients. That is exact even when ranks or micro-batches hold
-different numbers of counted tokens (ignored targets), where averaging means would not be.
+The batch mean. The loss of a step is the mean over all its counted tokens (targets that are not
+``ignore_index``), on every rank and in every micro-batch:
+
+    L = (1/N) * sum over all ranks' tokens of l_i,        N = the step's count of counted targets
+
+So each rank sums its tokens' losses (``reduction="sum"``) and ``scale_loss`` divides that sum by
+N, the global count, before backward; the all-reduce then *sums* the gradients, giving dL/dw. That
+is exact however unevenly the ignored targets fall, and a rank (or micro-batch) whose targets are
+all ignored adds a zero, where a mean of its own tokens would be a mean of nothing. The pipeline
+executor does the same with each micro-batch's share.
 
 ``DataParallelAdamW`` is the buckets and AdamW in one object, following the step protocol the ZeRO
 stages follow too (``protocol.py``); its communication is ``all_reduce_bucket``.
@@ -36,20 +41,27 @@ from minipar.parallel.grad_norm import grad_norm
 from minipar.parallel.protocol import STATE_KINDS, DistributedOptimizer, gradient_group
 
 
-def token_count(targets, ignore_index=-1):
-    """Targets that count in the loss (not ``ignore_index``)."""
-    return int((xp.asarray(array_of(targets)) != ignore_index).sum())
+def token_count(targets, ignore_index=-1, comm=None):
+    """Targets that count in the loss (not ``ignore_index``); with ``comm``, each rank passes its
+    own and gets the sum over the ranks of ``comm`` (one all-reduce)."""
+    count = int((xp.asarray(array_of(targets)) != ignore_index).sum())
+    if comm is None:
+        return count
+    return int(comm.all_reduce(numpy.array([count], numpy.int64))[0])
 
 
-def scale_loss(loss, targets, comm=None, ignore_index=-1, total=None):
-    """The share of the global-batch mean that ``loss`` (a mean over ``targets``) stands for:
-    loss x (its counted tokens / the step's). ``total`` is the step's count (every rank can count
-    the global batch itself); without it, the ranks of ``comm`` add up their counts, which is
-    exact for one micro-batch per step."""
-    local = token_count(targets, ignore_index)
-    if total is None:
-        total = int(comm.all_reduce(numpy.array([local], numpy.int64))[0])
-    return loss * (local / total)
+def scale_loss(loss_sum, total):
+    """This rank's share of the step's mean loss, L = (1/N) * sum over all ranks' tokens of l_i:
+    ``loss_sum``, the sum of l_i over this rank's tokens (``reduction="sum"``), over ``total``, N.
+
+    N is the whole step's count: ``token_count(y)`` of the global batch, which every rank holds
+    and counts alone (no message), or ``token_count(ys, comm=dp)`` of each rank's own targets.
+    N = 0, every target of the step ignored, leaves L undefined: every rank holds the same N, so
+    every rank raises here, before backward starts any sum."""
+    if total < 1:
+        raise ValueError(f"scale_loss: the step counts N = {total} targets (they all equal ignore_index), "
+                         "so its mean loss is undefined: give each step at least one target to learn")
+    return loss_sum * (1.0 / total)
 
 
 def sync_replicas(model, comm):
@@ -258,9 +270,6 @@ class DataParallelAdamW(DistributedOptimizer):
         """Round the master weights into the model's (after a checkpoint wrote the masters)."""
         for master, p in zip(self.masters or (), self.model.parameters()):
             p.data[...] = master.data
-
-    def scale_loss(self, loss, targets, ignore_index=-1, total=None):
-        return scale_loss(loss, targets, self.comm, ignore_index, total)
 
     def split_batch(self, x, y):
         return split_batch(x, y, self.comm)

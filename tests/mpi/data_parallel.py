@@ -13,7 +13,7 @@ from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.optim import AdamW
 from minipar.parallel import ProcessGrid
-from minipar.parallel.data import DataParallelAdamW
+from minipar.parallel.data import DataParallelAdamW, scale_loss, token_count
 from minipar.parallel.recompute import checkpoint
 
 minipar.set_default_dtype("float64")
@@ -27,6 +27,13 @@ config = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=13, d
 def close(a, b, what, tol=1e-11):
     if not np.allclose(a, b, rtol=tol, atol=tol):
         raise AssertionError(f"rank {r}: {what}: max error {np.abs(np.asarray(a) - np.asarray(b)).max()}")
+
+
+def share(model, xs, ys):
+    """This rank's share of the mean over every rank's counted targets: its losses summed over the
+    count the ranks add up (one all-reduce)."""
+    logits, _ = model(xs)
+    return scale_loss(model.loss(logits, ys, reduction="sum"), token_count(ys, comm=dp))
 
 
 def batch(seed, rows=2 * N, ignore=False):
@@ -59,7 +66,7 @@ for bucket_bytes in (1, 2048, 1 << 30):
     # a backward thrown away: its buckets' sums were started and never waited for; zero_grad lets
     # them end (MPI still writes into the buckets) before the next step starts them again
     xs, ys = ddp.split_batch(*batch(9))
-    ddp.scale_loss(replica(xs, ys)[1], ys).backward()
+    share(replica, xs, ys).backward()
     ddp.zero_grad()
     for step in range(2):
         x, y = batch(10 + step, ignore=True)
@@ -67,8 +74,7 @@ for bucket_bytes in (1, 2048, 1 << 30):
         _, loss_s = serial(x, y)
         loss_s.backward()
         xs, ys = ddp.split_batch(x, y)
-        _, loss = replica(xs, ys)
-        ddp.scale_loss(loss, ys).backward()
+        share(replica, xs, ys).backward()
         ddp.finish_gradients()
         for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):
             close(p.grad, p_s.grad, f"bucket {bucket_bytes} step {step} grad {name}")
@@ -94,7 +100,7 @@ x, y = batch(40)
 serial.rng.set_state(replica.rng.state())
 serial(x, y)[1].backward()
 xs, ys = ddp.split_batch(x, y)
-ddp.scale_loss(replica(xs, ys)[1], ys).backward()
+share(replica, xs, ys).backward()
 ddp.finish_gradients()
 for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):
     close(p.grad, p_s.grad, f"recomputed embedding grad {name}")
@@ -137,9 +143,8 @@ for half in (slice(0, 2 * N), slice(2 * N, 4 * N)):
     (loss_s * 0.5).backward()
     xs, ys = ddp.split_batch(x[half], y[half])
     with ddp.no_sync() if half.start == 0 else contextlib.nullcontext():
-        _, loss = replica(xs, ys)
-        (ddp.scale_loss(loss, ys) * 0.5).backward()
-    if half.start == 0 and dp.stats.by_op["all_reduce"].calls != sent + 1:  # only scale_loss's count
+        (share(replica, xs, ys) * 0.5).backward()
+    if half.start == 0 and dp.stats.by_op["all_reduce"].calls != sent + 1:  # only the count of targets
         raise AssertionError("no_sync still sent gradients")
 ddp.finish_gradients()
 for (name, p_s), p in zip(serial.named_parameters(), replica.parameters()):

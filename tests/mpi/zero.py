@@ -67,8 +67,8 @@ for stage in (1, 2, 3):
             for i, half in enumerate((slice(0, 2 * N), slice(2 * N, 4 * N))):  # two micro-batches
                 xs, ys = split_batch(x[half], y[half], dp)
                 with model.rng.at(rows=rows_of(4 * N, (i, 2), (r, N))):  # their rows in the batch
-                    _, loss = model(xs, ys)
-                    scale_loss(loss, ys, total=total).backward()
+                    logits, _ = model(xs)
+                    scale_loss(model.loss(logits, ys, reduction="sum"), total).backward()
             if stage == 3:  # from the second step on, every unit but the step's first was prefetched
                 came = {k: zero.unit_gathers[k] - came[k] for k in came}
                 units = 2 * 2 * len(model.units())  # two micro-batches, each gathering every unit twice
