@@ -103,7 +103,7 @@ from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.validate import DEFERS_HEAD, RunConfig, problems
 from minipar.plots import plot_curves
-from pipeline_report import report
+from pipeline_report import print_schedules, report
 
 N_HEAD, N_EMBD = 4, 128  # the GPT's width; its depth and context are flags
 # the RunConfig field each flag sets, so that a problem names the flag
@@ -228,27 +228,13 @@ def pipeline_run(comm, name, v, recompute, args, config, grid, batches, referenc
         # the rank holding the last chunk (pipeline rank 0 in ZB-V's V) of each replica: its rows' share
         compare.loss(step, comm.all_reduce(np.array([0.0 if record.loss is None else record.loss]))[0])
         opt.zero_grad()
-    compare.record("parameters", parameter_error(comm, model, reference))
-    costs.update(timelines=gather_timelines(comm, grid, name, args.micro_batches, v, record.timeline,
-                                            args.defer_embedding_wgrad),
+    compare.stage_parameters(comm, model)  # each rank holds its stage's: one vector over all ranks
+    costs.update(timelines=formulas.gather_timelines(comm, grid, name, args.micro_batches, v, record.timeline,
+                                                     args.defer_embedding_wgrad),
                  peak_alive=comm.all_gather(np.array([record.peak_alive]))[:, 0],
                  sent=grid.pp_group.stats.total().bytes_sent if grid.pp_group is not None else 0)
     costs["activation bytes"] = comm.all_gather(np.array([costs["activation bytes"]]))[:, 0]
     return compare.worst_over(comm), costs
-
-
-def gather_timelines(comm, grid, name, m, v, timeline, defer_head=False):
-    """Every rank's (start, end) per instruction, on every rank; kept: the pipeline of replica 0."""
-    plans = schedules.build(name, grid.pp, m, v, defer_head)
-    n = max(len(s) for s in plans.values())
-    mine = np.full((n, 2), np.nan)
-    mine[: len(timeline)] = [(start, end) for *_, start, end in timeline]
-    everyone = comm.all_gather(mine)
-    out = {}
-    for r, plan in plans.items():
-        times = everyone[grid.layout.rank(pp=r)]
-        out[r] = [(i.op, i.mb, i.chunk, s, e) for i, (s, e) in zip(plan, times)]
-    return out
 
 
 def pipedream_run(comm, args, config, grid, batches, delayed):
@@ -267,19 +253,8 @@ def pipedream_run(comm, args, config, grid, batches, delayed):
         share = 0.0 if record.loss is None else record.loss  # each replica's last stage: its rows' share
         losses.append(float(comm.all_reduce(np.array([share]))[0]))
         compare.loss(step, losses[-1])
-    compare.record("parameters", parameter_error(comm, model, delayed))
+    compare.stage_parameters(comm, model)
     return compare.worst_over(comm), losses, opt.stash_bytes()
-
-
-def parameter_error(comm, model, reference):
-    """The parameters as one vector over all ranks against the reference's: sums of squares, added
-    up over the world."""
-    sq = np.zeros(2)
-    for n, p in model.named_parameters():
-        a, b = np.asarray(p.data, np.float64), np.asarray(reference.params[n], np.float64)
-        sq += [((a - b) ** 2).sum(), (b ** 2).sum()]
-    sq = comm.all_reduce(sq)
-    return float(np.sqrt(sq[0] / sq[1]))
 
 
 def main():
@@ -293,11 +268,7 @@ def main():
     reference = lesson.reference_run(comm, config, batches, args.seed)
     runs = runs_of(args)
     if args.show_schedules and comm.rank == 0:
-        print("Each rank's instructions in order, one row per time slot. F3: the forward of micro-batch 3,\n"
-              "B3 its backward (split: its input half), W3 the weights' half; interleaved and ZB-V, F3.1:\n"
-              "the forward of micro-batch 3 on the rank's chunk 1.\n")
-        for name, vv in runs:
-            print(f"{name} (compute order per rank)\n{schedules.table(schedules.build(name, p, m, vv, args.defer_embedding_wgrad))}\n")
+        print_schedules(args, p, runs)
     results = {(name, recompute): pipeline_run(comm, name, vv, recompute, args, config, grid, batches, reference)
                for name, vv in runs for recompute in (False, True)[: 1 + (name in RECOMPUTED)]}
     tol = lesson.TOLERANCE[args.dtype]

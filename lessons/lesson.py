@@ -246,6 +246,16 @@ class Comparison:
         reference = {n: self.reference.params[n] for n in params} if some else self.reference.params
         self.record("parameters", as_one_vector(params, reference))
 
+    def stage_parameters(self, comm, model):
+        """All parameters after the last step as one vector over the ranks of ``comm``, each
+        holding some (a pipeline stage its layers): their sums of squares added up."""
+        sq = np.zeros(2)
+        for n, p in model.named_parameters():
+            a, b = np.asarray(p.data, np.float64), np.asarray(self.reference.params[n], np.float64)
+            sq += [((a - b) ** 2).sum(), (b ** 2).sum()]
+        sq = comm.all_reduce(sq)
+        self.record("parameters", float(np.sqrt(sq[0] / sq[1])))
+
     def worst_over(self, comm):
         """Each row's worst over the ranks, on every rank (each rank compared what it holds)."""
         self.errors = {name: comm.all_reduce(np.array([e]), op="max")[0] for name, e in self.errors.items()}

@@ -144,3 +144,17 @@ def replay(name, timelines, p, v, m, defer_head=False):
     """The bubble of the step in ``timelines`` ({pipeline rank: timeline}) with free messages."""
     table = np.stack([stage_times.summary(timelines[r], p, v, m) for r in range(p)])
     return stage_times.expected(name, v, m, table, defer_head)
+
+
+def gather_timelines(comm, grid, name, m, v, timeline, defer_head=False):
+    """Every rank's (start, end) per instruction, on every rank; kept: the pipeline of replica 0."""
+    plans = schedules.build(name, grid.pp, m, v, defer_head)
+    n = max(len(s) for s in plans.values())
+    mine = np.full((n, 2), np.nan)
+    mine[: len(timeline)] = [(start, end) for *_, start, end in timeline]
+    everyone = comm.all_gather(mine)
+    out = {}
+    for r, plan in plans.items():
+        times = everyone[grid.layout.rank(pp=r)]
+        out[r] = [(i.op, i.mb, i.chunk, s, e) for i, (s, e) in zip(plan, times)]
+    return out

@@ -5,6 +5,17 @@ import os
 import numpy as np
 
 import lesson
+from minipar.parallel.pipeline import schedules
+
+
+def print_schedules(args, p, runs):
+    """--show-schedules: each run's instructions per rank, in order (printed before the runs)."""
+    print("Each rank's instructions in order, one row per time slot. F3: the forward of micro-batch 3,\n"
+          "B3 its backward (split: its input half), W3 the weights' half; interleaved and ZB-V, F3.1:\n"
+          "the forward of micro-batch 3 on the rank's chunk 1.\n")
+    for name, vv in runs:
+        plan = schedules.build(name, p, args.micro_batches, vv, args.defer_embedding_wgrad)
+        print(f"{name} (compute order per rank)\n{schedules.table(plan)}\n")
 
 
 def report(args, grid, results, runs, lines, tol, two_bw=None):
