@@ -56,20 +56,22 @@ class WeightGradients:
         inputs = tuple(t if i in indices else None for i, t in enumerate(node.inputs))
         self._parked.append((node.fn, node.ctx, out_grads, inputs, node.in_shapes, needs))
 
-    def nbytes(self):
-        """Bytes kept alive for W: output gradients and saved arrays of the parked nodes, each
-        underlying buffer once, the weights' own arrays left out."""
+    def buffers(self):
+        """{id: buffer} kept alive for W: the output gradients and saved arrays of the parked
+        nodes, each underlying buffer once, the weights' own arrays left out."""
         weights = [w.data for w in self._weights.values()]
-        seen, total = set(), 0
+        held = {}
         for _, ctx, out_grads, _, _, _ in self._parked:
             for a in list(out_grads) + [v for v in vars(ctx).values() if isinstance(v, xp.ndarray)]:
                 while a.base is not None and isinstance(a.base, xp.ndarray):
                     a = a.base
-                if id(a) in seen or any(xp.may_share_memory(a, w) for w in weights):
-                    continue
-                seen.add(id(a))
-                total += a.nbytes
-        return total
+                if id(a) not in held and not any(xp.may_share_memory(a, w) for w in weights):
+                    held[id(a)] = a
+        return held
+
+    def nbytes(self):
+        """Bytes kept alive for W (``buffers``)."""
+        return sum(a.nbytes for a in self.buffers().values())
 
     def run(self):
         """W: every parked node's weight gradients, accumulated into ``.grad`` in B's order. A

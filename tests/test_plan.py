@@ -93,10 +93,10 @@ def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms
     the closed forms (the planner's beyond SIMULATE_UP_TO) give what the instruction lists give."""
     for schedule, p, m, v in (("1f1b", 4, 8, 1), ("1f1b-slack", 4, 8, 1), ("1f1b-slack", 3, 2, 1), ("gpipe", 2, 6, 1),
                               ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4), ("interleaved", 3, 9, 3),
-                              ("zb-v", 3, 6, 2), ("zb-v", 4, 12, 2), ("zb-h2", 3, 5, 1)):
+                              ("zb-v", 3, 6, 2), ("zb-v", 4, 12, 2), ("zb-h2", 3, 5, 1), ("zb-h1", 4, 8, 1)):
         simulated, alive, source = bubble.pipeline(schedule, p, m, v)
         peaks = [bubble.in_flight(schedule, p, m, v, r) for r in range(p)]
-        assert source == "simulator" and (v > 1 or peaks == [((n,),) for n in alive])
+        assert source == "simulator" and (v > 1 or schedule.startswith("zb") or peaks == [((n,),) for n in alive])
         assert [max(map(sum, peak)) for peak in peaks] == list(alive)
         if not schedule.startswith("zb"):
             assert simulated == theoretical_bubble(p, m, v)
@@ -111,8 +111,14 @@ def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms
             bubble.pipeline.cache_clear()
             bubble.in_flight.cache_clear()
         assert source == "closed form" and (closed, closed_alive, closed_peaks) == (simulated, alive, peaks)
-    # ZB-V's first rank holds the V's first chunk (the embeddings) far fuller than its last (the logits)
-    assert bubble.in_flight("zb-v", 2, 4, 2, 0) == ((3, 1), (4, 0))
+    # ZB-V's first rank holds the V's first chunk (the embeddings) far fuller than its last (the
+    # logits); (whole in chunk 0, in chunk 1, waiting for W in chunk 0, in chunk 1)
+    assert bubble.in_flight("zb-v", 2, 4, 2, 0) == ((3, 0, 0, 1), (3, 0, 1, 0), (3, 1, 0, 0), (4, 0, 0, 0))
+    # ZB-H1's rank r holds p - r micro-batches whole and r waiting for W, ZB-H2's 2p - 1 - 2r and 2r
+    for schedule, p, m, whole in (("zb-h1", 4, 8, lambda r: 4 - r), ("zb-h2", 4, 8, lambda r: 7 - 2 * r)):
+        for r in range(p):
+            held = whole(r) + (r if schedule == "zb-h1" else 2 * r)
+            assert bubble.in_flight(schedule, p, m, 1, r) == ((whole(r) - 1, held - whole(r) + 1), (whole(r), held - whole(r)))
     assert bubble.pipeline("1f1b", 1, 8) == (Fraction(0), (1,), "no pipeline")
 
 

@@ -46,7 +46,7 @@ def test_before_the_steady_state_zb_h2_is_simulated_or_not_planned():
 def test_zb_h1_has_a_third_of_1f1bs_bubble_and_holds_more():
     one, zb = bubble.pipeline("1f1b", 4, 16), bubble.pipeline("zb-h1", 4, 16)
     assert one[0] == Fraction(3, 16 + 3) and zb[0] == Fraction(3, 48 + 3)
-    assert one[1] == (4, 3, 2, 1) and zb[1] == (4, 4, 4, 4)  # W keeps each input until it runs
+    assert one[1] == (4, 3, 2, 1) and zb[1] == (4, 4, 4, 4)  # whole, or parked until their W runs
 
 
 def test_the_enumerator_offers_zero_bubble_schedules_and_selective_recomputation():
@@ -106,6 +106,34 @@ def test_an_moe_blocks_activations_beyond_a_dense_ones_are_counted_exactly_on_on
     model = Model(1, 32, 4, 32, num_experts=experts, moe_router_topk=k, moe_expert_capacity_factor=capacity, dropout=0.1)
     measured = _block_graph_bytes(experts, k, capacity, dtype) - _block_graph_bytes(0, 2, None, dtype)
     assert activations.moe_bytes(model, Layout(micro_batch_size=2), 2 if dtype == "bfloat16" else 4) == measured
+
+
+@pytest.mark.parametrize("experts,capacity,dtype", [(0, None, "float32"), (0, None, "bfloat16"), (4, None, "float32"),
+                                                   (4, None, "bfloat16"), (8, 0.5, "float32")])
+def test_what_a_split_backward_parks_for_w_is_counted_exactly_on_one_device(experts, capacity, dtype):
+    """After B, a micro-batch holds only what its W needs (``weight_grad.WeightGradients``): the
+    planner's count for one micro-batch waiting for W on a one-chunk model (both edges, one or two
+    blocks, dense or MoE, float32 or bfloat16) is WeightGradients.nbytes to the byte. Under TP, SP,
+    PP and EP: tests/mpi/plan_activations.py's ZB rows."""
+    import numpy
+
+    import minipar
+    from minipar.models import GPT, GPTConfig
+    from minipar.weight_grad import backward_input
+
+    minipar.set_default_dtype(dtype)  # (conftest restores the default dtype)
+    for layers in (1, 2):
+        minipar.manual_seed(0)
+        gpt = GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=32, block_size=32, vocab_size=96, dropout=0.1,
+                            num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity))
+        ids = numpy.random.default_rng(0).integers(0, 96, (2, 32))
+        parked = backward_input(gpt.chunk_forward(0, ids, ids, reduction="sum"), gpt.parameters()).nbytes()
+        model = Model(layers, 32, 4, 32, vocab_size=96, num_experts=experts, moe_router_topk=2,
+                      moe_expert_capacity_factor=capacity, dropout=0.1)
+        one_waiting = ((0, 1),)  # no micro-batch whole, one waiting for its W
+        planned = activations.rank_bytes(model, Layout(schedule="zb-h1", micro_batch_size=2), 0, one_waiting,
+                                         2 if dtype == "bfloat16" else 4, transient=False)
+        assert planned == parked, (layers, planned, parked)
 
 
 def test_a_dp_size_that_does_not_divide_the_batch_is_tried_and_refused_with_its_reason():

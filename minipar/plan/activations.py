@@ -62,13 +62,17 @@ vocabulary-parallel embedding's rows, looked up whole before their reduce-scatte
 input, gathered whole, are s b h more each. With the head's weight gradients deferred to the
 flush (``Layout.defer_embedding_wgrad``) the last chunk's rank also parks, from each backward of
 that chunk until the flush, the micro-batch's head input (whole, s b h) and the logits' gradient
-(b s V/t): one count more in ``in_flight``'s vectors. The per-layer formula is exact on one
+(b s V/t): one count more in ``in_flight``'s vectors. A zero-bubble schedule's B frees a
+micro-batch's graph but parks its W's inputs (``parked_bytes``: 20 s b h a block on one device),
+counted apart in ``in_flight``'s vectors (v counts more). The per-layer formula is exact on one
 device; a rank's peak is within 1% of the measured one for a dense model (under TP too, and with
 the head's W deferred), and within 10% for MoE, whose router is not uniform
 (``tests/mpi/plan_activations.py``).
 """
 
 import math
+
+from minipar.parallel.run_config import SPLIT_BACKWARD
 
 from . import bubble, state
 
@@ -174,6 +178,32 @@ def moe_bytes(model, layout, d):
     return router + routing + experts - dense
 
 
+def parked_bytes(model, layout, d):
+    """What one block parks for its W (``weight_grad.py``) after a split backward's B, for one
+    micro-batch on one rank: each weight's op keeps its input and output gradient, a LayerNorm its
+    normalised input, 1/sigma and output gradient. One device, 20 s b h values and 2 s b statistics:
+    the LayerNorms 2 (2 + 0) + 2 rows, the linear layers' inputs 1 + 1 + 1 + 4 and output gradients
+    3 + 1 + 4 + 1 (read off ``WeightGradients.nbytes``, which the tests check to the byte). Under TP the
+    inputs of the column-parallel layers and the output gradients of the row-parallel ones stay
+    whole, the rest is split: 8 + 12/t; under SP the LayerNorms' terms are split too, the
+    column-parallel inputs are the gathered (whole) rows, and each row-parallel bias, added after
+    the reduce-scatter, parks its own (split) output gradient: 4 + 18/t. An MoE block parks in place
+    of its dense MLP's (2 + 8/t, SP 2 + 9/t) the experts' 10 d R h and its router's: in float32 the gate's input
+    and the logits' gradient, d N (h + E); in 16 bits the router's weight is cast to float32, so the
+    cast's output gradient, 4 E h, is what waits (the product's gradient is B's)."""
+    t, b, h = layout.tp, layout.micro_batch_size, model.hidden_size
+    s = model.seq_length // layout.cp
+    sbh, rows = d * s * b * h, max(d, 4) * s * b
+    sp = layout.sequence_parallel and t > 1
+    dense = 4 * sbh + (18 * sbh + 2 * rows) // t if sp else 8 * sbh + 12 * sbh // t + 2 * rows
+    if not model.num_experts:
+        return dense, 0
+    N = b * s // (t if sp else 1)
+    R = expected_slots(model, N)
+    router = d * N * (h + model.num_experts) if d >= 4 else 4 * model.num_experts * h
+    return dense, router + 10 * d * R * h - (2 * sbh + (9 if sp else 8) * sbh // t)
+
+
 def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     """Activation bytes at the peak on pipeline rank ``stage``: its chunks (``state.stage_chunks``,
     their blocks ``state.chunk_layers``) times the micro-batches its schedule holds in each at its peaks
@@ -185,7 +215,9 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     and backward, as ``bench/memory_breakdown.py`` walks it, does not see it). ZeRO-3 keeps what
     the same layout without it keeps: its graph holds the parameters by reference, not their
     gathered copies. With ``defer_embedding_wgrad`` the last chunk's rank's vectors have one count
-    more, the head W's parked (``bubble.in_flight(..., defer_head=True)``)."""
+    more, the head W's parked (``bubble.in_flight(..., defer_head=True)``); with a zero-bubble
+    schedule v more, the micro-batches whose W waits in each chunk (``parked_bytes`` and the
+    chunk's edge: the embeddings' output gradients, ln_f's and the head's W inputs)."""
     b, s, t = layout.micro_batch_size, model.seq_length // layout.cp, layout.tp
     sbh = d * s * b * model.hidden_size
     shard = t if layout.sequence_parallel else 1
@@ -210,8 +242,21 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
             extra += sbh // shard  # recomputation it is the first layer's kept input)
         return extra
 
+    def parked(chunk):  # one micro-batch's W set: its blocks' and the chunk's edge's (parked_bytes)
+        blocks = state.chunk_layers(model, layout, chunk)
+        extra = len(blocks) * dense_w + sum(map(model.is_moe, blocks)) * experts_w
+        if chunk == 0:  # the token and position embeddings' output gradients (the latter summed over the
+            # batch), their int64 ids (the positions' whole, a slice's base), TP's 1-byte mask of ids elsewhere
+            extra += sbh + 8 * b * s + (b * s if t > 1 else 0) + d * s * model.hidden_size // shard + 8 * s
+        if chunk == last:  # ln_f's xhat, 1/sigma and output gradient, the head's input and the logits' gradient
+            extra += (2 * sbh + max(d, 4) * s * b) // shard + sbh + logits // 2
+        return extra
+
     chunks = state.stage_chunks(layout, stage)
     held = [chunk_bytes(c) for c in chunks]
+    if layout.schedule in SPLIT_BACKWARD:  # in_flight's counts of micro-batches whose W waits
+        dense_w, experts_w = parked_bytes(model, layout, d)
+        held += [parked(c) for c in chunks]
     if layout.defer_embedding_wgrad and last in chunks:  # a parked head W: its input (whole under SP),
         held.append(sbh + logits // 2)  # and the logits' gradient, one of the two logits-sized arrays
     kept = max(sum(n * h for n, h in zip(peak, held, strict=True)) for peak in peaks)
@@ -221,13 +266,8 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
 def peak_bytes(model, layout, m, d, query_block=64):
     """The most activation bytes any pipeline rank keeps at its peak (``rank_bytes`` with the
     transient layer: the first or last stage, or with uneven ``pipeline_layers`` any), with m
-    micro-batches a step. Where the schedule's count is not planned at this size
-    (``bubble.NotPlanned``), one micro-batch in each chunk: a floor."""
-    def peaks(stage):
-        try:
-            return bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, stage, layout.defer_embedding_wgrad)
-        except bubble.NotPlanned:  # a zero-bubble schedule, which defers no head W
-            return ((1,) * layout.vpp,)
-
+    micro-batches a step (``bubble.in_flight``: every schedule's counts at any size)."""
     stages = range(layout.pp) if layout.pipeline_layers else {0, layout.pp - 1}
-    return max(rank_bytes(model, layout, s, peaks(s), d, query_block) for s in stages)
+    return max(rank_bytes(model, layout, s, bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s,
+                                                             layout.defer_embedding_wgrad), d, query_block)
+               for s in stages)

@@ -24,10 +24,11 @@ from fractions import Fraction
 from functools import lru_cache
 
 from minipar.parallel import validate
-from minipar.parallel.pipeline import schedules
+from minipar.parallel.pipeline import schedules, zero_bubble
 from minipar.parallel.pipeline.simulate import chunk_peaks, simulate, theoretical_bubble
 
 SIMULATE_UP_TO = 4096  # chunk-passes p x v x m
+ZERO_BUBBLE_ORDERS = {"zb-h1": zero_bubble.h1, "zb-h2": zero_bubble.h2, "zb-v": zero_bubble.v}  # one rank's compute
 
 
 class NotPlanned(ValueError):
@@ -70,12 +71,11 @@ def pipeline(schedule, p, m, v=1, recompute=False):
 @lru_cache(maxsize=4096)
 def in_flight(schedule, p, m, v, rank, defer_head=False):
     """The micro-batches rank ``rank`` holds in each of its v chunks at its peaks (``chunk_peaks``:
-    count vectors, one count per local chunk). From the schedule's own instruction list up to
-    ``SIMULATE_UP_TO`` chunk-passes; beyond, one chunk holds the closed form's total (v = 1),
-    interleaved's order is walked without its messages, and ZB-V's rank r holds 2p - 1 - r of
-    the V's descending chunk and r + 1 of its ascending one, or 2p - r and r: a micro-batch
-    takes the descending chunk first, so the rank nearest the V's bottom holds the two most
-    alike (as the instruction lists give, tested). ``defer_head`` (``schedules.defer_head_weight``):
+    count vectors, one count per local chunk; with a split backward v more, those whose W waits).
+    From the schedule's own instruction list up to ``SIMULATE_UP_TO`` chunk-passes; beyond, one
+    chunk holds the closed form's total (v = 1), and interleaved's and the zero-bubble schedules'
+    orders are walked without their messages (ZB-H1's rank r peaks at p - r micro-batches whole
+    and r waiting for W, ZB-H2's at 2p - 1 - 2r and 2r; tested). ``defer_head`` (``schedules.defer_head_weight``):
     the last rank's vectors count one more, the head W's parked; in closed form (n, m - n) for n
     up to the total (v = 1: the last rank's backwards alternate with its forwards, each parking one,
     and none runs before the flush), and interleaved's walk takes the head W's at its end, as the
@@ -85,10 +85,11 @@ def in_flight(schedule, p, m, v, rank, defer_head=False):
     if defer_head:  # refused as schedules.build does: p = 1, or a schedule that never flushes
         validate.check(validate.RunConfig(pp=p, schedule=schedule, defer_embedding_wgrad=True),
                        what="pipeline schedule")
-    _, alive, _ = pipeline(schedule, p, m, v)  # closed forms; raises NotPlanned where pipeline does
+    if schedule in validate.SPLIT_BACKWARD:  # (the compute alone: no message tags to run out of)
+        order = ZERO_BUBBLE_ORDERS[schedule](p, m, rank)
+        return chunk_peaks(((op, chunk) for op, _, chunk in order), v)
+    _, alive, _ = pipeline(schedule, p, m, v)  # closed forms
     parks = defer_head and rank == p - 1  # every deferring schedule places the last chunk round-robin
-    if schedule == "zb-v":
-        return ((2 * p - 1 - rank, rank + 1), (2 * p - rank, rank))
     if schedule == "interleaved":
         order = [(op, chunk) for op, _, chunk in schedules.interleaved_order(p, m, v, rank)]
         return chunk_peaks(order + [(schedules.HEAD_WEIGHT, v - 1)] * m * parks, v)

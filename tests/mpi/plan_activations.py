@@ -25,10 +25,12 @@ from minipar.plan import activations, bubble
 from minipar.plan.shapes import Layout, Model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from memory_breakdown import HYPER, MeasuringExecutor, graph_bytes, measure  # noqa: E402
+from activation_memory import _root, held_buffers  # noqa: E402
+from memory_breakdown import HYPER, MeasuringExecutor, measure  # noqa: E402
 from minipar.models import GPT, GPTConfig  # noqa: E402
 from minipar.parallel import ProcessGrid  # noqa: E402
 from minipar.parallel.optimizers import make_optimizer  # noqa: E402
+from minipar.parallel.run_config import SPLIT_BACKWARD  # noqa: E402
 
 LAYOUTS = [  # (name, tp, cp, pp, zero stage, sequence parallel), as memory_breakdown.layouts
     ("DP4", 1, 1, 1, 0, False), ("TP2 DP2", 2, 1, 1, 0, False), ("TP4 SP", 4, 1, 1, 0, True),
@@ -42,6 +44,9 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
     ("TP2 PP2 SP sel.", 2, 2, 1, True, 0, None, True, "1f1b"), ("DP4 EP2 MoE sel.", 1, 1, 2, False, 4, None, True, "1f1b"),
     ("PP2 DP2 ZB-V", 1, 2, 1, False, 0, None, False, "zb-v"), ("TP2 PP2 ZB-V sel", 2, 2, 1, True, 0, None, True, "zb-v"),
     ("PP2 DP2 interl.", 1, 2, 1, False, 0, None, False, "interleaved"),
+    ("PP2 DP2 ZB-H1", 1, 2, 1, False, 0, None, False, "zb-h1"), ("PP4 ZB-H2", 1, 4, 1, False, 0, None, False, "zb-h2"),
+    ("TP2 PP2 SP ZB-H1", 2, 2, 1, True, 0, None, False, "zb-h1"), ("PP2 EP2 MoE ZB-H2", 1, 2, 2, False, 4, None, False, "zb-h2"),
+    ("TP2 PP2 SP MoE ZB-H1", 2, 2, 1, True, 4, None, False, "zb-h1"),
 ]
 UNEVEN = [("PP2 DP2 3,1", (3, 1)), ("PP2 DP2 1,3", (1, 3))]  # --pipeline-layers, 1F1B
 ULYSSES = [("CP2 DP2 a2a", 1, False), ("CP2 TP2 a2a", 2, False), ("CP2 DP2 a2a sel.", 1, True)]  # (name, tp, selective)
@@ -59,7 +64,8 @@ def tolerance(name):
 
 
 class ParkingExecutor(MeasuringExecutor):
-    """The graphs and the head W's parked for the flush, after every forward and backward."""
+    """The graphs and what waits for a W (a split backward's, or the head's for the flush), every
+    buffer once, after every forward and backward."""
 
     def _forward(self, state, ins):
         super()._forward(state, ins)
@@ -69,9 +75,16 @@ class ParkingExecutor(MeasuringExecutor):
         super()._backward(state, ins)
         self._measure(state)
 
+    def _backward_input(self, state, ins):
+        super()._backward_input(state, ins)
+        self._measure(state)
+
     def _measure(self, state):
-        graphs = graph_bytes([out for _, out in state.kept.values()], self.model.parameters())
-        self.peak = max(self.peak, graphs + sum(w.nbytes() for w in state.head_grads.values()))
+        held = held_buffers([out for _, out in state.kept.values()])
+        for pending in (*state.weight_grads.values(), *state.head_grads.values()):
+            held.update(pending.buffers())
+        skip = {id(_root(p.data)) for p in self.model.parameters()}
+        self.peak = max(self.peak, sum(a.nbytes for key, a in held.items() if key not in skip))
 
 
 def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1):
@@ -83,12 +96,13 @@ def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=N
     grid = ProcessGrid(tp, pp, comm.size // (tp * pp * cp), comm, ep=ep, cp=cp)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                        dropout=0.1, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
-    v = 1 if schedule == "1f1b" else 2
+    v = 2 if schedule in ("interleaved", "zb-v") else 1
     gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity="selective" if selective else None,
               virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin", layers_per_stage=layers,
               cp_comm_type="a2a")
     opt = make_optimizer(gpt, grid, 0, bucket_bytes=args.bucket_kb << 10, **HYPER)
-    run = (ParkingExecutor if defer else MeasuringExecutor)(gpt, grid, schedule, args.micro_batches, optimizer=opt,
+    parks = defer or schedule in SPLIT_BACKWARD
+    run = (ParkingExecutor if parks else MeasuringExecutor)(gpt, grid, schedule, args.micro_batches, optimizer=opt,
                                                             defer_embedding_wgrad=defer)
     gpt.rng.iteration = 0
     run.step(*batch, optimizer_step=opt.finish_gradients)
@@ -107,7 +121,7 @@ def rows_of(name, measured, predicted):
     allowed = tolerance(name)
     every = comm.gather_to_root(numpy.array([measured, predicted, allowed]), tag=7401)
     if every is not None:
-        rows.append(f"{name:<17}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f} ({t:.0%})" for m, p, t in every))
+        rows.append(f"{name:<20}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f} ({t:.0%})" for m, p, t in every))
     return abs(predicted / measured - 1) / allowed
 
 
@@ -129,7 +143,7 @@ for name, tp, pp, ep, sp, experts, capacity, selective, schedule in MORE_LAYOUTS
     dp = comm.size // (tp * pp)
     moe_model = Model(4, 64, 8, 64, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity, dropout=0.1)
     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp, selective_recompute=selective, schedule=schedule,
-                    vpp=1 if schedule == "1f1b" else 2, micro_batch_size=args.batch_size // dp // args.micro_batches)
+                    vpp=2 if schedule in ("interleaved", "zb-v") else 1, micro_batch_size=args.batch_size // dp // args.micro_batches)
     worst = max(worst, rows_of(name, measured, planned(moe_model, layout, grid.pp_rank)))
 for name, tp, selective in ULYSSES:
     measured, grid = measure_gpt(tp, 1, 1, False, 0, None, selective, "1f1b", cp=2)

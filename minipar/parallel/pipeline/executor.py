@@ -34,8 +34,9 @@ batch it is given and the model, so a message is only its bytes. Each message ha
 What makes the pipelined run equal to one device:
 
 * Micro-batch i is rows i*B..(i+1)*B of the step's batch (then cut across data-parallel ranks), and
-  its loss, a mean over its tokens, is scaled by (its tokens / the step's tokens) before backward:
-  the shares add up to the mean over the whole batch, not to a sum of per-micro-batch means.
+  its loss, summed over its tokens, is divided by the step's count of them before backward: the
+  shares add up to the mean over the whole batch (one whose targets are all ignored adds 0), not
+  to a sum of per-micro-batch means.
 * Dropout draws the single-device masks (``_dropout_context``, the only code here that touches
   the model's dropout keys): masks are keyed by layer and by the tokens' global rows
   (see minipar.rng), so each forward runs inside ``model.rng.at(rows=...)`` with its micro-batch's

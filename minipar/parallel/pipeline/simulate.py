@@ -189,24 +189,37 @@ def chunk_peaks(order, v):
     of (op, local chunk) alone (messages change when, not what): after each forward, the count per
     chunk; kept, those no other equals or exceeds in every chunk. A planner weighs them with each
     chunk's bytes (the first chunk's embeddings, the last's logits) and takes the largest sum,
-    which a single total (``peak_alive``) cannot give when the chunks differ. Where the order
-    defers the head's weight gradients (``head_weight`` ops), each vector has one count more, the
-    micro-batches whose head W is parked, and is taken after that chunk's backwards too: they free
-    its activations but park the head's input and the logits' gradient, so the sum can peak there."""
+    which a single total (``peak_alive``) cannot give when the chunks differ.
+
+    A split backward (``backward_input`` ops) frees a micro-batch's graph but parks what its W
+    needs, less than the graph held: each vector then has v counts more, the micro-batches whose
+    W waits in each chunk, and is taken after each B too (under full recomputation the parked set
+    is the larger). Where the order defers the head's weight gradients (``head_weight`` ops), each
+    vector has one count more, the micro-batches whose head W is parked, and is taken after that
+    chunk's backwards: they free its activations but park the head's input and the logits'
+    gradient, so the sum can peak there."""
     order = list(order)
+    split = any(op == BACKWARD_INPUT for op, _ in order)
     deferring = {chunk for op, chunk in order if op == HEAD_WEIGHT}
-    counts, seen = [0] * (v + bool(deferring)), set()
+    head = v * (2 if split else 1)  # the parked head W's count, after the W-pending ones
+    counts, seen = [0] * (head + bool(deferring)), set()
     for op, chunk in order:
         if op == FORWARD:
             counts[chunk] += 1
             seen.add(tuple(counts))
-        elif op in (BACKWARD, BACKWARD_WEIGHT):
+        elif op == BACKWARD:
             counts[chunk] -= 1
-            if op == BACKWARD and chunk in deferring:
-                counts[v] += 1
+            if chunk in deferring:
+                counts[head] += 1
                 seen.add(tuple(counts))
+        elif op == BACKWARD_INPUT:
+            counts[chunk] -= 1
+            counts[v + chunk] += 1
+            seen.add(tuple(counts))
+        elif op == BACKWARD_WEIGHT:
+            counts[v + chunk] -= 1
         elif op == HEAD_WEIGHT:
-            counts[v] -= 1
+            counts[head] -= 1
     return tuple(sorted(c for c in seen if not any(o != c and all(map(int.__ge__, o, c)) for o in seen)))
 
 
