@@ -216,11 +216,15 @@ def check_args(args, world_size):
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
     if not layout:  # the sizes make sense: will the model and its activations fit before they are allocated?
         from minipar.parallel.memory import BYTES, problem as memory_problem
-        from minipar.plan import activations, shapes
+        from minipar.plan import activations, shapes, state
 
         model, plan_layout, m = shapes.from_run_config(run, args.recompute_granularity == "selective")
         held = activations.peak_bytes(model, plan_layout, m, BYTES[run.dtype])
-        problems.append(memory_problem(run, backend.free_memory(), FLAGS, held))
+        precision = run.dtype if BYTES[run.dtype] > 2 else "bf16-fp32-grads" if run.fp32_grads else "bf16"
+        stages = [state.state_bytes(model, plan_layout, s, precision) for s in range(run.pp)]
+        stash = run.schedule == "pipedream-2bw"  # its stashed weights and a batch's gradients set aside
+        fullest = max(sum(b.values()) + stash * (b["parameters"] + b["gradients"]) for b in stages)
+        problems.append(memory_problem(run, backend.free_memory(), FLAGS, held, fullest))
     problems = [p for p in problems if p] + layout
     if problems:
         raise FlagError(*problems)

@@ -68,3 +68,26 @@ def test_on_a_gpu_the_free_memory_is_shared_by_the_ranks_on_it(monkeypatch):
     monkeypatch.setattr(backend, "DEVICE", "cuda")
     monkeypatch.setenv("MPI_LOCALNRANKS", "5")
     assert backend.free_memory() == (80e9, 3, "free memory of the NVIDIA H200")
+
+
+def test_the_trainer_counts_the_fullest_stages_state_not_the_average(monkeypatch):
+    """PP 3 over 6 blocks with experts in blocks 0 and 4: stages 0 and 2 hold an MoE block each
+    (8 experts, 1.0 GB of float32 state), stage 1 none. The model's average over the stages, 1.03
+    GB a rank, would let a run through that the first stage's 1.3 GB (the embedding too) does not fit."""
+    from minipar import backend
+    from minipar.cli import FlagError
+    from minipar.parallel.memory import state_bytes
+    from minipar.parallel.validate import RunConfig
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    flags = ["--n-layer", "6", "--n-embd", "1024", "--num-experts", "8", "--moe-layer-freq", "4", "--pp", "3",
+             "--micro-batch-size", "4"]
+    average = state_bytes(RunConfig(pp=3, dp=1, n_layer=6, n_embd=1024, block_size=64, vocab_size=256, num_experts=8,
+                                    moe_layer_freq=4))
+    assert 1.0e9 < average < 1.1e9
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: (1.6e9, 1, "test memory"))  # the average fits
+    with pytest.raises(FlagError) as refusal:
+        check_args(build_parser().parse_args(flags), 3)
+    (line,) = refusal.value.lines
+    assert line.startswith("this run needs about 1.8 GB on each rank: 1.3 GB for a model of 193,501,184 parameters")

@@ -87,16 +87,19 @@ def batch_bytes(cfg, logits=True):
     return ids + (BYTES[cfg.dtype] * rows * (cfg.block_size // cfg.cp) * vocab if logits else 0)
 
 
-def problem(cfg, free, names, activations=None):
+def problem(cfg, free, names, activations=None, state=None):
     """A line saying that ``cfg`` cannot fit in ``free`` (bytes, ranks sharing them, what they are,
     as ``backend.free_memory`` reads them; None: not known), naming the fixes by the caller's
     ``names`` of the fields; None if it fits. ``activations``: the bytes the fullest rank's
     activations take at their peak, where the caller can count them (otherwise one micro-batch's
-    logits stand for them, a floor)."""
+    logits stand for them, a floor). ``state``: the fullest stage's parameters, gradients and
+    optimizer state, where the caller can count them stage by stage (the embedding on the first,
+    each stage's own MoE blocks); otherwise ``state_bytes``, the model's average over TP x PP."""
     if free is None:
         return None
     total, ranks, what = free
-    held, batch = state_bytes(cfg), batch_bytes(cfg, logits=activations is None)
+    held = state_bytes(cfg) if state is None else state
+    batch = batch_bytes(cfg, logits=activations is None)
     need, available = held + batch + (activations or 0), total / ranks
     if need <= available:
         return None
