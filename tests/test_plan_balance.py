@@ -49,3 +49,21 @@ def test_the_command_line_shows_the_balancing_win():
     run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "1", "--gpu-memory-gb", "2", "--node-speeds", "1,0.5")
     assert run.returncode == 0, run.stderr
     assert "balanced  layers per stage [8, 4]" in run.stdout and "balancing saves" in run.stdout
+
+
+def test_the_balanced_plans_command_is_one_the_trainer_takes(monkeypatch):
+    """The printed command carries the plan's whole layout (its schedule too: a ZB-H1 plan balanced
+    and simulated as 1F1B, run as 1F1B, was not the plan), and the trainer accepts it as given."""
+    from minipar import backend
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    run = run_plan("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                   "--global-batch-size", "16", "--gpus", "16", "--node-speeds", "1,0.5")
+    assert run.returncode == 0, run.stderr
+    (line,) = [l for l in run.stdout.splitlines() if "to run it on" in l]
+    ranks, command = line.split("to run it on ")[1].split(" ranks: python -m minipar.train ")
+    args = build_parser().parse_args(command.split())
+    assert args.pipeline_layers and args.schedule in run.stdout.split("heterogeneous GPUs:")[1]
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: None)  # this machine's memory is not the plan's
+    check_args(args, int(ranks))

@@ -103,6 +103,11 @@ def machine_of(args):
               if not 0 <= getattr(args, f) < math.inf]
     if not 0 < args.efficiency <= 1:
         found.append(f"--efficiency is the share of the peak the kernels reach: in (0, 1], got {args.efficiency}")
+    elif not found and args.peak_tflops * 1e12 * args.efficiency < 1:  # a step of the cost model's would be inf s
+        found.append(f"--peak-tflops {args.peak_tflops} x --efficiency {args.efficiency} is less than 1 FLOP/s: "
+                     "give a GPU's figures")
+    found += [f"{flag(f)} {getattr(args, f)} is less than 1 byte/s: give a link's figure"
+              for f in ("intra_node_gbps", "inter_node_gbps") if 0 < getattr(args, f) * 1e9 / 8 < 1]
     fields = ("gpus_per_node", "gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "efficiency",
               "cores_per_node") + NOT_NEGATIVE
     return found, (None if found else Machine(args.gpus, **{f: getattr(args, f) for f in fields}))
@@ -218,22 +223,49 @@ def main(argv=None):
 
 
 def heterogeneous(result, machine, model, batch, speeds):
-    """The fastest pipelined plan's layers balanced over its stages' speeds, and the bubble saved."""
-    piped = [lp for lp in result.plans if lp[0].pp > 1]
+    """The fastest plan with one chunk per pipeline stage, its layers balanced over its stages'
+    speeds, the bubble saved, and the trainer's command that runs it."""
+    piped = [lp for lp in result.plans if lp[0].pp > 1 and lp[0].vpp == 1]
     if not piped:
-        print("\nheterogeneous GPUs: no plan has a pipeline to balance")
+        print("\nheterogeneous GPUs: no plan has a pipeline of one chunk per stage to balance")
         return
     layout = piped[0][0]
     stage = hetero.stage_speeds(layout, machine.gpus_per_node, speeds)  # (a speed per node: checked)
     m = batch // layout.dp // layout.micro_batch_size
-    out = hetero.compare(model.num_layers, stage, m)
-    print(f"\nheterogeneous GPUs: the fastest pipelined plan (PP={layout.pp}), stage speeds {stage}, {m} micro-batches, 1F1B")
+    out = hetero.compare(model.num_layers, stage, m, layout.schedule)
+    print(f"\nheterogeneous GPUs: the fastest plan with a pipeline (PP={layout.pp}), stage speeds {stage}, "
+          f"{m} micro-batches, {layout.schedule}")
     for name, (layers, makespan, bub) in out.items():
         print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
     saved = float(1 - out["balanced"][1] / out["even"][1])
     print(f"  balancing saves {saved:.1%} of the step (bubble {float(out['even'][2]):.3f} -> {float(out['balanced'][2]):.3f})")
-    print(f"  to run it: python -m minipar.train --pp {len(out['balanced'][0])} --pipeline-layers "
-          f"{','.join(map(str, out['balanced'][0]))} ...")
+    print(f"  to run it on {layout.world_size} ranks: python -m minipar.train {train_flags(model, layout, batch, out['balanced'][0])}")
+
+
+def train_flags(model, layout, batch, layers):
+    """The trainer's flags for ``model`` on ``layout`` with ``layers`` per pipeline stage (DP is
+    what the ranks leave)."""
+    flags = [f"--n-layer {model.num_layers} --n-embd {model.hidden_size} --n-head {model.num_attention_heads} "
+             f"--block-size {model.seq_length} --vocab-size {model.vocab_size} --dropout {model.dropout}"]
+    if model.num_experts:
+        flags.append(f"--num-experts {model.num_experts} --moe-router-topk {model.moe_router_topk} "
+                     f"--moe-layer-freq {model.moe_layer_freq}")
+        if model.moe_expert_capacity_factor is not None:
+            flags.append(f"--moe-expert-capacity-factor {model.moe_expert_capacity_factor}")
+    flags += [f"--{name} {value}" for name, value in (("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep)) if value > 1]
+    flags.append(f"--pp {layout.pp} --pipeline-layers {','.join(map(str, layers))} --schedule {layout.schedule} "
+                 f"--global-batch-size {batch} --micro-batch-size {layout.micro_batch_size}")
+    if layout.cp > 1:
+        flags.append(f"--cp-comm-type {layout.cp_comm_type}")
+    if layout.zero_stage:
+        flags.append(f"--zero-stage {layout.zero_stage}")
+    if layout.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if layout.recompute or layout.selective_recompute:
+        flags.append(f"--recompute-granularity {'full' if layout.recompute else 'selective'}")
+    if layout.defer_embedding_wgrad:
+        flags.append("--defer-embedding-wgrad-compute")
+    return " ".join(flags)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from fractions import Fraction
 
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.simulate import simulate
+from minipar.parallel.run_config import SPLIT_BACKWARD
 
 
 def balance(num_layers, speeds):
@@ -32,11 +33,13 @@ def balance(num_layers, speeds):
 
 
 def step(layers, speeds, micro_batches, schedule="1f1b"):
-    """(makespan, mean bubble) of 1F1B (or GPipe) with stage i's forward layers_i / speed_i, backward 2x."""
+    """(makespan, mean bubble) of a one-chunk schedule (1F1B, GPipe, ZB-H1, ...) with stage i's
+    forward layers_i / speed_i, backward 2x (split: B and W 1x each, as the planner takes them)."""
     p = len(layers)
     forward = {(r, 0): Fraction(layers[r]) / Fraction(speeds[r]) for r in range(p)}
+    split = schedule in SPLIT_BACKWARD
     sim = simulate(schedules.build(schedule, p, micro_batches), micro_batches, forward=forward,
-                   backward={k: 2 * v for k, v in forward.items()})
+                   backward={k: (1 if split else 2) * v for k, v in forward.items()}, weight=forward if split else None)
     return sim.makespan, sum(sim.bubble.values()) / p
 
 
