@@ -67,11 +67,17 @@ def layouts(n):
             "TP-SP": (f"TP{n} SP", n, 1, 1, 0, True)}
 
 
-def graph_bytes(outputs, params):
+def graph_bytes(outputs, params, batch=()):
     """Bytes of the distinct arrays the graphs of ``outputs`` keep (outputs included), less the
-    parameters' (whose memory the optimizer's columns count)."""
-    skip = {id(_root(p.data)) for p in params}
+    parameters' (whose memory the optimizer's columns count) and the step's ``batch`` arrays (token
+    ids and targets, which the caller holds whole and the embedding looks into)."""
+    skip = {id(_root(a)) for a in [p.data for p in params] + list(batch)}
     return sum(a.nbytes for key, a in held_buffers(outputs).items() if key not in skip)
+
+
+def batch_arrays(state):
+    """The step's token ids and targets, as the executor's micro-batches look into them."""
+    return [a for pair in state.micro for a in pair]
 
 
 class MeasuringExecutor(PipelineExecutor):
@@ -83,7 +89,7 @@ class MeasuringExecutor(PipelineExecutor):
     def _forward(self, state, ins):
         super()._forward(state, ins)
         outputs = [out for _, out in state.kept.values()]
-        self.peak = max(self.peak, graph_bytes(outputs, self.model.parameters()))
+        self.peak = max(self.peak, graph_bytes(outputs, self.model.parameters(), batch_arrays(state)))
 
 
 def measure(layout, args, comm, batch):

@@ -49,23 +49,28 @@ LayerNorm output is not gathered. Exact on one device (dropless, no auxiliary lo
 graphs hold a few N E more; in float32, and in bfloat16 too); on ranks within 10%
 (``tests/mpi/plan_activations.py``).
 
-Ring attention keeps no T x T part at all (its backward rebuilds the probabilities from the
-log-sum-exp); Ulysses keeps it for all T positions and a/(t CP) heads.
+Ring attention keeps no T x T part, only the log-sum-exp, 4 b a s (its backward rebuilds the
+probabilities from it); Ulysses keeps it for all T positions and a/(t CP) heads.
 
 A rank holds (``rank_bytes``), for each micro-batch its schedule keeps in one of its chunks at
 its peak (``bubble.in_flight``: 1F1B p on the first stage, GPipe m; with v chunks a count per
-chunk), that chunk's layers' activations and its edge: in the model's first chunk the embeddings'
-4 s b h, in the last ln_f's and the head's input, 3 s b h, and the logits with their softmax,
-2 b s V/t d (those two counts read off measured graphs), in every other chunk the input it received
-from the stage before, s b h. With sequence parallelism the edge terms are split by t, but the
-vocabulary-parallel embedding's rows, looked up whole before their reduce-scatter, and the head's
-input, gathered whole, are s b h more each. With the head's weight gradients deferred to the
-flush (``Layout.defer_embedding_wgrad``) the last chunk's rank also parks, from each backward of
-that chunk until the flush, the micro-batch's head input (whole, s b h) and the logits' gradient
-(b s V/t): one count more in ``in_flight``'s vectors. A zero-bubble schedule's B frees a
-micro-batch's graph but parks its W's inputs (``parked_bytes``: 20 s b h a block on one device),
-counted apart in ``in_flight``'s vectors (v counts more). The per-layer formula is exact on one
-device; a rank's peak is within 1% of the measured one for a dense model (under TP too, and with
+chunk), that chunk's layers' activations (each block's output among them; under full
+recomputation each block's input and the chunk's output), its input and its edge. The first
+chunk's input is the embeddings' dropout output, beside the token rows, their sum with the
+position rows (s h, one set for the whole micro-batch) and the 1-byte mask: 3 s b h + s h, plus
+under TP the int64 ids of the rank's rows and which are not its own (with one device the batch's
+ids, which the caller holds whole and memory.batch_bytes counts). Every other chunk's input is the
+one received, s b h. The last chunk adds ln_f's xhat and output (the head's input), 2 s b h, the
+logits with their softmax, 2 b s V/t d, and the loss's targets, row numbers and masks. With
+sequence parallelism the edge terms are split by t, but the vocabulary-parallel embedding's rows,
+looked up whole before their reduce-scatter, and the head's input, gathered whole, are s b h more
+each. With the head's weight gradients deferred to the flush (``Layout.defer_embedding_wgrad``)
+the last chunk's rank also parks, from each backward of that chunk until the flush, the
+micro-batch's head input (whole, s b h) and the logits' gradient (b s V/t): one count more in
+``in_flight``'s vectors. A zero-bubble schedule's B frees a micro-batch's graph but parks its W's
+inputs (``parked_bytes``: 20 s b h a block on one device), counted apart in ``in_flight``'s vectors
+(v counts more). The per-layer formula is exact on one device; a rank's peak is within 0.07% of
+the measured one for every dense layout measured (TP, SP, CP, PP, each schedule, recomputation,
 the head's W deferred), and within 10% for MoE, whose router is not uniform
 (``tests/mpi/plan_activations.py``).
 """
@@ -132,7 +137,9 @@ def layer_bytes(model, layout, d, query_block=64):
     total = 0
     for name, value in terms.items():
         if name.startswith("T x T") and value and c > 1 and layout.cp_comm_type == "p2p":
-            value = 0  # ring attention keeps no probabilities: backward rebuilds them from the log-sum-exp
+            # ring attention keeps no probabilities: backward rebuilds them from the log-sum-exp, one
+            # float32 a position and head
+            value = 4 * b * model.num_attention_heads * s if name.endswith("P") else 0
         elif name.startswith("T x T") and value:  # Ulysses: all T positions, a / (t CP) heads
             value = d * model.num_attention_heads * b * kept_pairs(model.seq_length, query_block) // c
         if name.startswith(SPLIT_BY_TP) or (layout.sequence_parallel and not name.startswith(WHOLE_UNDER_SP)):
@@ -228,18 +235,22 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     logits = 2 * b * s * -(-model.vocab_size // t) * d  # the head's output and the loss's softmax
     last = layout.pp * layout.vpp - 1
 
-    def chunk_bytes(chunk):  # one micro-batch's: its blocks' activations and the chunk's edge
+    def chunk_bytes(chunk):  # one micro-batch's: its blocks' activations, its input and its edge
         blocks = state.chunk_layers(model, layout, chunk)
-        if recompute:
+        if recompute:  # each block's kept input, the first's the chunk's input (below), and the chunk's output
             extra = len(blocks) * sbh // shard
-        else:
+        else:  # each block's terms, its output among them
             extra = len(blocks) * one + sum(map(model.is_moe, blocks)) * experts
-        if chunk == 0:  # the embeddings' rows, their sum, dropout's 1-byte mask and output; under SP also the
-            extra += (3 * sbh + sbh // d) // shard + (sbh if shard > 1 else 0)  # rows looked up, whole, before the reduce-scatter
-        if chunk == last:  # ln_f's input, xhat and output (the head's input), the logits and their softmax
-            extra += 3 * sbh // shard + logits + (sbh if shard > 1 else 0)  # SP: the head's input gathered
-        elif chunk > 0 and not recompute:  # the input received, kept for the backward (under full
-            extra += sbh // shard  # recomputation it is the first layer's kept input)
+        ids = 9 * b * s if t > 1 else 0  # TP: the int64 ids of this rank's rows and which are not (one device: the batch's)
+        if chunk == 0:  # the token rows, the position rows (s h, one set for the batch), their sum,
+            # dropout's 1-byte mask and output (the chunk's input); under SP the token rows looked up
+            # whole before the reduce-scatter; the ids, and the positions' (8 s)
+            extra += (3 * sbh + sbh // d + d * s * model.hidden_size) // shard + ids + 8 * s + (sbh if shard > 1 else 0)
+        else:  # the input received, kept for the backward
+            extra += sbh // shard
+        if chunk == last:  # ln_f's xhat, 1/sigma and output (the head's input; under SP gathered whole too),
+            # the logits and their softmax, the loss's targets, row numbers and masks (a second under TP)
+            extra += (2 * sbh + max(d, 4) * s * b) // shard + logits + (17 + (t > 1)) * b * s + (sbh if shard > 1 else 0)
         return extra
 
     def parked(chunk):  # one micro-batch's W set: its blocks' and the chunk's edge's (parked_bytes)
