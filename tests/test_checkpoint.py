@@ -81,3 +81,69 @@ def test_a_tensor_renamed_in_the_header_is_refused(tmp_path):
     path.write_bytes(raw.replace(b'"h.1.w"', b'"h.2.w"'))  # the same length, the same order: a valid file
     with pytest.raises(ValueError, match="damaged"):
         load_weights(str(path))
+
+
+def _tiny():
+    import minipar
+    from minipar.parallel import ProcessGrid
+    from minipar.parallel.optimizers import make_optimizer
+
+    minipar.manual_seed(0)
+    grid = ProcessGrid(1, 1)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32), grid)
+    return model, make_optimizer(model, grid, 0, lr=1e-2), grid
+
+
+def test_big_endian_arrays_are_saved_as_the_little_endian_values_they_are(tmp_path):
+    """safetensors stores little-endian bytes, so a big-endian array (NumPy reads such files) is
+    converted as it is written; its checksum was taken of the bytes before, and the file written
+    was refused on load as damaged."""
+    from minipar.checkpoint import sharded
+
+    path = str(tmp_path / "w.safetensors")
+    save_weights({"a": numpy.arange(3, dtype=">f4"), "b": numpy.arange(2.0).astype(">f8")}, path)
+    loaded = load_weights(path)
+    assert loaded["a"].tolist() == [0, 1, 2] and loaded["b"].tolist() == [0, 1]
+    model, opt, grid = _tiny()
+    wte = dict(model.named_parameters())["transformer.wte.weight"]
+    wte.data = wte.data.astype(">f4")  # the same values, the other byte order
+    sharded.save(str(tmp_path / "save"), 1, model, opt, grid, {})
+    again, opt2, grid2 = _tiny()
+    dict(again.named_parameters())["transformer.wte.weight"].data[...] = 0
+    sharded.load(str(tmp_path / "save"), again, opt2, grid2)
+    numpy.testing.assert_array_equal(dict(again.named_parameters())["transformer.wte.weight"].data, wte.data)
+
+
+def test_a_load_holds_the_saved_boxes_of_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """Loading keeps no second copy of the state: the boxes read from the shards are let go once
+    their tensor is filled (they were all kept until the load ended, as much host memory again as
+    the rank's share of the checkpoint)."""
+    import weakref
+
+    from minipar.checkpoint import sharded
+
+    save = str(tmp_path / "save")
+    sharded.save(save, 1, *_tiny(), {})
+    read, alive = [], []
+    real = sharded.safe_open
+
+    class Tracked:
+        def __init__(self, *args, **kwargs):
+            self.file = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, key):
+            array = self.f.get_tensor(key)
+            read.append(weakref.ref(array))
+            alive.append(sum(r() is not None for r in read))
+            return array
+
+    monkeypatch.setattr(sharded, "safe_open", Tracked)
+    sharded.load(save, *_tiny())
+    assert len(read) > 30 and max(alive) <= 2, alive  # the box being filled, and the last one's view

@@ -5,14 +5,18 @@ garbage or a write outside the directory (a full disk and crashes: test_checkpoi
 
 import json
 import os
+import re
 import shutil
 
+import numpy
 import pytest
 
 import minipar
 from minipar.checkpoint import sharded
+from minipar.checkpoint.files import write_file
 from minipar.checkpoint.index import seal
 from minipar.checkpoint.sharded import CheckpointError
+from minipar.checkpoint.tensor_file import tensor_file
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
@@ -181,12 +185,13 @@ def _mutations(index):
                                         "tensors")]
     out += [(("iteration",), v) for v in ("x", -5, 2.5, None, True)]
     out += [(("dtype",), "float"), (("dtype",), 3), (("model",), []), (("layout", "tp"), 0), (("layout",), [1])]
+    out += [(("dtype",), "i4,(2"), (("dtype",), "object")]  # NumPy's parser raises SyntaxError on the first
     out += [(("trainer", "optimizer_steps"), DELETE), (("trainer", "optimizer_steps"), "3"), (("trainer",), None)]
     out += [(("files", shard), "12"), (("files", shard), -1), (("files", shard), None), (("files",), [])]
     out += [(("tensors", tensor), None), (("tensors", tensor, "shape"), DELETE), (("tensors", tensor, "shape"), ["a"]),
             (("tensors", tensor, "boxes"), None), (box, None), (("tensors",), [])]
     out += [(box + ("file",), None), (box + ("file",), "rank_00009.safetensors"), (box + ("key",), 5),
-            (box + ("dtype",), "F32"), (box + ("start",), DELETE), (box + ("start",), [0]),
+            (box + ("dtype",), "F32"), (box + ("dtype",), "i4,(2"), (box + ("start",), DELETE), (box + ("start",), [0]),
             (box + ("start",), [-1, 0]), (box + ("start",), [0.5, 0]), (box + ("stop",), [33, 16]),
             (box + ("stop",), [0, 0]), (box + ("stop",), None), (box + ("sha256",), "xyz"),
             (box + ("sha256",), 123), (box + ("sha256",), DELETE)]
@@ -309,3 +314,29 @@ def test_a_save_in_which_no_rank_writes_a_tensor_it_holds_is_refused(tmp_path, m
     _planted(monkeypatch, lambda piece: setattr(piece, "write", False))
     with pytest.raises(RuntimeError, match=r"checkpoint: no rank writes \[.*/transformer.wte.weight"):
         _saved(tmp_path)
+
+
+def _forge(save, tensor, array):
+    """Replace ``tensor``'s boxes by one box holding all of ``array`` in a new shard, its checksum
+    and the index's seal made as the writer makes them: only a check against the model is left."""
+    step = os.path.join(save, "iter_0000001")
+    size = write_file(os.path.join(step, "rank_00001.safetensors"), tensor_file({"x": array}))
+    box = {"file": "rank_00001.safetensors", "key": "x", "dtype": array.dtype.name, "start": [0] * array.ndim,
+           "stop": list(array.shape), "sha256": sharded._checksum("x", array.dtype, array.shape, array)}
+
+    def change(index):
+        index["files"]["rank_00001.safetensors"] = size
+        index["tensors"][tensor] = {"shape": list(array.shape), "boxes": [box]}
+    _edit_index(save, change)
+
+
+@pytest.mark.parametrize("shape", [(16,), (64, 16), (16, 16, 1)])
+def test_a_saved_tensor_of_another_shape_than_the_models_is_refused(shape, tmp_path):
+    """A (16,) row saved for the (16, 16) c_proj weight was broadcast into every row of it, and the
+    first 16 rows of a (64, 16) one were taken for it: the whole shape the index gives a tensor
+    must be the model's."""
+    save = _saved(tmp_path)
+    name = "param/transformer.h.0.attn.c_proj.weight"
+    _forge(save, name, numpy.arange(numpy.prod(shape), dtype=numpy.float32).reshape(shape))
+    with pytest.raises(CheckpointError, match=re.escape(f"{name} is {list(shape)} in the index, but this model's is [16, 16]")):
+        _load(save)

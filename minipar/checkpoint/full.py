@@ -60,7 +60,7 @@ class _Whole:
     def __init__(self, state):
         self.state = state
 
-    def boxes(self, tensor):
+    def boxes(self, tensor, shape):  # the shapes were checked first (load_full_state)
         name = tensor.split("/", 1)[1]
         if name not in self.state:
             raise ValueError(f"the weights have no {name}")

@@ -26,7 +26,7 @@ import tempfile
 import numpy
 from safetensors import SafetensorError, safe_open
 
-from minipar.checkpoint.files import folder_problem, umask, write_file
+from minipar.checkpoint.files import folder_problem, fsync_dir, umask, write_file
 from minipar.checkpoint.tensor_file import tensor_file
 from minipar.checkpoint.weights import check_dtypes, check_regular
 
@@ -58,7 +58,10 @@ def from_hf(tensors):
         elif not name.endswith(BUFFERS):
             state[name] = value.T.copy() if is_conv1d(name) else value
     wte = state.get(PREFIX + "wte.weight")
-    if head is not None and (wte is None or head.shape != wte.shape or not numpy.array_equal(head, wte)):
+    # equal_nan: a NaN in both is refused later as not finite; NaN != NaN called them untied
+    tied = head is None or (wte is not None and head.shape == wte.shape
+                            and numpy.array_equal(head, wte, equal_nan=True))
+    if not tied:
         raise ValueError("lm_head.weight differs from transformer.wte.weight: minipar's GPT ties its "
                          "output head to the token embedding, and this model's are untied")
     return state
@@ -128,7 +131,7 @@ def hf_config(config, dropout=0.0, token_ids=None, dtype="float32"):
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False, "use_cache": True, "tie_word_embeddings": True,
             "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
-            "torch_dtype": str(dtype)}
+            "torch_dtype": numpy.dtype(dtype).name}  # "float32" for ">f4" too: the file is little-endian
 
 
 def read_tensors(path):
@@ -174,18 +177,15 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
             with open(os.path.join(tmp, name), "rb+") as fh:
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; an export is not
+        fsync_dir(tmp)  # the files' names in it, not only their bytes, before the rename shows it
         old = None
         if os.path.exists(directory):  # a previous export (check_export_dir allowed it): moved aside
             old = tempfile.mkdtemp(prefix=".old-hf-", dir=parent)
             os.replace(directory, os.path.join(old, "x"))
         os.replace(tmp, directory)
+        fsync_dir(parent)  # the rename is on disk before the previous export goes
         if old:
             shutil.rmtree(old)
-        dir_fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and (exc.filename is None or str(exc.filename).startswith(tmp)):

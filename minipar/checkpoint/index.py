@@ -23,7 +23,7 @@ import os
 import re
 
 from minipar.checkpoint.files import is_plain
-from minipar.dtypes import as_dtype
+from minipar.checkpoint.tensor_file import DTYPE_NAMES
 
 FORMAT = "minipar-sharded-checkpoint-3"  # 3: the index is sealed by its own checksum; 2: a box's
 # checksum covers its key, dtype and shape too
@@ -120,10 +120,9 @@ def _whole(minimum=0):
 
 
 def _dtype_name(v):
-    try:
-        return isinstance(v, str) and as_dtype(v).name == v  # as_dtype: "bfloat16" too
-    except ValueError:
-        return False
+    # one of the dtypes a shard can hold, by name: NumPy's own parser, asked first, handed text such
+    # as "i4,(2" to Python's and raised SyntaxError, a traceback in place of this field's error
+    return isinstance(v, str) and v in DTYPE_NAMES
 
 
 def _list_of(n, each):

@@ -47,7 +47,7 @@ from minipar.checkpoint.files import fsync_dir, remove, write_file
 from minipar.checkpoint.index import FORMAT, CheckpointError, find, read_index, seal
 from minipar.checkpoint.pieces import pieces, weights_dtype
 from minipar.checkpoint.retention import prune, remove_stale_partials
-from minipar.checkpoint.tensor_file import tensor_file
+from minipar.checkpoint.tensor_file import as_stored, tensor_file
 from minipar.dtypes import as_dtype
 
 __all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "prune", "read_index",
@@ -58,7 +58,7 @@ def _checksum(key, dtype, shape, array):
     """SHA-256 of a box: its name, dtype and shape as well as its bytes, so that a header edited to
     another dtype or shape of the same size does not pass."""
     h = hashlib.sha256(f"{key}:{as_dtype(dtype).name}:{list(shape)}".encode())  # as_dtype: "bfloat16" too
-    h.update(numpy.ascontiguousarray(array).tobytes())
+    h.update(numpy.ascontiguousarray(array).reshape(-1).view(numpy.uint8))  # in place: tobytes() copied the box
     return h.hexdigest()
 
 
@@ -130,7 +130,7 @@ def _write_mine(stem, model, optimizer, grid):
             continue
         for n, (start, stop, view) in enumerate(piece.global_boxes()):
             key = f"{piece.kind}/{piece.name}/{n}"
-            array = tensors[key] = numpy.ascontiguousarray(to_numpy(view))
+            array = tensors[key] = as_stored(to_numpy(view))  # the bytes the checksum covers
             boxes.append({"tensor": f"{piece.kind}/{piece.name}", "key": key, "start": start, "stop": stop,
                           "shape": piece.global_shape, "dtype": array.dtype.name,
                           "sha256": _checksum(key, array.dtype, array.shape, array)})
@@ -208,7 +208,7 @@ def _merge(partial, n_ranks, iteration, model, grid, trainer_state, dtype):
                                f"{numpy.prod(entry['shape'])} elements")
     layout = grid.layout
     return {"format": FORMAT, "iteration": iteration, "model": dataclasses.asdict(model.config),
-            "dtype": str(dtype),
+            "dtype": numpy.dtype(dtype).name,  # "float32" of a big-endian array too (str: ">f4")
             "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
             "trainer": trainer_state,
             "files": files, "tensors": tensors}
@@ -225,22 +225,31 @@ def check_model(index, config, dtype, chosen_by=None):
     free = ("dropout", "moe_expert_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
     diffs = [f"{k} {saved.get(k, default[k])} (flags: {mine[k]})" for k in mine
              if k not in free and saved.get(k, default[k]) != mine[k]]
-    if index["dtype"] != str(numpy.dtype(dtype)):
-        diffs.append(f"dtype {index['dtype']} (flags: {numpy.dtype(dtype)}{f', {chosen_by}' if chosen_by else ''})")
+    if index["dtype"] != numpy.dtype(dtype).name:
+        diffs.append(f"dtype {index['dtype']} (flags: {numpy.dtype(dtype).name}{f', {chosen_by}' if chosen_by else ''})")
     if diffs:
         raise CheckpointError(f"{index['path']} holds a different model: " + "; ".join(diffs))
 
 
 class _Reader:
     """Saved boxes by tensor, read lazily, each verified once against the index (dtype, shape)
-    and its checksum."""
+    and its checksum. Only the boxes of the tensor being filled are kept (a piece's views may cross
+    one box several times): kept to the end, they were a second copy of the rank's state."""
 
     def __init__(self, index):
-        self.path, self.tensors, self.cache = index["path"], index["tensors"], {}
+        self.path, self.tensors, self.cache, self.current = index["path"], index["tensors"], {}, None
 
-    def boxes(self, tensor):
+    def boxes(self, tensor, shape):
+        """The saved boxes of ``tensor``, whose whole shape must be ``shape``, the model's (another
+        one's boxes were copied in part, or broadcast)."""
         if tensor not in self.tensors:
             raise CheckpointError(f"{self.path}: no tensor {tensor} in the index (a different model?)")
+        if tensor != self.current:
+            self.cache, self.current = {}, tensor
+        saved = self.tensors[tensor]["shape"]
+        if saved != list(shape):
+            raise CheckpointError(f"{self.path}: {tensor} is {saved} in the index, but this model's is "
+                                  f"{list(shape)}: load a checkpoint of this model")
         return self.tensors[tensor]["boxes"]
 
     def read(self, box):
@@ -272,7 +281,7 @@ def fill(piece_list, reader):
         tensor = f"{piece.kind}/{piece.name}"
         for start, stop, view in piece.global_boxes():
             covered = numpy.zeros(view.shape, bool)
-            for box in reader.boxes(tensor):
+            for box in reader.boxes(tensor, piece.global_shape):
                 common = intersect(start, stop, box["start"], box["stop"])
                 if common is None:
                     continue

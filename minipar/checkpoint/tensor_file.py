@@ -28,6 +28,14 @@ def _raw(array):
     return array.reshape(-1).view(numpy.uint8)
 
 
+def as_stored(array):
+    """``array`` as a file holds it: C-contiguous and little-endian, copied only if it is not. A
+    checksum is taken of this (of a big-endian array's own bytes, it failed against the file's)."""
+    array = numpy.asarray(array, order="C")  # ascontiguousarray would make a 0-d array 1-d
+    little = array.dtype.newbyteorder("<")  # a 1-byte dtype has no order: itself
+    return array if array.dtype == little else array.astype(little)
+
+
 def tensor_file(tensors, metadata=None):
     """``[header, bytes of each array]`` of the safetensors file holding ``{name: array}``: write
     them one after the other (``files.write_file``). Arrays that are not C-contiguous little-endian
@@ -38,9 +46,7 @@ def tensor_file(tensors, metadata=None):
         raise TypeError(f"safetensors metadata maps strings to strings, got {metadata!r}")
     arrays = {}
     for name, array in tensors.items():
-        array = numpy.asarray(array, order="C")  # ascontiguousarray would make a 0-d array 1-d
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
+        array = as_stored(array)
         if array.dtype.name not in DTYPE_NAMES:
             raise ValueError(f"tensor {name}: safetensors has no dtype for {array.dtype}")
         arrays[name] = array

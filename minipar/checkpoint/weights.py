@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from minipar.backend import to_numpy
 from minipar.checkpoint.files import fsync_dir, write_file
-from minipar.checkpoint.tensor_file import tensor_file
+from minipar.checkpoint.tensor_file import as_stored, tensor_file
 
 _DIGEST_KEY = "minipar.sha256"
 _FLOAT_DTYPES = ("F32", "F64")  # safetensors' names for the dtypes a run takes (--dtype)
@@ -35,7 +35,7 @@ def digest(tensors):
 def save_weights(state, path):
     """Write ``{name: array}`` to ``path`` (.safetensors) atomically; an OSError (a full disk)
     names ``path`` and leaves no temporary file behind."""
-    tensors = {name: numpy.ascontiguousarray(to_numpy(a)) for name, a in state.items()}
+    tensors = {name: as_stored(to_numpy(a)) for name, a in state.items()}  # the bytes the digest covers
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     write_file(path, tensor_file(tensors, metadata={_DIGEST_KEY: digest(tensors)}))
