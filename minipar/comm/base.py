@@ -64,24 +64,40 @@ class Request:
     fastest. ``test()`` says whether it has finished. ``keep`` holds whatever
     references the operation's buffers (MPI reads and writes them until it is done: a send buffer
     the caller drops must not be freed under it). ``then`` runs once when it is done (a GPU array
-    staged through host memory is copied back then)."""
+    staged through host memory is copied back then). One that failed raises the same error at every
+    later test or wait: MPI's request is null once complete, and asked again would report success."""
 
     def __init__(self, test, result=None, keep=None, then=None, block=None):
         self._test, self._result, self._keep, self._then, self._done = test, result, keep, then, False
         self._block = block
 
     def test(self):
-        if not self._done and self._test():
-            self._done, self._keep = True, None
-            if self._then is not None:
-                self._then()
+        try:
+            if not self._done and self._test():
+                self._done, self._keep = True, None
+                if self._then is not None:
+                    self._then()
+        except Exception as exc:
+            if not self._done:
+                self._failed(exc)
+            raise
         return self._done
 
     def wait(self):
         if self._block is not None and not self._done:
-            self._block()
+            try:
+                self._block()
+            except Exception as exc:
+                self._failed(exc)
+                raise
         wait_without_spinning(self.test)  # done at the first test after a block
         return self._result
+
+    def _failed(self, error):
+        def again():  # in place of MPI's test and wait: no flag for every call to check
+            raise error
+
+        self._test = self._block = again
 
 
 def wait_all(requests):

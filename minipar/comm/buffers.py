@@ -44,11 +44,21 @@ def bfloat16_op(op):
 def check_buffer(x, what):
     if not isinstance(x, numpy.ndarray) and not hasattr(x, "__cuda_array_interface__"):
         raise TypeError(f"{what}: the MPI communicator moves NumPy or CuPy arrays, got {type(x).__name__}")
-    if x.dtype == bool:
-        raise ValueError(f"{what}: MPI has no portable boolean type; send x.astype('int8')")
+    if x.dtype.kind in "bOMm":  # refused here, on a group of 1 too, not by mpi4py on larger ones only
+        if x.dtype.kind == "b":
+            raise ValueError(f"{what}: MPI has no portable boolean type; send x.astype('int8')")
+        raise TypeError(f"{what}: MPI cannot move {x.dtype} arrays (numbers and strings only); send numbers "
+                        "(x.astype('int64') for dates and durations)")
     if not x.flags.c_contiguous:
         raise ValueError(f"{what}: MPI needs a C-contiguous array; pass xp.ascontiguousarray(x)")
     return x
+
+
+def check_root(root, size):
+    """Refuse a broadcast root that is no rank of the group, as MPI does, on a group of 1 too (which
+    sends nothing, so MPI never sees it)."""
+    if not 0 <= root < size:
+        raise ValueError(f"broadcast: root {root} is not a rank of this group of {size}; pass one of 0..{size - 1}")
 
 
 @functools.cache
@@ -107,4 +117,9 @@ def stage(x, what, copy_back):
 def reduction_op(op, dtype=None):
     if op not in OPS:
         raise ValueError(f"reduction op must be one of {sorted(OPS)}, got {op!r}")
+    kind = None if dtype is None else numpy.dtype(dtype).kind
+    if kind == "c" and op == "max":
+        raise ValueError("complex numbers have no max; reduce abs(x), or the real and imaginary parts apart")
+    if kind is not None and kind not in "iufc" and not is_bfloat16(dtype):
+        raise TypeError(f"MPI sums and maxes numbers, not {dtype} arrays; reduce numbers (x.astype(...))")
     return bfloat16_op(op) if is_bfloat16(dtype) else OPS[op]

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from minipar.comm.base import Communicator, Request, all_to_all_v_plan, chunk_shape, empty_like_device
-from minipar.comm.buffers import REFUSED, check_buffer, reduction_op, stage
+from minipar.comm.buffers import REFUSED, check_buffer, check_root, reduction_op, stage
 from minipar.comm.persistent import PersistentCollectives
 from minipar.comm.stats import CommStats
 from minipar.start import abort_on_uncaught_exception, let_output_through
@@ -59,14 +59,15 @@ class MPICommunicator(PersistentCollectives, Communicator):
     # So these paths check only what mpi4py does not: that x is a host array (mpi4py would hand a
     # GPU array's address to an MPI that may not read GPU memory), the shapes and layouts it does
     # not see (it reads any contiguous buffer, Fortran order too, and does not compare an
-    # all-gather's two buffers), and no booleans (the general path refuses them; MPI refuses a
-    # sum of them only while its argument checks are on). mpi4py checks the rest in C as it
-    # parses the buffers, before MPI is called: contiguity, a dtype MPI has (bfloat16 has none),
+    # all-gather's two buffers), no booleans, and sums of numbers only (the general path refuses
+    # the rest with errors of its own; MPI's are raw, or for booleans made only while its argument
+    # checks are on). mpi4py checks the rest in C as it parses the buffers, before MPI is called:
+    # contiguity, a dtype MPI has (bfloat16 has none; its sums take the general path at once),
     # matching counts and dtypes. What it refuses takes the general path, which checks, stages
-    # and explains. A call then counts itself in its tally: two additions, written out in each
-    # path, since a helper's call would cost about as much as the rest of the path's Python.
+    # and explains. A call MPI has run counts itself in its tally: two additions, written out in
+    # each path, since a helper's call would cost about as much as the rest of the path's Python.
     def all_reduce(self, x, op="sum"):
-        if (op == "sum" and self._direct and type(x) is ndarray and x.dtype.kind != "b"
+        if (op == "sum" and self._direct and type(x) is ndarray and x.dtype.kind in "fciu"
                 and (x.ndim == 1 or x.flags.c_contiguous)):
             try:
                 self._mpi_allreduce(IN_PLACE, x, SUM)
@@ -79,7 +80,7 @@ class MPICommunicator(PersistentCollectives, Communicator):
         return self._all_reduce(x, op, wait=True)
 
     def reduce_scatter(self, x, op="sum", out=None):
-        if op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype.kind != "b":
+        if op == "sum" and self._direct and type(x) is ndarray and x.ndim == 1 and x.dtype.kind in "fciu":
             into = numpy.empty(len(x) // self.size, x.dtype) if out is None else out
             if type(into) is ndarray and into.ndim == 1:
                 try:
@@ -109,19 +110,22 @@ class MPICommunicator(PersistentCollectives, Communicator):
         return self._all_gather(x, out, wait=True)
 
     def _run(self, op, nbytes, result, blocking_call, start_call, wait, root=None, then=None, charged=None):
-        """Charge ``op`` to the byte account (the ring model's bytes for ``nbytes``, or
-        ``charged``, the (sent, received) of an uneven exchange) and run it: to completion if
-        ``wait`` (blocking in MPI unless this rank must be polite), else return a Request.
-        ``then``: run once it is done."""
-        self._charge(op, nbytes, root, charged)
+        """Run ``op``: to completion if ``wait`` (blocking in MPI unless this rank must be polite),
+        else return a Request. ``then``: run once it is done. It is charged to the byte account
+        (the ring model's bytes for ``nbytes``, or ``charged``, the (sent, received) of an uneven
+        exchange) once MPI has taken it, as the direct paths and planned starts are: a call that
+        mpi4py or MPI refuses, like one our checks refuse, sent nothing and counts nothing."""
         if self.size == 1:
+            self._charge(op, nbytes, root, charged)
             return result if wait else Request(_done, result)
         if wait and not self.polite:
             blocking_call()
+            self._charge(op, nbytes, root, charged)
             if then is not None:
                 then()
             return result
         started = start_call()  # keep: the buffers; block: a rank with a core to itself waits in MPI's Wait
+        self._charge(op, nbytes, root, charged)
         request = Request(started.Test, result, keep=start_call, then=then, block=self._block(started))
         return request.wait() if wait else request
 
@@ -184,6 +188,7 @@ class MPICommunicator(PersistentCollectives, Communicator):
                          lambda: self.comm.Ialltoallv(send, recv), wait, then=then, charged=charged)
 
     def _broadcast(self, x, root, wait):
+        check_root(root, self.size)
         buf, then = stage(x, "broadcast", copy_back=True)
         return self._run("broadcast", x.nbytes, x, lambda: self.comm.Bcast(buf, root=root),
                          lambda: self.comm.Ibcast(buf, root=root), wait, root=root, then=then)
@@ -196,8 +201,8 @@ class MPICommunicator(PersistentCollectives, Communicator):
 
     def isend(self, x, dest, tag=0):
         buf, _ = stage(x, "send", copy_back=False)
-        self.stats.record("send", x.nbytes, 0)
         request = self.comm.Isend(buf, dest, tag)
+        self.stats.record("send", x.nbytes, 0)  # once MPI has taken it (not to a rank that is none)
         return Request(request.Test, keep=buf, block=self._block(request))  # keep: until the send completes
 
     def irecv(self, out, source, tag=0):
@@ -206,29 +211,30 @@ class MPICommunicator(PersistentCollectives, Communicator):
         dtypes beforehand: MPI moves bytes and cannot tell float32 from float64 of the same size."""
         buf, then = stage(out, "recv", copy_back=True)
         request, status = self.comm.Irecv(buf, source, tag), MPI.Status()
-        arrived = []
+        arrived = []  # once it has, MPI's request is null: testing it again would find an empty message
 
-        def settle():  # once the message is in (status filled): count it and check its size
+        def settle(finish):  # finish(status): MPI's Test or Wait (True once done); count and check once
+            if arrived:
+                return True
+            try:
+                if not finish(status):
+                    return False
+                got = status.Get_count(MPI.BYTE)
+                wrong = got != out.nbytes and f"got {got} bytes into a buffer of {out.nbytes}"
+            except MPI.Exception as exc:  # the one size error MPI finds itself: too long a message
+                if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise
+                got, wrong = status.Get_count(MPI.BYTE), f"got a message larger than its buffer of {out.nbytes} bytes"
             arrived.append(True)
-            got = status.Get_count(MPI.BYTE)
-            self.stats.record("recv", 0, got)
-            if got != out.nbytes:
-                raise ValueError(
-                    f"recv from rank {status.Get_source()} (tag {status.Get_tag()}) got {got} bytes "
-                    f"into a buffer of {out.nbytes} ({out.shape} {out.dtype}): the peers disagree "
-                    "on the message's shape or dtype"
-                )
+            self.stats.record("recv", 0, got)  # what arrived, fitting or not: its sender counted it too
+            if wrong:
+                raise ValueError(f"recv from rank {status.Get_source()} (tag {status.Get_tag()}) {wrong} "
+                                 f"({out.shape} {out.dtype}): the peers disagree on the message's shape or "
+                                 "dtype; receive into a buffer of the shape and dtype sent")
+            return True
 
-        def test():
-            if not arrived and request.Test(status):
-                settle()
-            return bool(arrived)
-
-        def block():
-            request.Wait(status)
-            settle()
-
-        return Request(test, out, keep=buf, then=then, block=None if self.polite else block)
+        return Request(lambda: settle(request.Test), out, keep=buf, then=then,
+                       block=None if self.polite else lambda: settle(request.Wait))
 
     def _block(self, request):
         """What a Request of this rank waits with: MPI's Wait with a core to itself, else None

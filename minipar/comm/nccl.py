@@ -110,15 +110,15 @@ class NCCLCommunicator(Communicator):
         return isinstance(x, numpy.ndarray)
 
     def _launch(self, op, nbytes, result, call, keep, wait, root=None, charged=None):
-        """Charge ``op`` (the ring model's bytes, or ``charged``: (sent, received)), run
-        ``call(stream)`` on the communication stream after the compute stream's queued work, and
-        return a Request (or, if ``wait``, its result)."""
+        """Run ``call(stream)`` on the communication stream after the compute stream's queued work,
+        charge ``op`` once NCCL has taken it (the ring model's bytes, or ``charged``: (sent,
+        received)), as the MPI paths do, and return a Request (or, if ``wait``, its result)."""
         import cupy
 
-        self._charge(op, nbytes, root, charged)
         compute = cupy.cuda.get_current_stream()
         self.stream.wait_event(compute.record())
         call(self.stream.ptr)
+        self._charge(op, nbytes, root, charged)
         done = self.stream.record()
         if wait:  # the compute stream waits for the result on the GPU; the host need not
             compute.wait_event(done)

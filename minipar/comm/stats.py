@@ -20,6 +20,11 @@ N ranks:
 The first four are charged on the bytes of all their calls since the last reset, together
 (``CommStats``). ``lessons/00_collectives.py`` builds the ring all-reduce from send/recv, where
 every byte is a real message, and shows that its count equals the all_reduce line above.
+
+A call is counted once MPI (or NCCL) has taken it, on every path (plain, non-blocking, a planned
+start, point to point): one refused by a check, ours or the library's, sent nothing and counts
+nothing. A receive counts what arrived, once, however often it is waited on, a message that did
+not fit its buffer too (its sender counted it). ``tests/test_comm_counts.py`` holds them to it.
 """
 
 from collections import defaultdict
