@@ -22,11 +22,12 @@ Micikevicius et al. (2018) train in 16 bits with three rules, which Megatron-LM 
 ``parallel/mixed_precision.py`` drives once per step.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy
 
-from minipar.dtypes import as_dtype, is_16bit
+from minipar.dtypes import as_dtype, is_16bit, is_float
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,14 @@ class Policy:
     def __post_init__(self):
         for field in ("params", "main", "grads"):
             object.__setattr__(self, field, as_dtype(getattr(self, field)))
+        if not is_float(self.params):
+            raise ValueError(f"a precision policy is for a float model, not {self.params.name}")
         if is_16bit(self.main):
             raise ValueError(f"master weights must be float32 or float64, not {self.main.name}: a 16-bit "
                              "master would lose the small updates it exists to keep")
+        if self.main.itemsize < self.params.itemsize:  # float32 masters of a float64 model
+            raise ValueError(f"{self.main.name} master weights for a {self.params.name} model would round "
+                             f"every update to {self.main.name}: use main={self.params.name!r}")
         if self.grads not in (self.params, self.main):
             raise ValueError(f"gradients are reduced in the model's dtype ({self.params.name}) or the "
                              f"masters' ({self.main.name}), not {self.grads.name}")
@@ -67,9 +73,7 @@ class ConstantLossScaler:
     skipped, but the scale never moves."""
 
     def __init__(self, scale):
-        if not scale > 0:
-            raise ValueError(f"the loss scale must be positive, got {scale}")
-        self.scale = float(scale)
+        self.scale = _finite_scale(scale, "the loss scale")
 
     def update(self, found_inf):
         """After a step's overflow check; returns whether the step is skipped."""
@@ -97,10 +101,12 @@ class DynamicLossScaler:
 
     def __init__(self, initial_scale=2.0**32, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=1000, hysteresis=2):
+        # an infinite scale makes every gradient inf, and inf halved is inf: every step skipped, forever
+        _finite_scale(initial_scale, "initial_scale")
         if not 0 < min_scale <= initial_scale:
             raise ValueError(f"need 0 < min_scale <= initial_scale, got {min_scale} and {initial_scale}")
-        if not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
+        if not 1.0 < growth_factor < math.inf or not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"need a finite growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
                              f"{backoff_factor}")
         if growth_interval < 1 or hysteresis < 1:
             raise ValueError(f"the window and the hysteresis must be >= 1, got {growth_interval}, {hysteresis}")
@@ -119,7 +125,9 @@ class DynamicLossScaler:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             return True
         self.growth_tracker += 1
-        if self.growth_tracker == self.growth_interval:
+        # >=: a run resumed with a shorter --loss-scale-window may have counted past it already
+        # (with == its scale never grew again)
+        if self.growth_tracker >= self.growth_interval:
             self.growth_tracker = 0
             self.hysteresis_tracker = self.hysteresis
             self.scale *= self.growth_factor
@@ -138,8 +146,20 @@ class DynamicLossScaler:
         from, so this one starts as its flags say, as a fresh run's does."""
         if "growth_tracker" not in state:
             return
-        self.scale = float(state["scale"])
-        self.growth_tracker, self.hysteresis_tracker = int(state["growth_tracker"]), int(state["hysteresis_tracker"])
+        scale, growth, hysteresis = float(state["scale"]), int(state["growth_tracker"]), int(state["hysteresis_tracker"])
+        # a non-finite or non-positive scale would skip every step and never count as at its floor
+        _finite_scale(scale, "the checkpoint's loss scale")
+        if growth < 0:
+            raise ValueError(f"the checkpoint's loss scale has a negative growth_tracker {growth}")
+        # the overflows still tolerated, at most this run's --hysteresis (a resumed run may lower it)
+        self.scale, self.growth_tracker, self.hysteresis_tracker = scale, growth, min(hysteresis, self.hysteresis)
+
+
+def _finite_scale(scale, what):
+    """``scale`` as a float, refused unless finite and positive."""
+    if not 0 < float(scale) < math.inf:
+        raise ValueError(f"{what} must be finite and positive, got {scale}")
+    return float(scale)
 
 
 def check_policy(policy, model_dtype):

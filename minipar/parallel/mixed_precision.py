@@ -39,6 +39,15 @@ class MixedPrecisionOptimizer(DistributedOptimizer):
     def __init__(self, inner, scaler=None, world=None):
         if inner.policy is None:
             raise ValueError("MixedPrecisionOptimizer wraps an optimizer built with a precision policy")
+        # every rank of the run must share the verdict: one that skips while another steps leaves the
+        # replicas, or the TP/PP pieces of the model, silently out of step. Checked here, on every
+        # rank, from sizes alone (no message)
+        ranks = inner.grid.world.size if inner.grid is not None else inner.comm.size
+        agreed = 1 if world is None else world.size
+        if scaler is not None and ranks > 1 and (agreed < ranks or inner.grid is not None and agreed != ranks):
+            raise ValueError(f"MixedPrecisionOptimizer: the run has {ranks} ranks but its overflow verdict would "
+                             f"be agreed over {agreed}: pass the grid's world (world=grid.world, as "
+                             "make_optimizer does)")
         super().__init__(inner.model, inner.comm)
         self.inner, self.scaler, self.world = inner, scaler, world
         self.stage, self.policy = inner.stage, inner.policy
