@@ -36,7 +36,10 @@ gathers follow.
 """
 
 import contextlib
+import hashlib
 from abc import ABC, abstractmethod
+
+import numpy
 
 from minipar.backend import xp
 
@@ -55,6 +58,34 @@ def gradient_group(p, grid, comm):
                          "the DP x CP group: build the model on a grid and run the optimizer over "
                          "grid.dp_cp_group (make_optimizer does)")
     return grid.edp_group
+
+
+def check_same_layout(model, comm, what, settings=()):
+    """Raise on every rank of ``comm`` unless all were given the same parameters (name, shape,
+    dtype; an expert's name differs by EP rank, so not its name) and ``settings`` (what else cuts
+    the groups): otherwise their broadcasts and reduce-scatters differ in size or number, and hang
+    or sum unrelated values. One all-gather of a digest; only if they differ, one of the lines
+    themselves, to name the first difference."""
+    if comm is None or comm.size == 1:
+        return
+    lines = [f"parameter {i}: {'an expert' if 'edp' in p.placement.grad_sum else n} {tuple(p.shape)} {p.dtype}"
+             for i, (n, p) in enumerate(model.named_parameters())] + list(settings)
+    text = "\n".join(lines).encode()
+    mine = hashlib.sha256(text).digest() + len(text).to_bytes(8, "little")
+    digests = comm.all_gather(numpy.frombuffer(mine, numpy.uint8))
+    if (digests == digests[0]).all():
+        return
+    sizes = [int.from_bytes(bytes(d[32:]), "little") for d in digests]
+    padded = numpy.zeros(max(sizes), numpy.uint8)
+    padded[: len(text)] = numpy.frombuffer(text, numpy.uint8)
+    texts = [bytes(t[:n]).decode().split("\n") for t, n in zip(comm.all_gather(padded), sizes)]
+    r = next(i for i, t in enumerate(texts) if t != texts[0])
+    theirs, first = (dict(line.split(": ", 1) for line in t) for t in (texts[r], texts[0]))
+    key = next(k for k in {**theirs, **first} if theirs.get(k) != first.get(k))
+    raise ValueError(f"{what}: the ranks of the data-parallel group were given different models, so their "
+                     f"collectives would not match: {key} is {theirs.get(key, 'nothing')} on rank {r} but "
+                     f"{first.get(key, 'nothing')} on rank 0; build the same model, with the same optimizer "
+                     "arguments, on every rank of the group")
 
 
 class DistributedOptimizer(ABC):

@@ -43,7 +43,7 @@ from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel import validate
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.grad_norm import norm_over_groups
-from minipar.parallel.protocol import DistributedOptimizer, gradient_group
+from minipar.parallel.protocol import DistributedOptimizer, check_same_layout, gradient_group
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
 from minipar.precision import check_policy
@@ -80,6 +80,8 @@ class ShardedAdamW(DistributedOptimizer):
                  bucket_bytes=4 << 20, groups=None, policy=None):
         stage = self.stage
         check_hyperparameters(lr, betas)
+        if stage < 3:  # ZeRO3 checks its units too, before its first message
+            check_same_layout(model, comm, type(self).__name__, [f"bucket_bytes: {bucket_bytes}", f"policy: {policy}"])
         params = model.parameters()
         if len({p.dtype for p in params}) != 1:
             raise ValueError("ZeRO lays all parameters out in flat buffers of one dtype; the model mixes dtypes")
@@ -253,6 +255,7 @@ class ShardedAdamW(DistributedOptimizer):
             g.comm.all_gather(mine, out=flat.reshape(g.comm.size, g.piece))
 
     def zero_grad(self):
+        self._collect()  # a step dropped before finish_gradients: its sends land before the zeroing
         for piece in self.grad_pieces:
             piece[...] = 0
         self._summed = False

@@ -63,3 +63,7 @@ class ZeRO2(ShardedAdamW):
         super().zero_grad()
         self._ready = {key: 0 for key in self._ready}
         self._sent.clear()
+        for g in self.groups:  # a step dropped before finish_gradients: groups it never sent
+            for q in g.params:
+                q.grad = None
+        self._alive = 0

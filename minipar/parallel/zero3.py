@@ -9,7 +9,9 @@ FSDP does (Zhao et al. 2023):
               the unit's output whose backward comes before every op of the unit's), accumulate
               the gradients into one flat buffer per group, and as soon as a group's gradients are
               complete (the gradient hooks data parallelism uses) reduce-scatter them into the
-              shards and free the group's parameters and buffer
+              shards and free the group's parameters and buffer; complete means every parameter's
+              hook fired in this backward (one a micro-batch left unused keeps the buffer waiting
+              for a later micro-batch, or the step's end)
 
 Freeing is real because the graph keeps parameters by reference, not their arrays
 (``autograd.save_parameters_by_reference``): the whole buffer's last owner is this optimizer, and
@@ -41,6 +43,7 @@ import sys
 from minipar.autograd import Function, is_grad_enabled, save_parameters_by_reference
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
+from minipar.parallel.protocol import check_same_layout
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW, refuse_unsupported
 
@@ -85,6 +88,17 @@ class ZeRO3(ShardedAdamW):
         refuse_unsupported(model, 3, type(self).__name__)
         units = model.units()
         params = model.parameters()
+        index = {id(p): str(i) for i, p in enumerate(params)}
+        check_same_layout(model, comm, type(self).__name__, [f"policy: {policy}"] + [  # the units cut the groups
+            f"unit {k}: {name} with parameters {', '.join(index.get(id(p), '?') for p in used)}"
+            for k, (name, used) in enumerate(units)])
+        named = {id(p) for _, used in units for p in used}
+        missing = [n for n, p in model.named_parameters() if id(p) not in named]
+        if missing:  # never gathered, its data would be empty in every forward
+            raise ValueError(f"{type(self).__name__}: parameter {missing[0]} is in no unit of model.units(): "
+                             "ZeRO-3 gathers a parameter only for the units that name it; add it to its unit")
+        if named - {id(p) for p in params}:
+            raise ValueError(f"{type(self).__name__}: model.units() names a parameter that model.parameters() does not")
         sync_replicas(model, comm)  # every rank starts from rank 0's weights ...
         groups, offset = [], 0
         for ps in unit_groups(units):
@@ -108,7 +122,7 @@ class ZeRO3(ShardedAdamW):
         super().__init__(model, comm, lr, betas, eps, weight_decay, groups=groups, policy=policy)
         self.ledger.add("parameters", self.master.nbytes)
         self._group_of = {id(p): g for g in groups for p in g.params}
-        self._ready = {id(g): 0 for g in groups}  # gradients complete this backward, per group
+        self._ready = {id(g): set() for g in groups}  # its parameters whose gradient this backward completed
         self._unit_groups = {name: list({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
         model.wrap_units(self._run_unit)
@@ -210,7 +224,11 @@ class ZeRO3(ShardedAdamW):
         self._gather_unit(name, groups)
         self._collect(keep=self.IN_FLIGHT)  # the last unit's send may be done: its buffer goes first
         for g in groups:
-            if id(g) in self._flats:
+            # a hook fires once per backward, at a parameter's last use: what fired in an earlier
+            # backward (a micro-batch that left a parameter of the group unused) may fire again in
+            # this one, so only this backward's count says the group is complete
+            self._ready[id(g)] = set()
+            if id(g) in self._flats:  # its earlier micro-batches' gradients stay in the buffer
                 continue
             flat = xp.zeros(g.padded, self.grad_dtype)
             for p, part in zip(g.params, g.unflatten(flat)):
@@ -221,18 +239,18 @@ class ZeRO3(ShardedAdamW):
     def _gradient_ready(self, p):
         super()._gradient_ready(p)
         g = self._group_of[id(p)]
-        self._ready[id(g)] += 1
-        if self._ready[id(g)] == len(g.params):
+        if id(g) not in self._flats:  # its unit's backward never began: no buffer, maybe no gathered data
+            raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
+                               "model's forward (its units) to make the graph")
+        self._ready[id(g)].add(id(p))
+        if len(self._ready[id(g)]) == len(g.params):
             self.reduce_scatter_group(g)
 
     def reduce_scatter_group(self, g):
         """ZeRO-3's communication once backward has finished a group: reduce-scatter its gradient
         buffer into the owners' pieces, and free the buffer and the group's parameters."""
-        self._ready[id(g)] = 0
-        flat = self._flats.pop(id(g), None)
-        if flat is None:
-            raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
-                               "model's forward (its units) to make the graph")
+        self._ready[id(g)] = set()
+        flat = self._flats.pop(id(g))
         for p in g.params:
             p.grad = None
         self.release_parameters([g])  # first: the send below may wait for an earlier one
@@ -253,7 +271,13 @@ class ZeRO3(ShardedAdamW):
     def zero_grad(self):
         """The step's end, taken or skipped (fp16's overflow): its record is the next step's plan."""
         super().zero_grad()
-        self._ready = dict.fromkeys(self._ready, 0)
+        self._ready = {key: set() for key in self._ready}
+        for g in self.groups:  # a step dropped before finish_gradients: its waiting buffers go too
+            if id(g) in self._flats:
+                self.ledger.remove("gradients", self._flats.pop(id(g)).nbytes)
+                for p in g.params:
+                    p.grad = None
+                self.release_parameters([g])
         self._drop_prefetched()
         self._plan = self._record if self._record else self._plan
         self._record, self._next = [], 0
