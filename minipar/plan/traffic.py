@@ -154,10 +154,12 @@ def _count(model, layout, global_batch, stage, dtype):
         if lay.zero_stage == 0:
             charge("edp", "all_reduce", experts * g, n // lay.ep)
             calls["edp"] += groups - 1
-        else:  # ZeRO-1 (2 and 3 refuse experts): each group reduce-scattered and gathered
-            charge("edp", "reduce_scatter", experts * g, n // lay.ep)
+        else:  # ZeRO-1 and 2 (3 refuses experts): each group reduce-scattered (stage 2: each
+            # micro-batch's) and gathered
+            sends = m if lay.zero_stage == 2 else 1
+            charge("edp", "reduce_scatter", experts * g, n // lay.ep, sends)
             charge("edp", "all_gather", experts * w, n // lay.ep)
-            calls["edp"] += 2 * (groups - 1)
+            calls["edp"] += (groups - 1) * (sends + 1)
     # pipeline parallelism
     if lay.pp > 1:
         p, v = lay.pp, lay.vpp
