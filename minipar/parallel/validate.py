@@ -170,10 +170,6 @@ def _experts(cfg, say, known, dp, out):
     for coeff in cfg.moe_loss_coeffs:
         if isinstance(coeff, bool) or not isinstance(coeff, numbers.Real) or not math.isfinite(coeff) or coeff < 0:
             out.append(f"the auxiliary losses' coefficients must be numbers >= 0, got {coeff!r}")
-    if experts is not None and known("zero_stage") and cfg.zero_stage >= 3:
-        out.append(f"ZeRO stage 3 does not shard expert parameters (gathered over another group than the "
-                   f"dense ones, around units it does not cut at the experts): use {say('zero_stage', 2)} "
-                   f"(or 1, 0) with {say.name('num_experts')}")
 
 
 def _batch(cfg, say, known, dp, out):

@@ -52,16 +52,11 @@ from minipar.precision import check_policy
 def refuse_unsupported(model, stage, what):
     """The run's one validation (``validate``) asked about this stage on this model: stages 2 and 3
     send gradients during backward, before the sums a pipeline (the tied embedding's two parts)
-    or sequence parallelism (partial sums over TP, declared in the placements) still has to add;
-    nor does stage 3 shard experts' weights, gathered over the edp group (validate's rule, in its
-    words: it needs the number of experts, which the placements do not tell)."""
+    or sequence parallelism (partial sums over TP, declared in the placements) still has to add."""
     tp, pp = (model.grid.tp, model.grid.pp) if model.grid is not None else (1, 1)
     sequence_parallel = any("tp" in p.placement.grad_sum for p in model.parameters())
     validate.check(validate.RunConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel, zero_stage=stage),
                    names={"zero_stage": "stage"}, what=what)
-    if stage >= 3 and any("edp" in p.placement.grad_sum for p in model.parameters()):
-        raise ValueError(f"{what}: ZeRO stage 3 does not shard expert parameters (gathered over another group "
-                         "than the dense ones): use ZeRO stage 2, 1 or 0 (--zero-stage 2) with experts")
 
 
 class ShardedAdamW(DistributedOptimizer):

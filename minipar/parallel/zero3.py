@@ -43,14 +43,16 @@ import sys
 from minipar.autograd import Function, is_grad_enabled, save_parameters_by_reference
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
-from minipar.parallel.protocol import check_same_layout
+from minipar.parallel.protocol import check_same_layout, gradient_group
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW, refuse_unsupported
 
 
-def unit_groups(units):
+def unit_groups(units, key=lambda p: 0):
     """The parameter groups of ``units`` [(name, parameters)], in forward order: a parameter used
-    by several units alone (so that each gathers it), then the rest of each unit's together."""
+    by several units alone (so that each gathers it), then the rest of each unit's, in runs of one
+    ``key`` (the group its gradient is summed over: an MoE block's experts apart from its dense
+    weights)."""
     uses = {}
     for _, params in units:
         for p in dict.fromkeys(params):
@@ -58,8 +60,13 @@ def unit_groups(units):
     order, seen = [], set()
     for _, params in units:
         shared = [p for p in dict.fromkeys(params) if uses[id(p)] > 1 and id(p) not in seen]
-        rest = [p for p in dict.fromkeys(params) if uses[id(p)] == 1]
-        order += [[p] for p in shared] + ([rest] if rest else [])
+        runs = []
+        for p in (p for p in dict.fromkeys(params) if uses[id(p)] == 1):
+            if runs and key(runs[-1][-1]) == key(p):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        order += [[p] for p in shared] + runs
         seen.update(id(p) for p in shared)
     return order
 
@@ -101,8 +108,9 @@ class ZeRO3(ShardedAdamW):
             raise ValueError(f"{type(self).__name__}: model.units() names a parameter that model.parameters() does not")
         sync_replicas(model, comm)  # every rank starts from rank 0's weights ...
         groups, offset = [], 0
-        for ps in unit_groups(units):
-            groups.append(Group(ps, comm, offset))
+        summed_over = lambda p: gradient_group(p, model.grid, comm)  # noqa: E731 (DP x CP, or an expert's edp)
+        for ps in unit_groups(units, key=lambda p: id(summed_over(p))):
+            groups.append(Group(ps, summed_over(ps[0]), offset))
             offset += groups[-1].piece
         self.shapes = {id(p): p.shape for p in params}
         dtype = params[0].dtype

@@ -154,12 +154,18 @@ def _count(model, layout, global_batch, stage, dtype):
         if lay.zero_stage == 0:
             charge("edp", "all_reduce", experts * g, n // lay.ep)
             calls["edp"] += groups - 1
-        else:  # ZeRO-1 and 2 (3 refuses experts): each group reduce-scattered (stage 2: each
-            # micro-batch's) and gathered
+        elif lay.zero_stage < 3:  # each group reduce-scattered (stage 2: each micro-batch's) and gathered
             sends = m if lay.zero_stage == 2 else 1
             charge("edp", "reduce_scatter", experts * g, n // lay.ep, sends)
             charge("edp", "all_gather", experts * w, n // lay.ep)
             calls["edp"] += (groups - 1) * (sends + 1)
+        else:  # ZeRO-3: each MoE block's experts a group, gathered for its forward and its backward
+            # and reduce-scattered, every micro-batch
+            charge("edp", "all_gather", experts * w, n // lay.ep, 2 * m)
+            charge("edp", "reduce_scatter", experts * g, n // lay.ep, m)
+            more = 3 * m * (moe_layers - 1)
+            calls["edp"] += more
+            steps["edp"] += more * latency_steps("all_gather", n // lay.ep)
     # pipeline parallelism
     if lay.pp > 1:
         p, v = lay.pp, lay.vpp

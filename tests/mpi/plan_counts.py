@@ -38,6 +38,7 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
     ("--tp 2 --bf16 --micro-batch-size 4", dict(tp=2, dp=2, micro_batch_size=4), 0, "bf16"),  # the loss's sums in fp32
     ("--num-experts 4 --ep 2 --zero-stage 1 --micro-batch-size 2", dict(dp=4, ep=2, zero_stage=1, micro_batch_size=2), 4),
     ("--num-experts 4 --ep 2 --zero-stage 2 --micro-batch-size 1", dict(dp=4, ep=2, zero_stage=2, micro_batch_size=1), 4),
+    ("--num-experts 4 --ep 2 --zero-stage 3 --micro-batch-size 1", dict(dp=4, ep=2, zero_stage=3, micro_batch_size=1), 4),
     ("--num-experts 4 --ep 2 --pp 2 --micro-batch-size 2", dict(pp=2, dp=2, ep=2, micro_batch_size=2), 4),  # stage 0: no dense tail
     ("--num-experts 4 --ep 2 --tp 2 --sequence-parallel --micro-batch-size 4",  # the experts' and router's partial
      dict(tp=2, dp=2, ep=2, sequence_parallel=True, micro_batch_size=4), 4),  # gradients summed over TP
