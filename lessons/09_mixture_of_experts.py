@@ -145,7 +145,7 @@ def run(args, config, ep, batches, reference, peak):
         opt.zero_grad()
         seconds.append(time.perf_counter() - start)
         compare.loss(step, grid.world.all_reduce(np.array([record.loss]))[0])
-    compare.parameters(model.full_state_dict(), some=True)  # this rank's experts and every dense one
+    compare.parameters(model.state_dict(), some=True)  # this rank's experts and every dense one (TP = 1)
     expert_bytes = sum(p.data.nbytes for n, p in model.named_parameters() if ".mlp.experts." in n)  # (EP = 1 too)
     every = grid.ep_group.all_gather(np.stack(counts)) if ep > 1 else np.stack(counts)[None]  # (EP, L, E)
     r, per = grid.ep_rank, args.num_experts // ep

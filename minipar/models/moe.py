@@ -131,14 +131,17 @@ class RoutingGroups:
         rows, positions = xp.asarray(rows), xp.asarray(positions)
         per_position = xp.zeros(len(positions), xp.int64)
         if self.cp * self.sp > 1:
-            chunk_len = len(positions) // (2 * self.cp)
-            if chunk_len * 2 * self.cp != len(positions) or (2 * chunk_len) % self.sp:
+            # a CP rank's positions: chunks r and 2CP-1-r of 2CP; without CP the whole sequence (not
+            # cut in two chunks, so SP alone accepts any length SP divides, odd ones too)
+            chunks = 2 * self.cp if self.cp > 1 else 1
+            chunk_len = len(positions) // chunks
+            if chunk_len * chunks != len(positions) or (len(positions) // self.cp) % self.sp:
                 raise ValueError(f"{len(positions)} positions do not cut into CP={self.cp} x SP={self.sp} parts")
             chunk = positions // chunk_len
-            second = chunk >= self.cp  # the rank's later chunk, 2CP-1-r
+            second = chunk >= self.cp  # the rank's later chunk, 2CP-1-r (never without CP)
             cp_rank = xp.where(second, 2 * self.cp - 1 - chunk, chunk)
-            local = positions - chunk * chunk_len + second * chunk_len  # index among the rank's 2 chunks
-            per_position = cp_rank * self.sp + local // (2 * chunk_len // self.sp)
+            local = positions - chunk * chunk_len + second * chunk_len  # index among the rank's positions
+            per_position = cp_rank * self.sp + local // (len(positions) // self.cp // self.sp)
         ids = (rows // self.rows)[:, None] * (self.cp * self.sp) + per_position[None, :]
         return xp.unique(ids.reshape(-1), return_inverse=True)[1].reshape(-1)
 

@@ -1,8 +1,8 @@
 """What needs the whole model on one rank: its full state dict, and sampling one token at a time.
 
-``GPT`` takes these from ``WholeModel``. A pipeline stage holds some layers only, and a
-context-parallel rank some positions only, so they refuse; ``checkpoint.full`` gathers the whole
-state from any layout instead.
+``GPT`` takes these from ``WholeModel``. A pipeline stage holds some layers only, an
+expert-parallel rank some experts only, and a context-parallel rank some positions only, so they
+refuse; ``checkpoint.full`` gathers the whole state from any layout instead.
 """
 
 import numpy
@@ -19,6 +19,13 @@ class WholeModel:
         if self.pp is not None:
             raise RuntimeError(f"{what} needs the whole model, and this GPT is split into pipeline "
                                "stages (each rank holds some layers only)")
+        # an expert-parallel rank holds E/EP of each layer's experts: its state_dict() is its own
+        # part, which these two would silently pass off as (or require to be) the whole model's
+        if self.grid is not None and self.grid.ep > 1 and "state_dict" in what:
+            raise RuntimeError(f"{what} needs every expert, and this GPT's experts are spread over an "
+                               f"expert-parallel group (EP={self.grid.ep}, each rank holds some experts only): "
+                               "use checkpoint.full.gather_full_state / load_full_state (any layout), or "
+                               "state_dict() for this rank's part")
         if self.cp is not None and what.startswith("generate"):
             raise RuntimeError("generate() adds one token at a time, which context parallelism cannot "
                                "split; sample from a model built on a grid without CP")
