@@ -84,12 +84,12 @@ def flags(p):
 
 def layouts(args, ranks):
     """(CP, TP, comm type) of each run: the one asked for, or the ring over every rank, the ring on
-    half of them with TP=2, and Ulysses over every rank where the heads split."""
+    half of them with TP=2, and Ulysses over every rank, each where the heads split."""
     if (args.cp, args.tp, args.cp_comm_type) != (None, None, None):  # (0 and '' go on to be refused)
         tp = 1 if args.tp is None else args.tp
         return [(max(ranks // max(tp, 1), 1) if args.cp is None else args.cp, tp,
                  "p2p" if args.cp_comm_type is None else args.cp_comm_type)]
-    runs = [(ranks, 1, "p2p")] + [(ranks // 2, 2, "p2p")] * (ranks >= 4 and ranks % 2 == 0)
+    runs = [(ranks, 1, "p2p")] + [(ranks // 2, 2, "p2p")] * (ranks >= 4 and ranks % 2 == 0 and args.n_head % 2 == 0)
     return runs + [(ranks, 1, "a2a")] * (ranks > 1 and args.n_head % ranks == 0)
 
 

@@ -1,6 +1,8 @@
 """Context parallelism: the online-softmax merge on one device, the chunking arithmetic, and ring
 attention and Ulysses on 2 and 4 ranks against single-device attention (tests/mpi/context.py)."""
 
+from types import SimpleNamespace
+
 import numpy
 import pytest
 
@@ -11,7 +13,8 @@ from minipar.functional.blockwise import Block, blockwise_attention, pairs, runs
 from minipar.gradcheck import gradcheck
 from minipar.kernels import emulator, gemm
 from minipar.parallel import ulysses
-from minipar.parallel.context import causal_work, contiguous_positions, load_balanced_positions
+from minipar.parallel.context import (causal_work, contiguous_positions, load_balanced_positions, ring_attention,
+                                      ulysses_attention)
 from mpi_run import check_mpi, run_mpi
 
 B, T, H, D = 2, 12, 3, 4
@@ -182,6 +185,20 @@ def test_bad_sizes_raise(T, cp, rank):
         load_balanced_positions(T, cp, rank)
 
 
+@pytest.mark.parametrize("op", ["causal", "blockwise", "ring", "ulysses"])
+@pytest.mark.parametrize("n_head", [0, -2, 1.5])
+def test_a_bad_number_of_heads_is_named_before_any_message(op, n_head):
+    """Not a ZeroDivisionError from ``C % n_head``; ring and Ulysses raise before they touch the
+    group (a stand-in with a size and nothing else)."""
+    qkv, positions, group = Tensor(numpy.zeros((1, 4, 12))), numpy.arange(4), SimpleNamespace(size=2)
+    calls = {"causal": lambda: F.causal_attention(qkv, n_head),
+             "blockwise": lambda: blockwise_attention(qkv, n_head, [positions]),
+             "ring": lambda: ring_attention(qkv, n_head, group, positions),
+             "ulysses": lambda: ulysses_attention(qkv, n_head, group, positions)}
+    with pytest.raises(ValueError, match=f"n_head must be a positive integer, got {n_head}"):
+        calls[op]()
+
+
 def test_contiguous_positions_need_equal_chunks():
     with pytest.raises(ValueError, match="multiple of 4"):
         contiguous_positions(10, 4, 0)
@@ -193,6 +210,14 @@ def test_ring_and_ulysses_match_single_device_attention(n):
     # float64, float32 and bfloat16 (whose ring blocks travel in 16 bits: context.py checks the bytes)
     assert f"context parallel attention OK on {n} ranks" in out and out.count(" p=") == 24
     assert out.count(" bfloat16 p=") == 8
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_and_ulysses_gradients_match_central_differences_across_ranks(n):
+    """Every entry of the whole projection perturbed on its rank, every rank running the forward;
+    and ring attention's backward holding one dK,dV accumulator in flight, not all N-1 it sends."""
+    out = check_mpi(n, "context_checks.py", timeout=180)
+    assert f"context parallel checks OK on {n} ranks" in out and out.count("central differences") == 4
 
 
 @pytest.mark.parametrize("bug", ["rescale", "owner"])

@@ -20,6 +20,19 @@ def test_the_gpt_on_a_context_parallel_grid_equals_one_device(n, args):
     assert out.count(" OK (") == n, out
 
 
+@pytest.mark.parametrize("n,args", [
+    (2, "2 1 p2p full ignore eval"),      # whole-block recomputation: the ring runs again in backward
+    (4, "4 1 a2a full ignore eval"),      # targets of -1 at every chunk edge and a whole chunk ignored
+    (4, "2 2 p2p sp full"),               # with TP and SP
+    (4, "2 1 p2p pp2 SCHEDULE=interleaved M=4 ignore"),  # ring messages of 4 micro-batches, 2 chunks a rank
+    (4, "2 1 a2a pp2 SCHEDULE=zb-v M=4 selective"),     # backward split into B and W, in a V
+])
+def test_the_gpt_with_cp_in_more_layouts_equals_one_device(n, args):
+    """Gradients of the first step, parameters after two, the evaluation loss (tests/mpi/context_layouts.py)."""
+    out = check_mpi(n, "context_layouts.py", *args.split(), timeout=180)
+    assert out.count(" OK") == n, out
+
+
 SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "32", "--global-batch-size", "4",
          "--eval-interval", "100", "--eval-iters", "1", "--sample", "0", "--plot", "", "--dropout", "0.1",
          "--dtype", "float64"]

@@ -22,6 +22,7 @@ batched ``matmul``; the tests check the two agree). Doing it as one op buys thre
 """
 
 import math
+import numbers
 
 from minipar.autograd import Function
 from minipar.backend import dot_along, matmul, on_gpu, sum_along, xp
@@ -205,6 +206,9 @@ def attention_arguments(op, qkv, n_head, dropout_p, key, rows, positions, head_o
     """(qkv, p, key, where) checked: where = (rows, heads, positions) of the dropout mask, None
     without dropout (``op`` names the caller in the errors)."""
     qkv = floats(op, qkv)
+    # checked first: C % n_head would fail with a bare ZeroDivisionError (0) or accept 1.5 heads
+    if isinstance(n_head, bool) or not isinstance(n_head, numbers.Integral) or n_head < 1:
+        raise ValueError(f"{op}: n_head must be a positive integer, got {n_head!r}")
     if qkv.ndim != 3 or qkv.shape[-1] % 3:
         raise ValueError(f"{op} needs qkv of shape (B, T, 3C), got {qkv.shape}")
     if (qkv.shape[-1] // 3) % n_head:

@@ -22,6 +22,8 @@ scores are in the past and 2 wholly in the future (skipped), against its own 3 (
 diagonal, half masked), (2N+1) c^2 scores on every rank.
 """
 
+import numbers
+
 import numpy
 
 from minipar.backend import to_numpy
@@ -114,7 +116,8 @@ def ulysses_attention(qkv, n_head, group, positions, dropout_p=0.0, key=None, ro
     """The same result as ``ring_attention`` by DeepSpeed-Ulysses' two all-to-alls; ``n_head`` must
     be a multiple of the group's size. ``recompute``: hold no T x T probabilities of this rank's
     heads (selective recomputation, ``causal_attention``'s)."""
-    if int(n_head) % group.size:
+    # (an n_head that is no positive integer: _arguments names it)
+    if isinstance(n_head, numbers.Integral) and n_head >= 1 and n_head % group.size:
         raise ValueError(f"ulysses_attention: {n_head} heads do not split over {group.size} ranks: make the "
                          f"number of heads a multiple of the context-parallel size, or use ring_attention")
     qkv, positions, p, key, where = _arguments("ulysses_attention", qkv, n_head, group, positions, dropout_p,

@@ -95,7 +95,7 @@ class RingAttention(Function):
         kv = xp.stack([k, v]).astype(wire, copy=False)
         spare = xp.empty_like(kv)
         own = xp.zeros(kv.shape, q.dtype)  # this rank's share of its own block's dK, dV
-        sends, sent = [], []  # the requests, and the arrays they send (alive until sent)
+        sending = None  # the accumulator sent last step, held (by its request) until delivered
         for step in range(ring.size):
             last = step == ring.size - 1
             transfers = [] if last else ring.pass_on(kv, spare, KV_BACK_TAG)
@@ -109,12 +109,17 @@ class RingAttention(Function):
             if step >= 1:
                 if incoming is not None:
                     share += incoming.wait().astype(q.dtype, copy=False)
-                sent.append(share.astype(wire, copy=False))
-                sends.append(ring.group.isend(sent[-1], ring.next, DKV_TAG))
+                # one accumulator in flight at a time: kept until the end, the N-1 sent would
+                # hold as much as the whole sequence's K,V. The next rank posts the receive of
+                # the last one as its step starts, so this wait is short.
+                if sending is not None:
+                    sending.wait()
+                sending = ring.group.isend(share.astype(wire, copy=False), ring.next, DKV_TAG)
             wait_all(transfers)
             if not last:
                 kv, spare = spare, kv
         if ring.size > 1:  # this rank's block, home after visiting every other rank
             own += ring.group.irecv(xp.empty_like(kv), ring.previous, DKV_TAG).wait().astype(q.dtype, copy=False)
-        wait_all(sends)
+        if sending is not None:
+            sending.wait()
         return merge_heads(xp.concatenate([dq[None], own])), None, None, None, None
