@@ -47,8 +47,8 @@ def test_a_good_run_has_no_problem_and_its_sizes_are_derived():
     (dict(micro_batch_size=1, global_batch=40000), "need 80000 message tags, more than MPI promises (32767)"),
     (dict(block_size=15), "sequence_parallel splits the sequence: block_size=15 is not divisible by TP=2"),
     (dict(tp=1, world_size=4), "sequence_parallel splits along the tensor-parallel group: it needs TP > 1"),
-    (dict(zero_stage=2, pp=1, world_size=4), "partial sums are added: use zero_stage=1 (or 0) with sequence_parallel"),
-    (dict(zero_stage=3, sequence_parallel=False), "with pipeline parallelism use zero_stage=1 (or 0)"),
+    (dict(zero_stage=3, pp=1, world_size=4), "partial sums are added: use zero_stage=2 (or 1, 0) with sequence_parallel"),
+    (dict(zero_stage=3, sequence_parallel=False), "with pipeline parallelism use zero_stage=2 (or 1, 0)"),
     (dict(ep=0), "EP must be a positive integer, got 0"),
     (dict(zero_stage=True), "zero_stage must be 0, 1, 2 or 3, got True"),
     (dict(cp_comm_type="ring"), "cp_comm_type='ring' is not a context-parallel communication: choose one of p2p, a2a"),
@@ -63,7 +63,7 @@ def test_each_kind_of_problem_is_one_line_naming_the_field_and_the_fix(changes, 
 
 def test_every_problem_is_reported_at_once():
     bad = RunConfig(world_size=4, tp=3, pp=2, n_layer=3, n_head=3, n_embd=10, virtual_stages=2,
-                    schedule="gpipe", sequence_parallel=True, zero_stage=2, dropout=-0.5)
+                    schedule="gpipe", sequence_parallel=True, zero_stage=3, dropout=-0.5)
     found = problems(bad)
     assert len(found) == 8, found
     for message in ("dropout", "do not split into TP x PP", "n_embd=10 is not divisible by n_head=3",
@@ -80,11 +80,11 @@ def test_a_bad_value_is_reported_once_and_skips_the_rules_that_would_divide_by_i
 
 
 def test_messages_name_the_callers_flags():
-    found = problems(RunConfig(world_size=2, pp=1, tp=2, n_head=3, n_embd=6, virtual_stages=2, schedule="1f1b", zero_stage=2,
+    found = problems(RunConfig(world_size=2, pp=1, tp=2, n_head=3, n_embd=6, virtual_stages=2, schedule="1f1b", zero_stage=3,
                                sequence_parallel=True), FLAGS)
     assert "--n-head 3 is not divisible by --tp 2: each TP rank needs whole heads; choose --tp among the divisors of --n-head" in found
     assert "--num-virtual-stages 2 needs --pp > 1 and --schedule interleaved or zb-v" in found
-    assert any("use --zero-stage 1 (or 0) with --sequence-parallel" in f for f in found)
+    assert any("use --zero-stage 2 (or 1, 0) with --sequence-parallel" in f for f in found)
     # a size set through the batch says which flag sets it
     found = problems(RunConfig(world_size=4, pp=2, virtual_stages=2, schedule="interleaved", global_batch=8,
                                micro_batch_size=4), FLAGS)
@@ -102,3 +102,11 @@ def test_virtual_stages_without_a_pipeline_are_a_schedule_but_not_a_run():
 
 def test_the_schedules_validate_knows_are_the_ones_built():
     assert tuple(schedules.SCHEDULES) == validate.SCHEDULES
+
+
+def test_zero_2_runs_with_sequence_and_pipeline_parallelism_but_not_a_split_backward():
+    """ZeRO-2 holds back what the model sums after backward (zero2.py); W's hooks come later."""
+    base = dict(world_size=8, tp=2, pp=2, n_layer=4, n_head=4, n_embd=8, global_batch=8, zero_stage=2)
+    assert problems(RunConfig(**base, sequence_parallel=True, schedule="1f1b")) == []
+    (line,) = problems(RunConfig(**base, schedule="zb-h1"))
+    assert "computes the weights' gradients later (W): use zero_stage=1 (or 0)" in line

@@ -69,10 +69,10 @@ class Group:
         return [flat[o : o + n] for o, n in zip(self.offsets, self.sizes)]
 
 
-def group_parameters(params, comm_of, bucket_bytes):
+def group_parameters(params, comm_of, bucket_bytes, kind=lambda p: None):
     """Consecutive parameters in groups of about ``bucket_bytes`` (a bigger one alone), each
     sharded over ``comm_of(p)`` of its parameters (the group that sums their gradients: a group
-    never mixes two)."""
+    never mixes two, nor two ``kind``s)."""
     groups, current, size, offset = [], [], 0, 0
 
     def close():
@@ -80,7 +80,7 @@ def group_parameters(params, comm_of, bucket_bytes):
         return offset + groups[-1].piece, [], 0
 
     for p in params:
-        if current and comm_of(p) is not comm_of(current[0]):
+        if current and (comm_of(p) is not comm_of(current[0]) or kind(p) != kind(current[0])):
             offset, current, size = close()
         current.append(p)
         size += p.data.nbytes

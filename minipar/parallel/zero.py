@@ -59,6 +59,13 @@ def refuse_unsupported(model, stage, what):
                    names={"zero_stage": "stage"}, what=what)
 
 
+def finished_by_model(p):
+    """Whether the model still adds to ``p``'s gradient after backward (``finalize_grads``): the
+    partial sums of sequence parallelism over TP, the tied embedding's two parts over a pipeline's
+    ends. ZeRO-2 holds these back from its reduce-scatters during backward."""
+    return "tp" in p.placement.grad_sum or "embedding" in p.placement.grad_sum
+
+
 class ShardedAdamW(DistributedOptimizer):
     """AdamW over a data-parallel group with its state sharded (ZeRO); ``stage`` is the subclass's.
 
@@ -92,8 +99,10 @@ class ShardedAdamW(DistributedOptimizer):
         self.main_dtype = self.dtype if policy is None else policy.main  # masters and Adam moments
         if stage < 3:
             sync_replicas(model, comm)
-        self.groups = groups or group_parameters(params, lambda p: gradient_group(p, model.grid, comm),
-                                                 bucket_bytes)
+        later = finished_by_model if stage == 2 else (lambda p: False)
+        ordered = [p for p in params if not later(p)] + [p for p in params if later(p)]  # in groups of their own, last
+        self.groups = groups or group_parameters(ordered, lambda p: gradient_group(p, model.grid, comm),
+                                                 bucket_bytes, later)
         self.pending, self._summed = [], False
         if stage < 3:
             self._flat_parameters()

@@ -7,11 +7,17 @@ rank's piece, and drops the whole gradients at once: a rank holds its 4P/N shard
 two in flight. The price: with k micro-batches a step sends every micro-batch's gradients, (k+1)
 passes over the model instead of 2, since there is no whole buffer to accumulate into.
 
+Some gradients are not finished when backward reaches them: sequence parallelism leaves each TP
+rank part of the LayerNorms', the row-parallel biases' and the position embedding's, and a
+pipeline's first and last stages each part of the tied embedding's. The model adds those after
+backward (``finalize_grads``), so stage 2 lays them out in groups of their own, last, keeps them
+whole until then and sends them with ``finish_gradients``: small, except the tied embedding.
+
 The layout, the sharded AdamW, the pending reduce-scatters and the step's all-gather are
 ``zero.ShardedAdamW``'s; what is stage 2's own is ``reduce_scatter_group``.
 """
 
-from minipar.parallel.zero import ShardedAdamW
+from minipar.parallel.zero import ShardedAdamW, finished_by_model
 
 
 class ZeRO2(ShardedAdamW):
@@ -27,12 +33,17 @@ class ZeRO2(ShardedAdamW):
         self._sent = set()  # groups sent this step
         self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
         self._group_of = {id(p): g for g in self.groups for p in g.params}
+        # sequence parallelism's partial sums and the tied embedding's two parts: the model adds them
+        # over TP or the pipeline's ends after backward (finalize_grads), so they are sent with the rest
+        self._later = {id(g) for g in self.groups if any(map(finished_by_model, g.params))}
         for p in (q for g in self.groups for q in g.params):  # no buffer to sum into: widened as backward starts it
             p.accumulate_dtype = self.grad_dtype if self.grad_dtype != p.dtype else None
 
     def _gradient_ready(self, p):
         super()._gradient_ready(p)
         g = self._group_of[id(p)]
+        if id(g) in self._later:  # whole until the model has summed them (finish_gradients), then sent
+            return
         self._alive += p.grad.nbytes if p.grad is not None else 0
         self._ready[id(g)] += 1
         if self._ready[id(g)] == len(g.params):
@@ -41,6 +52,8 @@ class ZeRO2(ShardedAdamW):
     def reduce_scatter_group(self, g):
         """ZeRO-2's communication: send a finished group's whole gradients (None counts as
         zeros) to be summed into the owners' pieces, and drop them."""
+        if id(g) in self._later:  # held whole since backward reached them
+            self._alive += sum(q.grad.nbytes for q in g.params if q.grad is not None)
         self.ledger.add("gradients", self._alive)  # what backward holds at this moment
         self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.grad_dtype))
         self.ledger.remove("gradients", self._alive)

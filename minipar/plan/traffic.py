@@ -98,6 +98,9 @@ def _count(model, layout, global_batch, stage, dtype):
         steps[group] += times * latency_steps(op, size)
         calls[group] += times
 
+    # the LayerNorms, the row-parallel biases (a MoE block's MLP has none) and a MoE block's router:
+    # what sequence parallelism leaves each TP rank part of the gradient of
+    partial = sum(5 * h + (model.num_experts * h if model.is_moe(i) else h) for i in layers)
     # tensor parallelism
     if t > 1:
         forwards = 2 if lay.recompute else 1
@@ -112,9 +115,7 @@ def _count(model, layout, global_batch, stage, dtype):
             charge("tp", "all_reduce", b * s * wide, t, m)
             charge("tp", "all_reduce", 2 * b * s * wide, t, m)
         if lay.sequence_parallel:  # finalize_grads: what each TP rank holds whole had partial gradients:
-            # the LayerNorms, the row-parallel biases (a MoE block's MLP has none), a MoE block's
-            # router and this rank's experts (each TP rank routed its own tokens)
-            partial = sum(5 * h + (model.num_experts * h if model.is_moe(i) else h) for i in layers)
+            # ``partial``, and this rank's experts (each TP rank routed its own tokens)
             whole = partial + experts + model.seq_length * h * first + 2 * h * last
             charge("tp", "all_reduce", whole * g, t)
         charge("tp", "all_reduce", NORM, t)
@@ -125,16 +126,31 @@ def _count(model, layout, global_batch, stage, dtype):
     # run of dense ones; one more run when dense ones follow the stage's last experts
     tail = not moe_ids or last or any(not model.is_moe(i) for i in layers if i > moe_ids[-1])
     extra_buckets = buckets(dense * g) - 1 + moe_layers + tail - 1
+    held, experts_held = 0, False  # ZeRO-2's gradients that the model finishes after backward
+    if lay.zero_stage == 2 and lay.sequence_parallel and t > 1:  # SP's partial sums (LayerNorms, row biases,
+        held += partial + model.seq_length * h * first + 2 * h * last  # routers; wpe, ln_f) and the experts
+        experts_held = bool(experts)
+    if lay.zero_stage == 2 and lay.pp > 1 and (first or last) and not (first and last):  # the tied embedding
+        held += padded_vocab(model.vocab_size, t) // t * h
     if n > 1:  # gradients in the gradients' precision, gathered parameters in the weights'
         z = lay.zero_stage
         if z == 0:
             charge(dp, "all_reduce", dense * g, n)
             calls[dp] += extra_buckets
-        elif z in (1, 2):  # one reduce-scatter (a micro-batch's, stage 2) and one all-gather per
-            # group, grouped as data parallelism's buckets
+        elif z == 1 or z == 2 and not held:  # one reduce-scatter (a micro-batch's, stage 2) and one all-gather
+            # per group, grouped as data parallelism's buckets
             charge(dp, "reduce_scatter", dense * g, n, m if z == 2 else 1)
             charge(dp, "all_gather", dense * w, n)
             calls[dp] += extra_buckets * ((m if z == 2 else 1) + 1)
+        elif z == 2:  # ZeRO-2 sends what the model sums after backward once, at the end, in groups of its own
+            # (zero2.py); with SP the experts are among them, and split the held dense ones into runs
+            runs = moe_layers + tail if experts_held else 1
+            now = buckets((dense - held) * g) + (0 if experts_held else moe_layers + tail - 1)
+            later = buckets(held * g) - 1 + runs
+            charge(dp, "reduce_scatter", (dense - held) * g, n, m)
+            charge(dp, "reduce_scatter", held * g, n)
+            charge(dp, "all_gather", dense * w, n)
+            calls[dp] += (now - 1) * m + (later - 1) + (now + later - 1)
         else:  # ZeRO-3: the tied embedding is a parameter of two units, gathered for each forward
             tied = padded_vocab(model.vocab_size, t) // t * h if first and last else 0
             charge(dp, "all_gather", dense * w, n, 2 * m)
@@ -154,8 +170,8 @@ def _count(model, layout, global_batch, stage, dtype):
         if lay.zero_stage == 0:
             charge("edp", "all_reduce", experts * g, n // lay.ep)
             calls["edp"] += groups - 1
-        elif lay.zero_stage < 3:  # each group reduce-scattered (stage 2: each micro-batch's) and gathered
-            sends = m if lay.zero_stage == 2 else 1
+        elif lay.zero_stage < 3:  # each group reduce-scattered (stage 2: each micro-batch's, unless
+            sends = m if lay.zero_stage == 2 and not experts_held else 1  # held, SP's) and gathered
             charge("edp", "reduce_scatter", experts * g, n // lay.ep, sends)
             charge("edp", "all_gather", experts * w, n // lay.ep)
             calls["edp"] += (groups - 1) * (sends + 1)
