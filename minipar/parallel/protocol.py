@@ -60,6 +60,13 @@ def gradient_group(p, grid, comm):
     return grid.edp_group
 
 
+def finished_by_model(p):
+    """Whether the model still adds to ``p``'s gradient after backward (``finalize_grads``): the
+    partial sums of sequence parallelism over TP, the tied embedding's two parts over a pipeline's
+    ends. ZeRO-2 holds these back from its reduce-scatters during backward."""
+    return "tp" in p.placement.grad_sum or "embedding" in p.placement.grad_sum
+
+
 def check_same_layout(model, comm, what, settings=()):
     """Raise on every rank of ``comm`` unless all were given the same parameters (name, shape,
     dtype; an expert's name differs by EP rank, so not its name) and ``settings`` (what else cuts

@@ -43,7 +43,7 @@ from minipar.optim import AdamW, check_hyperparameters
 from minipar.parallel import validate
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.grad_norm import norm_over_groups
-from minipar.parallel.protocol import DistributedOptimizer, check_same_layout, gradient_group
+from minipar.parallel.protocol import DistributedOptimizer, check_same_layout, finished_by_model, gradient_group
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
 from minipar.precision import check_policy
@@ -57,13 +57,6 @@ def refuse_unsupported(model, stage, what):
     sequence_parallel = any("tp" in p.placement.grad_sum for p in model.parameters())
     validate.check(validate.RunConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel, zero_stage=stage),
                    names={"zero_stage": "stage"}, what=what)
-
-
-def finished_by_model(p):
-    """Whether the model still adds to ``p``'s gradient after backward (``finalize_grads``): the
-    partial sums of sequence parallelism over TP, the tied embedding's two parts over a pipeline's
-    ends. ZeRO-2 holds these back from its reduce-scatters during backward."""
-    return "tp" in p.placement.grad_sum or "embedding" in p.placement.grad_sum
 
 
 class ShardedAdamW(DistributedOptimizer):

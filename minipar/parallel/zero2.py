@@ -17,7 +17,8 @@ The layout, the sharded AdamW, the pending reduce-scatters and the step's all-ga
 ``zero.ShardedAdamW``'s; what is stage 2's own is ``reduce_scatter_group``.
 """
 
-from minipar.parallel.zero import ShardedAdamW, finished_by_model
+from minipar.parallel.protocol import finished_by_model
+from minipar.parallel.zero import ShardedAdamW
 
 
 class ZeRO2(ShardedAdamW):
