@@ -27,10 +27,11 @@ from mpi_run import ROOT, check_mpi, run_mpi
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "gpipe", "--m", "3", "--recompute",
          "--defer-embedding-wgrad"]),
     # ZeRO-2 holds back what the model sums after backward: the tied embedding's two parts, sequence
-    # parallelism's partial sums
+    # parallelism's partial sums (ZeRO-3 those)
     (4, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2", "--zero-stage", "2", "--bucket-bytes", "1"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "1f1b", "--m", "2", "--zero-stage", "2",
          "--recompute"]),
+    (4, ["--pp", "1", "--tp", "2", "--sequence-parallel", "--m", "3", "--zero-stage", "3", "--recompute"]),
 ])
 def test_pipeline_matches_the_single_device_run(n, args):
     out = check_mpi(n, "pipeline.py", *args, timeout=180)

@@ -115,11 +115,8 @@ def resolve(cfg, names=None):
     if cfg.sequence_parallel and known("tp", "block_size") and cfg.block_size % tp:
         out.append(f"{say('sequence_parallel')} splits the sequence: {say('block_size')} is not "
                    f"divisible by {say('tp')}")
-    if known("zero_stage") and cfg.zero_stage >= 3:  # (stage 2 holds those gradients back: zero2.py)
+    if known("zero_stage") and cfg.zero_stage >= 3:  # (stage 2 holds the embedding's back: zero2.py)
         stage_2 = say("zero_stage", 2) + " (or 1, 0)"
-        if cfg.sequence_parallel:
-            out.append("ZeRO stage 3 sends a unit's gradients as its backward ends, before sequence "
-                       f"parallelism's partial sums are added: use {stage_2} with {say('sequence_parallel')}")
         if known("pp") and pp > 1:
             out.append("ZeRO stage 3 sends a unit's gradients as its backward ends, before the tied "
                        "embedding's two parts on the first and last pipeline stage are added: with "

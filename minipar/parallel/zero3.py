@@ -43,7 +43,7 @@ import sys
 from minipar.autograd import Function, is_grad_enabled, save_parameters_by_reference
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
-from minipar.parallel.protocol import check_same_layout, gradient_group
+from minipar.parallel.protocol import check_same_layout, finished_by_model, gradient_group
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW, refuse_unsupported
 
@@ -93,7 +93,9 @@ class ZeRO3(ShardedAdamW):
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, policy=None):
         refuse_unsupported(model, 3, type(self).__name__)
-        units = model.units()
+        # sequence parallelism's partial sums (finished_by_model) last in each unit, a group of their own
+        units = [(name, [p for p in used if not finished_by_model(p)] + [p for p in used if finished_by_model(p)])
+                 for name, used in model.units()]
         params = model.parameters()
         index = {id(p): str(i) for i, p in enumerate(params)}
         check_same_layout(model, comm, type(self).__name__, [f"policy: {policy}"] + [  # the units cut the groups
@@ -109,7 +111,7 @@ class ZeRO3(ShardedAdamW):
         sync_replicas(model, comm)  # every rank starts from rank 0's weights ...
         groups, offset = [], 0
         summed_over = lambda p: gradient_group(p, model.grid, comm)  # noqa: E731 (DP x CP, or an expert's edp)
-        for ps in unit_groups(units, key=lambda p: id(summed_over(p))):
+        for ps in unit_groups(units, key=lambda p: (id(summed_over(p)), finished_by_model(p))):
             groups.append(Group(ps, summed_over(ps[0]), offset))
             offset += groups[-1].piece
         self.shapes = {id(p): p.shape for p in params}
@@ -131,6 +133,8 @@ class ZeRO3(ShardedAdamW):
         self.ledger.add("parameters", self.master.nbytes)
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._ready = {id(g): set() for g in groups}  # its parameters whose gradient this backward completed
+        # summed over TP after backward (finalize_grads): their buffers wait for finish_gradients
+        self._later = {id(g) for g in groups if finished_by_model(g.params[0])}
         self._unit_groups = {name: list({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
         model.wrap_units(self._run_unit)
@@ -251,7 +255,11 @@ class ZeRO3(ShardedAdamW):
             raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
                                "model's forward (its units) to make the graph")
         self._ready[id(g)].add(id(p))
-        if len(self._ready[id(g)]) == len(g.params):
+        if len(self._ready[id(g)]) == len(g.params) and id(g) in self._later:
+            self._ready[id(g)] = set()  # the parameters go as the others' do; the buffer waits for the sums
+            self.release_parameters([g])
+            self._prefetch_next()
+        elif len(self._ready[id(g)]) == len(g.params):
             self.reduce_scatter_group(g)
 
     def reduce_scatter_group(self, g):

@@ -126,8 +126,8 @@ def _count(model, layout, global_batch, stage, dtype):
     # run of dense ones; one more run when dense ones follow the stage's last experts
     tail = not moe_ids or last or any(not model.is_moe(i) for i in layers if i > moe_ids[-1])
     extra_buckets = buckets(dense * g) - 1 + moe_layers + tail - 1
-    held, experts_held = 0, False  # ZeRO-2's gradients that the model finishes after backward
-    if lay.zero_stage == 2 and lay.sequence_parallel and t > 1:  # SP's partial sums (LayerNorms, row biases,
+    held, experts_held = 0, False  # ZeRO-2's and 3's gradients that the model finishes after backward
+    if lay.zero_stage >= 2 and lay.sequence_parallel and t > 1:  # SP's partial sums (LayerNorms, row biases,
         held += partial + model.seq_length * h * first + 2 * h * last  # routers; wpe, ln_f) and the experts
         experts_held = bool(experts)
     if lay.zero_stage == 2 and lay.pp > 1 and (first or last) and not (first and last):  # the tied embedding
@@ -155,12 +155,16 @@ def _count(model, layout, global_batch, stage, dtype):
             tied = padded_vocab(model.vocab_size, t) // t * h if first and last else 0
             charge(dp, "all_gather", dense * w, n, 2 * m)
             charge(dp, "all_gather", tied * w, n, m)
-            charge(dp, "reduce_scatter", dense * g, n, m)
+            charge(dp, "reduce_scatter", (dense - held) * g, n, m)
             # in calls, one per parameter group (``zero3.unit_groups``: wte, wpe, each block, ln_f:
             # G = L + 3) and use: per micro-batch G + 1 gathers for the forwards (wte for both its
             # units), G for the backwards (wte stays whole from the head's through the embeddings'),
             # G reduce-scatters; 3 (G - 1) more calls and latency steps than the 4 charged above
-            more = 3 * m * (len(layers) + 3 - 1)
+            L = len(layers)
+            more = 3 * m * (L + 3 - 1)
+            if held:  # SP: each block's partial sums a group of its own (G = 2L + 3), reduce-scattered
+                charge(dp, "reduce_scatter", held * g, n)  # once, after finalize_grads: wpe's, the
+                more = m * (5 * L + 4) + L + 1  # blocks', ln_f's (L + 2); wte's and the rest (L + 1) each time
             calls[dp] += more
             steps[dp] += more * latency_steps("all_gather", n)
         if z > 0:
@@ -177,9 +181,10 @@ def _count(model, layout, global_batch, stage, dtype):
             calls["edp"] += (groups - 1) * (sends + 1)
         else:  # ZeRO-3: each MoE block's experts a group, gathered for its forward and its backward
             # and reduce-scattered, every micro-batch
+            sends = 1 if experts_held else m  # SP: summed over TP first, reduce-scattered once
             charge("edp", "all_gather", experts * w, n // lay.ep, 2 * m)
-            charge("edp", "reduce_scatter", experts * g, n // lay.ep, m)
-            more = 3 * m * (moe_layers - 1)
+            charge("edp", "reduce_scatter", experts * g, n // lay.ep, sends)
+            more = (2 * m + sends) * (moe_layers - 1)
             calls["edp"] += more
             steps["edp"] += more * latency_steps("all_gather", n // lay.ep)
     # pipeline parallelism

@@ -37,6 +37,8 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
     ("--zero-stage 2 --tp 2 --sequence-parallel --num-experts 4 --ep 2 --micro-batch-size 2",
      dict(tp=2, dp=2, ep=2, zero_stage=2, sequence_parallel=True, micro_batch_size=2), 4),
     ("--zero-stage 3 --micro-batch-size 1", dict(dp=4, zero_stage=3, micro_batch_size=1), 0),
+    ("--zero-stage 3 --tp 2 --sequence-parallel --micro-batch-size 2",
+     dict(tp=2, dp=2, zero_stage=3, sequence_parallel=True, micro_batch_size=2), 0),
     ("--cp 2 --recompute", dict(cp=2, dp=2, recompute=True, micro_batch_size=4), 0),
     ("--cp 2 --tp 2 --cp-comm-type a2a", dict(cp=2, tp=2, cp_comm_type="a2a", micro_batch_size=8), 0),
     ("--num-experts 4 --ep 2 --moe-router-topk 2", dict(dp=4, ep=2, micro_batch_size=2), 4),
