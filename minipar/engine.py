@@ -132,6 +132,9 @@ def backward(tensor, grad=None):
 
     root = tensor._node
     order = _topological_order(root)
+    freed = next((node for node in order if node.ctx is None), None)
+    if freed is not None:  # refused before any node runs: no leaf is left with part of a gradient
+        _refuse_freed(freed)
     waiting = _leaves_with_hooks(order)
     slots = {root: [None] * len(root.out_meta)}
     slots[root][tensor._index] = _GradSlot(grad, owned=False)
@@ -141,11 +144,8 @@ def backward(tensor, grad=None):
             _count_down(node, waiting)
             node.free()
             continue
-        if node.ctx is None:
-            raise RuntimeError(
-                f"the graph through {node.fn.__name__} was freed by an earlier backward(): "
-                "run the forward again before a second backward()"
-            )
+        if node.ctx is None:  # freed while this backward ran (a nested backward reaching it)
+            _refuse_freed(node)
         out_grads = [
             s.grad if s is not None else xp.zeros(shape, dtype)
             for s, (shape, dtype) in zip(node_slots, node.out_meta)
@@ -161,6 +161,11 @@ def backward(tensor, grad=None):
             deliver(node.fn, node.inputs, node.in_shapes, in_grads, out_grads, slots)
         _count_down(node, waiting)
         node.free()
+
+
+def _refuse_freed(node):
+    raise RuntimeError(f"the graph through {node.fn.__name__} was freed by an earlier backward(): "
+                       "run the forward again before a second backward()")
 
 
 def call_backward(fn, ctx, out_grads, inputs):

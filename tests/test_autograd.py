@@ -225,3 +225,14 @@ def test_a_parameter_shared_by_two_modules_is_listed_once():
     m.a, m.b = nn.Linear(2, 2), nn.Linear(2, 2)
     m.b.weight = m.a.weight
     assert [name for name, _ in m.named_parameters()] == ["a.weight", "a.bias", "b.bias"]
+
+
+def test_a_second_backward_into_a_freed_graph_changes_no_gradient_before_it_raises():
+    """b shares y with a, whose backward freed y's node: b's backward must refuse before its own
+    nodes have handed u any gradient (it refused only on reaching y, with u.grad already set)."""
+    x, u = leaf(3), leaf(3, seed=1)
+    y = x * 2.0
+    (y * 3.0).sum().backward()
+    with pytest.raises(RuntimeError, match="freed by an earlier backward"):
+        (y * u).sum().backward()
+    assert u.grad is None

@@ -5,10 +5,13 @@ BLAS (or our GPU kernel) reads them with its transpose flag, no copy is made. Ev
 through ``backend.matmul``.
 """
 
+import numpy
+
 from minipar import backend
 from minipar.autograd import Function, Tensor
 from minipar.backend import matmul as mm, xp
-from minipar.dtypes import compute_dtype
+from minipar.dtypes import compute_dtype, is_16bit
+from minipar.engine import _unbroadcast
 from minipar.functional.checks import floats
 
 
@@ -26,15 +29,26 @@ class MatMul(Function):
     def backward(ctx, grad):
         a, b = ctx.a, ctx.b
         need_a, need_b = ctx.needs_input_grad
-        grad_a = mm(grad, _mT(b)) if need_a else None
+        grad_a = _product_to(grad, _mT(b), a.shape) if need_a else None
         grad_b = None
         if need_b and b.ndim == 2 and a.ndim > 2:
             # A shared weight: fold the batch into rows and do one GEMM instead of a batch of
             # GEMMs followed by a sum over the batch.
             grad_b = mm(a.reshape(-1, a.shape[-1]).T, grad.reshape(-1, grad.shape[-1]))
         elif need_b:
-            grad_b = mm(_mT(a), grad)  # the engine sums any broadcast batch axes
+            grad_b = _product_to(_mT(a), grad, b.shape)
         return grad_a, grad_b
+
+
+def _product_to(x, y, shape):
+    """x @ y for an operand of ``shape``, whose batch axes broadcasting may have widened: the
+    engine sums those (``_unbroadcast``). A 16-bit gradient is summed here instead, in float32
+    and rounded once, as every 16-bit reduction is (the engine would add the rounded products
+    in 16 bits: 4096 ones sum to 256 in bfloat16)."""
+    if not is_16bit(x.dtype) or numpy.broadcast_shapes(x.shape[:-2], y.shape[:-2]) == tuple(shape[:-2]):
+        return mm(x, y)
+    wide = compute_dtype(x.dtype)
+    return _unbroadcast(mm(x.astype(wide), y.astype(wide)), shape).astype(x.dtype)
 
 
 def matmul(a, b):

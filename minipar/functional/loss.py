@@ -4,6 +4,8 @@ With p = softmax(logits) and one-hot target y, d loss / d logits = p - y (times 
 and 1/count for the mean). Keeping it as one op avoids storing log-probabilities and a gather node.
 """
 
+import numpy
+
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp
 from minipar.functional.checks import floats
@@ -21,14 +23,18 @@ class CrossEntropy(Function):
         safe_t = xp.where(valid, t, 0)
         rows = xp.arange(x.shape[0])
 
-        row_max = x.max(axis=1, keepdims=True)
-        probs = x - row_max
-        xp.exp(probs, out=probs)
-        sum_exp = probs.sum(axis=1, keepdims=True)
-        probs /= sum_exp
-        # log p_target = x_target - max - log(sum exp(x - max)): exact even when p_target underflows
-        logp_target = x[rows, safe_t] - row_max[:, 0] - xp.log(sum_exp[:, 0])
-        total = -(logp_target * valid).sum()
+        with numpy.errstate(invalid="ignore", divide="ignore"):  # a row of -inf: -inf - -inf (CuPy never warns)
+            row_max = x.max(axis=1, keepdims=True)
+            probs = x - row_max
+            xp.exp(probs, out=probs)
+            sum_exp = probs.sum(axis=1, keepdims=True)
+            probs /= sum_exp
+            # log p_target = x_target - max - log(sum exp(x - max)): exact even when p_target underflows
+            logp_target = x[rows, safe_t] - row_max[:, 0] - xp.log(sum_exp[:, 0])
+        # an ignored row adds nothing whatever its logits: zeroed, not multiplied by 0, which
+        # turns the -inf of a masked column 0 (where safe_t reads it) or a row of -inf into nan
+        logp_target[~valid] = 0.0
+        total = -logp_target.sum()
         count = int(valid.sum()) if reduction == "mean" else 1
         ctx.probs, ctx.rows, ctx.safe_t, ctx.valid = probs, rows, safe_t, valid
         ctx.count, ctx.shape = count, logits.shape
@@ -39,6 +45,8 @@ class CrossEntropy(Function):
         dx = ctx.probs  # owned by this node, which backward consumes exactly once
         dx[ctx.rows, ctx.safe_t] -= 1.0
         dx *= (ctx.valid * (grad / ctx.count))[:, None]
+        if not ctx.valid.all():  # an ignored row of -inf has nan probabilities, and nan * 0 is nan
+            dx[~ctx.valid] = 0.0
         return dx.reshape(ctx.shape), None, None, None
 
 

@@ -36,16 +36,34 @@ def mean(x, axis=None, keepdims=False):
     return Sum.apply(x, reduced, bool(keepdims)) * (1.0 / count)
 
 
+def _shift(x, axis):
+    """Each row's maximum, or 0 for a row that is -inf everywhere (every entry masked): -inf - -inf
+    would make the row nan, and nan reaches every gradient through the products that follow
+    (nan * 0 is nan). With 0 the row's exponentials are all 0, and ``_nonzero`` takes their sum
+    as 1, so softmax gives it no probability anywhere (log_softmax -inf) and no gradient."""
+    m = x.max(axis=axis, keepdims=True)
+    xp.copyto(m, 0, where=m == -xp.inf)  # no branch: a GPU need not wait to know
+    return m
+
+
+def _nonzero(total):
+    """A row's sum of exponentials, 1 where it is 0: only a row of -inf sums to 0 (its maximum
+    contributes exp(0) = 1 otherwise)."""
+    xp.copyto(total, 1, where=total == 0)
+    return total
+
+
 @in_float32()
 class Softmax(Function):
     """y = exp(x - max) / sum(exp(x - max)); subtracting the max keeps exp from overflowing.
-    Backward: dx = y * (g - sum(g * y))."""
+    Backward: dx = y * (g - sum(g * y)). A row that is -inf everywhere (masked entirely) is 0
+    (see ``_shift``)."""
 
     @staticmethod
     def forward(ctx, x, axis):
-        y = x - x.max(axis=axis, keepdims=True)
+        y = x - _shift(x, axis)
         xp.exp(y, out=y)
-        y /= y.sum(axis=axis, keepdims=True)
+        y /= _nonzero(y.sum(axis=axis, keepdims=True))
         ctx.y, ctx.axis = y, axis
         return y
 
@@ -59,12 +77,13 @@ class Softmax(Function):
 
 @in_float32()
 class LogSoftmax(Function):
-    """y = x - max - log(sum(exp(x - max))). Backward: dx = g - exp(y) * sum(g)."""
+    """y = x - max - log(sum(exp(x - max))). Backward: dx = g - exp(y) * sum(g). A row that is
+    -inf everywhere stays -inf (see ``_shift``)."""
 
     @staticmethod
     def forward(ctx, x, axis):
-        shifted = x - x.max(axis=axis, keepdims=True)
-        y = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+        shifted = x - _shift(x, axis)
+        y = shifted - xp.log(_nonzero(xp.exp(shifted).sum(axis=axis, keepdims=True)))
         ctx.y, ctx.axis = y, axis
         return y
 

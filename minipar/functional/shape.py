@@ -3,10 +3,13 @@
 Forwards return views where NumPy can; each backward moves the gradient back the opposite way.
 """
 
+import numbers
+
 import numpy
 
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp
+from minipar.dtypes import compute_dtype
 from minipar.functional import checks
 
 
@@ -46,12 +49,16 @@ class GetItem(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out = xp.zeros(ctx.shape, ctx.dtype)
         if _is_basic_index(ctx.index):
+            out = xp.zeros(ctx.shape, ctx.dtype)
             out[ctx.index] = grad
-        else:  # an integer array may pick the same element twice: those gradients must add up
-            xp.add.at(out, ctx.index, grad)
-        return out, None
+            return out, None
+        # an integer array may pick the same element twice: those gradients must add up, and
+        # 16-bit ones in float32 (rounded once: in bfloat16, 4096 ones add up to 256)
+        wide = compute_dtype(ctx.dtype)
+        out = xp.zeros(ctx.shape, wide)
+        xp.add.at(out, ctx.index, grad.astype(wide, copy=False))
+        return out.astype(ctx.dtype, copy=False), None
 
 
 class Split(Function):
@@ -108,11 +115,14 @@ def split(x, sections, axis=-1):
     """Split along ``axis`` into ``sections`` equal parts (an int) or into parts of the given sizes
     (a list), e.g. ``q, k, v = split(qkv, 3, axis=-1)`` for the fused attention projection."""
     axis = checks.axes("split", axis, x.ndim)[0]
-    if isinstance(sections, int):
-        if x.shape[axis] % sections:
-            raise ValueError(f"split: axis of size {x.shape[axis]} is not divisible by {sections}")
+    if isinstance(sections, numbers.Integral):
+        sections = int(sections)
+        if sections < 1 or x.shape[axis] % sections:
+            raise ValueError(f"split: axis of size {x.shape[axis]} is not divisible into {sections} equal parts")
     else:
         sizes = list(sections)
+        if any(not isinstance(n, numbers.Integral) or n < 0 for n in sizes):  # a negative size cut overlapping parts
+            raise ValueError(f"split: sizes must be non-negative integers, got {sizes}")
         if sum(sizes) != x.shape[axis]:
             raise ValueError(f"split: sizes {sizes} do not add up to the axis size {x.shape[axis]}")
         sections = numpy.cumsum(sizes)[:-1].tolist()
@@ -120,6 +130,8 @@ def split(x, sections, axis=-1):
 
 
 def concat(tensors, axis=0):
+    if not len(tensors):
+        raise ValueError("concat: needs at least one tensor")
     tensors = checks.floats("concat", *tensors)
     tensors = [tensors] if isinstance(tensors, Tensor) else tensors
     return Concat.apply(*tensors, axis=checks.axes("concat", axis, tensors[0].ndim)[0])

@@ -14,6 +14,8 @@ whether the target is among them: no communication in backward. Columns past the
 (padding up to a multiple of the TP size) are set to -inf, so padding never changes the loss.
 """
 
+import numpy
+
 from minipar.autograd import Function
 from minipar.backend import array_of, xp
 from minipar.functional.checks import floats
@@ -31,7 +33,8 @@ class VocabParallelCrossEntropy(Function):
         if padding.any():
             z[:, padding] = -xp.inf
         row_max = comm.all_reduce(z.max(axis=1), op="max")
-        z -= row_max[:, None]
+        with numpy.errstate(invalid="ignore"):  # a row of -inf (ignored, see below): -inf - -inf
+            z -= row_max[:, None]
         local = t - vocab_start
         valid = t != ignore_index
         mine = (local >= 0) & (local < per_rank) & valid  # an ignored target's logit is nobody's (it may be padding's -inf)
@@ -42,8 +45,11 @@ class VocabParallelCrossEntropy(Function):
         sums[0] = z.sum(axis=1)
         comm.all_reduce(sums)
         count = int(valid.sum()) if reduction == "mean" else 1
-        total = ((xp.log(sums[0]) - sums[1]) * valid).sum()
-        z /= sums[0][:, None]  # this rank's columns of the softmax
+        with numpy.errstate(invalid="ignore", divide="ignore"):
+            losses = xp.log(sums[0]) - sums[1]
+            z /= sums[0][:, None]  # this rank's columns of the softmax
+        losses[~valid] = 0.0  # an ignored row adds nothing, even a row of -inf (nan * 0 would be nan)
+        total = losses.sum()
         ctx.probs, ctx.rows, ctx.local, ctx.mine, ctx.valid = z, rows, local, mine, valid
         ctx.count, ctx.shape = count, logits.shape
         return xp.asarray(total / count, dtype=logits.dtype)
@@ -54,6 +60,8 @@ class VocabParallelCrossEntropy(Function):
         hit = ctx.mine
         dz[ctx.rows[hit], ctx.local[hit]] -= 1.0
         dz *= (ctx.valid * (grad / ctx.count))[:, None]
+        if not ctx.valid.all():  # an ignored row of -inf has nan probabilities, and nan * 0 is nan
+            dz[~ctx.valid] = 0.0
         return dz.reshape(ctx.shape), None, None, None, None, None, None
 
 

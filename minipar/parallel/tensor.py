@@ -45,8 +45,9 @@ def sharded_parameter(full, comm, axis, chunks=1, padded=None):
 
 
 def _check_split(what, n, comm):
-    if n % comm.size:
-        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {comm.size}")
+    if n % comm.size:  # every rank builds the same layer, so every rank raises, before any message
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {comm.size}: make it a "
+                         f"multiple of {comm.size} or choose a tensor-parallel size that divides {n}")
 
 
 def _check_rank_order(rank_order, sequence_parallel, gather_output=False):
