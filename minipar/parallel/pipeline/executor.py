@@ -61,6 +61,7 @@ from minipar.autograd import Tensor, is_grad_enabled, no_grad
 from minipar.backend import on_gpu, xp
 from minipar.parallel import validate
 from minipar.parallel.data import split_batch, token_count
+from minipar.parallel.pipeline import ready
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.receives import PostedReceives
 from minipar.parallel.pipeline.simulate import message_key, peer
@@ -127,24 +128,25 @@ class PipelineExecutor:
         if unknown:  # a schedule ahead of its executor: every rank says so, before any message
             raise ValueError(f"the {schedule!r} schedule has instructions {unknown} that the executor "
                              "has no method for: add one to PipelineExecutor._handlers")
-        # the backward (or, split, the W) after which a chunk's gradients are complete for the step
-        last = {ins.chunk: (k, ins.mb) for k, ins in enumerate(self.instructions)
-                if ins.op in (S.BACKWARD, S.BACKWARD_WEIGHT)}
-        # The tied embedding is used by the first global chunk and by the last. Where one rank holds
-        # both (rank 0 of a V), its gradient is complete only after the later of their last
-        # backwards: the earlier chunk stays quiet throughout (``finish_gradients`` sends its part).
-        ends = [c for c, g in enumerate(model.chunks) if g in (0, self.pipe.n_chunks - 1)]
-        if len(ends) == 2:
-            last[min(ends, key=lambda c: last[c][0])] = (None, None)
-        self.last_backward = {c: mb for c, (_, mb) in last.items()}
+        # the backward (or, split, the W) after which a chunk's gradients are complete for the step,
+        # and the chunk whose backwards leave the head's weight gradient, with its last such W
+        self.last_backward = ready.last_backwards(self.instructions, model.chunks, self.pipe.n_chunks)
+        self.last_head = ready.last_heads(self.instructions)
         self.weights = model.parameters()  # whose gradients a split backward leaves to W
-        # the chunk whose backwards leave the head's weight gradient, and its last such W
-        self.last_head = {ins.chunk: ins.mb for ins in self.instructions if ins.op == S.HEAD_WEIGHT}
 
     def step(self, x, y, optimizer_step=None):
         """One training step on the global batch (x, y) (every rank passes the same one): run the
         schedule, then ``optimizer_step()`` at its step instruction. Returns a StepRecord."""
+        self._require_grad()
         return self._run(self.instructions, x, y, optimizer_step)
+
+    @staticmethod
+    def _require_grad():
+        """Inside ``no_grad()`` no forward would keep its graph, and the first backward would fail
+        after messages are sent: every rank refuses at once instead."""
+        if not is_grad_enabled():
+            raise RuntimeError("a pipeline's training step was called inside no_grad(), where forwards keep no "
+                               "graph to backpropagate: call step() outside it, or evaluate() for the loss alone")
 
     def evaluate(self, x, y):
         """The mean loss over the batch (x, y), forwards only and no graph (call ``model.eval()``
@@ -230,7 +232,7 @@ class PipelineExecutor:
         with self._quiet(ins.mb, self.last_backward[ins.chunk]):
             if ins.chunk in self.last_head:  # all but the head's weight gradient, parked for the flush
                 state.head_grads[unit] = backward_input(out, [self.model.head_weight], grad)
-                self._count_parked(state)
+                state.count_parked()
             else:
                 out.backward(grad)
         if inp is not None:
@@ -243,7 +245,7 @@ class PipelineExecutor:
         state.weight_grads[unit] = backward_input(out, self.weights, state.output_grads.pop(unit, None))
         if inp is not None:
             state.input_grads[unit] = inp.grad
-        self._count_parked(state)
+        state.count_parked()
 
     def _backward_weight(self, state, ins):
         pending = state.weight_grads.pop((ins.mb, ins.chunk))
@@ -259,11 +261,6 @@ class PipelineExecutor:
         """Gradients that more micro-batches will add to are not ready: inside ``no_sync()``."""
         quiet = self.optimizer is not None and mb != last
         return self.optimizer.no_sync() if quiet else contextlib.nullcontext()
-
-    @staticmethod
-    def _count_parked(state):
-        held = sum(w.nbytes() for w in (*state.weight_grads.values(), *state.head_grads.values()))
-        state.record.peak_weight_bytes = max(state.record.peak_weight_bytes, held)
 
     def _send_grad(self, state, ins):
         grad = state.input_grads.pop((ins.mb, ins.chunk))

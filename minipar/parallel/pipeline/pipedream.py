@@ -51,6 +51,7 @@ class PipeDream2BW(PipelineExecutor):
         next batch, or None to drain) that 1F1B runs meanwhile. The dropout iteration of (x, y) is
         the caller's ``model.rng.iteration``, the following batch's one more. Returns the StepRecord
         of this call (its timeline holds the following batch's early forwards too)."""
+        self._require_grad()
         b, m, stash, iteration = self.batch, self.m, self.optimizer, self.model.rng.iteration
         if b not in self.in_flight:  # the stream starts (or starts again after a drain) here
             self.forwarded = b * m

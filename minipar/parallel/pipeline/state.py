@@ -61,3 +61,8 @@ class StepState:
     receives: object = None
     loss: float = 0.0
     record: StepRecord = field(default_factory=StepRecord)
+
+    def count_parked(self):
+        """Record the bytes the parked W's (and deferred head W's) keep alive now, if a new peak."""
+        held = sum(w.nbytes() for w in (*self.weight_grads.values(), *self.head_grads.values()))
+        self.record.peak_weight_bytes = max(self.record.peak_weight_bytes, held)

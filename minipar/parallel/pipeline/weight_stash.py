@@ -151,6 +151,17 @@ class WeightStash(DistributedOptimizer):
                 p.grad = g
         self.newest += 1
 
+    def masters_to_model(self):
+        """The model's weights were set from outside (``checkpoint.full.load_full_state``, which
+        ``--init-weights`` runs after this wrapper is built): W(-1) := W(0) again, as at
+        construction, or batch 0 would run on the weights the model was built with."""
+        if self.newest != 0 or self.pending is not None:
+            raise RuntimeError("PipeDream-2BW's weights were set after its first step: its stashed version "
+                               "would not follow; set them before training starts")
+        self.inner.masters_to_model()
+        for s, p in zip(self.stash, self.params):
+            xp.copyto(s, p.data)
+
     def stash_bytes(self):
         """The bytes the second version costs: one more copy of this rank's parameters, and one of
         their gradients (a batch's, set aside until its update)."""

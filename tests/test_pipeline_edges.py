@@ -1,0 +1,75 @@
+"""Edges of the pipeline executors found by review: a training step called inside no_grad() is
+refused before any message (it used to fail with a KeyError at the first backward, after sends);
+PipeDream-2BW's stash follows weights set after it is built (--init-weights), where batch 0 used
+to run on the weights the model was built with; the deferred head's W's on a pipeline with middle
+stages, which hold no head."""
+
+import numpy as np
+import pytest
+
+import minipar
+from minipar.checkpoint import full
+from minipar.models import GPT, GPTConfig
+from minipar.parallel import ProcessGrid
+from minipar.parallel.optimizers import make_optimizer
+from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.pipeline.pipedream import PipeDream2BW
+from minipar.parallel.pipeline.weight_stash import WeightStash
+from mpi_run import check_mpi
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.1)
+
+
+@pytest.fixture
+def float64():
+    minipar.set_default_dtype("float64")
+    yield
+    minipar.set_default_dtype("float32")
+
+
+def _batch():
+    return np.random.default_rng(0).integers(0, 32, (4, 8))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "pipedream-2bw"])
+def test_a_training_step_inside_no_grad_is_refused_before_anything_runs(schedule):
+    grid = ProcessGrid(1, 1)
+    minipar.manual_seed(0)
+    model = GPT(CONFIG, grid)
+    if schedule == "pipedream-2bw":
+        opt = WeightStash(make_optimizer(model, grid, 0, lr=1e-2))
+        run, call = PipeDream2BW(model, grid, 2, opt), {"following": None}
+    else:
+        run, call = PipelineExecutor(model, grid, schedule, micro_batches=2), {}
+    x = _batch()
+    with minipar.no_grad(), pytest.raises(RuntimeError, match=r"inside no_grad\(\).*evaluate\(\) for the loss alone"):
+        run.step(x, x, **call)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert run.step(x, x, **call).loss > 0  # and the executor is left as it was
+
+
+def test_pipedream_2bw_runs_batch_0_on_weights_loaded_after_it_was_built(float64):
+    """--init-weights loads the weights after the optimizer (and its stash) is built: batch 0 runs
+    on W(-1) := W(0), which must be the loaded weights, not the seed's."""
+    grid = ProcessGrid(1, 1)
+    minipar.manual_seed(5)
+    loaded = GPT(CONFIG)
+    minipar.manual_seed(3)
+    model = GPT(CONFIG, grid)
+    opt = WeightStash(make_optimizer(model, grid, 0, lr=1e-2))
+    run = PipeDream2BW(model, grid, 2, opt)
+    full.load_full_state(model, opt, loaded.state_dict(), grid)
+    x = _batch()
+    loaded.rng.seed, model.rng.iteration, loaded.rng.iteration = model.rng.seed, 0, 0  # the same dropout masks
+    want = loaded(x, x)[1].item()
+    assert abs(run.step(x, x, opt.step).loss - want) < 1e-12
+    with pytest.raises(RuntimeError, match="set after its first step"):
+        full.load_full_state(model, opt, loaded.state_dict(), grid)
+
+
+@pytest.mark.parametrize("args", [["--pp", "3", "--schedule", "1f1b-slack", "--m", "2"],
+                                  ["--pp", "3", "--schedule", "interleaved", "--v", "2", "--m", "3"]])
+def test_the_deferred_head_with_a_middle_stage_matches_one_device(args):
+    """A middle stage holds no head (model.head_weight is None there): its backwards are whole."""
+    out = check_mpi(3, "pipeline.py", *args, "--defer-embedding-wgrad", timeout=180)
+    assert out.count("OK (layers") == 3
