@@ -58,6 +58,12 @@ def flag_problems(args):
         problems.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
+    elif args.lr_decay_iters <= args.warmup_iters < args.max_iters:
+        # steps past the warm-up would follow a cosine of no steps (Megatron-LM refuses it too); a run
+        # that ends within its warm-up never reaches it
+        problems.append(f"--lr-decay-iters {args.lr_decay_iters} ends the decay before --warmup-iters "
+                        f"{args.warmup_iters} ends the warm-up, and --max-iters {args.max_iters} trains past it: "
+                        "give --lr-decay-iters above --warmup-iters")
     chosen = [flag for flag, on in (("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler),
                                     ("--override-opt_param-scheduler", args.override_opt_param_scheduler)) if on]
     if len(chosen) == 2:

@@ -25,16 +25,16 @@ def path_problem(path):
     return f"matplotlib cannot write a .{extension} file: end the name with one of {choices}"
 
 
-def plot_loss(train_losses, val_points, path, title="training loss"):
-    """Train loss per step and validation estimates ((step, loss) pairs) as a picture at ``path``,
-    in the format its extension names (see ``path_problem``)."""
+def plot_loss(train_losses, val_points, path, title="training loss", first=0):
+    """Train loss per step from step ``first`` (a resumed run's) and validation estimates ((step,
+    loss) pairs) as a picture at ``path``, in the format its extension names (see ``path_problem``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(len(train_losses)), train_losses, lw=1, label="train")
+    ax.plot(range(first, first + len(train_losses)), train_losses, lw=1, label="train")
     if val_points:
         steps, losses = zip(*val_points)
         ax.plot(steps, losses, "o-", label="validation")

@@ -204,11 +204,12 @@ INTERRUPT_GRACE_S, INTERRUPT_STAGGER_S = 2.0, 0.5  # how long a rank other than 
 
 def interrupted(args, iteration):
     """The line a Ctrl-C ends the run with: where it stopped and which checkpoint survives (a save
-    in progress is written aside and renamed at its end, so the previous one is whole)."""
+    in progress is written aside and renamed at its end, so the previous one is whole).
+    ``iteration`` None: stopped before training started (``args`` None: before the flags were read)."""
     from minipar.train_report import last_checkpoint
 
-    line = f"interrupted at iteration {iteration}"
-    if not args.save:
+    line = "interrupted before training started" if iteration is None else f"interrupted at iteration {iteration}"
+    if args is None or not args.save:
         return line
     kept = last_checkpoint(args.save)
     if kept is None:
@@ -218,18 +219,43 @@ def interrupted(args, iteration):
 
 def main(argv=None):
     from minipar.comm import world
-    from minipar.run_inputs import claim_save_directory, same_inputs
 
     comm = world()
     parser = build_parser()
     parser.rank = comm.rank
-    problems, lock = [], None
+    run = {}  # what an interruption reports, once there is any: the flags, the trainer; the save lock
     try:
-        args = parser.parse_args(argv)  # with a snapshot's config.json and a tokenizer's vocabulary
+        return _main(comm, parser, argv, run)
+    except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback, from start to end
+        if comm.rank != 0:
+            # Ctrl-C reaches every rank, and rank 0's line and exit end the job within this grace;
+            # a rank still here was interrupted alone (kill -INT of its process), or rank 0 cannot
+            # speak (Python sees a signal only between calls, and rank 0 may be inside MPI waiting
+            # for this rank): it says so itself, the lowest such rank first, its exit ending the rest
+            time.sleep(INTERRUPT_GRACE_S + INTERRUPT_STAGGER_S * min(comm.rank - 1, 16))
+        who = "" if comm.rank == 0 else f"rank {comm.rank} "
+        trainer = run.get("trainer")
+        # (a resumed run's iteration before its first step is where it resumed)
+        line = interrupted(run.get("args"), None if trainer is None else max(trainer.model.rng.iteration, trainer.start))
+        print(f"{parser.prog}: {who}{line}", file=sys.stderr, flush=True)
+        return 128 + 2  # the shell's status for a death by SIGINT (2), so scripts see the interruption
+    finally:
+        if run.get("lock") is not None:
+            run["lock"].release()
+
+
+def _main(comm, parser, argv, run):
+    """``main`` up to the run's exit status; fills ``run`` as it goes (``main`` reports from it)."""
+    from minipar.comm import world
+    from minipar.run_inputs import claim_save_directory, same_inputs
+
+    problems = []
+    try:
+        args = run["args"] = parser.parse_args(argv)  # with a snapshot's config.json and a tokenizer's vocabulary
         check_args(args, comm.size)
         data, config = build(parser, args)
         weights = check_files(parser, args, config, data)
-        lock = claim_save_directory(args, comm.rank)  # last: held only by a run that goes on
+        run["lock"] = claim_save_directory(args, comm.rank)  # last: held only by a run that goes on
     except FlagError as exc:
         problems = exc.lines
     agree(comm, problems, parser.prog)
@@ -247,7 +273,7 @@ def main(argv=None):
     from minipar.trainer import Trainer
 
     try:
-        trainer = Trainer(args, config, data, comm, weights)
+        trainer = run["trainer"] = Trainer(args, config, data, comm, weights)
     except CheckpointError as exc:  # found by the rank that read the damaged part
         return _end(comm, parser.prog, f"--load: {exc}")
     try:
@@ -264,19 +290,6 @@ def main(argv=None):
             raise
         return _end(comm, parser.prog, f"cannot write {exc.filename} ({exc.strerror or exc}): "
                     + unwritten(args, trainer.model.rng.iteration, trainer.trained))
-    except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback
-        if comm.rank != 0:
-            # Ctrl-C reaches every rank, and rank 0's line and exit end the job within this grace;
-            # a rank still here was interrupted alone (kill -INT of its process), or rank 0 cannot
-            # speak (Python sees a signal only between calls, and rank 0 may be inside MPI waiting
-            # for this rank): it says so itself, the lowest such rank first, its exit ending the rest
-            time.sleep(INTERRUPT_GRACE_S + INTERRUPT_STAGGER_S * min(comm.rank - 1, 16))
-        who = "" if comm.rank == 0 else f"rank {comm.rank} "
-        print(f"{parser.prog}: {who}{interrupted(args, trainer.model.rng.iteration)}", file=sys.stderr, flush=True)
-        return 128 + 2  # the shell's status for a death by SIGINT (2), so scripts see the interruption
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 if __name__ == "__main__":

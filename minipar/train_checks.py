@@ -14,6 +14,7 @@ import numpy
 
 from minipar.cli import FlagError
 from minipar.lr_schedule import flag_problems as schedule_flag_problems
+from minipar.train_paths import clashing_paths, writable
 
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type": "--cp-comm-type", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
@@ -88,47 +89,21 @@ def mixed_precision_problems(args):
     return out
 
 
-def _writable(flag, path):
-    """A problem now, not after the whole run, if ``path`` cannot be written (None if it can)."""
-    from minipar.checkpoint.files import folder_problem
-
-    if os.path.isdir(path):
-        return f"{flag} {path}: not a writable file path"
-    why = folder_problem(os.path.dirname(os.path.abspath(path)))
-    return None if why is None else f"{flag} {path}: {why}"
-
-
-def _inside(path, folder):
-    """True if ``path`` is ``folder`` or lies under it (links resolved; neither need exist yet)."""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def clashing_paths(args):
-    """Outputs that would destroy an input or each other, one line each: the corpus overwritten
-    by the log, a checkpoint written into the corpus's folder (and read back as text), two files
-    of one name, or anything inside --export-hf's folder, which the export replaces whole, an
-    input (the weights or the tokenizer it started from) included."""
-    files = [(f"--{flag.replace('_', '-')}", getattr(args, flag)) for flag in ("log_json", "export_weights", "plot")]
-    files = [(flag, path) for flag, path in files if path]
-    outputs = files + [(flag, path) for flag, path in (("--save", args.save), ("--export-hf", args.export_hf)) if path]
-    problems = [f"{a} and {b} both name {path}: each needs a file of its own"
-                for i, (a, path) in enumerate(files) for b, other in files[i + 1:] if _inside(path, other)]
-    if args.export_hf:
-        problems += [f"{flag} {path} is inside --export-hf {args.export_hf}, which the export replaces whole "
-                     "when the run ends: put it elsewhere" for flag, path in outputs
-                     if flag != "--export-hf" and _inside(path, args.export_hf)]
-    tokenizer = getattr(getattr(args, "tokenizer", None), "directory", None)  # (loaded by then: train_sources)
-    inputs = [(flag, path) for flag, path in (("--data", args.data), ("--init-weights", args.init_weights),
-                                                ("--tokenizer", tokenizer)) if path]
-    for source, given in inputs:
-        # --export-weights over --init-weights writes the trained weights back, atomically: allowed
-        problems += [f"{flag} {path} would write into {source} {given}, an input of this run: put it elsewhere"
-                     for flag, path in outputs if _inside(path, given)
-                     and (flag, source) != ("--export-weights", "--init-weights")]
-        if args.export_hf and _inside(given, args.export_hf) and not _inside(args.export_hf, given):
-            problems.append(f"{source} {given} is inside --export-hf {args.export_hf}, which the export replaces "
-                            "whole when the run ends: put the export elsewhere")
+def sample_problems(args):
+    """--sample and --prompt, which are used only once the run has trained: checked now."""
+    problems = []
+    if args.sample < 0:
+        problems.append(f"--sample is a number of tokens to generate (0: none), got {args.sample}")
+    if args.sample == 0 and args.prompt not in (PROMPT, ""):
+        problems.append(f"--prompt {args.prompt!r} starts a sample, and --sample is 0: give --sample N "
+                        "(tokens to generate), or drop --prompt")
+    if args.sample > 0 and not args.prompt:
+        problems.append("--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0")
+    try:  # a command line that is not UTF-8 reaches Python as lone surrogates, which no encoder takes
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        problems.append(f"--prompt {args.prompt!r}: not UTF-8 text (at character {exc.start}): the sample's "
+                        "tokens are of UTF-8 text; give the prompt in UTF-8")
     return problems
 
 
@@ -176,13 +151,7 @@ def check_args(args, world_size):
         if path is not None and not path.endswith(".safetensors") and not (flag == "init_weights" and os.path.isdir(path)):
             problems.append(f"--{flag.replace('_', '-')} {path}: expected a .safetensors file"
                             + (" or a Hugging Face snapshot directory" if flag == "init_weights" else ""))
-    if args.sample < 0:
-        problems.append(f"--sample is a number of tokens to generate (0: none), got {args.sample}")
-    if args.sample == 0 and args.prompt not in (PROMPT, ""):
-        problems.append(f"--prompt {args.prompt!r} starts a sample, and --sample is 0: give --sample N "
-                        "(tokens to generate), or drop --prompt")
-    if args.sample > 0 and not args.prompt:
-        problems.append("--prompt '': a sample continues some text: give --prompt TEXT, or --sample 0")
+    problems += sample_problems(args)
     if args.export_hf:
         from minipar.checkpoint.hf import export_dir_problem
 
@@ -202,9 +171,9 @@ def check_args(args, world_size):
     problems += clashing_paths(args)
     for flag in ("log_json", "export_weights", "plot"):
         if getattr(args, flag):
-            problems.append(_writable("--" + flag.replace("_", "-"), getattr(args, flag)))
+            problems.append(writable("--" + flag.replace("_", "-"), getattr(args, flag)))
     if args.save:
-        problems.append(_writable("--save", os.path.join(args.save, "latest")))
+        problems.append(writable("--save", os.path.join(args.save, "latest")))
     if args.save_interval and not args.save:
         problems.append(f"--save-interval {args.save_interval} is how often --save DIR writes a checkpoint: give --save")
     args.save_interval = args.save_interval or 100

@@ -245,7 +245,8 @@ class Reports:
         if args.plot and history:
             from minipar.plots import plot_loss
 
-            plot_loss(history, val_history, args.plot, title=f"GPT {self.model_parameters():,} params")
+            plot_loss(history, val_history, args.plot, title=f"GPT {self.model_parameters():,} params",
+                      first=self.start)  # a resumed run's losses from its first iteration, as its evaluations
             print(f"loss curve written to {args.plot}")
         if args.sample > 0:
             from minipar import data
