@@ -192,7 +192,7 @@ def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
     (2, ["--tp", "2", "--n-head", "3", "--n-embd", "33"], "--n-head 3 is not divisible by --tp 2"),
     (2, ["--pp", "2", "--n-layer", "3"], "--n-layer 3 is not divisible by --pp x --num-virtual-stages"),
     (2, ["--global-batch-size", "5"], "does not split over DP=2"),
-    (2, ["--pp", "2", "--zero-stage", "2"], "use --zero-stage 1"),
+    (2, ["--pp", "2", "--zero-stage", "3"], "with pipeline parallelism use --zero-stage 2 (or 1, 0)"),
     (2, ["--num-virtual-stages", "2"], "needs --pp > 1 and --schedule interleaved"),
     (2, ["--sequence-parallel"], "needs --tp > 1"),
     (2, ["--pp", "2", "--schedule", "zb-h1", "--num-virtual-stages", "2"], "needs --schedule interleaved"),

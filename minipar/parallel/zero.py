@@ -193,8 +193,8 @@ class ShardedAdamW(DistributedOptimizer):
 
     def finish_gradients(self):
         """Sum every group's gradients over the group into this rank's pieces (once per step).
-        The model finishes its gradients first (stages 2 and 3 refuse the models for which that
-        adds anything: their gradients are sent before it could)."""
+        The model finishes its gradients first: what that adds to, stages 2 and 3 have held back
+        (``protocol.finished_by_model``) and send now, with the rest."""
         if self._summed:
             return
         self.model.finalize_grads()
