@@ -196,7 +196,7 @@ def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
     (2, ["--num-virtual-stages", "2"], "needs --pp > 1 and --schedule interleaved"),
     (2, ["--sequence-parallel"], "needs --tp > 1"),
     (2, ["--pp", "2", "--schedule", "zb-h1", "--num-virtual-stages", "2"], "needs --schedule interleaved"),
-    (2, ["--schedule", "zb-h2", "--zero-stage", "2"], "--schedule zb-h2 computes the weights' gradients later (W)"),
+    (2, ["--schedule", "zb-h2", "--zero-stage", "3"], "--schedule zb-h2 computes the weights' gradients later (W)"),
     (2, ["--pp", "2", "--schedule", "zb-v"], "--schedule zb-v places two chunks per rank in a V: it needs --num-virtual-stages 2"),
     (4, ["--pp", "2", "--schedule", "interleaved", "--micro-batch-size", "4"], "is not divisible by --pp 2"),
     (2, ["--pp", "2", "--schedule", "pipedream-2bw", "--zero-stage", "1"], "pipedream-2bw stashes a second copy"),

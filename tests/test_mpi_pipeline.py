@@ -47,6 +47,9 @@ def test_pipeline_matches_the_single_device_run(n, args):
     (2, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "4"]),
     (4, ["--pp", "4", "--schedule", "zb-v", "--v", "2", "--m", "8", "--recompute"]),
     (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "3", "--zero-stage", "1"]),  # PP 2 x DP 2
+    # ZeRO-2 sends each group from W's hooks, the tied embedding's and SP's partial sums at the end
+    (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "4", "--zero-stage", "2", "--bucket-bytes", "1"]),
+    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1", "--m", "3", "--zero-stage", "2"]),
     # DP's sums start from W's hooks, one parameter at a time: the tied embedding's only when its
     # second use (the last chunk's, on the same rank in a V) has added its part
     (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "4", "--bucket-bytes", "1"]),

@@ -102,11 +102,13 @@ def test_the_schedules_validate_knows_are_the_ones_built():
     assert tuple(schedules.SCHEDULES) == validate.SCHEDULES
 
 
-def test_zero_2_runs_with_sequence_and_pipeline_parallelism_but_not_a_split_backward():
-    """ZeRO-2 holds back what the model sums after backward (zero2.py), ZeRO-3 SP's partial sums
-    (not the tied embedding's parts); W's hooks come later."""
+def test_zero_2_runs_with_sequence_and_pipeline_parallelism_and_a_split_backward():
+    """ZeRO-2 holds back what the model sums after backward (zero2.py) and sends from W's hooks;
+    ZeRO-3 holds SP's partial sums (not the tied embedding's parts), and releases a unit as its
+    backward ends, before a split backward's W."""
     base = dict(world_size=8, tp=2, pp=2, n_layer=4, n_head=4, n_embd=8, global_batch=8, zero_stage=2)
     assert problems(RunConfig(**base, sequence_parallel=True, schedule="1f1b")) == []
+    assert problems(RunConfig(**base, schedule="zb-h1")) == []
     assert problems(RunConfig(**dict(base, pp=1, world_size=4, zero_stage=3), sequence_parallel=True)) == []
-    (line,) = problems(RunConfig(**base, schedule="zb-h1"))
-    assert "computes the weights' gradients later (W): use zero_stage=1 (or 0)" in line
+    line = problems(RunConfig(**dict(base, zero_stage=3), schedule="zb-h1"))[-1]
+    assert "computes the weights' gradients later (W): use zero_stage=2 (or 1, 0)" in line

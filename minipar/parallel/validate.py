@@ -121,10 +121,10 @@ def resolve(cfg, names=None):
             out.append("ZeRO stage 3 sends a unit's gradients as its backward ends, before the tied "
                        "embedding's two parts on the first and last pipeline stage are added: with "
                        f"pipeline parallelism use {stage_2}")
-    if known("zero_stage", "schedule") and cfg.zero_stage >= 2 and cfg.schedule in SPLIT_BACKWARD:
-        out.append(f"ZeRO stages 2 and 3 handle a unit's gradients as its backward ends, but "
+    if known("zero_stage", "schedule") and cfg.zero_stage >= 3 and cfg.schedule in SPLIT_BACKWARD:
+        out.append(f"ZeRO stage 3 releases a unit's parameters as its backward ends, but "
                    f"{say('schedule', cfg.schedule)} computes the weights' gradients later (W): use "
-                   f"{say('zero_stage', 1)} (or 0)")
+                   f"{say('zero_stage', 2)} (or 1, 0)")
     if known("zero_stage", "schedule") and cfg.schedule == "pipedream-2bw" and cfg.zero_stage > 0:
         out.append(f"{say('schedule', 'pipedream-2bw')} stashes a second copy of the weights it updates "
                    f"whole: it needs {say('zero_stage', 0)}")
