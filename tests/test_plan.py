@@ -96,8 +96,9 @@ def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms
                               ("zb-v", 3, 6, 2), ("zb-v", 4, 12, 2), ("zb-h2", 3, 5, 1), ("zb-h1", 4, 8, 1)):
         simulated, alive, source = bubble.pipeline(schedule, p, m, v)
         peaks = [bubble.in_flight(schedule, p, m, v, r) for r in range(p)]
-        assert source == "simulator" and (v > 1 or schedule.startswith("zb") or peaks == [((n,),) for n in alive])
-        assert [max(map(sum, peak)) for peak in peaks] == list(alive)
+        # (each vector's last v counts: the chunk whose forward has just run, its output not yet sent)
+        assert source == "simulator" and (v > 1 or schedule.startswith("zb") or peaks == [((n, 1),) for n in alive])
+        assert [max(sum(c[:-v]) for c in peak) for peak in peaks] == list(alive)
         if not schedule.startswith("zb"):
             assert simulated == theoretical_bubble(p, m, v)
         bubble.pipeline.cache_clear()
@@ -112,13 +113,16 @@ def test_bubble_and_in_flight_come_from_the_simulator_and_equal_the_closed_forms
             bubble.in_flight.cache_clear()
         assert source == "closed form" and (closed, closed_alive, closed_peaks) == (simulated, alive, peaks)
     # ZB-V's first rank holds the V's first chunk (the embeddings) far fuller than its last (the
-    # logits); (whole in chunk 0, in chunk 1, waiting for W in chunk 0, in chunk 1)
-    assert bubble.in_flight("zb-v", 2, 4, 2, 0) == ((3, 0, 0, 1), (3, 0, 1, 0), (3, 1, 0, 0), (4, 0, 0, 0))
+    # logits); (whole in chunk 0, in chunk 1, waiting for W in chunk 0, in chunk 1, just run in
+    # chunk 0, in chunk 1)
+    assert bubble.in_flight("zb-v", 2, 4, 2, 0) == (
+        (3, 0, 0, 1, 0, 0), (3, 0, 1, 0, 0, 0), (3, 1, 0, 0, 0, 1), (4, 0, 0, 0, 1, 0))
     # ZB-H1's rank r holds p - r micro-batches whole and r waiting for W, ZB-H2's 2p - 1 - 2r and 2r
     for schedule, p, m, whole in (("zb-h1", 4, 8, lambda r: 4 - r), ("zb-h2", 4, 8, lambda r: 7 - 2 * r)):
         for r in range(p):
             held = whole(r) + (r if schedule == "zb-h1" else 2 * r)
-            assert bubble.in_flight(schedule, p, m, 1, r) == ((whole(r) - 1, held - whole(r) + 1), (whole(r), held - whole(r)))
+            assert bubble.in_flight(schedule, p, m, 1, r) == ((whole(r) - 1, held - whole(r) + 1, 0),
+                                                              (whole(r), held - whole(r), 1))
     assert bubble.pipeline("1f1b", 1, 8) == (Fraction(0), (1,), "no pipeline")
 
 
@@ -127,14 +131,14 @@ def test_deferred_head_weights_are_one_count_more_on_the_last_rank(monkeypatch):
     the head's input and logits' gradient until the flush, so 1F1B's last rank (PP 2, m 4) peaks
     with 1 in flight and 3 parked, or 4 parked; the closed forms give what the instruction lists give."""
     order = [(i.op, i.chunk) for i in schedules.build("1f1b", 2, 4, 1, defer_head=True)[1]]
-    assert chunk_peaks(order, 1) == ((0, 4), (1, 3))
-    assert chunk_peaks([o for o in order if o[0] != schedules.HEAD_WEIGHT], 1) == ((1,),)
+    assert chunk_peaks(order, 1) == ((0, 4, 0), (1, 3, 1))
+    assert chunk_peaks([o for o in order if o[0] != schedules.HEAD_WEIGHT], 1) == ((1, 1),)
     cases = (("1f1b", 4, 8, 1), ("1f1b-slack", 3, 5, 1), ("gpipe", 2, 6, 1), ("interleaved", 2, 4, 2),
              ("interleaved", 3, 9, 3))
     simulated = [[bubble.in_flight(s, p, m, v, r, True) for r in range(p)] for s, p, m, v in cases]
     for (s, p, m, v), peaks in zip(cases, simulated):
         assert peaks[:-1] == [bubble.in_flight(s, p, m, v, r) for r in range(p - 1)]
-        assert {len(c) for c in peaks[-1]} == {v + 1} and max(c[-1] for c in peaks[-1]) == m
+        assert {len(c) for c in peaks[-1]} == {2 * v + 1} and max(c[v] for c in peaks[-1]) == m
     bubble.in_flight.cache_clear()
     monkeypatch.setattr(bubble, "SIMULATE_UP_TO", 0)
     try:

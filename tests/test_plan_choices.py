@@ -130,7 +130,7 @@ def test_what_a_split_backward_parks_for_w_is_counted_exactly_on_one_device(expe
         parked = backward_input(gpt.chunk_forward(0, ids, ids, reduction="sum"), gpt.parameters()).nbytes()
         model = Model(layers, 32, 4, 32, vocab_size=96, num_experts=experts, moe_router_topk=2,
                       moe_expert_capacity_factor=capacity, dropout=0.1)
-        one_waiting = ((0, 1),)  # no micro-batch whole, one waiting for its W
+        one_waiting = ((0, 1, 0),)  # no micro-batch whole, one waiting for its W, no output unsent
         planned = activations.rank_bytes(model, Layout(schedule="zb-h1", micro_batch_size=2), 0, one_waiting,
                                          2 if dtype == "bfloat16" else 4, transient=False)
         assert planned == parked, (layers, planned, parked)

@@ -73,7 +73,7 @@ def test_memory_is_the_fuller_stages_with_its_own_micro_batches_in_flight(vocab,
     held = {}
     for name, stage, in_flight in (("first", 0, 2), ("last", 1, 1)):
         states = sum(state.state_bytes(model, layout, stage).values())
-        acts = activations.rank_bytes(model, layout, stage, ((in_flight,),), 4)
+        acts = activations.rank_bytes(model, layout, stage, ((in_flight, 1),), 4)  # (1: its newest output unsent)
         held[name] = states + acts
     assert max(held, key=held.get) == fuller
     assert cost.predict(model, layout, Machine(gpus=2), 8).memory_gb == held[fuller] / 1e9
@@ -88,8 +88,8 @@ def test_deferred_head_weights_add_their_parked_bytes_at_the_last_ranks_peak(tp,
     deferred, parked = replace(plain, defer_embedding_wgrad=True), 4 * 2 * 16 * (16 + 256 // tp)
     peaks = bubble.in_flight("1f1b", 2, 4, 1, 1, defer_head=True)
     last = activations.rank_bytes(SMALL, deferred, 1, peaks, 4)
-    assert last == activations.rank_bytes(SMALL, plain, 1, ((1,),), 4) + 3 * parked
-    first = activations.rank_bytes(SMALL, plain, 0, ((2,),), 4)
+    assert last == activations.rank_bytes(SMALL, plain, 1, ((1, 1),), 4) + 3 * parked
+    first = activations.rank_bytes(SMALL, plain, 0, ((2, 1),), 4)
     assert activations.rank_bytes(SMALL, deferred, 0, bubble.in_flight("1f1b", 2, 4, 1, 0, True), 4) == first
     assert activations.peak_bytes(SMALL, deferred, 4, 4) == max(first, last)
     held = [sum(state.state_bytes(SMALL, deferred, s).values()) + acts for s, acts in ((0, first), (1, last))]

@@ -55,7 +55,9 @@ probabilities from it); Ulysses keeps it for all T positions and a/(t CP) heads.
 A rank holds (``rank_bytes``), for each micro-batch its schedule keeps in one of its chunks at
 its peak (``bubble.in_flight``: 1F1B p on the first stage, GPipe m; with v chunks a count per
 chunk), that chunk's layers' activations (each block's output among them; under full
-recomputation each block's input and the chunk's output), its input and its edge. The first
+recomputation each block's input and the chunk's output; a chunk frees its output once it is sent
+on, as Megatron's deallocate_output_tensor does, so only the just-run forward's is held), its input
+and its edge. The first
 chunk's input is the embeddings' dropout output, beside the token rows, their sum with the
 position rows (s h, one set for the whole micro-batch) and the 1-byte mask: 3 s b h + s h, plus
 under TP the int64 ids of the rank's rows and which are not its own (with one device the batch's
@@ -248,6 +250,8 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
             extra += (3 * sbh + sbh // d + d * s * model.hidden_size) // shard + ids + 8 * s + (sbh if shard > 1 else 0)
         else:  # the input received, kept for the backward
             extra += sbh // shard
+        if chunk != last:  # its output, sent on, is freed (the executor keeps its node: Megatron's
+            extra -= sbh // shard  # deallocate_output_tensor); ``held``'s last counts add the unsent one
         if chunk == last:  # ln_f's xhat, 1/sigma and output (the head's input; under SP gathered whole too),
             # the logits and their softmax, the loss's targets, row numbers and masks (a second under TP)
             extra += (2 * sbh + max(d, 4) * s * b) // shard + logits + (17 + (t > 1)) * b * s + (sbh if shard > 1 else 0)
@@ -270,6 +274,7 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
         held += [parked(c) for c in chunks]
     if layout.defer_embedding_wgrad and last in chunks:  # a parked head W: its input (whole under SP),
         held.append(sbh + logits // 2)  # and the logits' gradient, one of the two logits-sized arrays
+    held += [0 if c == last else sbh // shard for c in chunks]  # the just-run forward's output, until sent
     kept = max(sum(n * h for n, h in zip(peak, held, strict=True)) for peak in peaks)
     return kept + (one + max(experts, 0) if recompute and transient else 0)
 

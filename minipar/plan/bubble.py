@@ -71,7 +71,8 @@ def pipeline(schedule, p, m, v=1, recompute=False):
 @lru_cache(maxsize=4096)
 def in_flight(schedule, p, m, v, rank, defer_head=False):
     """The micro-batches rank ``rank`` holds in each of its v chunks at its peaks (``chunk_peaks``:
-    count vectors, one count per local chunk; with a split backward v more, those whose W waits).
+    count vectors, one count per local chunk; with a split backward v more, those whose W waits;
+    then one per chunk, 1 for the chunk whose forward has just run, its output not yet sent).
     From the schedule's own instruction list up to ``SIMULATE_UP_TO`` chunk-passes; beyond, one
     chunk holds the closed form's total (v = 1), and interleaved's and the zero-bubble schedules'
     orders are walked without their messages (ZB-H1's rank r peaks at p - r micro-batches whole
@@ -93,9 +94,9 @@ def in_flight(schedule, p, m, v, rank, defer_head=False):
     if schedule == "interleaved":
         order = [(op, chunk) for op, _, chunk in schedules.interleaved_order(p, m, v, rank)]
         return chunk_peaks(order + [(schedules.HEAD_WEIGHT, v - 1)] * m * parks, v)
-    if parks:
-        return tuple((n, m - n) for n in range(alive[rank] + 1))
-    return ((alive[rank],),)
+    if parks:  # (the last count: the just-run forward's chunk, the last, whose output is the loss)
+        return tuple((n, m - n, int(n == alive[rank])) for n in range(alive[rank] + 1))
+    return ((alive[rank], 1),)
 
 
 @lru_cache(maxsize=64)

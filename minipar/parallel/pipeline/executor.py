@@ -217,10 +217,14 @@ class PipelineExecutor:
 
     def _send_act(self, state, ins):
         unit = (ins.mb, ins.chunk)
-        out = xp.ascontiguousarray(state.kept[unit][1].data)
+        kept = state.kept[unit][1]
+        out = xp.ascontiguousarray(kept.data)
         if not is_grad_enabled():  # forwards only: nothing waits for a backward
             del state.kept[unit]
-        state.sends.append(self.comm.isend(out, self._peer(ins), self._tag(ins)))
+        state.sends.append(self.comm.isend(out, self._peer(ins), self._tag(ins)))  # (holds it till sent)
+        # backward needs the output's node, shape and dtype, not its values: freed, as Megatron's
+        # deallocate_output_tensor does (s b h for each micro-batch in flight on this stage)
+        kept.data = xp.broadcast_to(xp.zeros((), kept.dtype), kept.shape)
 
     def _recv_grad(self, state, ins):
         state.output_grads[ins.mb, ins.chunk] = self._receive(state, ins)

@@ -197,15 +197,19 @@ def chunk_peaks(order, v):
     is the larger). Where the order defers the head's weight gradients (``head_weight`` ops), each
     vector has one count more, the micro-batches whose head W is parked, and is taken after that
     chunk's backwards: they free its activations but park the head's input and the logits'
-    gradient, so the sum can peak there."""
+    gradient, so the sum can peak there. Last, v counts of 0 or 1: the chunk whose forward has
+    just run, whose output is still whole until it is sent on (the executor then frees it)."""
     order = list(order)
     split = any(op == BACKWARD_INPUT for op, _ in order)
     deferring = {chunk for op, chunk in order if op == HEAD_WEIGHT}
     head = v * (2 if split else 1)  # the parked head W's count, after the W-pending ones
-    counts, seen = [0] * (head + bool(deferring)), set()
+    fresh = head + bool(deferring)  # then the just-run forward's chunk
+    counts, seen = [0] * (fresh + v), set()
     for op, chunk in order:
+        counts[fresh:] = [0] * v
         if op == FORWARD:
             counts[chunk] += 1
+            counts[fresh + chunk] = 1
             seen.add(tuple(counts))
         elif op == BACKWARD:
             counts[chunk] -= 1
