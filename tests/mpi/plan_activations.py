@@ -124,7 +124,7 @@ def rows_of(name, measured, predicted):
     allowed = tolerance(name)
     every = comm.gather_to_root(numpy.array([measured, predicted, allowed]), tag=7401)
     if every is not None:
-        rows.append(f"{name:<20}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f} ({t:.0%})" for m, p, t in every))
+        rows.append(f"{name:<20}" + "  ".join(f"{m / 1e6:.3f}/{p / 1e6:.3f} ({t:.1%})" for m, p, t in every))
     return abs(predicted / measured - 1) / allowed
 
 
