@@ -47,3 +47,27 @@ def clashing_paths(args):
             problems.append(f"{source} {given} is inside --export-hf {args.export_hf}, which the export replaces "
                             "whole when the run ends: put the export elsewhere")
     return problems
+
+
+def trim_log(path, start):
+    """A run resumed at iteration ``start`` appends to its --log-json: first the rows of iterations
+    from ``start`` on go, which a run that went on past its last checkpoint wrote and this one
+    writes again (the file is rewritten atomically; a line that is no JSON row is kept as it is)."""
+    import json
+
+    from minipar.checkpoint.files import write_file
+
+    if not start or not os.path.isfile(path):
+        return
+
+    def before(line):
+        try:
+            return json.loads(line).get("iter", -1) < start
+        except (ValueError, AttributeError):
+            return True
+
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    kept = [line for line in lines if before(line)]
+    if len(kept) < len(lines):
+        write_file(path, b"".join(kept))

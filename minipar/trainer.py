@@ -44,6 +44,7 @@ from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.schedules import shape_of
 from minipar.run_inputs import tokens_of
+from minipar.train_paths import trim_log
 from minipar.train_report import STUCK_STEPS, Reports
 from minipar.watchdog import Watchdog
 
@@ -255,6 +256,7 @@ class Trainer(Reports):
         peak = measured_peak(self.world, dtype)  # a collective, before the clock
         if args.log_json and self.speaks:  # its folder was checked with the flags, not made
             os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+            trim_log(args.log_json, self.start)  # a resumed run's rows from its start on are written again
         # one process cannot wait for another: the watchdog only watches a job of several
         minutes = args.distributed_timeout_minutes if self.world.size > 1 else 0
         # unbuffered: a write that fails (a full disk) fails at once, naming the file below, and

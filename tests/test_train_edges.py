@@ -2,14 +2,16 @@
 before any training, or does what it says."""
 
 import argparse
+import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from mpi_run import MPI_SCRIPTS, run_mpi
-from test_train import TINY
+from test_train import TINY, train
 
 SCRIPT = os.path.join(MPI_SCRIPTS, "interrupted_at_start.py")
 
@@ -79,3 +81,20 @@ def test_a_rank_interrupted_alone_before_training_ends_the_job_in_one_line(where
     ours = [line for line in out.splitlines() if line.startswith("python -m minipar.train:")]
     assert code != 0 and "Traceback" not in out, out
     assert ours == ["python -m minipar.train: rank 1 interrupted before training started"], out
+
+
+def test_a_resumed_runs_log_has_each_iteration_once(tmp_path, corpus):
+    """A run that went on past its last checkpoint (here: killed after iteration 3, its checkpoint
+    of iteration 4 lost) logged rows its resume writes again: the log keeps each iteration once."""
+    log, save = str(tmp_path / "log.jsonl"), str(tmp_path / "ckpt")
+    common = [*TINY, "--data", corpus, "--max-iters", "4", "--save", save, "--save-interval", "2", "--log-json", log]
+    assert train(*common).returncode == 0
+    shutil.rmtree(os.path.join(save, "iter_0000004"))  # the crash: back to the checkpoint of iteration 2
+    with open(os.path.join(save, "latest"), "w") as f:
+        f.write("iter_0000002\n")  # as sharded.save writes it
+    with open(log, "a") as f:
+        f.write("not a row\n")  # a line no run wrote whole: kept as it is
+    run = train(*common, "--load", save)
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line)["iter"] for line in open(log) if line.startswith("{")]
+    assert rows == [0, 1, 2, 3] and "not a row\n" in open(log).read()
