@@ -96,6 +96,8 @@ class ShardedAdamW(DistributedOptimizer):
         ordered = [p for p in params if not later(p)] + [p for p in params if later(p)]  # in groups of their own, last
         self.groups = groups or group_parameters(ordered, lambda p: gradient_group(p, model.grid, comm),
                                                  bucket_bytes, later)
+        # stages 2 and 3 hold these groups back from backward's sends (each group is all or none)
+        self._later = {id(g) for g in self.groups if finished_by_model(g.params[0])} if stage >= 2 else set()
         self.pending, self._summed = [], False
         if stage < 3:
             self._flat_parameters()

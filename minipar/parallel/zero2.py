@@ -17,7 +17,6 @@ The layout, the sharded AdamW, the pending reduce-scatters and the step's all-ga
 ``zero.ShardedAdamW``'s; what is stage 2's own is ``reduce_scatter_group``.
 """
 
-from minipar.parallel.protocol import finished_by_model
 from minipar.parallel.zero import ShardedAdamW
 
 
@@ -34,9 +33,6 @@ class ZeRO2(ShardedAdamW):
         self._sent = set()  # groups sent this step
         self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
         self._group_of = {id(p): g for g in self.groups for p in g.params}
-        # sequence parallelism's partial sums and the tied embedding's two parts: the model adds them
-        # over TP or the pipeline's ends after backward (finalize_grads), so they are sent with the rest
-        self._later = {id(g) for g in self.groups if any(map(finished_by_model, g.params))}
         for p in (q for g in self.groups for q in g.params):  # no buffer to sum into: widened as backward starts it
             p.accumulate_dtype = self.grad_dtype if self.grad_dtype != p.dtype else None
 

@@ -133,8 +133,6 @@ class ZeRO3(ShardedAdamW):
         self.ledger.add("parameters", self.master.nbytes)
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._ready = {id(g): set() for g in groups}  # its parameters whose gradient this backward completed
-        # summed over TP after backward (finalize_grads): their buffers wait for finish_gradients
-        self._later = {id(g) for g in groups if finished_by_model(g.params[0])}
         self._unit_groups = {name: list({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
         model.wrap_units(self._run_unit)
