@@ -54,6 +54,10 @@ def test_zero_shards_each_kind_of_state_stage_by_stage():
     assert mixed == {"parameters": 2 * P, "gradients": 4 * P, "optimizer": 12 * P // 4}
     minipars = state.state_bytes(SMALL, Layout(dp=4, zero_stage=1), dtype="bf16")  # --bf16's bf16 gradients
     assert minipars == {"parameters": 2 * P, "gradients": 2 * P, "optimizer": 12 * P // 4}
+    # PipeDream-2BW's stash, the weights again and a batch's gradients (tests/mpi/pipedream.py measures
+    # it as twice the stage's weights); the trainer's memory check counts it with the rest
+    last = state.state_bytes(SMALL, Layout(pp=2, dp=2, schedule="pipedream-2bw"), 1)
+    assert last["stash"] == last["parameters"] + last["gradients"] > 0
 
 
 def test_mixed_precision_state_equals_a_bf16_zero1_steps_on_2_ranks():

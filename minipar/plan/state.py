@@ -89,7 +89,9 @@ def rank_parameters(model, layout, stage=0):
 
 def state_bytes(model, layout, stage=0, dtype="float32"):
     """{"parameters", "gradients", "optimizer"}: bytes a rank of ``stage`` holds after a step, as
-    ``DistributedOptimizer.state_bytes()`` reports them (AdamW's two moments are "optimizer")."""
+    ``DistributedOptimizer.state_bytes()`` reports them (AdamW's two moments are "optimizer"), and
+    PipeDream-2BW's "stash": its second weight version and a batch's gradients set aside
+    (``WeightStash.stash_bytes``, ZeRO 0)."""
     dense, experts = rank_parameters(model, layout, stage)
     n = layout.dp * layout.cp  # the ranks ZeRO shards the dense state over
     z, d = layout.zero_stage, PRECISIONS[dtype]
@@ -100,7 +102,10 @@ def state_bytes(model, layout, stage=0, dtype="float32"):
                 "optimizer": d.optimizer * count // (shards if z >= 1 else 1)}
 
     a, b = held(dense, n), held(experts, n // layout.ep)
-    return {k: a[k] + b[k] for k in a}
+    out = {k: a[k] + b[k] for k in a}
+    if layout.schedule == "pipedream-2bw":
+        out["stash"] = out["parameters"] + out["gradients"]
+    return out
 
 
 def peak_state_bytes(model, layout, dtype="float32"):
