@@ -67,12 +67,16 @@ def layouts(n):
             "TP-SP": (f"TP{n} SP", n, 1, 1, 0, True)}
 
 
-def graph_bytes(outputs, params, batch=()):
-    """Bytes of the distinct arrays the graphs of ``outputs`` keep (outputs included), less the
-    parameters' (whose memory the optimizer's columns count) and the step's ``batch`` arrays (token
-    ids and targets, which the caller holds whole and the embedding looks into)."""
+def graph_bytes(outputs, params, batch=(), parked=()):
+    """Bytes of the distinct arrays the graphs of ``outputs`` keep (outputs included), and the
+    ``parked`` W's (``weight_grad.WeightGradients``: a split backward's, or the head's for the
+    flush), less the parameters' (whose memory the optimizer's columns count) and the step's
+    ``batch`` arrays (token ids and targets, which the caller holds whole and the embedding looks into)."""
     skip = {id(_root(a)) for a in [p.data for p in params] + list(batch)}
-    return sum(a.nbytes for key, a in held_buffers(outputs).items() if key not in skip)
+    held = held_buffers(outputs)
+    for pending in parked:
+        held.update(pending.buffers())
+    return sum(a.nbytes for key, a in held.items() if key not in skip)
 
 
 def batch_arrays(state):

@@ -26,8 +26,7 @@ from minipar.plan import activations, bubble
 from minipar.plan.shapes import Layout, Model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from activation_memory import _root, held_buffers  # noqa: E402
-from memory_breakdown import HYPER, MeasuringExecutor, batch_arrays, measure  # noqa: E402
+from memory_breakdown import HYPER, MeasuringExecutor, batch_arrays, graph_bytes, measure  # noqa: E402
 from minipar.models import GPT, GPTConfig  # noqa: E402
 from minipar.parallel import ProcessGrid  # noqa: E402
 from minipar.parallel.optimizers import make_optimizer  # noqa: E402
@@ -83,11 +82,9 @@ class ParkingExecutor(MeasuringExecutor):
         self._measure(state)
 
     def _measure(self, state):
-        held = held_buffers([out for _, out in state.kept.values()])
-        for pending in (*state.weight_grads.values(), *state.head_grads.values()):
-            held.update(pending.buffers())
-        skip = {id(_root(a)) for a in [p.data for p in self.model.parameters()] + batch_arrays(state)}
-        self.peak = max(self.peak, sum(a.nbytes for key, a in held.items() if key not in skip))
+        graphs = [out for _, out in state.kept.values()]
+        parked = (*state.weight_grads.values(), *state.head_grads.values())
+        self.peak = max(self.peak, graph_bytes(graphs, self.model.parameters(), batch_arrays(state), parked))
 
 
 def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1):
