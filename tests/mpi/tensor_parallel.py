@@ -4,11 +4,12 @@
     run_mpi.sh -n 4 tests/mpi/tensor_parallel.py
 """
 
+import os
+import sys
+
 import numpy as np
 
-import minipar
 import minipar.functional as F
-from minipar import Tensor
 from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Embedding, Linear
@@ -16,39 +17,8 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel import tensor as T
 from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
 
-minipar.set_default_dtype("float64")
-grid = ProcessGrid(tp=world().size, pp=1)
-tp = grid.tp_group
-N, r = tp.size, tp.rank
-
-
-def data(seed, shape):
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
-def close(a, b, what, tol=1e-11):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or not np.allclose(a, b, rtol=tol, atol=tol):
-        err = np.abs(a - b).max() if a.shape == b.shape else f"shapes {a.shape} vs {b.shape}"
-        raise AssertionError(f"rank {r}: {what}: {err}")
-
-
-def part(x, axis, chunks=1):
-    """This rank's shard of x along axis, each of ``chunks`` blocks split separately."""
-    blocks = np.split(x, chunks, axis=axis)
-    return np.concatenate([np.split(b, N, axis=axis)[r] for b in blocks], axis=axis)
-
-
-def leaf(a):
-    return Tensor(a, requires_grad=True)
-
-
-def twins(make_serial, make_parallel, seed=0):
-    minipar.manual_seed(seed)
-    serial = make_serial()
-    minipar.manual_seed(seed)
-    return serial, make_parallel()
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tp_common, beside this file
+from tp_common import N, close, data, gpt_matches, grid, leaf, part, r, tp, twins  # noqa: E402
 
 B, S, C_in, C_out = 2, 2 * N, 6, 4 * N
 x_full, seq = data(1, (B, S, C_in)), slice(r * S // N, (r + 1) * S // N)
@@ -144,16 +114,7 @@ for sp in (False, True):
     close_state = model.full_state_dict()
     for name, value in serial.state_dict().items():
         close(close_state[name], value, f"initial {name} sp={sp}", tol=0)
-    logits_s, loss_s = serial(ids, targets)
-    loss_s.backward()
-    logits, loss = model(ids, targets)
-    loss.backward()
-    model.finalize_grads()
-    close(model.gather_logits(logits).data, logits_s.data, f"GPT logits sp={sp}")
-    close(loss.item(), loss_s.item(), f"GPT loss sp={sp}")
-    grads = T.full_parameters(model, "grad")
-    for name, p in serial.named_parameters():
-        close(grads[name], p.grad, f"GPT grad {name} sp={sp}")
+    gpt_matches(serial, model, ids, targets, f"sp={sp}")
     twin = GPT(config, grid, sequence_parallel=sp)
     twin.load_full_state_dict(serial.state_dict())
     for name, value in twin.full_state_dict().items():

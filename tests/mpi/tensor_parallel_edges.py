@@ -6,53 +6,27 @@ whose logits are -inf; the whole GPT with all of these; bad sizes refused on eve
     run_mpi.sh -n 4 tests/mpi/tensor_parallel_edges.py
 """
 
+import functools
+import os
+import sys
 import warnings
 
 import numpy as np
 
 import minipar
 import minipar.functional as F
-from minipar import Tensor
-from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Embedding, Linear
-from minipar.parallel import ProcessGrid
 from minipar.parallel import tensor as T
 from minipar.parallel.cross_entropy import vocab_parallel_cross_entropy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tp_common, beside this file
+from tp_common import N, close, data, gpt_matches, grid, leaf, part, r, tp, twins  # noqa: E402
+
 warnings.simplefilter("error")  # nothing here may compute -inf - -inf or 0 / 0 on the way
-minipar.set_default_dtype("float64")
-grid = ProcessGrid(tp=world().size, pp=1)
-tp = grid.tp_group
-N, r = tp.size, tp.rank
 B, S, C = 3, 3 * N, 5  # odd batch, odd shard (3 positions), odd features
 seq = slice(r * S // N, (r + 1) * S // N)
-
-
-def data(seed, shape):
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
-def close(a, b, what, tol=1e-12):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or not np.allclose(a, b, rtol=tol, atol=tol):
-        err = np.abs(a - b).max() if a.shape == b.shape else f"shapes {a.shape} vs {b.shape}"
-        raise AssertionError(f"rank {r}: {what}: {err}")
-
-
-def part(x, axis):
-    return np.split(x, N, axis=axis)[r]
-
-
-def leaf(a):
-    return Tensor(a, requires_grad=True)
-
-
-def twins(make_serial, make_parallel, seed=0):
-    minipar.manual_seed(seed)
-    serial = make_serial()
-    minipar.manual_seed(seed)
-    return serial, make_parallel()
+close = functools.partial(close, tol=1e-12)
 
 
 # The MLP under sequence parallelism: c_fc gathers the shards and keeps the tokens in rank order,
@@ -135,16 +109,7 @@ targets = np.random.default_rng(10).integers(0, V, (B, S))
 targets[0, 0] = targets[2, -1] = -1
 for sp in (False, True):
     serial, model = twins(lambda: GPT(config), lambda: GPT(config, grid, sequence_parallel=sp))
-    logits_s, loss_s = serial(ids, targets)
-    loss_s.backward()
-    logits, loss = model(ids, targets)
-    loss.backward()
-    model.finalize_grads()
-    close(model.gather_logits(logits).data, logits_s.data, f"GPT logits sp={sp}")
-    close(loss.item(), loss_s.item(), f"GPT loss sp={sp}")
-    grads = T.full_parameters(model, "grad")
-    for name, p in serial.named_parameters():
-        close(grads[name], p.grad, f"GPT grad {name} sp={sp}")
+    gpt_matches(serial, model, ids, targets, f"sp={sp}", tol=1e-12)
 
 # Sizes that do not split are refused on every rank, before any message, naming the fix
 refused = 0
