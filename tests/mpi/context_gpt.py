@@ -1,8 +1,13 @@
 """The whole GPT with context parallelism against the single-device GPT, float64 with dropout: the
-logits of each rank's positions, every gradient (summed over DP x CP) and the parameters after
-AdamW steps, through the pipeline executor the trainer uses.
+logits of each rank's positions (without a pipeline), every gradient of the first step (summed over
+DP x CP) and the parameters after AdamW steps, through the pipeline executor the trainer uses.
 
-    run_mpi.sh -n 4 tests/mpi/context_gpt.py CP TP COMM [sp] [zero1 | zero3] [pp2] [selective]
+    run_mpi.sh -n 4 tests/mpi/context_gpt.py CP TP COMM [sp] [zero1 | zero3] [pp2] [selective | full]
+                                             [SCHEDULE=1f1b] [M=PP] [ignore] [eval]
+
+``full``: whole-block recomputation (the ring runs again in backward); ``M=4``: four micro-batches
+(the ring's messages of several micro-batches interleave on a pipeline); ``ignore``: targets of -1
+at the edges of the chunks and one whole chunk ignored; ``eval``: the evaluation loss too.
 """
 
 import sys
@@ -20,14 +25,25 @@ from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
 from minipar.rng import rows_of
 
-cp, tp, comm_type, options = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], set(sys.argv[4:])
+cp, tp, comm_type = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+options = {a for a in sys.argv[4:] if "=" not in a}
+values = dict(a.split("=", 1) for a in sys.argv[4:] if "=" in a)
 pp = 2 if "pp2" in options else 1
+schedule, M = values.get("SCHEDULE", "1f1b"), int(values.get("M", pp))
+v = 2 if schedule in ("interleaved", "zb-v") else 1
 minipar.set_default_dtype("float64")
 comm = world()
-config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=64, dropout=0.1)
-B, T, STEPS, HYPER = 4, 16, 2, dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+dp = comm.size // (cp * tp * pp)
+config = GPTConfig(n_layer=2 * pp * v, n_head=4, n_embd=16, block_size=16, vocab_size=64, dropout=0.1)
+B, T, STEPS, HYPER = 4 * M * dp, 16, 2, dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 rng = np.random.default_rng(0)
 batches = [(rng.integers(0, 64, (B, T)), rng.integers(0, 64, (B, T))) for _ in range(STEPS)]
+if "ignore" in options:  # -1 on both sides of every chunk edge, and the whole of the last chunk of row 0
+    c = T // (2 * cp)
+    for _, y in batches:
+        y[:, c - 1 :: c] = -1
+        y[:, c :: c] = -1
+        y[0, T - c :] = -1
 
 
 def close(a, b, what, tol=1e-10):
@@ -52,15 +68,18 @@ for step, (x, y) in enumerate(batches):
     opt.step()
     opt.zero_grad()
 after = serial.state_dict()
+serial.eval()
+eval_loss = float(serial(*batches[0])[1].data)
 
 # the same on the grid
 minipar.manual_seed(1)
 grid = ProcessGrid(tp=tp, pp=pp, cp=cp)
-model = GPT(config, grid, sequence_parallel="sp" in options, cp_comm_type=comm_type,
-            recompute_granularity="selective" if "selective" in options else None)
+recompute = "full" if "full" in options else "selective" if "selective" in options else None
+model = GPT(config, grid, sequence_parallel="sp" in options, cp_comm_type=comm_type, virtual_stages=v,
+            recompute_granularity=recompute, pipeline_shape="v" if schedule == "zb-v" else "round-robin")
 stage = 3 if "zero3" in options else 1 if "zero1" in options else 0
 opt = make_optimizer(model, grid, stage, **HYPER)
-executor = PipelineExecutor(model, grid, "1f1b", micro_batches=pp, optimizer=opt)
+executor = PipelineExecutor(model, grid, schedule, micro_batches=M, optimizer=opt)
 named = dict(model.named_parameters())
 checked = []
 
@@ -90,6 +109,12 @@ for step, (x, y) in enumerate(batches):
 final = opt.full_state_dict() if stage == 3 else {n: p.data for n, p in named.items()}  # ZeRO-3 keeps pieces
 for n, p in named.items():
     close(final[n], local_shard(p, after[n], grid), f"{n} after {STEPS} steps")
+if "eval" in options:
+    model.eval()
+    record = executor.evaluate(*batches[0])  # each last-stage rank's share: their sum is the mean
+    share = record.loss if model.chunks[-1] == model.n_chunks - 1 else 0.0
+    close(comm.all_reduce(np.array([share]))[0] / tp, eval_loss, "evaluation loss")  # TP ranks: equal shares
+    checked.append("evaluation loss")
 
-print(f"rank {comm.rank}: context parallel CP={cp} TP={tp} {comm_type} {' '.join(sorted(options))} OK "
+print(f"rank {comm.rank}: context parallel CP={cp} TP={tp} {comm_type} {' '.join(sys.argv[4:])} OK "
       f"({', '.join(checked + ['parameters'])})", flush=True)
