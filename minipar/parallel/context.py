@@ -66,6 +66,9 @@ def causal_work(positions_per_rank):
     return [int(numpy.searchsorted(keys, numpy.asarray(p), side="right").sum()) for p in positions_per_rank]
 
 
+OPS = ("ring_attention", "ulysses_attention")  # numbered in the ranks' agreement (_arguments)
+
+
 def _arguments(op, qkv, n_head, group, positions, dropout_p, key, rows, head_offset):
     """Checks that need no communication (so every rank called alike raises alike), then one
     all-gather of what the ranks must agree on and one of their positions: (qkv, every rank's
@@ -80,13 +83,15 @@ def _arguments(op, qkv, n_head, group, positions, dropout_p, key, rows, head_off
         raise ValueError(f"{op}: positions must be {T_local} integers, one per token of qkv, got "
                          f"{mine.dtype} {mine.shape}")
     dropout = None if where is None else (*key, *where[0].tolist())
-    header = numpy.array([B, T_local, width, n_head, int(head_offset), qkv.dtype.itemsize, round(p * 2**32),
-                          0 if dropout is None else stream(dropout) >> 2], numpy.int64)
-    every = group.all_gather(header)  # (N, 8)
+    # the op too: a ring's messages and Ulysses' all-to-alls would not match, and would hang
+    header = numpy.array([OPS.index(op), B, T_local, width, n_head, int(head_offset), qkv.dtype.itemsize,
+                          round(p * 2**32), 0 if dropout is None else stream(dropout) >> 2], numpy.int64)
+    every = group.all_gather(header)  # (N, 9)
     if (every != every[0]).any():
-        raise ValueError(f"{op}: the ranks of the group were called differently; [B, T_local, 3C, n_head, "
-                         f"head_offset, itemsize, dropout, key and rows] per rank: {every.tolist()}; "
-                         "give every rank the same batch, heads, dropout and key, and as many tokens")
+        raise ValueError(f"{op}: the ranks of the group were called differently; [op ({', '.join(OPS)}), B, "
+                         f"T_local, 3C, n_head, head_offset, itemsize, dropout, key and rows] per rank: "
+                         f"{every.tolist()}; call the same op on every rank, with the same batch, heads, dropout "
+                         "and key, and as many tokens")
     positions = group.all_gather(mine.astype(numpy.int64))  # (N, T_local)
     T = positions.size
     if not numpy.array_equal(numpy.sort(positions.reshape(-1)), numpy.arange(T)):

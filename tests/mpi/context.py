@@ -147,6 +147,9 @@ raises_everywhere(lambda: ring_attention(local, H, comm, positions, head_offset=
 narrow = Tensor(full_qkv[:, positions], dtype="float32" if r == 0 else "float64")
 raises_everywhere(lambda: ring_attention(narrow, H, comm, positions), "called differently")
 raises_everywhere(lambda: ulysses_attention(local, H, comm, positions, 0.1 * (1 + r), KEY), "called differently")
+# ranks that call different ops (a ring's messages against Ulysses' all-to-alls would hang)
+raises_everywhere(lambda: (ring_attention if r == 0 else ulysses_attention)(local, H, comm, positions),
+                  "call the same op")
 
 if r == 0:
     print(f"context parallel attention {'OK' if passed else 'FAILED'} on {N} ranks")
