@@ -125,6 +125,13 @@ def test_pipedream_2bw_follows_the_delayed_update(n, args):
     assert out.count("pipedream-2bw OK") == n and "from synchronous" in out
 
 
+def test_pipedream_2bw_with_experts_is_not_moved_by_an_evaluation_between_steps():
+    """The forwards of the batch in flight weigh their auxiliary losses by their own batch's tokens,
+    not by an evaluation's of half as many, run between the steps (which moved them by 0.16)."""
+    out = check_mpi(2, "pipedream_moe.py", timeout=120)
+    assert out.count("pipedream-2bw with experts OK") == 2
+
+
 def test_pipedream_2bw_without_its_stash_is_caught():
     """A step that updates in place the weights the in-flight forwards read: their backwards then
     run on the next version, and the run leaves the delayed rule."""

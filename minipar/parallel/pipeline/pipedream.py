@@ -99,6 +99,9 @@ class PipeDream2BW(PipelineExecutor):
         t, i = divmod(ins.mb, self.m)
         batch_state, version, iteration = self.in_flight[t]
         self.model.rng.iteration, self._tag_batch = iteration, t
+        # a forward's auxiliary losses count as its share of its own batch's tokens, not those of
+        # the batch made last (the following one) or of an evaluation run since
+        self.model.moe.tokens = batch_state.x.size
         local = S.Instruction(ins.op, i, ins.chunk)
         computes = ins.op in (S.FORWARD, S.BACKWARD)
         with self.optimizer.weights(version) if computes else contextlib.nullcontext():
@@ -107,7 +110,6 @@ class PipeDream2BW(PipelineExecutor):
     def _state(self, x, y):
         x, y = xp.asarray(x), xp.asarray(y)
         micro = self._micro_batches(x, y)
-        self.model.moe.tokens = x.size
         state = StepState(micro=micro, rows=len(x), tokens=token_count(y),
                           shape=self.model.activation_shape(len(micro[0][0]), x.shape[1]))
         state.x, state.y = x, y  # to check that the next call steps this very batch
