@@ -18,6 +18,9 @@ from minipar.checkpoint.files import write_file
 
 MAGIC = b"MINIPAR-TOKENS-1"
 HEADER = len(MAGIC) + 8 + 32
+# part of every cache's key: raised when the same tokenizer files come to make other ids (2: the
+# vocab.json + merges.txt format reads <|endoftext|> in the text as its one special id)
+RECIPE = 2
 
 
 def user_cache_dir():
@@ -53,7 +56,8 @@ def _read(path):
         ids = numpy.memmap(path, dtype="<u2", mode="r", offset=HEADER, shape=(count,)) if count else numpy.zeros(0, "<u2")
     except OSError:
         return None
-    return ids if hashlib.sha256(ids.tobytes()).digest() == header[-32:] else None
+    # hashed in place: tobytes() would copy every id into memory, which the memmap is there to spare
+    return ids if hashlib.sha256(memoryview(ids).cast("B")).digest() == header[-32:] else None
 
 
 def _write(path, ids):
@@ -64,7 +68,7 @@ def _write(path, ids):
 
 def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
     """(the corpus's ids, notes for the user): read from the cache, or tokenized and cached."""
-    key = hashlib.sha256(f"{tokenizer.sha256}:{corpus_sha256}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{tokenizer.sha256}:{corpus_sha256}:{RECIPE}".encode()).hexdigest()[:16]
     path, note = cache_path(corpus_path, key)
     notes = [note] if note else []
     try:  # byte-level BPE reads text: bytes that are not UTF-8 become U+FFFD, said once per run
@@ -76,6 +80,13 @@ def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
     if ids is None:
         if os.path.exists(path):
             notes.append(f"the token cache {path} was damaged: the corpus was tokenized again")
-        _write(path, tokenizer.encode(corpus.decode("utf-8", errors="replace")))
-        ids = _read(path)
+        made = tokenizer.encode(corpus.decode("utf-8", errors="replace"))
+        try:
+            _write(path, made)
+            ids = _read(path)
+        except OSError as exc:  # a full disk, a quota: the run goes on with the ids it made
+            notes.append(f"the token cache {path} could not be written ({exc.strerror or exc}): the ids are "
+                         "kept in memory, and the next run tokenizes the corpus again")
+        if ids is None:
+            ids = numpy.asarray(made, dtype="<u2")
     return ids, notes

@@ -55,6 +55,9 @@ class BPETokenizer:
                 raise ValueError(f"{directory}: vocab.json and merges.txt are not a BPE ({exc})") from None
             self._tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
             self._tok.decoder = tokenizers.decoders.ByteLevel()
+            if self._tok.token_to_id(END_OF_TEXT) is not None:  # as tokenizer.json and transformers have it:
+                # the separator in the text is its one id, not the 13 bytes' tokens of "<|endoftext|>"
+                self._tok.add_special_tokens([tokenizers.AddedToken(END_OF_TEXT, special=True, normalized=False)])
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.vocab = vocab = self._tok.get_vocab(with_added_tokens=True)  # token -> id
         ids = sorted(set(vocab.values()))
