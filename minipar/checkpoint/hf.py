@@ -50,20 +50,27 @@ def is_conv1d(name):
 
 def from_hf(tensors):
     """minipar's state ({GPT-2 name: (out, in) array}) from a transformers file's tensors."""
-    state, head = {}, None
+    state, head, keys = {}, None, {}
     for key, value in tensors.items():
         name = key if key.startswith(PREFIX) else PREFIX + key
         if key == "lm_head.weight":
             head = value
         elif not name.endswith(BUFFERS):
+            if name in keys:  # h.0... and transformer.h.0... are one tensor: which would be meant?
+                bare, prefixed = sorted((keys[name], key), key=len)
+                raise ValueError(f"the file holds both {bare} and {prefixed}, one tensor under both of "
+                                 "transformers' key prefixes: keep one")
+            keys[name] = key
             state[name] = value.T.copy() if is_conv1d(name) else value
     wte = state.get(PREFIX + "wte.weight")
-    # equal_nan: a NaN in both is refused later as not finite; NaN != NaN called them untied
-    tied = head is None or (wte is not None and head.shape == wte.shape
-                            and numpy.array_equal(head, wte, equal_nan=True))
-    if not tied:
-        raise ValueError("lm_head.weight differs from transformer.wte.weight: minipar's GPT ties its "
-                         "output head to the token embedding, and this model's are untied")
+    if head is not None and wte is not None:  # (no wte: the caller names it missing)
+        if head.shape != wte.shape:
+            raise ValueError(f"lm_head.weight has shape {tuple(head.shape)} and transformer.wte.weight "
+                             f"{tuple(wte.shape)}: minipar's GPT ties its output head to the token embedding")
+        # equal_nan: a NaN in both is refused later as not finite; NaN != NaN called them untied
+        if not numpy.array_equal(head, wte, equal_nan=True):
+            raise ValueError("lm_head.weight differs from transformer.wte.weight: minipar's GPT ties its "
+                             "output head to the token embedding, and this model's are untied")
     return state
 
 
@@ -164,7 +171,7 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
     directory = os.path.abspath(directory)
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+    tmp, old = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent), None
     try:
         # from_pretrained asks for "format": "pt"
         write_file(os.path.join(tmp, WEIGHTS), tensor_file(to_hf(state), metadata={"format": "pt"}))
@@ -178,16 +185,22 @@ def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_f
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; an export is not
         fsync_dir(tmp)  # the files' names in it, not only their bytes, before the rename shows it
-        old = None
         if os.path.exists(directory):  # a previous export (check_export_dir allowed it): moved aside
             old = tempfile.mkdtemp(prefix=".old-hf-", dir=parent)
             os.replace(directory, os.path.join(old, "x"))
         os.replace(tmp, directory)
         fsync_dir(parent)  # the rename is on disk before the previous export goes
         if old:
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old:  # the previous export was moved aside: back into place if the new one never took it
+            try:
+                if not os.path.lexists(directory):
+                    os.replace(os.path.join(old, "x"), directory)
+                shutil.rmtree(old, ignore_errors=True)
+            except OSError:
+                pass  # it stays whole in the .old-hf-* folder beside it
         if isinstance(exc, OSError) and (exc.filename is None or str(exc.filename).startswith(tmp)):
             exc.filename = directory  # a write into the export, which names no file or our temporary
         raise
