@@ -108,7 +108,7 @@ class Dataset:
         its next-token targets. ``source``: where the length came from, if not --block-size (a
         snapshot's config.json, which no flag may contradict: only a larger corpus helps)."""
         for name, ids in self.splits.items():
-            if len(ids) < block_size + 2:
+            if len(ids) < block_size + 1:  # one window and its targets, shifted by one
                 length = (f"--block-size {block_size}" if source is None
                           else f"sequences of {block_size} tokens ({source})")
                 fix = "use a larger corpus" + (" or a smaller block size" if source is None else "")
