@@ -17,6 +17,7 @@ import numpy
 
 from minipar.autograd import Tensor, no_grad
 from minipar.backend import to_numpy, xp
+from minipar.weight_grad import backward_input
 
 
 @dataclass
@@ -28,7 +29,7 @@ class GradReport:
     ok: bool
 
 
-def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, max_entries=None):
+def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, max_entries=None, split=None):
     """Compare ``fn``'s backward with central differences for every input that requires grad.
 
     ``fn(*inputs)`` must return a Tensor and be deterministic (reseed any dropout inside it).
@@ -36,6 +37,8 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
     An input passes when every entry has |analytic - numeric| <= atol + rtol * |numeric|: ``atol``
     sits above the rounding noise of the differences (~1e-16 |L| / eps), far below a real mistake,
     and comparing entry by entry means a wrong small entry cannot hide behind a large one.
+    ``split``: the inputs whose gradients a split backward leaves for W (``minipar.weight_grad``):
+    the gradients checked are then those of B followed by W, as a zero-bubble pipeline runs them.
     Returns one ``GradReport`` per checked input.
     """
     checked = [(i, t) for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
@@ -50,7 +53,15 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
     upstream = xp.asarray(rng.standard_normal(out.shape))
     for _, t in checked:
         t.grad = None
-    out.backward(upstream)
+    # backward gets a copy: one that wrote into the gradient it receives (engine.py forbids it)
+    # would change the upstream the differences use too, and could pass a wrong gradient
+    given = upstream.copy()
+    if split is None:
+        out.backward(given)
+    else:
+        backward_input(out, split, given).run()
+    if not xp.array_equal(given, upstream):
+        raise AssertionError("gradcheck: the backward wrote into the upstream gradient it received")
 
     def objective():
         with no_grad():
