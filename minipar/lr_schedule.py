@@ -20,11 +20,12 @@ INTEGERS = {"warmup_iters", "lr_decay_iters"}
 
 
 def learning_rate(it, args):
-    """The rate at iteration ``it`` (0-based): it warms up for ``warmup_iters`` steps, then
-    lr(it) = min_lr + (lr - min_lr) (1 + cos(pi p)) / 2 with p = (it - warmup) / (decay - warmup),
-    held at min_lr once p reaches 1."""
+    """The rate at iteration ``it`` (0-based): it warms up for ``warmup_iters`` steps,
+    lr (it + 1) / (warmup + 1), so that the peak is reached once, at ``it = warmup``, where
+    lr(it) = min_lr + (lr - min_lr) (1 + cos(pi p)) / 2 with p = (it - warmup) / (decay - warmup)
+    begins; held at min_lr once p reaches 1."""
     if it < args.warmup_iters:
-        return args.lr * (it + 1) / args.warmup_iters
+        return args.lr * (it + 1) / (args.warmup_iters + 1)
     progress = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
 

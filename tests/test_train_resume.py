@@ -91,7 +91,8 @@ def test_a_checkpoint_saved_before_schedules_were_resumes_and_a_damaged_schedule
 def test_the_schedule_warms_up_decays_over_its_steps_and_then_holds():
     flags = argparse.Namespace(lr=1.0, min_lr=0.1, warmup_iters=2, lr_decay_iters=6)
     got = [learning_rate(it, flags) for it in range(8)]
-    assert got[:2] == [0.5, 1.0] and got[2] == 1.0  # (it + 1) / warmup, then the cosine's top
+    # (it + 1) / (warmup + 1), then the cosine's top: the peak once (it used to be held two steps)
+    assert got[:3] == [pytest.approx(1 / 3), pytest.approx(2 / 3), 1.0] and got[3] < 1.0
     assert got[4] == pytest.approx(0.55) and got[6:] == [0.1, 0.1]  # half way: the mean; after: --min-lr
 
 
