@@ -12,7 +12,6 @@ import os
 
 import numpy
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file
 
 from minipar.backend import to_numpy
 from minipar.checkpoint.files import fsync_dir, write_file
@@ -54,14 +53,18 @@ def load_weights(path):
     ValueError if it is damaged or holds another dtype.
 
     Files written by ``save_weights`` carry a checksum that is verified; files from elsewhere (GPT-2
-    weights exported by another tool) have none, and get only safetensors' own header checks."""
+    weights exported by another tool) have none, and get only safetensors' own header checks.
+    transformers' ``attn.bias`` / ``attn.masked_bias`` buffers (bool or uint8 in files of
+    transformers 4.27-4.30) are no weights: skipped by name before the dtype check, as a snapshot's are."""
+    from minipar.checkpoint.hf import BUFFERS  # (here: hf.py imports this module)
+
     check_regular(path)
     try:
         with safe_open(path, framework="numpy") as fh:
             metadata = fh.metadata() or {}
-            dtypes = {name: fh.get_slice(name).get_dtype() for name in fh.keys()}
-        check_dtypes(dtypes)
-        tensors = load_file(path)
+            names = [name for name in fh.keys() if not name.endswith(BUFFERS)]
+            check_dtypes({name: fh.get_slice(name).get_dtype() for name in names})
+            tensors = {name: fh.get_tensor(name) for name in names}
     except SafetensorError as exc:
         raise ValueError(f"{path} is not a readable safetensors file ({exc})") from exc
     expected = metadata.get(_DIGEST_KEY)
@@ -78,5 +81,6 @@ def check_dtypes(dtypes):
     if wrong:
         name, dtype = next(iter(wrong.items()))
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-        hint = "; convert bf16 weights to float32 first" if dtype == "BF16" else ""
+        hint = {"BF16": "; convert bf16 weights to float32 first",
+                "F16": "; convert float16 weights to float32 first"}.get(dtype, "")
         raise ValueError(f"tensor {name} is {dtype}{more}: weights must be float32 or float64 (F32, F64){hint}")
