@@ -121,17 +121,22 @@ def case(name, seed, capacity_factor=None, starve=False):
 
 
 def exchange():
-    """all_to_all_v alone: rank s sends (s + d) % 3 rows to rank d (so some runs are empty) of
-    values 100 s + d, and the backward sends the gradient rows back where they came from."""
+    """all_to_all_v alone: rank s sends (s + d) % 3 rows to rank d (so some runs are empty), and
+    the backward sends the gradient rows back where they came from. Every run's rows, and the
+    upstream gradient of every run received, are random, drawn from a generator seeded by (sender,
+    receiver), so each rank knows the runs the others send and get: rows mixed up within a run fail."""
     send = [(r + d) % 3 for d in range(N)]
     recv = [(s + r) % 3 for s in range(N)]
-    rows = np.concatenate([np.full((c, 2), 100.0 * r + d) for d, c in enumerate(send)])
+
+    def run(what, s, d):  # the rows s sends d (what 0), or their upstream gradient on d (what 1)
+        return np.random.default_rng([what, s, d]).standard_normal(((s + d) % 3, 2))
+
+    rows = np.concatenate([run(0, r, d) for d in range(N)])
     x = Tensor(rows, requires_grad=True)
     y = ep_module.all_to_all_v(x, comm, send, recv)
-    expect = np.concatenate([np.full((c, 2), 100.0 * s + r) for s, c in enumerate(recv)])
-    check("all_to_all_v rows", rel_err(y, expect))
-    y.backward(y.data * 2)
-    check("all_to_all_v backward", rel_err(x.grad, rows * 2))
+    check("all_to_all_v rows", rel_err(y, np.concatenate([run(0, s, r) for s in range(N)])))
+    y.backward(np.concatenate([run(1, s, r) for s in range(N)]))
+    check("all_to_all_v backward", rel_err(x.grad, np.concatenate([run(1, r, d) for d in range(N)])))
 
 
 exchange()

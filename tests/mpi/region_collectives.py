@@ -46,6 +46,15 @@ y, g = run(C.reduce_from_region, leaf(data(200 + r, full)), data(300 + r, full))
 close(y, sum(data(200 + k, full) for k in range(N)), "reduce_from_region forward")
 close(g, data(300 + r, full), "reduce_from_region backward")
 
+# g in place (RowParallelLinear's, VocabParallelEmbedding's): the sum overwrites the array passed in
+array = data(200 + r, full)
+y, g = run(lambda x, comm: C.reduce_from_region(x, comm, in_place=True), leaf(array), data(1600 + r, full))
+close(y, sum(data(200 + k, full) for k in range(N)), "reduce_from_region in place forward")
+if not np.shares_memory(y, array):
+    raise AssertionError(f"rank {r}: reduce_from_region in place: the sum is not in the input array")
+close(array, sum(data(200 + k, full) for k in range(N)), "reduce_from_region in place: the input array")
+close(g, data(1600 + r, full), "reduce_from_region in place backward")
+
 # gather along the last axis; the region after it is replicated, so the upstream gradient is too
 piece = (B, T, H)
 y, g = run(C.gather_from_region, leaf(data(400 + r, piece)), data(500, (B, T, H * N)))
