@@ -168,16 +168,24 @@ def _refuse_freed(node):
                        "run the forward again before a second backward()")
 
 
-def call_backward(fn, ctx, out_grads, inputs):
+def call_backward(fn, ctx, out_grads, inputs, weights_only=False):
     """``fn.backward`` on the node's output gradients: one gradient per input (None where the
     input needs none), possibly in a broadcast shape that ``deliver`` sums down. A parameter the
-    forward saved by reference (``autograd.save_parameters_by_reference``) is put back first."""
+    forward saved by reference (``autograd.save_parameters_by_reference``) is put back first.
+    ``weights_only``: a split backward's W, which asks for the weights' gradients alone; those read
+    the inputs and the output gradients (dW = g^T x), never the weights, so a weight its holder has
+    released since B stays released (None on the context: a backward that read it would fail)."""
     for name, param, shape in ctx.by_reference:
         if param.data.shape != shape:
+            if weights_only:
+                setattr(ctx, name, None)
+                continue
             raise RuntimeError(f"{fn.__name__}.backward needs a parameter of shape {shape} that its holder has "
                                f"not gathered (its data has shape {param.data.shape})")
         setattr(ctx, name, param.data)
     in_grads = fn.backward(ctx, *out_grads)
+    for name, _, _ in ctx.by_reference:  # a context parked for W must not keep the gathered arrays
+        setattr(ctx, name, None)
     if not isinstance(in_grads, tuple):
         in_grads = (in_grads,)
     if len(in_grads) != len(inputs):
@@ -194,10 +202,10 @@ def deliver(fn, inputs, in_shapes, in_grads, out_grads, slots):
     for i, (t, g) in enumerate(zip(inputs, in_grads)):
         if g is None:
             continue
-        if g.shape != t.data.shape:
+        if g.shape != in_shapes[i]:  # the shape in forward: a released weight's data is empty in W
             raise RuntimeError(
                 f"{fn.__name__}.backward produced a gradient of shape {g.shape} for an "
-                f"input of shape {t.data.shape}"
+                f"input of shape {in_shapes[i]}"
             )
         if g.dtype != t.data.dtype:
             raise TypeError(
@@ -244,6 +252,26 @@ def _count_down(node, waiting):
 
 _hooks_held = 0
 _split = None  # the WeightGradients collecting W while a split backward runs (minipar.weight_grad)
+_weight_pass = 0  # how many W's have begun (minipar.weight_grad); odd while one runs
+
+
+def weight_pass():
+    """Which W is running (a number that differs from one W to the next), or None outside every W.
+    A gradient hook that fires in W can tell its W's gradients from an earlier W's by it."""
+    return _weight_pass if _weight_pass % 2 else None
+
+
+@contextlib.contextmanager
+def running_weight_pass():
+    """Inside, a split backward's W runs (``weight_pass`` says which)."""
+    global _weight_pass
+    if _weight_pass % 2:
+        raise RuntimeError("a W inside another W: run each split backward's W on its own")
+    _weight_pass += 1
+    try:
+        yield
+    finally:
+        _weight_pass += 1
 
 
 @contextlib.contextmanager

@@ -79,16 +79,17 @@ class WeightGradients:
         uses = Counter(t for _, _, _, inputs, _, needs in self._parked
                        for t, n in zip(inputs, needs) if n and getattr(t, "_grad_hooks", None))
         parked, self._parked = self._parked, []
-        for fn, ctx, out_grads, inputs, in_shapes, needs in parked:
-            ctx.needs_input_grad = needs
-            in_grads = engine.call_backward(fn, ctx, out_grads, inputs)
-            in_grads = [g if n else None for g, n in zip(in_grads, needs)]
-            engine.deliver(fn, inputs, in_shapes, in_grads, out_grads, slots=None)
-            for t, n in zip(inputs, needs):
-                if n and t in uses:
-                    uses[t] -= 1
-                    if uses[t] == 0:
-                        engine.fire_hooks(t)
+        with engine.running_weight_pass():
+            for fn, ctx, out_grads, inputs, in_shapes, needs in parked:
+                ctx.needs_input_grad = needs
+                in_grads = engine.call_backward(fn, ctx, out_grads, inputs, weights_only=True)
+                in_grads = [g if n else None for g, n in zip(in_grads, needs)]
+                engine.deliver(fn, inputs, in_shapes, in_grads, out_grads, slots=None)
+                for t, n in zip(inputs, needs):
+                    if n and t in uses:
+                        uses[t] -= 1
+                        if uses[t] == 0:
+                            engine.fire_hooks(t)
 
 
 def backward_input(tensor, weights, grad=None):

@@ -26,12 +26,15 @@ from mpi_run import ROOT, check_mpi, run_mpi
          "--defer-embedding-wgrad"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "gpipe", "--m", "3", "--recompute",
          "--defer-embedding-wgrad"]),
-    # ZeRO-2 holds back what the model sums after backward: the tied embedding's two parts, sequence
-    # parallelism's partial sums (ZeRO-3 those)
+    (4, ["--pp", "2", "--schedule", "1f1b", "--m", "3", "--zero-stage", "3", "--defer-embedding-wgrad"]),
+    # ZeRO-2 and 3 hold back what the model sums after backward: the tied embedding's two parts,
+    # sequence parallelism's partial sums
     (4, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2", "--zero-stage", "2", "--bucket-bytes", "1"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "1f1b", "--m", "2", "--zero-stage", "2",
          "--recompute"]),
     (4, ["--pp", "1", "--tp", "2", "--sequence-parallel", "--m", "3", "--zero-stage", "3", "--recompute"]),
+    # ZeRO-3 across a pipeline: each chunk's units gathered per micro-batch, the tied embedding held back
+    (4, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "4", "--zero-stage", "3", "--recompute"]),
 ])
 def test_pipeline_matches_the_single_device_run(n, args):
     out = check_mpi(n, "pipeline.py", *args, timeout=180)
@@ -50,6 +53,9 @@ def test_pipeline_matches_the_single_device_run(n, args):
     # ZeRO-2 sends each group from W's hooks, the tied embedding's and SP's partial sums at the end
     (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "4", "--zero-stage", "2", "--bucket-bytes", "1"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1", "--m", "3", "--zero-stage", "2"]),
+    # ZeRO-3: W reads no weight (dW = g^T x), so the units are released after B; a group an earlier
+    # W sent gets a new buffer for the next W's gradients
+    (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "3", "--zero-stage", "3"]),
     # DP's sums start from W's hooks, one parameter at a time: the tied embedding's only when its
     # second use (the last chunk's, on the same rank in a V) has added its part
     (4, ["--pp", "2", "--schedule", "zb-v", "--v", "2", "--m", "4", "--bucket-bytes", "1"]),

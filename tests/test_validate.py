@@ -47,7 +47,6 @@ def test_a_good_run_has_no_problem_and_its_sizes_are_derived():
     (dict(micro_batch_size=1, global_batch=40000), "need 80000 message tags, more than MPI promises (32767)"),
     (dict(block_size=15), "sequence_parallel splits the sequence: block_size=15 is not divisible by TP=2"),
     (dict(tp=1, world_size=4), "sequence_parallel splits along the tensor-parallel group: it needs TP > 1"),
-    (dict(zero_stage=3, sequence_parallel=False), "with pipeline parallelism use zero_stage=2 (or 1, 0)"),
     (dict(ep=0), "EP must be a positive integer, got 0"),
     (dict(zero_stage=True), "zero_stage must be 0, 1, 2 or 3, got True"),
     (dict(cp_comm_type="ring"), "cp_comm_type='ring' is not a context-parallel communication: choose one of p2p, a2a"),
@@ -62,12 +61,12 @@ def test_each_kind_of_problem_is_one_line_naming_the_field_and_the_fix(changes, 
 
 def test_every_problem_is_reported_at_once():
     bad = RunConfig(world_size=4, tp=3, pp=2, n_layer=3, n_head=3, n_embd=10, virtual_stages=2,
-                    schedule="gpipe", sequence_parallel=True, zero_stage=3, dropout=-0.5)
+                    schedule="gpipe", sequence_parallel=True, zero_stage=3, dropout=-0.5, cp_comm_type="ring")
     found = problems(bad)
     assert len(found) == 7, found
     for message in ("dropout", "do not split into TP x PP", "n_embd=10 is not divisible by n_head=3",
                     "n_embd=10 is not divisible by TP=3", "n_layer=3", "virtual_stages=2 needs",
-                    "with pipeline parallelism"):
+                    "cp_comm_type='ring' is not a context-parallel communication"):
         assert sum(message in f for f in found) >= 1, (message, found)
     with pytest.raises(ValueError, match=r"^GPT: .*; .*; "):
         check(bad, what="GPT")
@@ -102,13 +101,11 @@ def test_the_schedules_validate_knows_are_the_ones_built():
     assert tuple(schedules.SCHEDULES) == validate.SCHEDULES
 
 
-def test_zero_2_runs_with_sequence_and_pipeline_parallelism_and_a_split_backward():
-    """ZeRO-2 holds back what the model sums after backward (zero2.py) and sends from W's hooks;
-    ZeRO-3 holds SP's partial sums (not the tied embedding's parts), and releases a unit as its
-    backward ends, before a split backward's W."""
-    base = dict(world_size=8, tp=2, pp=2, n_layer=4, n_head=4, n_embd=8, global_batch=8, zero_stage=2)
-    assert problems(RunConfig(**base, sequence_parallel=True, schedule="1f1b")) == []
-    assert problems(RunConfig(**base, schedule="zb-h1")) == []
-    assert problems(RunConfig(**dict(base, pp=1, world_size=4, zero_stage=3), sequence_parallel=True)) == []
-    line = problems(RunConfig(**dict(base, zero_stage=3), schedule="zb-h1"))[-1]
-    assert "computes the weights' gradients later (W): use zero_stage=2 (or 1, 0)" in line
+def test_zero_2_and_3_run_with_sequence_and_pipeline_parallelism_and_a_split_backward():
+    """ZeRO-2 and 3 hold back what the model sums after backward (SP's partial sums, the tied
+    embedding's parts) and send from W's hooks."""
+    base = dict(world_size=8, tp=2, pp=2, n_layer=4, n_head=4, n_embd=8, global_batch=8)
+    for stage in (2, 3):
+        assert problems(RunConfig(**base, zero_stage=stage, sequence_parallel=True, schedule="1f1b")) == []
+        assert problems(RunConfig(**base, zero_stage=stage, schedule="zb-h1")) == []
+        assert problems(RunConfig(**base, zero_stage=stage, schedule="1f1b", defer_embedding_wgrad=True)) == []

@@ -115,16 +115,6 @@ def resolve(cfg, names=None):
     if cfg.sequence_parallel and known("tp", "block_size") and cfg.block_size % tp:
         out.append(f"{say('sequence_parallel')} splits the sequence: {say('block_size')} is not "
                    f"divisible by {say('tp')}")
-    if known("zero_stage") and cfg.zero_stage >= 3:  # (stage 2 holds the embedding's back: zero2.py)
-        stage_2 = say("zero_stage", 2) + " (or 1, 0)"
-        if known("pp") and pp > 1:
-            out.append("ZeRO stage 3 sends a unit's gradients as its backward ends, before the tied "
-                       "embedding's two parts on the first and last pipeline stage are added: with "
-                       f"pipeline parallelism use {stage_2}")
-    if known("zero_stage", "schedule") and cfg.zero_stage >= 3 and cfg.schedule in SPLIT_BACKWARD:
-        out.append(f"ZeRO stage 3 releases a unit's parameters as its backward ends, but "
-                   f"{say('schedule', cfg.schedule)} computes the weights' gradients later (W): use "
-                   f"{say('zero_stage', 2)} (or 1, 0)")
     if known("zero_stage", "schedule") and cfg.schedule == "pipedream-2bw" and cfg.zero_stage > 0:
         out.append(f"{say('schedule', 'pipedream-2bw')} stashes a second copy of the weights it updates "
                    f"whole: it needs {say('zero_stage', 0)}")

@@ -12,6 +12,9 @@ FSDP does (Zhao et al. 2023):
               shards and free the group's parameters and buffer; complete means every parameter's
               hook fired in this backward (one a micro-batch left unused keeps the buffer waiting
               for a later micro-batch, or the step's end)
+    split     a zero-bubble schedule's B gathers as backward does (dx = g W); its W reads no weight
+              (dW = g^T x) and runs later, the weights released: the hooks fire there, and a group
+              an earlier W sent gets a new buffer
 
 Freeing is real because the graph keeps parameters by reference, not their arrays
 (``autograd.save_parameters_by_reference``): the whole buffer's last owner is this optimizer, and
@@ -40,6 +43,7 @@ one; evaluation (no graph) neither records nor prefetches.
 import math
 import sys
 
+from minipar import engine
 from minipar.autograd import Function, is_grad_enabled, save_parameters_by_reference
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
@@ -133,6 +137,7 @@ class ZeRO3(ShardedAdamW):
         self.ledger.add("parameters", self.master.nbytes)
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._ready = {id(g): set() for g in groups}  # its parameters whose gradient this backward completed
+        self._pass = {}  # id(group) -> the W (engine.weight_pass) its count is of, in a split backward
         self._unit_groups = {name: list({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
         model.wrap_units(self._run_unit)
@@ -238,20 +243,34 @@ class ZeRO3(ShardedAdamW):
             # backward (a micro-batch that left a parameter of the group unused) may fire again in
             # this one, so only this backward's count says the group is complete
             self._ready[id(g)] = set()
-            if id(g) in self._flats:  # its earlier micro-batches' gradients stay in the buffer
-                continue
-            flat = xp.zeros(g.padded, self.grad_dtype)
-            for p, part in zip(g.params, g.unflatten(flat)):
-                p.grad = part.reshape(self.shapes[id(p)])
-            self.ledger.add("gradients", flat.nbytes)
-            self._flats[id(g)] = flat
+            if id(g) not in self._flats:  # else its earlier micro-batches' gradients stay in the buffer
+                self._grad_buffer(g)
+
+    def _grad_buffer(self, g):
+        """A group's flat gradient buffer, its parameters' gradients views into it (keeping what
+        they hold: a split backward's W may make it, after an earlier W sent the group's)."""
+        flat = xp.zeros(g.padded, self.grad_dtype)
+        for p, part in zip(g.params, g.unflatten(flat)):
+            view = part.reshape(self.shapes[id(p)])
+            if p.grad is not None:
+                view[...] = p.grad
+            p.grad = view
+        self.ledger.add("gradients", flat.nbytes)
+        self._flats[id(g)] = flat
 
     def _gradient_ready(self, p):
         super()._gradient_ready(p)
         g = self._group_of[id(p)]
-        if id(g) not in self._flats:  # its unit's backward never began: no buffer, maybe no gathered data
-            raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
-                               "model's forward (its units) to make the graph")
+        if id(g) not in self._flats:
+            if engine.weight_pass() is None:  # its unit's backward never began: no buffer, maybe no data
+                raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
+                                   "model's forward (its units) to make the graph")
+            # a split backward's W (zero-bubble schedules, the head's W at the flush) comes after
+            # the unit's backward, perhaps after an earlier W sent the group: a buffer of its own
+            self._grad_buffer(g)
+        if engine.weight_pass() is not None and self._pass.get(id(g)) != engine.weight_pass():
+            # a hook fires once per W, at the weight's last use there: only this W's count says complete
+            self._pass[id(g)], self._ready[id(g)] = engine.weight_pass(), set()
         self._ready[id(g)].add(id(p))
         if len(self._ready[id(g)]) == len(g.params) and id(g) in self._later:
             self._ready[id(g)] = set()  # the parameters go as the others' do; the buffer waits for the sums

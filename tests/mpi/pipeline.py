@@ -28,7 +28,7 @@ from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.pipeline.simulate import simulate
-from minipar.parallel.tensor import local_shard
+from minipar.parallel.tensor import local_shard, padded_vocab
 from minipar.verify import rel_err
 
 p = argparse.ArgumentParser()
@@ -152,7 +152,8 @@ held = simulate(plans, args.m, args.v, weight=1, shape=schedules.shape_of(args.s
 assert trained.peak_alive == held, f"rank {rank}: held {trained.peak_alive} activations, the simulator {held}"
 if deferred:  # the last chunk's rank parks every micro-batch's head input (whole under SP) and logits' gradient
     rows = batch // args.m // grid.dp
-    head = args.m * rows * config.block_size * (config.n_embd + model.head_weight.shape[0]) * 8 if run.last_head else 0
+    vocab = padded_vocab(config.vocab_size, args.tp) // args.tp  # the head's rows here (ZeRO-3 released them)
+    head = args.m * rows * config.block_size * (config.n_embd + vocab) * 8 if run.last_head else 0
     assert trained.peak_weight_bytes == head, f"rank {rank}: {trained.peak_weight_bytes}, not {head}"
 else:
     assert (trained.peak_weight_bytes > 0) == args.schedule.startswith("zb-"), trained.peak_weight_bytes
