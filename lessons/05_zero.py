@@ -69,7 +69,7 @@ def flags(p):
 
 
 def check(args, ranks):
-    # stage 3 is the most demanding of the four runs (none has TP, PP or SP, which it refuses)
+    # checked as stage 3, the most demanding of the four runs (all plain data parallelism: no TP, PP or SP)
     run = RunConfig(world_size=ranks, global_batch=args.batch_size, micro_batches=args.micro_batches,
                     n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size,
                     dropout=0.1, zero_stage=3, dtype=args.dtype)
