@@ -56,7 +56,7 @@ from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
 from minipar.models.layers import Block
 from minipar.parallel import ProcessGrid
-from minipar.parallel.context import causal_work, contiguous_positions, load_balanced_positions
+from minipar.parallel.context import HEADER, causal_work, contiguous_positions, load_balanced_positions
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.parallel.tensor import local_shard
@@ -201,7 +201,7 @@ def run(args, config, layout, batches, reference, peak):
 
 def expected_bytes(layout, B, T, C, itemsize):
     """Per layer, per rank: (forward, backward) bytes of attention's own messages, and the bytes of
-    the two all-gathers each call makes to check its arguments ([8] int64 header, T/CP positions)."""
+    the two all-gathers each call makes to check its arguments ([HEADER] int64s, T/CP positions)."""
     cp, tp, comm_type = layout
     L, width = T // cp, C // tp
     if comm_type == "p2p":  # (CP-1) K,V blocks around the ring; backward: K,V again and dK,dV
@@ -210,7 +210,7 @@ def expected_bytes(layout, B, T, C, itemsize):
     else:  # all-to-all of qkv (3 widths) in and of the output (1 width) back: (CP-1)/CP of each
         a2a = (cp - 1) * 4 * B * L * width * itemsize // cp
         attention = (a2a, a2a)
-    checks = (cp - 1) * (8 + L) * 8
+    checks = (cp - 1) * (HEADER + L) * 8
     return attention, checks
 
 
@@ -276,7 +276,7 @@ def main():
             print(f"  {name(*layout):<12} {moved[0]:>11,.0f} | {attention[0]:>9,} {moved[1]:>11,.0f} | "
                   f"{attention[1]:>9,}   {gathered:>7,.0f} | {checks:>7,}")
         print("  p2p: (CP-1) x 2 B (T/CP) (C/TP) itemsize forward, twice that backward (K,V again + dK,dV)")
-        print("  a2a: 4 (CP-1)/CP B (T/CP) (C/TP) itemsize each way; checks: (CP-1)(8 + T/CP) x 8 bytes")
+        print("  a2a: 4 (CP-1)/CP B (T/CP) (C/TP) itemsize each way; checks: (CP-1)(" + str(HEADER) + " + T/CP) x 8 bytes")
         single = (args.batch_size * args.block_size * args.n_embd * itemsize)
         print(f"\n  a block's input on each rank (one device, whole batch: {single:,} bytes; DP splits rows)")
         for layout, (_, _, block) in shown.items():

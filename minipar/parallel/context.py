@@ -67,6 +67,7 @@ def causal_work(positions_per_rank):
 
 
 OPS = ("ring_attention", "ulysses_attention")  # numbered in the ranks' agreement (_arguments)
+HEADER = 9  # int64s in that agreement: the op, B, T_local, 3C, n_head, head_offset, itemsize, p, key
 
 
 def _arguments(op, qkv, n_head, group, positions, dropout_p, key, rows, head_offset):
@@ -86,7 +87,8 @@ def _arguments(op, qkv, n_head, group, positions, dropout_p, key, rows, head_off
     # the op too: a ring's messages and Ulysses' all-to-alls would not match, and would hang
     header = numpy.array([OPS.index(op), B, T_local, width, n_head, int(head_offset), qkv.dtype.itemsize,
                           round(p * 2**32), 0 if dropout is None else stream(dropout) >> 2], numpy.int64)
-    every = group.all_gather(header)  # (N, 9)
+    assert header.size == HEADER  # the planner and lesson 8 count its bytes
+    every = group.all_gather(header)  # (N, HEADER)
     if (every != every[0]).any():
         raise ValueError(f"{op}: the ranks of the group were called differently; [op ({', '.join(OPS)}), B, "
                          f"T_local, 3C, n_head, head_offset, itemsize, dropout, key and rows] per rank: "
