@@ -7,6 +7,7 @@ Layer 7, no MPI. One concept per file:
     activations.py  one layer's activation bytes (the formula bench/activation_memory.py measures),
                     times the layers and the schedule's in-flight micro-batches
     traffic.py      bytes each group sends per rank per step, as the communicators count them
+    zero3.py        ZeRO-3's gathers and reduce-scatters per parameter group, over the rank's schedule
     bubble.py       the pipeline bubble and the in-flight micro-batches, from the schedule simulator
     cost.py         step time: compute at peak x efficiency, an alpha-beta model per link
     enumerate.py    every layout of a machine, why each invalid one fails, ranked by step time

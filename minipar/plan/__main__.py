@@ -14,10 +14,11 @@ import sys
 from dataclasses import replace
 
 from minipar.cli import Parser, parse
+from minipar.parallel import validate
 
 from . import hetero
-from .enumerate import as_json, plan
-from .shapes import PRECISIONS, PRESETS, Machine, Model
+from .enumerate import FLAGS, as_json, plan
+from .shapes import PRECISIONS, PRESETS, Machine, Model, run_config
 
 MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
                "seq_length": "--seq-length", "vocab_size": "--vocab-size", "num_experts": "--num-experts",
@@ -52,9 +53,10 @@ def parser():
     return p
 
 
-# the most the planner takes: it counts every block of every layout it tries, and a pipeline's
-# micro-batches one by one (1,024 blocks: ~5 s); run_mpi.sh's limit on ranks
-MAX_LAYERS, MAX_GPUS = 1024, 1_000_000
+# the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~5 s),
+# and walks a long pipeline's schedule micro-batch by micro-batch (a global batch of 10^6: ~70 s
+# and 1 GB; 65,536: ~5 s); run_mpi.sh's limit on ranks
+MAX_LAYERS, MAX_BATCH, MAX_GPUS = 1024, 65_536, 1_000_000
 POSITIVE = ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
 NOT_NEGATIVE = ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "ring_pass_overhead_us")
 
@@ -76,8 +78,6 @@ def model_of(args):
     if "moe_router_topk" in given and not experts:
         found.append(f"--moe-router-topk {topk} routes to experts, and this model has none: "
                      "give --num-experts, or drop it")
-    elif experts and topk > experts:
-        found.append(f"--moe-router-topk {topk} exceeds --num-experts {experts}: a token picks among the experts")
     if base is None:
         missing = [MODEL_FLAGS[f] for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if f not in given]
         if missing:
@@ -87,9 +87,23 @@ def model_of(args):
         batch = args.global_batch_size
         if batch < 1:
             found.append(f"--global-batch-size must be >= 1, got {batch}")
+        elif batch > MAX_BATCH:
+            found.append(f"--global-batch-size {batch}: the planner takes at most {MAX_BATCH:,} sequences a step")
     if batch is None:
         found.append("give --global-batch-size (or a --preset)")
-    return found, replace(base, **given), batch
+    model = replace(base, **given)
+    if not found:  # the model's own rules (heads that split it, top-k of the experts), as the trainer words them
+        found = validate.problems(model_config(model), FLAGS)
+    return found, model, batch
+
+
+def model_config(model):
+    """The ``validate.RunConfig`` of the model alone: what no layout can change."""
+    experts = model.num_experts or None
+    return validate.RunConfig(n_layer=model.num_layers, n_head=model.num_attention_heads, n_embd=model.hidden_size,
+                              block_size=model.seq_length, vocab_size=model.vocab_size, num_experts=experts,
+                              moe_router_topk=model.moe_router_topk if experts else None,
+                              moe_layer_freq=model.moe_layer_freq if experts else None)
 
 
 def machine_of(args):
@@ -162,7 +176,8 @@ def rules_of_thumb(result, machine):
         lines.append(f"PP across nodes: {'agrees' if kind == 'inter' else 'the pipeline fits in a node here'} (PP={best.pp}, {kind}-node)")
     else:
         lines.append("PP across nodes: no pipeline needed: the model fits without one")
-    kind = prediction.links.get("dp_cp" if best.cp > 1 else "dp")  # None: DP = 1 sends nothing
+    # DP's gradients go over DP x CP ("dp_cp" when CP > 1); with DP = 1 that group is CP's alone
+    kind = prediction.links.get("dp_cp" if best.cp > 1 else "dp") if best.dp > 1 else None
     if kind is None:
         lines.append(f"DP outermost (DP scales out across nodes): no data parallelism here (DP={best.dp})")
     else:
@@ -204,32 +219,45 @@ def main(argv=None):
     args = parse(parser(), None, problems, argv)  # a problem: one line each, exit status 2
     model, batch, machine, precision = args.model, args.batch, args.machine, args.precision_key
     result = plan(model, machine, batch, precision)
+    tried = len(result.plans) + sum(result.failures.values())
     if args.json:
         print(json.dumps([as_json(layout, prediction) for layout, prediction in result.plans[:args.top]], indent=1))
+        if not result.plans:  # the JSON is an empty list: the reasons go where a person reads them
+            print(f"python -m minipar.plan: no layout fits: {tried:,} tried; why (layouts, one example each):",
+                  *failures(result), sep="\n", file=sys.stderr)
         return 0 if result.plans else 1
-    tried = len(result.plans) + sum(result.failures.values())
     print(f"{model}\nglobal batch {batch}, {precision} ({PRECISIONS[precision]}); {machine}")
     print(f"\n{tried:,} layouts tried: {len(result.plans):,} fit; the best {min(args.top, len(result.plans))}:")
     print(table(result, args.top))
-    print("\nwhy the rest fail (layouts, one example each):")
-    for key, count in result.failures.most_common():
-        print(f"  {count:>7,}  {result.examples[key]}")
+    print("\nwhy the rest fail (layouts, one example each):", *failures(result), sep="\n")
     print("\nrules of thumb against the model:")
     for line in rules_of_thumb(result, machine):
         print(f"  {line}")
     if args.speeds:
-        heterogeneous(result, machine, model, batch, args.speeds)
+        heterogeneous(result, machine, model, batch, args.speeds, precision)
     return 0 if result.plans else 1
 
 
-def heterogeneous(result, machine, model, batch, speeds):
+def failures(result):
+    """A line per reason layouts failed for, the most common first: how many, and one example."""
+    return [f"  {count:>7,}  {result.examples[key]}" for key, count in result.failures.most_common()]
+
+
+def heterogeneous(result, machine, model, batch, speeds, precision="float32"):
     """The fastest plan with one chunk per pipeline stage, its layers balanced over its stages'
     speeds, the bubble saved, and the trainer's command that runs it."""
-    piped = [lp for lp in result.plans if lp[0].pp > 1 and lp[0].vpp == 1]
+    piped = [lp[0] for lp in result.plans if lp[0].pp > 1 and lp[0].vpp == 1]
     if not piped:
         print("\nheterogeneous GPUs: no plan has a pipeline of one chunk per stage to balance")
         return
-    layout = piped[0][0]
+    # the plans leave out MPI's tag limit (enumerate.py); the trainer, and the schedules simulated here, do not
+    why = {layout: validate.problems(run_config(model, layout, batch), FLAGS) for layout in piped}
+    runnable = [layout for layout in piped if not why[layout]]
+    if not runnable:
+        print(f"\nheterogeneous GPUs: no plan with a pipeline of one chunk per stage that the trainer can run: "
+              f"the fastest, PP={piped[0].pp}: {why[piped[0]][0]}")
+        return
+    layout = runnable[0]
     stage = hetero.stage_speeds(layout, machine.gpus_per_node, speeds)  # (a speed per node: checked)
     m = batch // layout.dp // layout.micro_batch_size
     out = hetero.compare(model.num_layers, stage, m, layout.schedule)
@@ -239,12 +267,18 @@ def heterogeneous(result, machine, model, batch, speeds):
         print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
     saved = float(1 - out["balanced"][1] / out["even"][1])
     print(f"  balancing saves {saved:.1%} of the step (bubble {float(out['even'][2]):.3f} -> {float(out['balanced'][2]):.3f})")
-    print(f"  to run it on {layout.world_size} ranks: python -m minipar.train {train_flags(model, layout, batch, out['balanced'][0])}")
+    print(f"  to run it on {layout.world_size} ranks: python -m minipar.train "
+          f"{train_flags(model, layout, batch, out['balanced'][0], precision)}")
 
 
-def train_flags(model, layout, batch, layers):
-    """The trainer's flags for ``model`` on ``layout`` with ``layers`` per pipeline stage (DP is
-    what the ranks leave)."""
+# the trainer's flags that run a plan's precision (shapes.PRECISIONS' keys)
+PRECISION_FLAGS = {"float32": "", "float64": "--dtype float64", "bf16": "--bf16",
+                   "bf16-fp32-grads": "--bf16 --accumulate-allreduce-grads-in-fp32"}
+
+
+def train_flags(model, layout, batch, layers, precision="float32"):
+    """The trainer's flags for ``model`` on ``layout`` with ``layers`` per pipeline stage, in
+    ``precision`` (DP is what the ranks leave)."""
     flags = [f"--n-layer {model.num_layers} --n-embd {model.hidden_size} --n-head {model.num_attention_heads} "
              f"--block-size {model.seq_length} --vocab-size {model.vocab_size} --dropout {model.dropout}"]
     if model.num_experts:
@@ -265,7 +299,7 @@ def train_flags(model, layout, batch, layers):
         flags.append(f"--recompute-granularity {'full' if layout.recompute else 'selective'}")
     if layout.defer_embedding_wgrad:
         flags.append("--defer-embedding-wgrad-compute")
-    return " ".join(flags)
+    return " ".join(flags + [PRECISION_FLAGS[precision]] * bool(PRECISION_FLAGS[precision]))
 
 
 if __name__ == "__main__":

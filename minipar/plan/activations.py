@@ -25,7 +25,8 @@ recomputation keeps each layer's input (s b h, split by SP) and, while one layer
 runs, that layer's whole set once more.
 
 Selective recomputation (Korthikanti et al. 2022) keeps all but the T x T part, and the int64
-coordinates that draw its dropout mask again: ``formula(..., "selective")``.
+coordinates that draw its dropout mask again: ``formula(..., "selective")``; under ring attention,
+which keeps no T x T part, it changes nothing (``Layout.selective``).
 
 A mixture-of-experts block (``moe_bytes``, from models/moe.py, parallel/experts.py and
 functional/routing.py; N tokens a rank routes, k of E experts, S = N k token-slots kept, or
@@ -134,11 +135,11 @@ def layer_bytes(model, layout, d, query_block=64):
     """One layer's activation bytes for one micro-batch on one rank of ``layout`` (no recompute)."""
     t, c, b = layout.tp, layout.cp, layout.micro_batch_size
     s = model.seq_length // c
-    granularity = "selective" if layout.selective_recompute else None  # no T x T terms, their coordinates
+    granularity = "selective" if layout.selective else None  # no T x T terms, their coordinates
     terms = formula(s, b, model.hidden_size, model.num_attention_heads, d, model.dropout > 0, granularity, query_block)
     total = 0
     for name, value in terms.items():
-        if name.startswith("T x T") and value and c > 1 and layout.cp_comm_type == "p2p":
+        if name.startswith("T x T") and value and layout.ring_attention:
             # ring attention keeps no probabilities: backward rebuilds them from the log-sum-exp, one
             # float32 a position and head
             value = 4 * b * model.num_attention_heads * s if name.endswith("P") else 0

@@ -19,7 +19,7 @@ its FLOPs and bytes, and ranks beyond a node's cores take turns: the step is at 
 one rank's busy time. All zero unless the Machine sets them (a CPU run calibrates them).
 
 Memory: the state (``state.state_bytes``) and the activations (``activations.rank_bytes``) of the
-first and the last stage, the fuller of the two.
+first, the second and the last stage (every stage of an uneven split), the fullest of them.
 """
 
 import math
@@ -113,7 +113,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         for g in b:  # the busier stage's count of each group
             if b[g] >= sent.get(g, 0):
                 sent[g], steps[g] = b[g], n[g]
-    model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective_recompute)
+    model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
     flop_time = hardware_flops / layout.world_size / rate
     compute = flop_time + launches
@@ -127,7 +127,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         elif g in raw and layout.zero_stage == 2:  # the m reduce-scatters overlap, the all-gather not
             overlapped = raw[g] * m / (m + 1)
             exposed[g] = max(0.0, overlapped - backward) + raw[g] - overlapped
-    if "cp" in raw and layout.cp_comm_type == "p2p":
+    if "cp" in raw and layout.ring_attention:
         per_token = model_flops / (global_batch * model.seq_length)
         attention = 12 * model.num_layers * model.seq_length * model.hidden_size / per_token
         exposed["cp"] = max(0.0, raw["cp"] - flop_time * attention)  # behind attention's FLOPs, not its launches

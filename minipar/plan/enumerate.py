@@ -2,12 +2,12 @@
 rest counted by the reason they fail.
 
 A layout is TP x CP x PP x DP = the GPUs (DP the rest), with EP a divisor of DP (experts only),
-virtual stages, a ZeRO stage, a micro-batch size, full recomputation or none, sequence parallelism
-(TP > 1) and the CP communication (CP > 1); recomputation none, selective or full. The schedule is
+virtual stages, a ZeRO stage, a micro-batch size, recomputation (none, selective or full), sequence
+parallelism (TP > 1) and the CP communication (CP > 1). The schedule is
 1F1B, ZB-H1 or ZB-H2 (Qi et al. 2024), interleaved with virtual stages or ZB-V with two: GPipe has 1F1B's bubble and
 holds more micro-batches, so it never wins. Why a layout fails is
 said by minipar's own rules (``validate.problems``: heads not divisible by TP, layers by PP x v,
-ZeRO-2/3 with a pipeline, ...), then by the planner's two: TP across nodes (its all-reduces on
+Ulysses' heads by TP x CP, ...), then by the planner's two: TP across nodes (its all-reduces on
 every layer would cross the slow link; refused as Megatron's guide does) and does not fit (the
 fuller stage's state and activations beyond the GPU's memory). Counts are of layouts tried; a grid
 refused before its inner choices counts once. One of validate's rules is not asked: the MPI tag
@@ -15,6 +15,7 @@ limit (2 m p v tags), a bound of minipar's MPI messages, not of the layout (NCCL
 1T model's own layout needs 65,536).
 """
 
+import math
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -28,11 +29,16 @@ from .shapes import Layout, run_config
 CP_SIZES = (1, 2, 4, 8, 16)
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 4, 8)
+# validate's fields as a reason names them: Megatron's flags, and the trainer's where Megatron has none
+# (the trainer takes both; ``__main__.train_flags`` prints its command)
 FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "cp": "--context-parallel-size",
          "ep": "--expert-model-parallel-size", "n_head": "--num-attention-heads", "n_embd": "--hidden-size",
-         "n_layer": "--num-layers", "block_size": "--seq-length", "global_batch": "--global-batch-size",
-         "micro_batch_size": "--micro-batch-size", "virtual_stages": "--virtual-stages", "zero_stage": "ZeRO stage",
-         "sequence_parallel": "--sequence-parallel", "num_experts": "--num-experts"}
+         "n_layer": "--num-layers", "block_size": "--seq-length", "vocab_size": "--vocab-size",
+         "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size",
+         "virtual_stages": "--virtual-pipeline-model-parallel-size", "zero_stage": "--zero-stage",
+         "sequence_parallel": "--sequence-parallel", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
+         "moe_layer_freq": "--moe-layer-freq", "cp_comm_type": "--cp-comm-type", "schedule": "--schedule",
+         "pipeline_layers": "--pipeline-layers", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute"}
 
 
 def divisors(n):
@@ -115,11 +121,19 @@ def plan(model, machine, global_batch, dtype="float32"):
             fail(str(e))
             continue
         if prediction.memory_gb > machine.gpu_memory_gb:
-            fail(f"does not fit: {prediction.memory_gb:.1f} GB per GPU needed, {machine.gpu_memory_gb:g} GB available")
+            fail(f"does not fit: {rounded_up(prediction.memory_gb):.3g} GB per GPU needed, "
+                 f"{machine.gpu_memory_gb:g} GB available")
             continue
         result.plans.append((layout, prediction))
     result.plans.sort(key=lambda lp: (lp[1].step_time_s, lp[1].memory_gb))  # a tie: the smaller footprint
     return result
+
+
+def rounded_up(x, digits=3):
+    """``x`` > 0 rounded up to ``digits`` significant digits: a need never reads as less than it is
+    (80.04 GB, which does not fit 80, is "80.1")."""
+    step = 10 ** (math.floor(math.log10(x)) - digits + 1) if x > 0 else 1
+    return math.ceil(x / step) * step
 
 
 def as_json(layout, prediction):

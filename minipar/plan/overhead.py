@@ -41,7 +41,7 @@ def layer_passes(model, layout, global_batch, stage):
 def ring_passes(model, layout, global_batch, stage):
     """The ring attention passes one rank of ``stage`` makes in a step beyond one per attention
     forward and backward (module docstring); 0 without a CP ring."""
-    if layout.cp == 1 or layout.cp_comm_type != "p2p":
+    if not layout.ring_attention:
         return 0
     forwards = 2 if layout.recompute else 1
     layers = len(stage_layers(model, layout, stage))

@@ -73,6 +73,18 @@ class Layout:
     def world_size(self):
         return self.tp * self.cp * self.dp * self.pp
 
+    @property
+    def ring_attention(self):
+        """Context parallelism by ring attention (``parallel/ring_attention.py``), not Ulysses."""
+        return self.cp > 1 and self.cp_comm_type == "p2p"
+
+    @property
+    def selective(self):
+        """Selective recomputation that drops something: ring attention keeps no T x T part for it
+        to drop (its backward rebuilds the probabilities from the log-sum-exp whether or not it is
+        asked), so there the flag runs the same code (``context.ring_attention``)."""
+        return self.selective_recompute and not self.ring_attention
+
 
 @dataclass(frozen=True)
 class Machine:

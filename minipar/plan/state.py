@@ -67,9 +67,23 @@ def block_parameters(model, layout, layer):
     return attention + E * h, E // layout.ep * mlp_parameters(h)
 
 
+def token_embedding(model, layout):
+    """The parameters of one TP rank's token embedding (and of the last stage's tied copy): V'/t
+    rows of h, V' the vocabulary padded to a multiple of t."""
+    return padded_vocab(model.vocab_size, layout.tp) // layout.tp * model.hidden_size
+
+
+def partial_sums(model, layer):
+    """The parameters of block ``layer`` whole on every TP rank, whose gradients sequence
+    parallelism leaves each TP rank a part of: the LayerNorms, c_proj's bias and the MLP's (a MoE
+    block has none: its router, E h, instead)."""
+    h = model.hidden_size
+    return 5 * h + (model.num_experts * h if model.is_moe(layer) else h)
+
+
 def rank_parameters(model, layout, stage=0):
     """(dense, experts) parameters a rank of pipeline stage ``stage`` holds."""
-    h, t = model.hidden_size, layout.tp
+    h = model.hidden_size
     layers = stage_layers(model, layout, stage)
     kinds = {}  # is it MoE -> [a block of that kind, how many]: every block of a kind holds the same
     for layer in layers:
@@ -78,7 +92,7 @@ def rank_parameters(model, layout, stage=0):
     for layer, count in kinds.values():
         d, e = block_parameters(model, layout, layer)
         dense, experts = dense + count * d, experts + count * e
-    wte = padded_vocab(model.vocab_size, t) // t * h
+    wte = token_embedding(model, layout)
     first, last = edges(layout, stage)
     if first:
         dense += wte + model.seq_length * h

@@ -20,16 +20,17 @@ activation of one micro-batch:
        buckets (after the last micro-batch); stage 1: one reduce-scatter and one all-gather of the
        parameters' bytes P d (Rajbhandari et al. 2020); stage 2: the reduce-scatter every
        micro-batch; stage 3: each unit's parameters all-gathered before its forward and its
-       backward and its gradients reduce-scattered, every micro-batch (the tied embedding is in
-       two units: gathered for each forward, once for both backwards). Experts' gradients go
-       over "edp", the N / EP ranks that hold the same experts.
+       backward and its gradients reduce-scattered, every micro-batch, unless a split backward
+       leaves them whole or the model sums them after backward (``zero3.py``). Experts' gradients
+       go over "edp", the N / EP ranks that hold the same experts (with EP 1, over DP x CP with
+       the rest, in the same buckets and groups).
   pp   per micro-batch, each chunk sends its output forward (unless it is the model's last) and
        its input's gradient back (unless it is the first): S, divided by t under sequence
        parallelism. The tied embedding's two gradients are all-reduced over "embedding" once.
   cp   ring attention (Liu et al. 2023): per block, CP - 1 passes of the K,V block (2 b s h/t d)
        forward and, backward, CP - 1 passes of K,V and CP - 1 of the dK,dV accumulators; Ulysses
        (Jacobs et al. 2023): all-to-alls of qkv (3 S/t) and of the output (S/t), forward and
-       backward. Before any K,V moves, every attention forward all-gathers an 8-number header
+       backward. Before any K,V moves, every attention forward all-gathers a 9-number header (HEADER)
        and the ranks' positions (int64).
   ep   per MoE block, an all-to-all of the counts per expert (int64) and four all-to-all-vs of the
        token rows (dispatch and combine, forward and backward). The rows depend on the router:
@@ -39,12 +40,14 @@ activation of one micro-batch:
 """
 
 from collections import Counter
+from functools import lru_cache
 
 from minipar.comm.stats import ring_bytes
-from minipar.parallel.tensor import padded_vocab
+from minipar.parallel.context import HEADER
 
+from . import zero3
 from .shapes import PRECISIONS, micro_batches
-from .state import edges, rank_parameters, stage_chunks, stage_layers
+from .state import edges, partial_sums, rank_parameters, stage_chunks, stage_layers, token_embedding
 
 NORM = 8  # the gradient norm's partial sum: one float64
 BUCKET = 4 << 20  # DataParallelAdamW's bucket_bytes
@@ -67,7 +70,8 @@ def latency_steps(op, size):
 
 def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
     """({group: bytes sent}, {group: latency steps}) of one rank of ``stage`` in one step."""
-    return _count(model, layout, global_batch, stage, dtype)[:2]
+    sent, steps, _ = _count(model, layout, global_batch, stage, dtype)
+    return dict(sent), dict(steps)
 
 
 def group_calls(model, layout, global_batch, stage=0, dtype="float32"):
@@ -75,9 +79,10 @@ def group_calls(model, layout, global_batch, stage=0, dtype="float32"):
     counts them: a collective is one call, a point-to-point message two (its send here and its
     receive on the peer, each rank doing both), an all-to-all-v one. What a per-call overhead
     (``overhead.py``) multiplies."""
-    return _count(model, layout, global_batch, stage, dtype)[2]
+    return dict(_count(model, layout, global_batch, stage, dtype)[2])
 
 
+@lru_cache(maxsize=16)  # a prediction asks for a stage's bytes and then its calls (overhead.py): one count
 def _count(model, layout, global_batch, stage, dtype):
     out, steps, calls = Counter(), Counter(), Counter()
     precision, lay = PRECISIONS[dtype], layout
@@ -93,14 +98,20 @@ def _count(model, layout, global_batch, stage, dtype):
 
     ring = Counter()  # (group, op, size): the bytes of the buffers, charged once at the end
 
-    def charge(group, op, nbytes, size, times=1):
+    def charge(group, op, nbytes, size, times=1, each=1):  # ``times`` x ``each`` calls of ``nbytes`` in all
         ring[group, op, size] += times * nbytes
-        steps[group] += times * latency_steps(op, size)
-        calls[group] += times
+        steps[group] += times * each * latency_steps(op, size)
+        calls[group] += times * each
+
+    def zero3_charge(kind, group, size):  # each group gathered and sent as often as ``zero3.uses`` says
+        gathers, sends = zero3.uses(lay, m, stage, kind)
+        charge(group, "all_gather", kind.params * w, size, gathers, kind.groups)
+        charge(group, "reduce_scatter", (kind.params - kind.held_params) * g, size, sends, kind.groups - kind.held)
+        charge(group, "reduce_scatter", kind.held_params * g, size, 1, kind.held)  # after finalize_grads
 
     # the LayerNorms, the row-parallel biases (a MoE block's MLP has none) and a MoE block's router:
     # what sequence parallelism leaves each TP rank part of the gradient of
-    partial = sum(5 * h + (model.num_experts * h if model.is_moe(i) else h) for i in layers)
+    partial = sum(partial_sums(model, i) for i in layers)
     # tensor parallelism
     if t > 1:
         forwards = 2 if lay.recompute else 1
@@ -121,17 +132,21 @@ def _count(model, layout, global_batch, stage, dtype):
         charge("tp", "all_reduce", NORM, t)
     # data parallelism (over DP x CP), ZeRO
     n, dp = lay.dp * lay.cp, "dp_cp" if lay.cp > 1 else "dp"
+    sp_experts = experts if lay.sequence_parallel and t > 1 else 0  # summed over TP by the model first
+    if lay.ep == 1:  # without expert parallelism the experts' gradients are summed over DP x CP as the
+        dense, experts, moe_ids, moe_layers = dense + experts, 0, [], 0  # rest are, in the same buckets
     # the dense gradients' buckets (ZeRO's groups): a bucket never mixes dense and expert
     # gradients, and a MoE block's experts are its last parameters, so each block's experts end a
     # run of dense ones; one more run when dense ones follow the stage's last experts
     tail = not moe_ids or last or any(not model.is_moe(i) for i in layers if i > moe_ids[-1])
     extra_buckets = buckets(dense * g) - 1 + moe_layers + tail - 1
-    held, experts_held = 0, False  # ZeRO-2's and 3's gradients that the model finishes after backward
-    if lay.zero_stage >= 2 and lay.sequence_parallel and t > 1:  # SP's partial sums (LayerNorms, row biases,
+    held, experts_held = 0, False  # ZeRO-2's gradients that the model finishes after backward (ZeRO-3's: zero3.py)
+    if lay.zero_stage == 2 and lay.sequence_parallel and t > 1:  # SP's partial sums (LayerNorms, row biases,
         held += partial + model.seq_length * h * first + 2 * h * last  # routers; wpe, ln_f) and the experts
         experts_held = bool(experts)
+        held += sp_experts if lay.ep == 1 else 0  # (EP 1: among the dense groups)
     if lay.zero_stage == 2 and lay.pp > 1 and (first or last) and not (first and last):  # the tied embedding
-        held += padded_vocab(model.vocab_size, t) // t * h
+        held += token_embedding(model, lay)
     if n > 1:  # gradients in the gradients' precision, gathered parameters in the weights'
         z = lay.zero_stage
         if z == 0:
@@ -151,22 +166,10 @@ def _count(model, layout, global_batch, stage, dtype):
             charge(dp, "reduce_scatter", held * g, n)
             charge(dp, "all_gather", dense * w, n)
             calls[dp] += (now - 1) * m + (later - 1) + (now + later - 1)
-        else:  # ZeRO-3: the tied embedding is a parameter of two units, gathered for each forward
-            tied = padded_vocab(model.vocab_size, t) // t * h if first and last else 0
-            charge(dp, "all_gather", dense * w, n, 2 * m)
-            charge(dp, "all_gather", tied * w, n, m)
-            charge(dp, "reduce_scatter", (dense - held) * g, n, m)
-            # in calls, one per parameter group (``zero3.unit_groups``: wte, wpe, each block, ln_f:
-            # G = L + 3) and use: per micro-batch G + 1 gathers for the forwards (wte for both its
-            # units), G for the backwards (wte stays whole from the head's through the embeddings'),
-            # G reduce-scatters; 3 (G - 1) more calls and latency steps than the 4 charged above
-            L = len(layers)
-            more = 3 * m * (L + 3 - 1)
-            if held:  # SP: each block's partial sums a group of its own (G = 2L + 3), reduce-scattered
-                charge(dp, "reduce_scatter", held * g, n)  # once, after finalize_grads: wpe's, the
-                more = m * (5 * L + 4) + L + 1  # blocks', ln_f's (L + 2); wte's and the rest (L + 1) each time
-            calls[dp] += more
-            steps[dp] += more * latency_steps("all_gather", n)
+        else:  # ZeRO-3: each kind of group as often as the schedule gathers and sends it (plan/zero3.py)
+            for kind in zero3.groups(model, lay, stage):
+                if kind.comm == "dp":
+                    zero3_charge(kind, dp, n)
         if z > 0:
             charge(dp, "all_reduce", NORM, n)
     if experts and n // lay.ep > 1:
@@ -179,14 +182,10 @@ def _count(model, layout, global_batch, stage, dtype):
             charge("edp", "reduce_scatter", experts * g, n // lay.ep, sends)
             charge("edp", "all_gather", experts * w, n // lay.ep)
             calls["edp"] += (groups - 1) * (sends + 1)
-        else:  # ZeRO-3: each MoE block's experts a group, gathered for its forward and its backward
-            # and reduce-scattered, every micro-batch
-            sends = 1 if experts_held else m  # SP: summed over TP first, reduce-scattered once
-            charge("edp", "all_gather", experts * w, n // lay.ep, 2 * m)
-            charge("edp", "reduce_scatter", experts * g, n // lay.ep, sends)
-            more = (2 * m + sends) * (moe_layers - 1)
-            calls["edp"] += more
-            steps["edp"] += more * latency_steps("all_gather", n // lay.ep)
+        else:  # ZeRO-3: each MoE block's experts a group (plan/zero3.py)
+            for kind in zero3.groups(model, lay, stage):
+                if kind.comm == "edp":
+                    zero3_charge(kind, "edp", n // lay.ep)
     # pipeline parallelism
     if lay.pp > 1:
         p, v = lay.pp, lay.vpp
@@ -196,7 +195,7 @@ def _count(model, layout, global_batch, stage, dtype):
         calls["pp"] += 2 * m * messages  # each message is a send here and a receive there
         charge("pp", "all_reduce", NORM, p)
         if (first or last) and not (first and last):  # in a V one copy serves both ends
-            charge("embedding", "all_reduce", padded_vocab(model.vocab_size, t) // t * h * g, 2)
+            charge("embedding", "all_reduce", token_embedding(model, lay) * g, 2)
     # context parallelism
     if lay.cp > 1:
         c, forwards = lay.cp, 2 if lay.recompute else 1
@@ -208,7 +207,7 @@ def _count(model, layout, global_batch, stage, dtype):
         else:  # Ulysses: qkv and the output, forward (per forward) and backward
             charge("cp", "all_to_all", 4 * b * s * heads * d, c, L * m * (forwards + 1))
             calls["cp"] += L * m * (forwards + 1)  # the bytes of two calls: qkv's, then the output's
-        charge("cp", "all_gather", c * 8 * 8, c, L * m * forwards)  # the header
+        charge("cp", "all_gather", c * HEADER * 8, c, L * m * forwards)  # the header
         charge("cp", "all_gather", c * s * 8, c, L * m * forwards)  # the positions
     # expert parallelism (an expectation for a uniform router)
     if lay.ep > 1 and model.num_experts:
