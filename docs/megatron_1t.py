@@ -27,7 +27,7 @@ achieved = hardware / p.step_time_s / machine.gpus / 1e12
 
 
 def row(name, layout, p):
-    hw = flops_per_iteration(model, B, layout.recompute, layout.selective_recompute)[1]
+    hw = flops_per_iteration(model, B, layout.recompute, layout.selective)[1]
     per_gpu = hw / p.step_time_s / machine.gpus / 1e12
     print(f"{name:<16} TP {layout.tp} CP {layout.cp} PP {layout.pp} (v {layout.vpp}) DP {layout.dp}, ZeRO {layout.zero_stage}, "
           f"mbs {layout.micro_batch_size}, recompute {granularity(layout)}, SP {layout.sequence_parallel}, {layout.schedule}: "

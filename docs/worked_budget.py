@@ -29,7 +29,7 @@ held = p  # 1F1B: the first stage holds p micro-batches
 layers = L // p
 print(f"  activations, 1F1B on the first stage: {held} micro-batches x {layers} layers x sbh(34 + 5as/h)/t (TP + SP)")
 print(f"    with the paper's 16-bit count                                   = {gb(held * layers * act_16bit / t)}")
-print(f"    minipar keeps every value (masks too) in 4 bytes: at least 2x   > {gb(2 * held * layers * act_16bit / t)}")
+print(f"    minipar keeps values in 4 bytes (dropout masks 1): about 2x     ~ {gb(2 * held * layers * act_16bit / t)}")
 print(f"    with full recompute, only each layer's input, sbh x 4 / t       = {gb(held * layers * S / t)}")
 print("\nbytes each GPU sends per step")
 tp_bytes = 4 * 2 * (t - 1) / t * S * layers * m  # 4 all-reduces of S per layer per micro-batch
