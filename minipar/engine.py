@@ -252,26 +252,6 @@ def _count_down(node, waiting):
 
 _hooks_held = 0
 _split = None  # the WeightGradients collecting W while a split backward runs (minipar.weight_grad)
-_weight_pass = 0  # how many W's have begun (minipar.weight_grad); odd while one runs
-
-
-def weight_pass():
-    """Which W is running (a number that differs from one W to the next), or None outside every W.
-    A gradient hook that fires in W can tell its W's gradients from an earlier W's by it."""
-    return _weight_pass if _weight_pass % 2 else None
-
-
-@contextlib.contextmanager
-def running_weight_pass():
-    """Inside, a split backward's W runs (``weight_pass`` says which)."""
-    global _weight_pass
-    if _weight_pass % 2:
-        raise RuntimeError("a W inside another W: run each split backward's W on its own")
-    _weight_pass += 1
-    try:
-        yield
-    finally:
-        _weight_pass += 1
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ themselves (parameters, held anyway). Gradient hooks (data parallelism's buckets
 weight fire in W, when its last parked use has run.
 """
 
+import contextlib
 from collections import Counter
 
 from minipar import engine
@@ -79,7 +80,7 @@ class WeightGradients:
         uses = Counter(t for _, _, _, inputs, _, needs in self._parked
                        for t, n in zip(inputs, needs) if n and getattr(t, "_grad_hooks", None))
         parked, self._parked = self._parked, []
-        with engine.running_weight_pass():
+        with _running():
             for fn, ctx, out_grads, inputs, in_shapes, needs in parked:
                 ctx.needs_input_grad = needs
                 in_grads = engine.call_backward(fn, ctx, out_grads, inputs, weights_only=True)
@@ -90,6 +91,27 @@ class WeightGradients:
                         uses[t] -= 1
                         if uses[t] == 0:
                             engine.fire_hooks(t)
+
+
+_passes = 0  # how many W's have begun; odd while one runs
+
+
+def weight_pass():
+    """Which W is running (a number that differs from one W to the next), or None outside every W.
+    A gradient hook that fires in W can tell its W's gradients from an earlier W's by it."""
+    return _passes if _passes % 2 else None
+
+
+@contextlib.contextmanager
+def _running():
+    global _passes
+    if _passes % 2:
+        raise RuntimeError("a W inside another W: run each split backward's W on its own")
+    _passes += 1
+    try:
+        yield
+    finally:
+        _passes += 1
 
 
 def backward_input(tensor, weights, grad=None):

@@ -43,13 +43,13 @@ one; evaluation (no graph) neither records nor prefetches.
 import math
 import sys
 
-from minipar import engine
 from minipar.autograd import Function, is_grad_enabled, save_parameters_by_reference
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.protocol import check_same_layout, finished_by_model, gradient_group
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW, refuse_unsupported
+from minipar.weight_grad import weight_pass
 
 
 def unit_groups(units, key=lambda p: 0):
@@ -137,7 +137,7 @@ class ZeRO3(ShardedAdamW):
         self.ledger.add("parameters", self.master.nbytes)
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._ready = {id(g): set() for g in groups}  # its parameters whose gradient this backward completed
-        self._pass = {}  # id(group) -> the W (engine.weight_pass) its count is of, in a split backward
+        self._pass = {}  # id(group) -> the W (weight_grad.weight_pass) its count is of, in a split backward
         self._unit_groups = {name: list({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
         model.wrap_units(self._run_unit)
@@ -262,15 +262,15 @@ class ZeRO3(ShardedAdamW):
         super()._gradient_ready(p)
         g = self._group_of[id(p)]
         if id(g) not in self._flats:
-            if engine.weight_pass() is None:  # its unit's backward never began: no buffer, maybe no data
+            if weight_pass() is None:  # its unit's backward never began: no buffer, maybe no data
                 raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
                                    "model's forward (its units) to make the graph")
             # a split backward's W (zero-bubble schedules, the head's W at the flush) comes after
             # the unit's backward, perhaps after an earlier W sent the group: a buffer of its own
             self._grad_buffer(g)
-        if engine.weight_pass() is not None and self._pass.get(id(g)) != engine.weight_pass():
+        if weight_pass() is not None and self._pass.get(id(g)) != weight_pass():
             # a hook fires once per W, at the weight's last use there: only this W's count says complete
-            self._pass[id(g)], self._ready[id(g)] = engine.weight_pass(), set()
+            self._pass[id(g)], self._ready[id(g)] = weight_pass(), set()
         self._ready[id(g)].add(id(p))
         if len(self._ready[id(g)]) == len(g.params) and id(g) in self._later:
             self._ready[id(g)] = set()  # the parameters go as the others' do; the buffer waits for the sums
