@@ -13,9 +13,9 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import memory, validate
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.simulate import chunk_peaks, theoretical_bubble
-from minipar.plan import activations, bubble, cost, state, traffic
+from minipar.plan import activations, bubble, cost, state, traffic, zero3
 from minipar.plan.enumerate import plan
-from minipar.plan.shapes import PRESETS, Layout, Machine, Model, run_config
+from minipar.plan.shapes import PRECISIONS, PRESETS, Layout, Machine, Model, run_config
 from mpi_run import check_mpi, run_mpi
 
 SMALL = Model(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16)
@@ -58,6 +58,54 @@ def test_zero_shards_each_kind_of_state_stage_by_stage():
     # it as twice the stage's weights); the trainer's memory check counts it with the rest
     last = state.state_bytes(SMALL, Layout(pp=2, dp=2, schedule="pipedream-2bw"), 1)
     assert last["stash"] == last["parameters"] + last["gradients"] > 0
+
+
+def test_zero3s_peak_with_dp_alone_is_two_blocks_whole_two_buffers_a_piece_and_the_tied_embedding():
+    """During a block's backward ZeRO-3 holds that block whole, the one before prefetched, its
+    gradient buffer, the block after's buffer and received piece still in flight, and the tied
+    embedding whole and buffered from the head's backward on: (p + g) V h + (2p + g (2 + 1/N)) B
+    over its shards, whatever m (tests/mpi/plan_counts.py measures it); stages 0 to 2 plan what
+    they hold after a step. The trainer's memory check planned ZeRO-3's shards alone: 44-70% of
+    these peaks."""
+    for h, n, dtype in ((16, 2, "float32"), (16, 4, "float32"), (32, 4, "bf16"), (32, 2, "bf16-fp32-grads")):
+        model, d = Model(4, h, 4, 16), PRECISIONS[dtype]
+        shards = sum(state.state_bytes(model, Layout(dp=n, zero_stage=3), 0, dtype).values())
+        block, tied = memory.parameter_count(1, h, 0, 0) - 2 * h, 256 * h
+        most = shards + (d.param + d.grad) * tied + (2 * d.param + d.grad * (2 + Fraction(1, n))) * block
+        for m in (1, 2, 5):
+            assert state.peak_state_bytes(model, Layout(dp=n, zero_stage=3), dtype, m) == most, (h, n, dtype, m)
+        assert state.peak_state_bytes(model, Layout(dp=n, zero_stage=3), dtype) == most  # m not known: the most
+        for z in (0, 1, 2):
+            layout = Layout(dp=n, zero_stage=z)
+            assert state.peak_state_bytes(model, layout, dtype) == sum(state.state_bytes(model, layout, 0, dtype).values())
+
+
+def test_zero3s_peak_grows_with_the_micro_batches_up_to_2p_and_stays():
+    """Beyond m = 2p micro-batches a rank's schedule only repeats its steady state, so ZeRO-3's
+    peak is that of 2p; below, no more: ``peak_bytes`` walks min(m, 2p) (2p when m is not known,
+    as in the trainer's memory check). The least (every send done at once) is below the most. The
+    walk's order is the trainer's (``schedules.build``'s compute and step), taken without messages."""
+    for schedule, v, sp, defer in (("1f1b", 1, False, False), ("1f1b", 1, True, True), ("interleaved", 2, False, False),
+                                   ("zb-h1", 1, True, False), ("zb-h2", 1, False, False), ("zb-v", 2, False, False)):
+        for p in (2, 3):
+            model = Model(2 * p * v, 16, 4, 16)
+            layout = Layout(pp=p, dp=2, tp=1 + sp, sequence_parallel=sp, vpp=v, schedule=schedule, zero_stage=3,
+                            defer_embedding_wgrad=defer)
+            ms = [m for m in range(1, 3 * p + 2) if not validate.problems(validate.RunConfig(
+                pp=p, micro_batches=m, virtual_stages=v, schedule=schedule, n_layer=model.num_layers,
+                defer_embedding_wgrad=defer))]
+            for m in ms:
+                built = schedules.build(schedule, p, m, v, defer)
+                for stage in range(p):
+                    order = tuple((i.op, i.chunk) for i in built[stage] if i.op in schedules.COMPUTE + (schedules.STEP,))
+                    assert zero3._passes(schedule, p, m, v, defer, stage) == order, (schedule, p, m, stage)
+            for stage in range(p):
+                most = zero3.replay(model, layout, 2 * p, stage)
+                assert zero3.peak_bytes(model, layout, None, stage) == most
+                for m in ms:
+                    got = zero3.replay(model, layout, m, stage)
+                    assert got == most if m >= 2 * p else all(got[k] <= most[k] for k in most), (schedule, p, m, stage)
+                    assert zero3.replay(model, layout, m, stage, in_flight=0)["total"] <= got["total"]
 
 
 def test_mixed_precision_state_equals_a_bf16_zero1_steps_on_2_ranks():

@@ -138,6 +138,27 @@ def test_zero3s_gathers_under_zb_h1_and_h2_in_closed_form_are_the_walked_ones():
                     assert zero3.uses(layout, m, rank, kind) == zero3._walk(schedule, p, m, rank)[(0,)], (schedule, p, m, rank)
 
 
+def test_the_trainers_memory_check_counts_what_zero3_holds_during_a_step(monkeypatch):
+    """ZeRO-3 over DP 4 of a 4-block GPT of width 1024 keeps shards of 0.2 GB a rank, but during a
+    block's backward it also holds that block and the one before whole, the block's gradient buffer
+    and the block after's still being sent: 0.42 GB (``plan.zero3.peak_bytes``; tests/mpi/plan_counts.py
+    measures it). The memory check planned the shards alone and let the run start in 0.3 GB."""
+    from minipar import backend
+    from minipar.cli import FlagError
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    flags = ["--n-layer", "4", "--n-embd", "1024", "--n-head", "8", "--block-size", "64", "--batch-size", "8",
+             "--micro-batch-size", "2", "--zero-stage", "3"]
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: (0.3e9, 1, "test memory"))
+    with pytest.raises(FlagError) as refusal:
+        check_args(build_parser().parse_args(flags), 4)
+    (line,) = refusal.value.lines
+    assert line.startswith("this run needs about 0.5 GB on each rank: 0.4 GB for a model of 50,714,624 parameters")
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: (0.5e9, 1, "test memory"))
+    check_args(build_parser().parse_args(flags), 4)
+
+
 def measure_counts():
     """Rank 0 prints every mismatch of COUNTED's layouts on any rank, then OK or MISMATCH."""
     import numpy

@@ -122,6 +122,20 @@ def state_bytes(model, layout, stage=0, dtype="float32"):
     return out
 
 
-def peak_state_bytes(model, layout, dtype="float32"):
-    """The fullest stage's total state bytes (the one that must fit)."""
-    return max(sum(state_bytes(model, layout, s, dtype).values()) for s in range(layout.pp))
+def stage_peak_bytes(model, layout, stage=0, dtype="float32", micro_batches=None):
+    """The most state bytes a rank of ``stage`` holds during a step (``peak_state_bytes()`` of its
+    optimizer). ZeRO-3 holds more than its shards then: whole parameters gathered and prefetched,
+    gradient buffers, sends in flight (``zero3.peak_bytes``, the worst case of when sends finish:
+    an upper bound that some runs reach, exact under that timing). With ``micro_batches`` unknown,
+    m = 2p, the most for any m (tested). Stages 0 to 2: what they hold after a step (the bucket or
+    group they have in flight for a moment is not counted)."""
+    if layout.zero_stage == 3:
+        from .zero3 import peak_bytes  # (zero3 reads this module's counts)
+
+        return peak_bytes(model, layout, micro_batches, stage, dtype)["total"]
+    return sum(state_bytes(model, layout, stage, dtype).values())
+
+
+def peak_state_bytes(model, layout, dtype="float32", micro_batches=None):
+    """The fullest stage's most state bytes during a step (the one that must fit)."""
+    return max(stage_peak_bytes(model, layout, s, dtype, micro_batches) for s in range(layout.pp))

@@ -1,7 +1,12 @@
 """The planner's predictions against one training step of the real trainer, on 4 ranks: every
 group's bytes sent equal ``plan.traffic.group_bytes`` exactly (the experts' all-to-all-v, which
 depends on the router, within 10% of a uniform router's), and the optimizer's ``state_bytes()``
-equal ``plan.state.state_bytes`` exactly, on every rank of every layout.
+equal ``plan.state.state_bytes`` exactly, on every rank of every layout. Under ZeRO-3 two more
+steps (the first records the order the next ones prefetch in) check the most its ledger holds
+during a step, which the trainer's memory check plans (``plan.state.stage_peak_bytes``): with the
+sends finishing as they do, between the planned least (every send done at once) and the planned
+most; with every send left pending until the optimizer must wait for it (``Late``), the planned
+most exactly, in total and per kind.
 
     run_mpi.sh -n 4 tests/mpi/plan_counts.py
 """
@@ -11,8 +16,9 @@ import json
 import numpy
 
 from minipar.comm import world
+from minipar.plan import zero3
 from minipar.plan.shapes import Layout, Model
-from minipar.plan.state import state_bytes
+from minipar.plan.state import stage_peak_bytes, state_bytes
 from minipar.plan.traffic import group_bytes, group_calls
 from minipar.train import build, build_parser
 from minipar.train_checks import check_args
@@ -41,6 +47,13 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
     ("--zero-stage 3 --micro-batch-size 1", dict(dp=4, zero_stage=3, micro_batch_size=1), 0),
     ("--zero-stage 3 --tp 2 --sequence-parallel --micro-batch-size 2",
      dict(tp=2, dp=2, zero_stage=3, sequence_parallel=True, micro_batch_size=2), 0),
+    ("--zero-stage 3 --pp 2 --micro-batch-size 1", dict(pp=2, dp=2, zero_stage=3, micro_batch_size=1), 0),
+    ("--zero-stage 3 --pp 2 --schedule zb-h1 --micro-batch-size 1",  # B leaves the chunk whole until W
+     dict(pp=2, dp=2, zero_stage=3, schedule="zb-h1", micro_batch_size=1), 0),
+    ("--zero-stage 3 --pp 2 --schedule zb-v --vpp 2 --micro-batch-size 1",
+     dict(pp=2, dp=2, vpp=2, zero_stage=3, schedule="zb-v", micro_batch_size=1), 0),
+    ("--zero-stage 3 --pp 2 --defer-embedding-wgrad-compute --micro-batch-size 1",
+     dict(pp=2, dp=2, zero_stage=3, defer_embedding_wgrad=True, micro_batch_size=1), 0),
     ("--cp 2 --recompute", dict(cp=2, dp=2, recompute=True, micro_batch_size=4), 0),
     ("--cp 2 --tp 2 --cp-comm-type a2a", dict(cp=2, tp=2, cp_comm_type="a2a", micro_batch_size=8), 0),
     ("--num-experts 4 --ep 2 --moe-router-topk 2", dict(dp=4, ep=2, micro_batch_size=2), 4),
@@ -64,6 +77,42 @@ def groups(grid):
             out[name] = group
             seen.add(id(group))
     return out
+
+
+class Late:
+    """A send that says it is not done until waited for: the optimizer's worst case, every send it
+    may leave pending (``ShardedAdamW.IN_FLIGHT``) still in flight when the next one starts."""
+
+    def __init__(self, request):
+        self.request = request
+
+    def test(self):
+        return False
+
+    def wait(self):
+        return self.request.wait()
+
+
+def step_peak(trainer, it, late=False):
+    """(peak total, peak per kind) of the optimizer's ledger over training step ``it``."""
+    opt = trainer.opt
+    while not hasattr(opt, "ledger"):  # (a mixed-precision wrapper's)
+        opt = opt.inner
+    ledger = opt.ledger
+    ledger.peak, ledger.peak_total = dict(ledger.now), sum(ledger.now.values())
+    if late:
+        collect = opt._collect
+
+        def pending_to_the_end(keep=0):
+            opt.pending = [(i, r if isinstance(r, Late) else Late(r), n) for i, r, n in opt.pending]
+            collect(keep)
+
+        opt._collect = pending_to_the_end
+    try:
+        trainer.step(it)
+    finally:
+        opt.__dict__.pop("_collect", None)
+    return ledger.peak_total, dict(ledger.peak)
 
 
 comm = world()
@@ -97,8 +146,18 @@ for flags, fields, experts, *precision in LAYOUTS:
         failures.append(f"rank {comm.rank} {flags}: groups {sorted(bad)} measured {measured} predicted {predicted}; "
                         f"calls {calls} predicted {planned_calls}; "
                         f"state measured {state} predicted {planned}")
+    if layout.zero_stage == 3:  # the most it holds in a step: as sends finish, and all pending to the end
+        m = args.micro_batches
+        most = stage_peak_bytes(model, layout, grid.pp_rank, dtype, m)
+        kinds = zero3.peak_bytes(model, layout, m, grid.pp_rank, dtype)
+        least = zero3.peak_bytes(model, layout, m, grid.pp_rank, dtype, in_flight=0)["total"]
+        real, late = step_peak(trainer, 1), step_peak(trainer, 2, late=True)
+        if not least <= real[0] <= most or late != (most, {k: kinds[k] for k in late[1]}):
+            failures.append(f"rank {comm.rank} {flags}: ZeRO-3's peak {real[0]} as sent, {late} all pending; "
+                            f"planned {least} to {most}, {kinds}; shards alone {sum(state.values())}")
     lines.append(json.dumps({"layout": flags, "rank": comm.rank, "measured": measured, "predicted": predicted,
-                             "state": sum(state.values())}))
+                             "state": sum(state.values()),
+                             **({"peak": real[0], "peak all pending": late[0]} if layout.zero_stage == 3 else {})}))
 report = gather_text(comm, "\n".join(failures) if failures else "")
 everything = gather_text(comm, "\n".join(lines))
 ok = comm.all_reduce(numpy.array([len(failures)]))[0] == 0
