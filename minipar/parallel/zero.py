@@ -50,9 +50,9 @@ from minipar.precision import check_policy
 
 
 def refuse_unsupported(model, stage, what):
-    """The run's one validation (``validate``) asked about this stage on this model: stages 2 and 3
-    send gradients during backward, before the sums a pipeline (the tied embedding's two parts)
-    or sequence parallelism (partial sums over TP, declared in the placements) still has to add."""
+    """The run's one validation (``validate``) asked about this stage on this model's grid and
+    sequence parallelism (partial sums over TP, declared in the placements), so that a stage the
+    layout does not allow is refused here in the words the trainer uses."""
     tp, pp = (model.grid.tp, model.grid.pp) if model.grid is not None else (1, 1)
     sequence_parallel = any("tp" in p.placement.grad_sum for p in model.parameters())
     validate.check(validate.RunConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel, zero_stage=stage),

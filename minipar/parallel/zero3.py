@@ -19,8 +19,8 @@ FSDP does (Zhao et al. 2023):
 Freeing is real because the graph keeps parameters by reference, not their arrays
 (``autograd.save_parameters_by_reference``): the whole buffer's last owner is this optimizer, and
 releasing a unit after its forward checks that nothing else holds the buffer. So a rank holds one
-or two units' parameters at a time, and no unit runs twice (recomputation, ``--recompute``, is a
-separate choice, as in FSDP and DeepSpeed).
+or two units' parameters at a time (a split backward's more: those between their B and W), and no
+unit runs twice (recomputation, ``--recompute``, is a separate choice, as in FSDP and DeepSpeed).
 
 The units are the model's (FSDP's "wrapping units"): ``model.units()`` names them in forward order
 with the parameters each uses, and ``model.wrap_units(runner)`` makes the model's forward run each
