@@ -63,7 +63,7 @@ def gradient_group(p, grid, comm):
 def finished_by_model(p):
     """Whether the model still adds to ``p``'s gradient after backward (``finalize_grads``): the
     partial sums of sequence parallelism over TP, the tied embedding's two parts over a pipeline's
-    ends. ZeRO-2 holds these back from its reduce-scatters during backward."""
+    ends. ZeRO-2 and 3 hold these back from their reduce-scatters during backward."""
     return "tp" in p.placement.grad_sum or "embedding" in p.placement.grad_sum
 
 

@@ -40,23 +40,12 @@ backward), and ``ZeRO3.gather_parameters`` / ``release_parameters`` / ``reduce_s
 from minipar.autograd import Tensor
 from minipar.backend import sum_of_squares, xp
 from minipar.optim import AdamW, check_hyperparameters
-from minipar.parallel import validate
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.grad_norm import norm_over_groups
 from minipar.parallel.protocol import DistributedOptimizer, check_same_layout, finished_by_model, gradient_group
 from minipar.parallel.shards import Ledger, group_parameters
 from minipar.placement import is_primary
 from minipar.precision import check_policy
-
-
-def refuse_unsupported(model, stage, what):
-    """The run's one validation (``validate``) asked about this stage on this model's grid and
-    sequence parallelism (partial sums over TP, declared in the placements), so that a stage the
-    layout does not allow is refused here in the words the trainer uses."""
-    tp, pp = (model.grid.tp, model.grid.pp) if model.grid is not None else (1, 1)
-    sequence_parallel = any("tp" in p.placement.grad_sum for p in model.parameters())
-    validate.check(validate.RunConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel, zero_stage=stage),
-                   names={"zero_stage": "stage"}, what=what)
 
 
 class ShardedAdamW(DistributedOptimizer):
@@ -80,7 +69,6 @@ class ShardedAdamW(DistributedOptimizer):
         params = model.parameters()
         if len({p.dtype for p in params}) != 1:
             raise ValueError("ZeRO lays all parameters out in flat buffers of one dtype; the model mixes dtypes")
-        refuse_unsupported(model, stage, type(self).__name__)
         super().__init__(model, comm)
         # which copies this rank counts in the norm (see placement.is_primary); its pieces differ
         # across the DP (x CP) group, and an expert's across its edp group, so none is a copy there

@@ -48,7 +48,7 @@ from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.protocol import check_same_layout, finished_by_model, gradient_group
 from minipar.parallel.shards import Group
-from minipar.parallel.zero import ShardedAdamW, refuse_unsupported
+from minipar.parallel.zero import ShardedAdamW
 from minipar.weight_grad import weight_pass
 
 
@@ -96,7 +96,6 @@ class ZeRO3(ShardedAdamW):
     stage = 3
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, policy=None):
-        refuse_unsupported(model, 3, type(self).__name__)
         # sequence parallelism's partial sums (finished_by_model) last in each unit, a group of their own
         units = [(name, [p for p in used if not finished_by_model(p)] + [p for p in used if finished_by_model(p)])
                  for name, used in model.units()]
