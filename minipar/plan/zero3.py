@@ -204,18 +204,8 @@ def _walk(schedule, p, m, rank):
 def _passes(schedule, p, m, v, defer, rank):
     """The rank's compute in a step, (op, local chunk), then its step: ``schedules.build``'s order
     without the messages (build checks m's MPI tags, and the walk's 2p may need more than the run's
-    m): GPipe and 1F1B's warm-up forwards, then a forward and a backward, then the rest; the head's
-    deferred W's before the step, on the rank holding the last chunk."""
-    if schedule == "interleaved":
-        order = schedules.interleaved_order(p, m, v, rank)
-    elif schedule in ZERO_BUBBLE_ORDERS:
-        order = ZERO_BUBBLE_ORDERS[schedule](p, m, rank)
-    else:
-        warmup = m if schedule == "gpipe" else min(p - rank - 1 + (schedule == "1f1b-slack" and rank < p - 1), m)
-        order = [(FORWARD, i, 0) for i in range(warmup)] + [
-            x for i in range(m - warmup) for x in ((FORWARD, warmup + i, 0), (BACKWARD, i, 0))] + [
-            (BACKWARD, i, 0) for i in range(m - warmup, m)]
-    passes = [(op, chunk) for op, _, chunk in order]
+    m); the head's deferred W's before the step, on the rank holding the last chunk."""
+    passes = [(op, chunk) for op, _, chunk in schedules.compute_order(schedule, p, m, v, rank)]
     if defer and rank == p - 1:
         passes += [(HEAD_WEIGHT, v - 1)] * passes.count((BACKWARD, v - 1))
     return tuple(passes) + ((STEP, 0),)

@@ -82,21 +82,28 @@ def _with_communication(pipe, rank, compute):
 
 def gpipe(p, m, rank):
     check(p, m)
-    compute = [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
-    return _with_communication(Pipeline(p, m), rank, compute)
+    return _with_communication(Pipeline(p, m), rank, gpipe_order(m))
+
+
+def gpipe_order(m):
+    return [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
 
 
 def one_f_one_b(p, m, rank, slack=0):
     """1F1B; with ``slack`` = k, every rank but the last runs k more warm-up forwards (1F1B-slack)."""
     check(p, m)
+    return _with_communication(Pipeline(p, m), rank, one_f_one_b_order(p, m, rank, slack))
+
+
+def one_f_one_b_order(p, m, rank, slack=0):
+    """The (op, mb, chunk) compute order of ``one_f_one_b``'s rank, unchecked, without messages."""
     # the forwards in flight when the first gradient comes back; the last rank's backward needs
     # only its own forward, so more in flight there would only hold memory
     warmup = min(p - rank - 1 + (slack if rank < p - 1 else 0), m)
     compute = [(FORWARD, i, 0) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: one forward, then the oldest backward
         compute += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
-    compute += [(BACKWARD, i, 0) for i in range(m - warmup, m)]
-    return _with_communication(Pipeline(p, m), rank, compute)
+    return compute + [(BACKWARD, i, 0) for i in range(m - warmup, m)]
 
 
 def one_f_one_b_slack(p, m, rank):
@@ -213,6 +220,16 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-slack": one_f_one_b_slac
              "interleaved": interleaved_one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v,
              "pipedream-2bw": pipedream_2bw}
 SHAPES = {"zb-v": "v"}  # how a schedule places the chunks, when not round-robin
+
+
+def compute_order(name, p, m, v, rank):
+    """One rank's (op, mb, local chunk) compute order of a flushed schedule, unchecked and without
+    its messages (``build`` checks m against MPI's message tags; the planner walks any size)."""
+    if name == "interleaved":
+        return interleaved_order(p, m, v, rank)
+    if name in ("zb-h1", "zb-h2", "zb-v"):
+        return getattr(zero_bubble, name[3:])(p, m, rank)
+    return gpipe_order(m) if name == "gpipe" else one_f_one_b_order(p, m, rank, slack=int(name == "1f1b-slack"))
 
 
 def shape_of(name):
