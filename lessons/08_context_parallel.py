@@ -276,7 +276,7 @@ def main():
             print(f"  {name(*layout):<12} {moved[0]:>11,.0f} | {attention[0]:>9,} {moved[1]:>11,.0f} | "
                   f"{attention[1]:>9,}   {gathered:>7,.0f} | {checks:>7,}")
         print("  p2p: (CP-1) x 2 B (T/CP) (C/TP) itemsize forward, twice that backward (K,V again + dK,dV)")
-        print("  a2a: 4 (CP-1)/CP B (T/CP) (C/TP) itemsize each way; checks: (CP-1)(" + str(HEADER) + " + T/CP) x 8 bytes")
+        print(f"  a2a: 4 (CP-1)/CP B (T/CP) (C/TP) itemsize each way; checks: (CP-1)({HEADER} + T/CP) x 8 bytes")
         single = (args.batch_size * args.block_size * args.n_embd * itemsize)
         print(f"\n  a block's input on each rank (one device, whole batch: {single:,} bytes; DP splits rows)")
         for layout, (_, _, block) in shown.items():
