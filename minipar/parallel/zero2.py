@@ -23,7 +23,9 @@ from minipar.parallel.zero import ShardedAdamW
 class ZeRO2(ShardedAdamW):
     """ZeRO stage 2: gradients sharded too. Each group's gradients are reduce-scattered from the
     gradient hook as soon as backward has finished the group (``reduce_scatter_group``), and
-    dropped: backward never holds more than a group or two of whole gradients."""
+    dropped: backward never holds more than a group or two of whole gradients, besides the ones
+    held for the model's sums. The ledger counts each whole gradient from the hook that first
+    finds it until it is dropped (``plan.zero12`` plans the most of it)."""
 
     stage = 2
 
@@ -31,17 +33,19 @@ class ZeRO2(ShardedAdamW):
         super().__init__(model, comm, **hyper)
         self._ready = {id(g): 0 for g in self.groups}  # gradients backward has finished, per group
         self._sent = set()  # groups sent this step
-        self._alive = 0  # bytes of whole gradients backward has finished but not yet sent
+        self._whole = {}  # id(p) -> bytes of its whole gradient, held until its group is sent
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         for p in (q for g in self.groups for q in g.params):  # no buffer to sum into: widened as backward starts it
             p.accumulate_dtype = self.grad_dtype if self.grad_dtype != p.dtype else None
 
     def _gradient_ready(self, p):
         super()._gradient_ready(p)
+        if p.grad is not None and id(p) not in self._whole:  # a micro-batch after the first adds to it
+            self._whole[id(p)] = p.grad.nbytes
+            self.ledger.add("gradients", p.grad.nbytes)
         g = self._group_of[id(p)]
         if id(g) in self._later:  # whole until the model has summed them (finish_gradients), then sent
             return
-        self._alive += p.grad.nbytes if p.grad is not None else 0
         self._ready[id(g)] += 1
         if self._ready[id(g)] == len(g.params):
             self.reduce_scatter_group(g)
@@ -49,13 +53,9 @@ class ZeRO2(ShardedAdamW):
     def reduce_scatter_group(self, g):
         """ZeRO-2's communication: send a finished group's whole gradients (None counts as
         zeros) to be summed into the owners' pieces, and drop them."""
-        if id(g) in self._later:  # held whole since backward reached them
-            self._alive += sum(q.grad.nbytes for q in g.params if q.grad is not None)
-        self.ledger.add("gradients", self._alive)  # what backward holds at this moment
         self.reduce_scatter(g, g.flatten([q.grad for q in g.params], self.grad_dtype))
-        self.ledger.remove("gradients", self._alive)
         for q in g.params:
-            self._alive -= q.grad.nbytes if q.grad is not None else 0
+            self.ledger.remove("gradients", self._whole.pop(id(q), 0))
             q.grad = None
         self._ready[id(g)] = 0
         self._sent.add(id(g))
@@ -76,4 +76,6 @@ class ZeRO2(ShardedAdamW):
         for g in self.groups:  # a step dropped before finish_gradients: groups it never sent
             for q in g.params:
                 q.grad = None
-        self._alive = 0
+        for nbytes in self._whole.values():
+            self.ledger.remove("gradients", nbytes)
+        self._whole = {}

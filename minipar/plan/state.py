@@ -127,13 +127,17 @@ def stage_peak_bytes(model, layout, stage=0, dtype="float32", micro_batches=None
     optimizer). ZeRO-3 holds more than its shards then: whole parameters gathered and prefetched,
     gradient buffers, sends in flight (``zero3.peak_bytes``, the worst case of when sends finish:
     an upper bound that some runs reach, exact under that timing). With ``micro_batches`` unknown,
-    m = 2p, the most for any m (tested). Stages 0 to 2: what they hold after a step (the bucket or
-    group they have in flight for a moment is not counted)."""
+    m = 2p, the most for any m (tested). Stages 1 and 2 add the group they are sending and the one
+    before it, and stage 2 the gradients it holds whole until the flush (``zero12.transient_bytes``);
+    stage 0 holds no more than after a step."""
     if layout.zero_stage == 3:
         from .zero3 import peak_bytes  # (zero3 reads this module's counts)
 
         return peak_bytes(model, layout, micro_batches, stage, dtype)["total"]
-    return sum(state_bytes(model, layout, stage, dtype).values())
+    from .zero12 import transient_bytes  # (as zero3)
+
+    extra = transient_bytes(model, layout, stage, dtype, 2 if micro_batches is None else micro_batches)
+    return sum(state_bytes(model, layout, stage, dtype).values()) + extra
 
 
 def peak_state_bytes(model, layout, dtype="float32", micro_batches=None):
