@@ -18,8 +18,9 @@ Overheads (``overhead.py``): each layer pass and each communication call costs a
 its FLOPs and bytes, and ranks beyond a node's cores take turns: the step is at least R / C times
 one rank's busy time. All zero unless the Machine sets them (a CPU run calibrates them).
 
-Memory: the state (``state.state_bytes``) and the activations (``activations.rank_bytes``) of the
-first, the second and the last stage (every stage of an uneven split), the fullest of them.
+Memory: the state at its fullest during a step (``state.stage_peak_bytes``: ZeRO's gathered
+weights and gradients in flight too) and the activations (``activations.rank_bytes``) of the first,
+the second and the last stage (every stage of an uneven split), the fullest of them.
 """
 
 import math
@@ -105,7 +106,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
         for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
             calls[g] = max(calls.get(g, 0.0), v)
-        held = sum(state.state_bytes(model, layout, s, dtype).values())
+        held = state.stage_peak_bytes(model, layout, s, dtype, m)  # ZeRO: what a step holds for a moment too
         peaks = bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s, layout.defer_embedding_wgrad)
         held += activations.rank_bytes(model, layout, s, peaks, d, query_block)
         memory = max(memory, held)
