@@ -55,6 +55,10 @@ def test_the_enumerator_offers_zero_bubble_schedules_and_selective_recomputation
     assert {l.schedule for l in tried if l.vpp == 2} == {"interleaved", "zb-v"}
     assert any(l.selective_recompute and not l.recompute for l in tried)
     assert not any(l.selective_recompute and l.recompute for l in tried)
+    # under ring attention selective recomputation drops nothing (Layout.selective): the same run as
+    # none, so not offered twice; under Ulysses it does drop the T x T part
+    assert not any(l.selective_recompute and l.ring_attention for l in tried)
+    assert any(l.selective_recompute and l.cp > 1 and l.cp_comm_type == "a2a" for l in tried)
     ranked = plan(MODEL, Machine(gpus=4, gpus_per_node=4), 16).plans
     assert any(l.schedule == "zb-h1" for l, _ in ranked) and any(l.selective_recompute for l, _ in ranked)
     assert any(l.schedule == "zb-v" for l, _ in ranked)
