@@ -33,6 +33,9 @@ two sends of its largest group.
 Every parameter is taken to get its gradient in every backward, as in ``zero3.py``.
 """
 
+from dataclasses import replace
+from functools import lru_cache
+
 from . import state
 from .shapes import PRECISIONS
 from .traffic import BUCKET
@@ -74,26 +77,35 @@ def rank_groups(model, layout, stage, dtype="float32"):
     if z != 2:  # only stage 2 holds some back
         params = [(v, comm, False) for v, comm, _ in params]
     params = [p for p in params if not p[2]] + [p for p in params if p[2]]
-    groups, run = [], []
+    groups, run, size = [], [], 0
     for values, comm, held in params + [(0, None, None)]:  # (the sentinel closes the last group)
         if run and (comm != run[0][1] or held != run[0][2]):
-            groups.append((sum(v for v, _, _ in run), run[0][1], run[0][2]))
-            run = []
+            groups.append((size, run[0][1], run[0][2]))
+            run, size = [], 0
         if comm is None:
             break
         run.append((values, comm, held))
-        if sum(v for v, _, _ in run) * weight >= BUCKET:
-            groups.append((sum(v for v, _, _ in run), comm, held))
-            run = []
+        size += values
+        if size * weight >= BUCKET:
+            groups.append((size, comm, held))
+            run, size = [], 0
     return [(values, n // layout.ep if comm == "edp" else n, held) for values, comm, held in groups]
 
 
 def transient_bytes(model, layout, stage, dtype="float32", micro_batches=2):
     """Bytes ZeRO stage 1 or 2 holds at its fullest moment of a step beyond ``state_bytes`` (the
     module docstring's count; 0 for other stages)."""
-    z, grad = layout.zero_stage, PRECISIONS[dtype].grad
-    if z not in (1, 2):
+    if layout.zero_stage not in (1, 2):
         return 0
+    # the planner asks for many layouts that differ only in what the groups do not depend on
+    same = replace(layout, micro_batch_size=1, recompute=False, selective_recompute=False, cp_comm_type="p2p",
+                   schedule="zb-v" if layout.schedule == "zb-v" else "1f1b", defer_embedding_wgrad=False)
+    return _transient(model, same, stage, dtype, micro_batches > 1)
+
+
+@lru_cache(maxsize=4096)
+def _transient(model, layout, stage, dtype, several):
+    z, grad = layout.zero_stage, PRECISIONS[dtype].grad
     groups = rank_groups(model, layout, stage, dtype)
     piece = [-(-values // n) for values, n, _ in groups]
     if z == 1:
@@ -107,7 +119,7 @@ def transient_bytes(model, layout, stage, dtype="float32", micro_batches=2):
         return held + sum(whole[i] for i in now) + 2 * max(sent)  # every gradient whole at once
     most = 0
     for k, s in enumerate(now):
-        prev = sent[now[k - 1]] if k > 0 or micro_batches > 1 else 0
+        prev = sent[now[k - 1]] if k > 0 or several else 0
         most = max(most, held + whole[s] + sent[s] + prev)
     for k, s in enumerate(later):  # at the flush, in order, after backward's last send
         prev = sent[later[k - 1]] if k > 0 else (sent[now[-1]] if now else 0)
