@@ -68,6 +68,8 @@ SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--gpus", "1000000000000"], "--gpus must be 1 to 1,000,000"),  # hung
     (["--num-layers", "100000"], "the planner takes at most 1,024 blocks"),  # hung
     (["--nope", "1"], "unrecognized arguments: --nope 1"),  # after the whole usage text
+    (["--dropout", "1"], "--dropout is a probability in [0, 1), got 1.0"),
+    (["--dropout", "nan"], "--dropout is a probability in [0, 1), got nan"),
 ])
 def test_bad_planner_flags_are_one_line_before_anything_is_planned(args, message):
     run = run_plan(*SMALL_FLAGS, *args)
@@ -85,3 +87,18 @@ def test_the_ring_pass_overhead_flag_reaches_the_cost_model():
     ring = [k for k in times[0] if k[1] > 1 and k[8] == "p2p"]
     assert ring and all(times[1][k] > times[0][k] for k in ring)
     assert all(times[1][k] == times[0][k] for k in times[0] if k[1] == 1)
+
+
+def test_dropout_reaches_the_activations():
+    """Its masks and outputs are kept for backward: the same layouts need more memory with it, as
+    ``activations.formula`` counts them (full recomputation keeps the blocks' inputs alone), and
+    take the same time."""
+    wider = SMALL_FLAGS + ["--hidden-size", "512", "--seq-length", "512"]  # memory_gb has 3 decimals
+    plans = [{(p["tp"], p["cp"], p["pp"], p["dp"], p["zero_stage"], p["micro_batch_size"], p["recompute"],
+               p["selective_recompute"], p["sequence_parallel"], p["cp_comm_type"], p["schedule"], p["vpp"]): p
+              for p in json.loads(run_plan(*wider, "--json", "--top", "100000", *extra).stdout)}
+             for extra in ((), ("--dropout", "0.1"))]
+    assert plans[0].keys() == plans[1].keys()
+    assert all(plans[1][k]["memory_gb"] > plans[0][k]["memory_gb"] for k in plans[0] if not k[6])
+    assert all(plans[1][k]["memory_gb"] >= plans[0][k]["memory_gb"] for k in plans[0])
+    assert all(plans[1][k]["step_time_s"] == plans[0][k]["step_time_s"] for k in plans[0])

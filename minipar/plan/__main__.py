@@ -31,6 +31,9 @@ def parser():
     for field, flag in MODEL_FLAGS.items():
         p.add_argument(flag, dest=field, type=int, help=f"{field} (overrides the preset)")
     p.add_argument("--global-batch-size", type=int, help="sequences per step")
+    p.add_argument("--dropout", type=float, help="dropout probability, as the trainer's --dropout (Megatron's "
+                   "--hidden-dropout and --attention-dropout at once; default: the preset's, else 0): its masks and "
+                   "outputs are activations")
     p.add_argument("--precision", choices=("float32", "float64", "bf16"), default="float32",
                    help="float32/float64: one dtype; bf16: mixed precision as minipar's --bf16 (2 + 2 + 12 bytes "
                    "of state per parameter)")
@@ -91,6 +94,10 @@ def model_of(args):
             found.append(f"--global-batch-size {batch}: the planner takes at most {MAX_BATCH:,} sequences a step")
     if batch is None:
         found.append("give --global-batch-size (or a --preset)")
+    if args.dropout is not None:
+        if not 0 <= args.dropout < 1:
+            found.append(f"--dropout is a probability in [0, 1), got {args.dropout}")
+        given["dropout"] = args.dropout
     model = replace(base, **given)
     if not found:  # the model's own rules (heads that split it, top-k of the experts), as the trainer words them
         found = validate.problems(model_config(model), FLAGS)
