@@ -190,7 +190,9 @@ def check_args(args, world_size):
         model, plan_layout, m = shapes.from_run_config(run, args.recompute_granularity == "selective")
         held = activations.peak_bytes(model, plan_layout, m, BYTES[run.dtype])
         precision = run.dtype if BYTES[run.dtype] > 2 else "bf16-fp32-grads" if run.fp32_grads else "bf16"
-        fullest = state.peak_state_bytes(model, plan_layout, precision, m)  # stage by stage, 2BW's stash, ZeRO-3 gathered
+        peaks = [state.stage_peak_bytes(model, plan_layout, s, precision, m) for s in range(plan_layout.pp)]
+        fullest = max(peaks)  # stage by stage: 2BW's stash, ZeRO's gathered weights and gradients in flight
+        args.planned_state_peaks = peaks  # --report prints them beside the optimizer's ledger
         problems.append(memory_problem(run, backend.free_memory(), FLAGS, held, fullest))
     problems = [p for p in problems if p] + layout
     if problems:

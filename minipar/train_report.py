@@ -187,15 +187,21 @@ class Reports:
     def _report(self):
         held = self.opt.state_bytes()
         g, sent = self.grid, self.sent
+        planned = getattr(self.args, "planned_state_peaks", None)  # train_checks' memory check
         line = (f"{self.world.rank:>4} {g.tp_rank:>3} {g.dp_rank:>3} {g.pp_rank:>3} "
                 + "".join(f"{held.get(k, 0):>13,}" for k in ("parameters", "gradients", "optimizer"))
                 + (f"{held['stash']:>13,}" if "stash" in held else "")
+                + f"{self.opt.peak_state_bytes():>13,}" + (f"{planned[g.pp_rank]:>13,}" if planned else "")
                 + "  " + ", ".join(f"{k} {v:,}" for k, v in sent.items()))
         lines = gather_text(self.world, line)
         if self.speaks:
-            print("\nper rank: bytes held (parameters, gradients, optimizer state) and bytes sent in the last step")
+            print("\nper rank: bytes held (parameters, gradients, optimizer state) after the last step, the most "
+                  "held during the run" + (" and the most planned for a step (the memory check's)" if planned else "")
+                  + ", bytes sent in the last step")
             stash = f"{'stash':>13}" if isinstance(self.opt, WeightStash) else ""  # PipeDream-2BW's second version
-            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}{stash}  sent")
+            plan = f"{'planned':>13}" if planned else ""
+            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}{stash}"
+                  f"{'peak':>13}{plan}  sent")
             print("\n".join(lines))
             print("\n".join(host_lines(g.layout, self.hosts)))
             if self.routing is not None:
