@@ -1,11 +1,18 @@
 """ZeRO-1's and ZeRO-2's planned peaks (``plan.zero12``): the groups as ``shards.group_parameters``
-cuts the model's parameters, and the closed forms of the fullest moment. Against the real
-optimizer's ledger on 4 ranks: tests/mpi/plan_counts.py."""
+cuts the model's parameters, the closed forms of the fullest moment, and the replay against the
+real ZeRO-2's ledger on one rank for models the 4 MiB buckets cut between a weight and its bias.
+Against the real optimizer's ledger on 4 ranks: tests/mpi/plan_counts.py."""
 
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
+
+import minipar
 from minipar.models import GPT, GPTConfig
+from minipar.parallel import ProcessGrid
 from minipar.parallel.shards import group_parameters
+from minipar.parallel.zero2 import ZeRO2
 from minipar.plan import state, zero12
 from minipar.plan.shapes import PRECISIONS, Layout, Model
 from minipar.plan.traffic import BUCKET
@@ -54,3 +61,37 @@ def test_held_gradients_count_until_the_flush():
     expected = after + 4 * (256 * 16 + dense + 2 * (p * n + p))
     assert state.stage_peak_bytes(model, piped, 0, "float32", 4) == expected
     assert all(not held for _, _, held in zero12.rank_groups(model, Layout(dp=n, zero_stage=2), 0))
+
+
+class _Late:
+    """A one-rank group whose reduce-scatters say they are not done until waited for: the ledger's
+    worst case, the previous send still pending at every send (as plan_counts' ``Late``)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def ireduce_scatter(self, x):
+        request = self.comm.ireduce_scatter(x)
+        return type("Request", (), {"test": lambda self: False, "wait": lambda self: request.wait()})()
+
+
+@pytest.mark.parametrize("experts,m", [(0, 1), (0, 3), (4, 2)])
+def test_zero2s_replay_is_its_ledger_when_groups_cut_a_weight_from_its_bias(experts, m):
+    """h = 256: the first group ends at h.1.attn.c_attn.weight, whose bias opens the next one; that
+    weight's gradient is whole while the bias completes the group before it (a plan counting only
+    each group's own gradients at its send was 786,432 bytes short). With experts, the router's
+    gradient comes before its experts'."""
+    minipar.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=16, vocab_size=256, num_experts=experts))
+    zero = ZeRO2(model, _Late(ProcessGrid(1, 1).dp_group), lr=1e-3)
+    assert len(zero.groups) > 2
+    data = np.random.default_rng(1).integers(0, 256, (m, 2, 16))
+    for idx in data:
+        out = model(idx, idx)
+        (out[1] if isinstance(out, tuple) else out).backward()
+    zero.finish_gradients()
+    planned = state.stage_peak_bytes(Model(4, 256, 4, 16, num_experts=experts), Layout(zero_stage=2), 0, "float32", m)
+    assert zero.ledger.peak_total == planned
