@@ -174,16 +174,26 @@ def call_backward(fn, ctx, out_grads, inputs, weights_only=False):
     forward saved by reference (``autograd.save_parameters_by_reference``) is put back first.
     ``weights_only``: a split backward's W, which asks for the weights' gradients alone; those read
     the inputs and the output gradients (dW = g^T x), never the weights, so a weight its holder has
-    released since B stays released (None on the context: a backward that read it would fail)."""
+    released since B stays released: None on the context, and a backward that reads it fails
+    saying so (its holder does not gather it again behind the schedule's back)."""
+    released = []
     for name, param, shape in ctx.by_reference:
         if param.data.shape != shape:
             if weights_only:
                 setattr(ctx, name, None)
+                released.append(name)
                 continue
             raise RuntimeError(f"{fn.__name__}.backward needs a parameter of shape {shape} that its holder has "
                                f"not gathered (its data has shape {param.data.shape})")
         setattr(ctx, name, param.data)
-    in_grads = fn.backward(ctx, *out_grads)
+    try:
+        in_grads = fn.backward(ctx, *out_grads)
+    except (TypeError, AttributeError) as error:  # what reading None raises
+        if not released:
+            raise
+        raise RuntimeError(f"{fn.__name__}'s weight gradient (a split backward's W) failed with ctx."
+                           f"{', ctx.'.join(released)} released by its holder after B: a W must compute dW from "
+                           "the saved inputs and output gradients alone") from error
     for name, _, _ in ctx.by_reference:  # a context parked for W must not keep the gathered arrays
         setattr(ctx, name, None)
     if not isinstance(in_grads, tuple):
@@ -252,6 +262,12 @@ def _count_down(node, waiting):
 
 _hooks_held = 0
 _split = None  # the WeightGradients collecting W while a split backward runs (minipar.weight_grad)
+
+
+def current_split():
+    """The split whose W the backward running now leaves its weights' gradients to (the
+    ``WeightGradients`` of ``splitting``); None in a whole backward or outside every backward."""
+    return _split
 
 
 @contextlib.contextmanager

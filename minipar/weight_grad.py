@@ -102,6 +102,13 @@ def weight_pass():
     return _passes if _passes % 2 else None
 
 
+def left_to_w(tensor):
+    """Whether the backward running now is a split one's B that leaves ``tensor``'s gradient to W
+    (no gradient of it arrives before W: a holder need not make room for one yet)."""
+    split = engine.current_split()
+    return split is not None and split.holds(tensor)
+
+
 @contextlib.contextmanager
 def _running():
     global _passes

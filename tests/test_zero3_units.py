@@ -1,13 +1,14 @@
 """ZeRO-3 on one rank: each unit runs once, its gathered parameters are freed after its forward
-although the graph needs them in backward, and the gradients equal the plain model's. (Against
-the single-device run on several ranks: tests/mpi/zero.py.)"""
+although the graph needs them in backward, and after its backward (or B) although its gradients
+may wait, and the gradients equal the plain model's. (Against the single-device run on several
+ranks: tests/mpi/zero.py.)"""
 
 import numpy as np
 import pytest
 
 import minipar
 from minipar import functional as F
-from minipar.autograd import Tensor, save_parameters_by_reference
+from minipar.autograd import Function, Tensor, save_parameters_by_reference
 from minipar.models import GPT, GPTConfig
 from minipar.nn import Parameter
 from minipar.parallel import ProcessGrid
@@ -93,6 +94,71 @@ def test_a_parameter_saved_by_reference_is_read_at_backward_and_must_be_there():
     w.data = 2 * whole  # gathered again, into another buffer
     y.sum().backward()
     np.testing.assert_array_equal(x.grad, 2 * expected)
+
+
+def test_a_backward_frees_each_unit_it_gathered_and_the_embeddings_gather_nothing():
+    """The embeddings' backward reads no table (a lookup's gradient needs the ids alone): it is not
+    gathered for it, nor recorded for the next step's prefetch; the head's is (dx = g W). Every unit
+    is free again once its backward is over, the tied embedding too, although its gradient waits
+    in its buffer for the embeddings' part."""
+    _, sharded, opt = _pair()
+    x, y = _batch(4)
+    _, loss = sharded(x, y)
+    loss.backward()
+    assert [name for name, _ in opt._record] == ["embed", "h.0", "h.1", "head", "head", "h.1", "h.0"]
+    assert opt.ledger.now["parameters"] == opt.master.nbytes and not opt._whole and not opt._flats
+
+
+def test_a_split_backward_frees_its_units_after_b_and_w_makes_the_buffers():
+    """B (zero-bubble schedules) gathers each unit it reads and frees it when B has left it, and
+    makes no gradient buffer: no weight gradient comes before W. W reads no weight (dW = g^T x),
+    runs with every unit released, makes each group's buffer at its first hook and sends it at its
+    last: the gradients are a whole backward's."""
+    from minipar.weight_grad import backward_input
+
+    plain, sharded, opt = _pair()
+    x, y = _batch(5)
+    plain(x, y)[1].backward()
+    _, loss = sharded(x, y)
+    pending = backward_input(loss, sharded.parameters())
+    assert opt.ledger.now["parameters"] == opt.master.nbytes and not opt._whole and not opt._flats
+    assert all(p.data.size == 0 for p in sharded.parameters())
+    pending.run()
+    assert not opt._flats
+    grads = opt.full_gradients()
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        np.testing.assert_allclose(grads[id(q)], p.grad.reshape(-1), rtol=1e-12, atol=1e-14)
+
+
+class _Squared(Function):
+    """y = x w^2: a weight gradient that reads the weight (2 g x w), which no op of the GPT's has."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.x, ctx.w = x, w
+        return x * w * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        need_x, need_w = ctx.needs_input_grad
+        return (grad * ctx.w * ctx.w if need_x else None), ((2 * grad * ctx.x * ctx.w).sum(0) if need_w else None)
+
+
+def test_a_w_that_reads_a_weight_released_after_b_fails_naming_it():
+    """W runs with the weights a holder released after B, and no holder gathers one again behind
+    the schedule's back: an op whose weight gradient reads its weight fails there, saying so."""
+    from minipar.weight_grad import backward_input
+
+    w = Parameter(np.arange(1.0, 4.0))
+    w.held_by = "a holder"
+    save_parameters_by_reference()
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    whole = w.data
+    pending = backward_input(_Squared.apply(x, w).sum(), [w])  # B reads the weight: it is whole
+    np.testing.assert_array_equal(x.grad, np.tile(whole ** 2, (2, 1)))
+    w.data = whole[:0]  # released after B
+    with pytest.raises(RuntimeError, match=r"_Squared's weight gradient .* ctx.w released by its holder after B"):
+        pending.run()
 
 
 class _Comm:

@@ -5,89 +5,61 @@ unit of the model (the embeddings, each transformer block, the final LayerNorm w
 FSDP does (Zhao et al. 2023):
 
     forward   all-gather the unit's parameters, run it (recording its graph), free them
-    backward  all-gather them again before the unit's backward (``UnitBackward``, an identity on
-              the unit's output whose backward comes before every op of the unit's), accumulate
-              the gradients into one flat buffer per group, and as soon as a group's gradients are
-              complete (the gradient hooks data parallelism uses) reduce-scatter them into the
-              shards and free the group's parameters and buffer; complete means every parameter's
-              hook fired in this backward (one a micro-batch left unused keeps the buffer waiting
-              for a later micro-batch, or the step's end)
-    split     a zero-bubble schedule's B gathers as backward does (dx = g W); its W reads no weight
-              (dW = g^T x) and runs later, the weights released: the hooks fire there, and a group
-              an earlier W sent gets a new buffer
+    backward  all-gather again the groups the unit's backward reads (``zero3_units.py``: an
+              identity on the unit's output, whose backward comes before every op of the unit's,
+              gathers those its graph says it reads, ``read_in_backward``): those an op saved for
+              it (a linear layer's dx = g W, a LayerNorm's) or runs again (recomputation), not a
+              lookup's (an embedding's dW needs the ids alone); accumulate the gradients into one
+              flat buffer per group; free the parameters once the unit's backward is over
+              (the same identity on its input, FSDP's post-backward); as soon as a group's
+              gradients are complete (the gradient hooks data parallelism uses) reduce-scatter
+              them into the shards and free the buffer; complete means every parameter's hook
+              fired in this backward (one a micro-batch left unused keeps the buffer waiting for a
+              later micro-batch, or the step's end)
+    split     a zero-bubble schedule's B gathers and frees as backward does, and makes no buffer
+              (no weight gradient comes in B); its W reads no weight (dW = g^T x) and runs with
+              the weights released: its first hook of a group makes the group's buffer, the last
+              sends it
 
 Freeing is real because the graph keeps parameters by reference, not their arrays
 (``autograd.save_parameters_by_reference``): the whole buffer's last owner is this optimizer, and
 releasing a unit after its forward checks that nothing else holds the buffer. So a rank holds one
-or two units' parameters at a time (a split backward's more: those between their B and W), and no
-unit runs twice (recomputation, ``--recompute``, is a separate choice, as in FSDP and DeepSpeed).
+or two units' parameters at a time, in a split backward too, and no unit runs twice
+(recomputation, ``--recompute``, is a separate choice, as in FSDP and DeepSpeed). A unit whose
+input carries no gradient (the embeddings: token ids) has no moment after its backward; it reads
+no weight there unless recomputed, whose groups then wait for their gradients' hooks.
 
 The units are the model's (FSDP's "wrapping units"): ``model.units()`` names them in forward order
 with the parameters each uses, and ``model.wrap_units(runner)`` makes the model's forward run each
 through ``runner(name, run, x)``. A parameter two units use (the tied embedding: the embeddings
-and the head) is a group of its own, gathered for each unit's forward; in backward its gradient is
-complete only after both units' backwards, so the head's backward gathers it and it stays whole
-until the embeddings' backward is over, then its two parts go out summed, once.
+and the head) is a group of its own, gathered for each unit's forward and for the head's backward;
+its gradient is complete only after both units' backwards, so its buffer waits for the
+embeddings' backward, and its two parts go out summed, once.
 
 Prefetch (DeepSpeed's, by a recorded order): the all-gather of the next unit starts as soon as
 this one's parameters are whole, so it travels while this unit computes. Which unit runs next
 depends on the schedule (micro-batches, the backward after the forward), so it is not guessed:
-every training step records the units in the order it gathers them, and the next step follows
-that record, one unit ahead (one more unit's parameters held: the bound). The last unit's forward
-is followed by its own backward, so its gather starts again as its forward frees it. A step that
-departs from the record (another number of micro-batches) waits for what it prefetched, drops it,
-and records afresh; an optimizer step changes the parameters, so nothing is prefetched across
-one; evaluation (no graph) neither records nor prefetches.
+every training step records the units in the order it gathers them, each with the groups it
+gathers, and the next step follows that record, one unit ahead (one more unit's parameters held:
+the bound). The last unit's forward is followed by its own backward, so its gather starts again
+as its forward frees it. A step that departs from the record (another number of micro-batches)
+waits for what it prefetched, drops it, and records afresh; an optimizer step changes the
+parameters, so nothing is prefetched across one; evaluation (no graph) neither records nor
+prefetches.
 """
 
 import math
 import sys
+from functools import partial
 
-from minipar.autograd import Function, is_grad_enabled, save_parameters_by_reference
+from minipar.autograd import Tensor, is_grad_enabled, save_parameters_by_reference
 from minipar.backend import xp
 from minipar.parallel.data import sync_replicas
 from minipar.parallel.protocol import check_same_layout, finished_by_model, gradient_group
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW
-from minipar.weight_grad import weight_pass
-
-
-def unit_groups(units, key=lambda p: 0):
-    """The parameter groups of ``units`` [(name, parameters)], in forward order: a parameter used
-    by several units alone (so that each gathers it), then the rest of each unit's, in runs of one
-    ``key`` (the group its gradient is summed over: an MoE block's experts apart from its dense
-    weights)."""
-    uses = {}
-    for _, params in units:
-        for p in dict.fromkeys(params):
-            uses[id(p)] = uses.get(id(p), 0) + 1
-    order, seen = [], set()
-    for _, params in units:
-        shared = [p for p in dict.fromkeys(params) if uses[id(p)] > 1 and id(p) not in seen]
-        runs = []
-        for p in (p for p in dict.fromkeys(params) if uses[id(p)] == 1):
-            if runs and key(runs[-1][-1]) == key(p):
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        order += [[p] for p in shared] + runs
-        seen.update(id(p) for p in shared)
-    return order
-
-
-class UnitBackward(Function):
-    """Identity on a unit's output. Every op of the unit comes before it in forward, so its backward
-    comes before theirs: the moment to gather the unit's parameters and give them gradient buffers."""
-
-    @staticmethod
-    def forward(ctx, y, zero, name):
-        ctx.zero, ctx.name = zero, name
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.zero.before_unit_backward(ctx.name)
-        return grad, None, None
+from minipar.parallel.zero3_units import UnitBackward, read_in_backward, unit_groups
+from minipar.weight_grad import left_to_w, weight_pass
 
 
 class ZeRO3(ShardedAdamW):
@@ -124,9 +96,9 @@ class ZeRO3(ShardedAdamW):
             self.master[g.shard] = g.flatten([p.data for p in g.params], dtype)[slice(*g.own())]
         self._empty = xp.empty(0, dtype)
         self._whole = {}  # id(group) -> its whole parameters, while gathered
-        self._flats = {}  # id(group) -> its gradient buffer, from its backward's start to its reduce-scatter
+        self._flats = {}  # id(group) -> its gradient buffer, from its backward's start (or W's) to its reduce-scatter
         self._prefetched = {}  # id(group) -> (the all-gather's Request, its whole buffer)
-        self._record, self._plan, self._next = [], None, 0  # units gathered this step; the last step's
+        self._record, self._plan, self._next = [], None, 0  # (unit, groups) gathered this step; the last step's
         self.unit_gathers = {"prefetched": 0, "on demand": 0}  # how each unit's parameters came, so far
         for p in params:  # ... and keeps only its pieces
             p.held_by = self
@@ -137,7 +109,7 @@ class ZeRO3(ShardedAdamW):
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._ready = {id(g): set() for g in groups}  # its parameters whose gradient this backward completed
         self._pass = {}  # id(group) -> the W (weight_grad.weight_pass) its count is of, in a split backward
-        self._unit_groups = {name: list({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
+        self._unit_groups = {name: tuple({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
         model.wrap_units(self._run_unit)
 
@@ -154,22 +126,25 @@ class ZeRO3(ShardedAdamW):
     # ---- forward ------------------------------------------------------------------------------
     def _run_unit(self, name, run, x):
         """Run one of the model's units with its parameters gathered, then free them: its graph
-        holds them by reference, and ``UnitBackward`` gathers them again for its backward."""
+        holds them by reference, and ``UnitBackward`` gathers again those its backward reads."""
         groups = self._unit_groups[name]
         self._gather_unit(name, groups)
         try:
+            if isinstance(x, Tensor) and x.requires_grad and is_grad_enabled():
+                x = UnitBackward.apply(x, partial(self.after_unit_backward, name))
             y = run(x)
+            read = read_in_backward(y, groups) if y.requires_grad else ()
         finally:
             self.release_parameters(groups, check=True)
             self._prefetch_next()  # the next unit may be this one (the last unit's backward)
-        return UnitBackward.apply(y, self, name) if y.requires_grad else y
+        return UnitBackward.apply(y, partial(self.before_unit_backward, name, read)) if y.requires_grad else y
 
     def _gather_unit(self, name, groups):
-        """Gather a unit's groups that are not whole (from their prefetch, if one is on the way),
-        then start the next recorded unit's."""
+        """Gather ``groups`` of a unit, those not whole (from their prefetch, if one is on the
+        way), then start the next recorded unit's."""
         if is_grad_enabled():
-            self._record.append(name)
-            if self._plan is not None and self._plan[self._next:self._next + 1] == [name]:
+            self._record.append((name, groups))
+            if self._plan is not None and self._plan[self._next:self._next + 1] == [(name, groups)]:
                 self._next += 1
             elif self._plan is not None:  # another order than the last step's: record afresh
                 self._drop_prefetched()
@@ -184,7 +159,7 @@ class ZeRO3(ShardedAdamW):
         """Start the all-gathers of the next recorded unit's groups that are not whole already."""
         if self._plan is None or self._next >= len(self._plan) or not is_grad_enabled():
             return
-        for g in self._unit_groups[self._plan[self._next]]:
+        for g in self._plan[self._next][1]:
             if id(g) not in self._whole and id(g) not in self._prefetched:
                 whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
                 self._prefetched[id(g)] = (g.comm.iall_gather(self.master[g.shard].copy(), out=whole), whole)
@@ -230,24 +205,32 @@ class ZeRO3(ShardedAdamW):
                     "autograd.save_parameters_by_reference)")
 
     # ---- backward -----------------------------------------------------------------------------
-    def before_unit_backward(self, name):
-        """Before a unit's backward: its parameters whole again, and each group a flat zeroed
-        gradient buffer its parameters' gradients are views into, so that the engine accumulates
-        straight into what will be sent."""
-        groups = self._unit_groups[name]
-        self._gather_unit(name, groups)
+    def before_unit_backward(self, name, read):
+        """Before a unit's backward: the groups it reads (``read``) whole again, and each group a
+        flat zeroed gradient buffer its parameters' gradients are views into, so that the engine
+        accumulates straight into what will be sent; not a group whose gradients all wait for a
+        W (a split backward's B): its W makes the buffer."""
+        if read:  # else nothing to gather (the embeddings' lookups), nor to record for the prefetch
+            self._gather_unit(name, read)
         self._collect(keep=self.IN_FLIGHT)  # the last unit's send may be done: its buffer goes first
-        for g in groups:
+        for g in self._unit_groups[name]:
             # a hook fires once per backward, at a parameter's last use: what fired in an earlier
             # backward (a micro-batch that left a parameter of the group unused) may fire again in
             # this one, so only this backward's count says the group is complete
             self._ready[id(g)] = set()
-            if id(g) not in self._flats:  # else its earlier micro-batches' gradients stay in the buffer
-                self._grad_buffer(g)
+            if id(g) not in self._flats and not all(left_to_w(p) for p in g.params):
+                self._grad_buffer(g)  # else its earlier micro-batches' gradients stay in the buffer
+
+    def after_unit_backward(self, name):
+        """After a unit's backward (a split one's B): its parameters go, complete or not; what
+        still adds to their gradients (W: dW = g^T x; the embeddings' lookups of a tied
+        embedding) reads none of them."""
+        self.release_parameters(self._unit_groups[name])
+        self._prefetch_next()
 
     def _grad_buffer(self, g):
         """A group's flat gradient buffer, its parameters' gradients views into it (keeping what
-        they hold: a split backward's W may make it, after an earlier W sent the group's)."""
+        they hold: a W makes it at its first hook of the group, that parameter's gradient in)."""
         flat = xp.zeros(g.padded, self.grad_dtype)
         for p, part in zip(g.params, g.unflatten(flat)):
             view = part.reshape(self.shapes[id(p)])
@@ -264,8 +247,7 @@ class ZeRO3(ShardedAdamW):
             if weight_pass() is None:  # its unit's backward never began: no buffer, maybe no data
                 raise RuntimeError("a ZeRO-3 parameter got a gradient outside its unit's backward: run the "
                                    "model's forward (its units) to make the graph")
-            # a split backward's W (zero-bubble schedules, the head's W at the flush) comes after
-            # the unit's backward, perhaps after an earlier W sent the group: a buffer of its own
+            # a split backward's W (zero-bubble schedules, the head's W at the flush): B made none
             self._grad_buffer(g)
         if weight_pass() is not None and self._pass.get(id(g)) != weight_pass():
             # a hook fires once per W, at the weight's last use there: only this W's count says complete
