@@ -46,10 +46,10 @@ def test_ring_attention_makes_cp_passes_where_one_device_makes_one():
 
 def test_zero3_calls_once_per_parameter_group_of_each_unit():
     # L + 3 groups (wte, wpe, each block, ln_f) per micro-batch: L + 4 gathers for the forwards (wte
-    # for the embeddings and the head), L + 3 for the backwards, L + 3 reduce-scatters; and the
-    # gradient norm's all-reduce
+    # for the embeddings and the head), L + 2 for the backwards (not wpe: a lookup's backward reads
+    # no table), L + 3 reduce-scatters; and the gradient norm's all-reduce
     layout = Layout(dp=4, zero_stage=3, micro_batch_size=1)
-    assert traffic.group_calls(MODEL, layout, 8, 0) == {"dp": 2 * (8 + 7 + 7) + 1}
+    assert traffic.group_calls(MODEL, layout, 8, 0) == {"dp": 2 * (8 + 6 + 7) + 1}
 
 
 def test_a_pipeline_message_is_a_send_and_a_receive():

@@ -127,7 +127,7 @@ def stage_peak_bytes(model, layout, stage=0, dtype="float32", micro_batches=None
     optimizer). ZeRO-3 holds more than its shards then: whole parameters gathered and prefetched,
     gradient buffers, sends in flight (``zero3.peak_bytes``, the worst case of when sends finish:
     an upper bound that some runs reach, exact under that timing). With ``micro_batches`` unknown,
-    m = 2p, the most for any m (tested). Stages 1 and 2 add the group they are sending and the one
+    m = 3p, the most for any m (tested). Stages 1 and 2 add the group they are sending and the one
     before it, and stage 2 the gradients it holds whole until the flush (``zero12.transient_bytes``);
     stage 0 holds no more than after a step."""
     if layout.zero_stage == 3:

@@ -52,12 +52,26 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
     ("--zero-stage 3 --tp 2 --sequence-parallel --micro-batch-size 2",
      dict(tp=2, dp=2, zero_stage=3, sequence_parallel=True, micro_batch_size=2), 0),
     ("--zero-stage 3 --pp 2 --micro-batch-size 1", dict(pp=2, dp=2, zero_stage=3, micro_batch_size=1), 0),
-    ("--zero-stage 3 --pp 2 --schedule zb-h1 --micro-batch-size 1",  # B leaves the chunk whole until W
+    ("--zero-stage 3 --pp 2 --schedule zb-h1 --micro-batch-size 1",  # B releases its units, W makes the buffers
      dict(pp=2, dp=2, zero_stage=3, schedule="zb-h1", micro_batch_size=1), 0),
     ("--zero-stage 3 --pp 2 --schedule zb-v --vpp 2 --micro-batch-size 1",
      dict(pp=2, dp=2, vpp=2, zero_stage=3, schedule="zb-v", micro_batch_size=1), 0),
     ("--zero-stage 3 --pp 2 --defer-embedding-wgrad-compute --micro-batch-size 1",
      dict(pp=2, dp=2, zero_stage=3, defer_embedding_wgrad=True, micro_batch_size=1), 0),
+    ("--zero-stage 3 --schedule zb-h1 --micro-batch-size 1",  # one chunk: its W completes the tied embedding once
+     dict(dp=4, zero_stage=3, schedule="zb-h1", micro_batch_size=1), 0),
+    ("--zero-stage 3 --pp 2 --schedule zb-h2 --recompute --micro-batch-size 1",
+     dict(pp=2, dp=2, zero_stage=3, schedule="zb-h2", recompute=True, micro_batch_size=1), 0),
+    # a W's first hooks make the buffers: a block's dense weights', then its partial sums' (SP); the router's first
+    ("--zero-stage 3 --tp 2 --pp 2 --sequence-parallel --schedule zb-h1 --micro-batch-size 2",
+     dict(tp=2, pp=2, zero_stage=3, sequence_parallel=True, schedule="zb-h1", micro_batch_size=2), 0),
+    ("--zero-stage 3 --tp 2 --pp 2 --sequence-parallel --defer-embedding-wgrad-compute --micro-batch-size 2",
+     dict(tp=2, pp=2, zero_stage=3, sequence_parallel=True, defer_embedding_wgrad=True, micro_batch_size=2), 0),
+    ("--num-experts 4 --ep 2 --pp 2 --zero-stage 3 --schedule zb-h1 --micro-batch-size 1",
+     dict(pp=2, dp=2, ep=2, zero_stage=3, schedule="zb-h1", micro_batch_size=1), 4),
+    ("--num-experts 4 --tp 2 --pp 2 --sequence-parallel --zero-stage 3 --schedule zb-v --vpp 2 "
+     "--micro-batch-size 2", dict(tp=2, pp=2, vpp=2, sequence_parallel=True, zero_stage=3, schedule="zb-v",
+                                  micro_batch_size=2), 4),
     ("--cp 2 --recompute", dict(cp=2, dp=2, recompute=True, micro_batch_size=4), 0),
     ("--cp 2 --tp 2 --cp-comm-type a2a", dict(cp=2, tp=2, cp_comm_type="a2a", micro_batch_size=8), 0),
     ("--num-experts 4 --ep 2 --moe-router-topk 2", dict(dp=4, ep=2, micro_batch_size=2), 4),
