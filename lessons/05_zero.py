@@ -18,9 +18,9 @@ Each stage trains the same GPT for a few AdamW steps on the same batches (dropou
 clipped to norm 1) and is compared with the single-device run: loss, every gradient, all
 parameters. Then the tables: the bytes each rank holds, measured, next to the fp32 formula, and
 the bytes each rank sends per step next to theirs (stage 3 sends 1.5x: weights gathered for forward
-and again for backward). Every stage runs a second time recomputing every unit in backward
-(activation checkpointing, which the paper pairs with ZeRO), and the peaks are shown for both
-settings. Every stage is one object with the same
+and again for backward, but the embeddings': a lookup's backward reads no table). Every stage runs
+a second time recomputing every unit in backward (activation checkpointing, which the paper pairs
+with ZeRO), and the peaks are shown for both settings. Every stage is one object with the same
 calls (``make_optimizer``, the step protocol of minipar/parallel/protocol.py): only what it holds
 and sends differs. Read next: minipar/parallel/zero.py, zero3.py, docs/zero.md.
 
@@ -32,7 +32,7 @@ Exercises (predict first, then run the command and read the table named):
    (16P, 8P + 8P/N, 4P + 12P/N, 16P/N), then the paper's mixed-precision count for the same P and
    N (not printed: work it out): ./run_mpi.sh -n 8 lessons/05_zero.py ("bytes held per rank").
 2. Predict stage 3's bytes sent per step against stage 0's at 8 ranks: 1.5x, plus the tied
-   embedding's term. Check "bytes sent per rank per step" in the same run.
+   embedding's term, less the positions'. Check "bytes sent per rank per step" in the same run.
 3. --plant-bug keys dropout by each rank's local rows. Predict which stages fail (one, or all)
    and which error row shows it most: ./run_mpi.sh -n 4 lessons/05_zero.py --plant-bug
 """
@@ -155,7 +155,7 @@ def main():
     tol = lesson.TOLERANCE[args.dtype]
     P = sum(v.size for v in reference.params.values())
     item = np.dtype(args.dtype).itemsize
-    wte = config.vocab_size * config.n_embd
+    wte, wpe = config.vocab_size * config.n_embd, config.block_size * config.n_embd
     k = args.micro_batches
     runs = [r[0] for r in results.values()] + [r[0] for r in recomputed.values()]
     rows, ok = [], lesson.within(tol, *runs)
@@ -166,10 +166,10 @@ def main():
         memory = item * (a * padded + b * padded // N) // 4
         # passes over the model per step: stages 0-1 send the accumulated gradients once; stage 2
         # reduce-scatters every micro-batch's; stage 3 also gathers the weights twice per micro-batch,
-        # and the tied embedding a third time (for each of its units' forwards; it stays whole from
-        # the head's backward through the embeddings')
+        # the tied embedding a third time (for each of its units' forwards and the head's backward),
+        # the positions once (their lookup's backward reads no table)
         passes = {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[s]
-        traffic = passes * (N - 1) * item * P // N + (k * (N - 1) * item * wte // N if s == 3 else 0)
+        traffic = passes * (N - 1) * item * P // N + (k * (N - 1) * item * (wte - wpe) // N if s == 3 else 0)
         # the padded entries travel in every pass (the formula counts P), and a byte is rounded per
         # collective call (a bound of 3 passes failed stage 3 with --micro-batches 4 on 3 ranks)
         sent_ok = all(abs(x - traffic) <= passes * item * padding + 100 for x in sent)
@@ -201,9 +201,10 @@ def main():
             print(f"  {s:<7}{results[s][2]:>15,}{recomputed[s][2]:>15,}{results[s][3]:>17,}{recomputed[s][3]:>17,}")
         print("\nbytes sent per rank per step on the data-parallel group (ring model | formula)")
         for s, *_, sent, traffic, padding, passes in rows:
-            tied = f" + {k} (N-1)/N x {item}VC" if s == 3 else ""
+            tied = f" + {k} (N-1)/N x {item}(V-T)C" if s == 3 else ""
             print(f"  stage {s}  {sent:>13,} | {traffic:>13,}   {passes} (N-1)/N x {item}P{tied}")
-        print("  (VC: the tied embedding, used by two units of stage 3: gathered for each forward, once for both backwards)")
+        print("  (VC: the tied embedding, used by two units of stage 3: gathered for each forward and the head's"
+              "\n  backward; TC: the positions, gathered for their forward alone: a lookup's backward reads no table)")
 
     return lesson.finish(comm, not ok, report, "Every stage equals the single-device run and holds and sends "
                          "what the formulas say (plus padding).")
