@@ -111,9 +111,10 @@ def test_a_backward_frees_each_unit_it_gathered_and_the_embeddings_gather_nothin
 
 def test_a_split_backward_frees_its_units_after_b_and_w_makes_the_buffers():
     """B (zero-bubble schedules) gathers each unit it reads and frees it when B has left it, and
-    makes no gradient buffer: no weight gradient comes before W. W reads no weight (dW = g^T x),
-    runs with every unit released, makes each group's buffer at its first hook and sends it at its
-    last: the gradients are a whole backward's."""
+    makes no gradient buffer: no weight gradient comes before W; but the tied embedding's, whose
+    two parts (the head's, the lookup's) this one chunk's W takes before its hook. W reads no
+    weight (dW = g^T x), runs with every unit released, makes each other group's buffer at its
+    first hook and sends it at its last: the gradients are a whole backward's."""
     from minipar.weight_grad import backward_input
 
     plain, sharded, opt = _pair()
@@ -121,7 +122,8 @@ def test_a_split_backward_frees_its_units_after_b_and_w_makes_the_buffers():
     plain(x, y)[1].backward()
     _, loss = sharded(x, y)
     pending = backward_input(loss, sharded.parameters())
-    assert opt.ledger.now["parameters"] == opt.master.nbytes and not opt._whole and not opt._flats
+    tied = opt._group_of[id(sharded.transformer.wte.weight)]
+    assert opt.ledger.now["parameters"] == opt.master.nbytes and not opt._whole and set(opt._flats) == {id(tied)}
     assert all(p.data.size == 0 for p in sharded.parameters())
     pending.run()
     assert not opt._flats
@@ -144,6 +146,34 @@ class _Squared(Function):
         return (grad * ctx.w * ctx.w if need_x else None), ((2 * grad * ctx.x * ctx.w).sum(0) if need_w else None)
 
 
+def test_a_split_backward_sums_16_bit_gradients_in_fp32_as_a_whole_one():
+    """bf16 weights with fp32 gradients: W's gradients made before their group's buffer are
+    summed in fp32 too, so ZB-H1's are 1F1B's bit for bit (the tied embedding's two parts were
+    added in bf16 first, 1e-3 apart)."""
+    from minipar.parallel.optimizers import make_optimizer
+    from minipar.parallel.pipeline.executor import PipelineExecutor
+    from minipar.precision import from_flags
+
+    dtype, policy, scaler = from_flags("float32", bf16=True, accumulate_allreduce_grads_in_fp32=True)
+    minipar.set_default_dtype(dtype)
+    try:
+        config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.0)
+        x = np.random.default_rng(1).integers(0, 32, (6, 8))
+        grads = []
+        for schedule in ("1f1b", "zb-h1"):
+            minipar.manual_seed(0)
+            grid = ProcessGrid(1, 1)
+            model = GPT(config, grid)
+            opt = make_optimizer(model, grid, 3, policy=policy, scaler=scaler, lr=1e-2)
+            PipelineExecutor(model, grid, schedule, micro_batches=3, optimizer=opt).step(x, x)
+            whole = opt.inner.full_gradients()
+            grads.append({n: np.asarray(whole[id(p)]) for n, p in model.named_parameters()})
+    finally:
+        minipar.set_default_dtype("float32")
+    for name in grads[0]:
+        assert grads[0][name].dtype == np.float32 and np.array_equal(grads[0][name], grads[1][name]), name
+
+
 def test_a_w_that_reads_a_weight_released_after_b_fails_naming_it():
     """W runs with the weights a holder released after B, and no holder gathers one again behind
     the schedule's back: an op whose weight gradient reads its weight fails there, saying so."""
@@ -157,7 +187,7 @@ def test_a_w_that_reads_a_weight_released_after_b_fails_naming_it():
     pending = backward_input(_Squared.apply(x, w).sum(), [w])  # B reads the weight: it is whole
     np.testing.assert_array_equal(x.grad, np.tile(whole ** 2, (2, 1)))
     w.data = whole[:0]  # released after B
-    with pytest.raises(RuntimeError, match=r"_Squared's weight gradient .* ctx.w released by its holder after B"):
+    with pytest.raises(RuntimeError, match=r"_Squared's weight gradient .* read ctx.w, which its holder released after B"):
         pending.run()
 
 

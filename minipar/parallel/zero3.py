@@ -111,6 +111,12 @@ class ZeRO3(ShardedAdamW):
         self._pass = {}  # id(group) -> the W (weight_grad.weight_pass) its count is of, in a split backward
         self._unit_groups = {name: tuple({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
+        # a group two units use gets its buffer in B where one W takes both parts (one chunk: the
+        # head's, then the lookup's): the first would otherwise wait beside it, whole and uncounted
+        uses = [id(g) for groups in self._unit_groups.values() for g in groups]
+        self._two_parts = {k for k in uses if uses.count(k) > 1} if getattr(model, "n_chunks", 1) == 1 else set()
+        for p in params:  # gradients W makes before their group's buffer are summed in its dtype too
+            p.accumulate_dtype = self.grad_dtype if self.grad_dtype != p.dtype else None
         model.wrap_units(self._run_unit)
 
     def master_pieces(self):
@@ -209,7 +215,8 @@ class ZeRO3(ShardedAdamW):
         """Before a unit's backward: the groups it reads (``read``) whole again, and each group a
         flat zeroed gradient buffer its parameters' gradients are views into, so that the engine
         accumulates straight into what will be sent; not a group whose gradients all wait for a
-        W (a split backward's B): its W makes the buffer."""
+        W (a split backward's B): its W makes the buffer at its first hook (unless one W takes
+        two parts of it before that: ``_two_parts``)."""
         if read:  # else nothing to gather (the embeddings' lookups), nor to record for the prefetch
             self._gather_unit(name, read)
         self._collect(keep=self.IN_FLIGHT)  # the last unit's send may be done: its buffer goes first
@@ -218,7 +225,7 @@ class ZeRO3(ShardedAdamW):
             # backward (a micro-batch that left a parameter of the group unused) may fire again in
             # this one, so only this backward's count says the group is complete
             self._ready[id(g)] = set()
-            if id(g) not in self._flats and not all(left_to_w(p) for p in g.params):
+            if id(g) not in self._flats and (id(g) in self._two_parts or not all(left_to_w(p) for p in g.params)):
                 self._grad_buffer(g)  # else its earlier micro-batches' gradients stay in the buffer
 
     def after_unit_backward(self, name):

@@ -41,11 +41,10 @@ W reads none) and its buffers only from a W's first hook of the group to its las
 finishes is not deterministic: the replay takes the worst case, no send done before the optimizer
 has to wait for it, which runs do reach (``in_flight=0``, every send done at once, is the least);
 under that timing it equals the ledger's peak exactly (tests/mpi/plan_counts.py). Every parameter
-is taken to get its gradient in every backward (an expert no token reached leaves its group
-waiting).
+gets its gradient in every backward (an expert no token reached runs on 0 rows: its hooks fire).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from minipar.parallel.pipeline import schedules
@@ -207,7 +206,14 @@ def peak_bytes(model, layout, m=None, stage=0, dtype="float32", in_flight=None):
     taken as at most 3p, and as 3p when None: the most for any m. ``in_flight``: the
     reduce-scatters a send may leave pending (``ShardedAdamW.IN_FLIGHT``, the default: no send
     finishes before the optimizer must wait for it, the worst case; 0: each at once, the least)."""
-    return replay(model, layout, 3 * layout.pp if m is None else min(m, 3 * layout.pp), stage, dtype, in_flight)
+    # the planner asks for many layouts that differ only in what the replay does not read
+    same = replace(layout, micro_batch_size=1, selective_recompute=False, cp_comm_type="p2p")
+    return dict(_peak(model, same, 3 * layout.pp if m is None else min(m, 3 * layout.pp), stage, dtype, in_flight))
+
+
+@lru_cache(maxsize=4096)
+def _peak(model, layout, m, stage, dtype, in_flight):
+    return tuple(replay(model, layout, m, stage, dtype, in_flight).items())
 
 
 def replay(model, layout, m, stage=0, dtype="float32", in_flight=None):
@@ -221,6 +227,9 @@ def replay(model, layout, m, stage=0, dtype="float32", in_flight=None):
     walk.record = [u.groups if op == FORWARD else u.read
                    for op, c in passes if op in (FORWARD, BACKWARD, BACKWARD_INPUT)
                    for u in (chunks[c] if op == FORWARD else chunks[c][::-1]) if op == FORWARD or u.read]
+    # a group two units use gets its buffer in B where one W takes both parts (ZeRO3._two_parts)
+    uses = [g for units in chunks for u in units for g in u.groups]
+    two_parts = {g for g in uses if uses.count(g) > 1} if layout.pp * layout.vpp == 1 else set()
     for op, c in passes:
         units = chunks[c] if op != STEP else ()
         if op == FORWARD:
@@ -228,9 +237,10 @@ def replay(model, layout, m, stage=0, dtype="float32", in_flight=None):
                 walk.forward(u)
         elif op in (BACKWARD, BACKWARD_INPUT):
             for u in units[::-1]:
-                # B makes no buffer (no weight gradient comes before W), nor the head's backward for
-                # what its deferred W fills
-                walk.before_backward(u, () if op == BACKWARD_INPUT else [g for g in u.groups if g not in u.head])
+                # B makes no buffer (no weight gradient comes before W) but a group's whose two parts
+                # one W takes, nor the head's backward for what its deferred W fills
+                walk.before_backward(u, [g for g in u.groups if g in two_parts] if op == BACKWARD_INPUT
+                                     else [g for g in u.groups if g not in u.head])
                 for g in u.backward if op == BACKWARD else ():
                     walk.complete(g)
                 if u.name != "embed":  # (token ids in: no moment after its backward, which gathered nothing)
