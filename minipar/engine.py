@@ -168,32 +168,46 @@ def _refuse_freed(node):
                        "run the forward again before a second backward()")
 
 
+class _Released:
+    """Stands on a parked context for a weight its holder released after B: W computes dW from the
+    saved inputs and output gradients alone, so any use of this fails, naming the weight."""
+
+    def __init__(self, fn, name):
+        self._what = (fn, name)
+
+    def _message(self):
+        fn, name = self._what
+        return (f"{fn}'s weight gradient (a split backward's W) read ctx.{name}, which its holder released "
+                "after B: a W must compute dW from the saved inputs and output gradients alone")
+
+    def _fail(self, *args, **kwargs):
+        raise RuntimeError(self._message())
+
+    def __getattr__(self, attribute):  # an AttributeError, so that hasattr() (casts over a context) says no
+        raise AttributeError(f"{self._message()} (its .{attribute})")
+
+    __array__ = __array_ufunc__ = __array_function__ = __getitem__ = __len__ = __iter__ = _fail
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _fail
+    __matmul__ = __rmatmul__ = __neg__ = __pow__ = _fail
+
+
 def call_backward(fn, ctx, out_grads, inputs, weights_only=False):
     """``fn.backward`` on the node's output gradients: one gradient per input (None where the
     input needs none), possibly in a broadcast shape that ``deliver`` sums down. A parameter the
     forward saved by reference (``autograd.save_parameters_by_reference``) is put back first.
     ``weights_only``: a split backward's W, which asks for the weights' gradients alone; those read
     the inputs and the output gradients (dW = g^T x), never the weights, so a weight its holder has
-    released since B stays released: None on the context, and a backward that reads it fails
-    saying so (its holder does not gather it again behind the schedule's back)."""
-    released = []
+    released since B stays released, and a backward that reads it fails saying so (its holder
+    does not gather it again behind the schedule's back)."""
     for name, param, shape in ctx.by_reference:
         if param.data.shape != shape:
             if weights_only:
-                setattr(ctx, name, None)
-                released.append(name)
+                setattr(ctx, name, _Released(fn.__name__, name))
                 continue
             raise RuntimeError(f"{fn.__name__}.backward needs a parameter of shape {shape} that its holder has "
                                f"not gathered (its data has shape {param.data.shape})")
         setattr(ctx, name, param.data)
-    try:
-        in_grads = fn.backward(ctx, *out_grads)
-    except (TypeError, AttributeError) as error:  # what reading None raises
-        if not released:
-            raise
-        raise RuntimeError(f"{fn.__name__}'s weight gradient (a split backward's W) failed with ctx."
-                           f"{', ctx.'.join(released)} released by its holder after B: a W must compute dW from "
-                           "the saved inputs and output gradients alone") from error
+    in_grads = fn.backward(ctx, *out_grads)
     for name, _, _ in ctx.by_reference:  # a context parked for W must not keep the gathered arrays
         setattr(ctx, name, None)
     if not isinstance(in_grads, tuple):
