@@ -22,7 +22,8 @@ A step, per stage (N ranks, S the bytes of all gradients):
     1, 2  reduce-scatter the gradients (rank r gets the sum of piece r)        (N-1)/N S
           update own pieces; all-gather them into every rank's parameters    (N-1)/N S
     3     all-gather each layer's parameters before its forward, and again before its backward,
-          reduce-scatter its gradients after: 3 (N-1)/N S, 1.5x plain data parallelism
+          reduce-scatter its gradients after: 3 (N-1)/N S, 1.5x plain data parallelism (a little
+          less: the embeddings' backward reads no table, so theirs are not gathered again)
 
 Stage 1 reduce-scatters a full gradient buffer after backward (all-reducing it would move 1.5x
 as much for nothing: each rank only updates its pieces). Stage 2 reduce-scatters each group as soon

@@ -19,9 +19,10 @@ activation of one micro-batch:
   dp   DP x CP ranks ("dp_cp" when CP > 1). ZeRO stage 0: each gradient once, all-reduced in
        buckets (after the last micro-batch); stage 1: one reduce-scatter and one all-gather of the
        parameters' bytes P d (Rajbhandari et al. 2020); stage 2: the reduce-scatter every
-       micro-batch; stage 3: each unit's parameters all-gathered before its forward and its
-       backward and its gradients reduce-scattered, every micro-batch, unless a split backward
-       leaves them whole or the model sums them after backward (``zero3.py``). Experts' gradients
+       micro-batch; stage 3: each unit's parameters all-gathered before its forward and before
+       its backward (or B) for the groups that backward reads (not the embeddings' lookups), and
+       its gradients reduce-scattered every micro-batch unless the model sums them after
+       backward (``zero3.py``). Experts' gradients
        go over "edp", the N / EP ranks that hold the same experts (with EP 1, over DP x CP with
        the rest, in the same buckets and groups).
   pp   per micro-batch, each chunk sends its output forward (unless it is the model's last) and
