@@ -17,6 +17,8 @@ from minipar.plan import state, zero12
 from minipar.plan.shapes import PRECISIONS, Layout, Model
 from minipar.plan.traffic import BUCKET
 
+from late_sends import LateSends
+
 
 def test_groups_are_the_optimizers_groups_also_when_buckets_cut_the_model():
     """h = 256: 3.2M parameters, 12.6 MB of float32 weights, cut into groups of 4 MiB and more
@@ -63,21 +65,6 @@ def test_held_gradients_count_until_the_flush():
     assert all(not held for _, _, held in zero12.rank_groups(model, Layout(dp=n, zero_stage=2), 0))
 
 
-class _Late:
-    """A one-rank group whose reduce-scatters say they are not done until waited for: the ledger's
-    worst case, the previous send still pending at every send (as plan_counts' ``Late``)."""
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    def __getattr__(self, name):
-        return getattr(self.comm, name)
-
-    def ireduce_scatter(self, x):
-        request = self.comm.ireduce_scatter(x)
-        return type("Request", (), {"test": lambda self: False, "wait": lambda self: request.wait()})()
-
-
 @pytest.mark.parametrize("experts,m", [(0, 1), (0, 3), (4, 2)])
 def test_zero2s_replay_is_its_ledger_when_groups_cut_a_weight_from_its_bias(experts, m):
     """h = 256: the first group ends at h.1.attn.c_attn.weight, whose bias opens the next one; that
@@ -86,7 +73,7 @@ def test_zero2s_replay_is_its_ledger_when_groups_cut_a_weight_from_its_bias(expe
     gradient comes before its experts'."""
     minipar.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=16, vocab_size=256, num_experts=experts))
-    zero = ZeRO2(model, _Late(ProcessGrid(1, 1).dp_group), lr=1e-3)
+    zero = ZeRO2(model, LateSends(ProcessGrid(1, 1).dp_group), lr=1e-3)
     assert len(zero.groups) > 2
     data = np.random.default_rng(1).integers(0, 256, (m, 2, 16))
     for idx in data:

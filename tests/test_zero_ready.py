@@ -20,6 +20,7 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.zero2 import ZeRO2
 from minipar.parallel.zero3 import ZeRO3
 
+from late_sends import LateSends
 from mpi_run import check_mpi
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
@@ -100,21 +101,6 @@ def test_a_group_goes_out_only_when_every_gradient_of_this_backward_is_in(uses):
     _compare(plain, sharded, zero, f"micro-batches {uses}")
 
 
-class _Late:
-    """A communicator whose reduce-scatters say they are still on the way until waited for, as
-    on several ranks they may be when a step is dropped."""
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    def __getattr__(self, name):
-        return getattr(self.comm, name)
-
-    def ireduce_scatter(self, x):
-        request = self.comm.ireduce_scatter(x)
-        return type("Request", (), {"test": lambda self: False, "wait": lambda self: request.wait()})()
-
-
 @pytest.mark.parametrize("stage,bucket_bytes", [(2, 1), (2, 1 << 20), (3, None)])
 def test_zero_grad_discards_what_a_dropped_step_left(stage, bucket_bytes):
     """A backward whose step is dropped (zero_grad, no step) leaves sends in flight and groups
@@ -122,7 +108,7 @@ def test_zero_grad_discards_what_a_dropped_step_left(stage, bucket_bytes):
     minipar.manual_seed(0)
     plain, sharded = Units(), Units()
     sharded.load_state_dict(plain.state_dict())
-    comm = _Late(ProcessGrid(1, 1).dp_group)
+    comm = LateSends(ProcessGrid(1, 1).dp_group)
     zero = ZeRO3(sharded, comm, **HYPER) if stage == 3 else ZeRO2(sharded, comm, bucket_bytes=bucket_bytes, **HYPER)
     held = zero.ledger.now["gradients"]
     x = np.random.default_rng(2).standard_normal((3, 4))
