@@ -13,7 +13,7 @@ from minipar.models import GPT, GPTConfig
 from minipar.parallel import memory, validate
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.simulate import chunk_peaks, theoretical_bubble
-from minipar.plan import activations, bubble, cost, state, traffic, zero3
+from minipar.plan import activations, bubble, cost, state, traffic, zero3_peak
 from minipar.plan.enumerate import plan
 from minipar.plan.shapes import PRECISIONS, PRESETS, Layout, Machine, Model, run_config
 from mpi_run import check_mpi, run_mpi
@@ -100,14 +100,14 @@ def test_zero3s_peak_grows_with_the_micro_batches_up_to_3p_and_stays():
                 built = schedules.build(schedule, p, m, v, defer)
                 for stage in range(p):
                     order = tuple((i.op, i.chunk) for i in built[stage] if i.op in schedules.COMPUTE + (schedules.STEP,))
-                    assert zero3._passes(schedule, p, m, v, defer, stage) == order, (schedule, p, m, stage)
+                    assert zero3_peak._passes(schedule, p, m, v, defer, stage) == order, (schedule, p, m, stage)
             for stage in range(p):
-                most = zero3.replay(model, layout, 3 * p, stage)
-                assert zero3.peak_bytes(model, layout, None, stage) == most
+                most = zero3_peak.replay(model, layout, 3 * p, stage)
+                assert zero3_peak.peak_bytes(model, layout, None, stage) == most
                 for m in ms:
-                    got = zero3.replay(model, layout, m, stage)
+                    got = zero3_peak.replay(model, layout, m, stage)
                     assert got == most if m >= 3 * p else all(got[k] <= most[k] for k in most), (schedule, p, m, stage)
-                    assert zero3.replay(model, layout, m, stage, in_flight=0)["total"] <= got["total"]
+                    assert zero3_peak.replay(model, layout, m, stage, in_flight=0)["total"] <= got["total"]
 
 
 def test_mixed_precision_state_equals_a_bf16_zero1_steps_on_2_ranks():

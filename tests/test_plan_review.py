@@ -146,7 +146,7 @@ def test_zero3_gathers_and_sends_under_a_split_backward_as_under_1f1b():
 def test_the_trainers_memory_check_counts_what_zero3_holds_during_a_step(monkeypatch):
     """ZeRO-3 over DP 4 of a 4-block GPT of width 1024 keeps shards of 0.2 GB a rank, but during a
     block's backward it also holds that block and the one before whole, the block's gradient buffer
-    and the block after's still being sent: 0.42 GB (``plan.zero3.peak_bytes``; tests/mpi/plan_counts.py
+    and the block after's still being sent: 0.42 GB (``plan.zero3_peak.peak_bytes``; tests/mpi/plan_counts.py
     measures it). The memory check planned the shards alone and let the run start in 0.3 GB."""
     from minipar import backend
     from minipar.cli import FlagError

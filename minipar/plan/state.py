@@ -125,13 +125,13 @@ def state_bytes(model, layout, stage=0, dtype="float32"):
 def stage_peak_bytes(model, layout, stage=0, dtype="float32", micro_batches=None):
     """The most state bytes a rank of ``stage`` holds during a step (``peak_state_bytes()`` of its
     optimizer). ZeRO-3 holds more than its shards then: whole parameters gathered and prefetched,
-    gradient buffers, sends in flight (``zero3.peak_bytes``, the worst case of when sends finish:
+    gradient buffers, sends in flight (``zero3_peak.peak_bytes``, the worst case of when sends finish:
     an upper bound that some runs reach, exact under that timing). With ``micro_batches`` unknown,
     m = 3p, the most for any m (tested). Stages 1 and 2 add the group they are sending and the one
     before it, and stage 2 the gradients it holds whole until the flush (``zero12.transient_bytes``);
     stage 0 holds no more than after a step."""
     if layout.zero_stage == 3:
-        from .zero3 import peak_bytes  # (zero3 reads this module's counts)
+        from .zero3_peak import peak_bytes  # (it reads this module's counts)
 
         return peak_bytes(model, layout, micro_batches, stage, dtype)["total"]
     from .zero12 import transient_bytes  # (as zero3)

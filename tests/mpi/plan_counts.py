@@ -18,7 +18,7 @@ import json
 import numpy
 
 from minipar.comm import world
-from minipar.plan import zero3
+from minipar.plan import zero3_peak
 from minipar.plan.shapes import Layout, Model
 from minipar.plan.state import stage_peak_bytes, state_bytes
 from minipar.plan.traffic import group_bytes, group_calls
@@ -167,8 +167,8 @@ for flags, fields, experts, *precision in LAYOUTS:
     if layout.zero_stage == 3:  # the most it holds in a step: as sends finish, and all pending to the end
         m = args.micro_batches
         most = stage_peak_bytes(model, layout, grid.pp_rank, dtype, m)
-        kinds = zero3.peak_bytes(model, layout, m, grid.pp_rank, dtype)
-        least = zero3.peak_bytes(model, layout, m, grid.pp_rank, dtype, in_flight=0)["total"]
+        kinds = zero3_peak.peak_bytes(model, layout, m, grid.pp_rank, dtype)
+        least = zero3_peak.peak_bytes(model, layout, m, grid.pp_rank, dtype, in_flight=0)["total"]
         real, late = step_peak(trainer, 1), step_peak(trainer, 2, late=True)
         if not least <= real[0] <= most or late != (most, {k: kinds[k] for k in late[1]}):
             failures.append(f"rank {comm.rank} {flags}: ZeRO-3's peak {real[0]} as sent, {late} all pending; "
