@@ -53,6 +53,7 @@ def index_sha256(checkpoint):
 
 
 BY_CONTENT = ("load", "data", "init_weights", "taken_from")  # taken_from: the paths a snapshot's flags came from
+DERIVED = ("planned_state_peaks",)  # check_args' memory plan: no flag, and equal where the flags are
 
 
 def _flags(args):
@@ -67,7 +68,7 @@ def _flags(args):
             return v
         raise TypeError(f"run_inputs: a flag's value of type {type(v).__name__} cannot be compared across ranks")
 
-    return json.loads(json.dumps({k: value(v) for k, v in vars(args).items() if k not in BY_CONTENT}))
+    return json.loads(json.dumps({k: value(v) for k, v in vars(args).items() if k not in BY_CONTENT + DERIVED}))
 
 
 def _facts(args, data, weights):

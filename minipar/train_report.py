@@ -18,7 +18,6 @@ from minipar.checkpoint.pieces import pieces
 from minipar.lr_schedule import learning_rate
 from minipar.models import GPT
 from minipar.parallel.pipeline import stage_times
-from minipar.parallel.pipeline.weight_stash import WeightStash
 
 STUCK_STEPS = 10  # fp16 steps skipped in a row at the lowest loss scale before the run stops
 
@@ -188,20 +187,20 @@ class Reports:
         held = self.opt.state_bytes()
         g, sent = self.grid, self.sent
         planned = getattr(self.args, "planned_state_peaks", None)  # train_checks' memory check
-        line = (f"{self.world.rank:>4} {g.tp_rank:>3} {g.dp_rank:>3} {g.pp_rank:>3} "
-                + "".join(f"{held.get(k, 0):>13,}" for k in ("parameters", "gradients", "optimizer"))
-                + (f"{held['stash']:>13,}" if "stash" in held else "")
-                + f"{self.opt.peak_state_bytes():>13,}" + (f"{planned[g.pp_rank]:>13,}" if planned else "")
+        numbers = [held.get(k, 0) for k in ("parameters", "gradients", "optimizer")] + (
+            [held["stash"]] if "stash" in held else []) + [self.opt.peak_state_bytes()] + (
+            [planned[g.pp_rank]] if planned else [])
+        line = (f"{self.world.rank:>4} {g.tp_rank:>3} {g.dp_rank:>3} {g.pp_rank:>3}"  # a space before each number:
+                + "".join(f" {n:>14,}" for n in numbers)  # 10^12 bytes still stand apart
                 + "  " + ", ".join(f"{k} {v:,}" for k, v in sent.items()))
         lines = gather_text(self.world, line)
         if self.speaks:
             print("\nper rank: bytes held (parameters, gradients, optimizer state) after the last step, the most "
                   "held during the run" + (" and the most planned for a step (the memory check's)" if planned else "")
                   + ", bytes sent in the last step")
-            stash = f"{'stash':>13}" if isinstance(self.opt, WeightStash) else ""  # PipeDream-2BW's second version
-            plan = f"{'planned':>13}" if planned else ""
-            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}{'parameters':>13}{'gradients':>13}{'optimizer':>13}{stash}"
-                  f"{'peak':>13}{plan}  sent")
+            names = ["parameters", "gradients", "optimizer"] + (["stash"] if "stash" in held else []) + (
+                ["peak"] + (["planned"] if planned else []))  # stash: PipeDream-2BW's second version
+            print(f"{'rank':>4} {'tp':>3} {'dp':>3} {'pp':>3}" + "".join(f" {n:>14}" for n in names) + "  sent")
             print("\n".join(lines))
             print("\n".join(host_lines(g.layout, self.hosts)))
             if self.routing is not None:

@@ -50,12 +50,23 @@ def single(single_log):
     return losses(single_log)
 
 
+def report_rows(out):
+    """--report's table: each rank's row as {column: bytes}."""
+    lines = out.splitlines()
+    names = next(line.split()[4:-1] for line in lines if line.startswith("rank  tp  dp  pp"))
+    rows = [line.split() for line in lines if re.match(r"\s+\d+(\s+\d+){3}\s+[\d,]+\s", line)]
+    return [dict(zip(names, (int(n.replace(",", "")) for n in row[4:4 + len(names)]))) for row in rows]
+
+
 def test_3d_layout_trains_the_single_device_model(single, single_log, tmp_path):
     log = str(tmp_path / "log.jsonl")
     code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",
                          "--log-json", log, "--report")
     assert code == 0, out
     assert "TP 2 x PP 2 x DP 2" in out and "bubble" in out and out.count(" tp ") >= 8  # a report line per rank
+    report = report_rows(out)  # ZeRO-1 holds its received piece beside its state: the plan is exact
+    assert len(report) == 8 and all(r["peak"] == r["planned"] > r["parameters"] + r["gradients"] + r["optimizer"]
+                                    for r in report), report
     assert len(losses(log)) == 20 and close(losses(log), single)
     # and its validation loss, the shares of the ranks that report the loss added over the world
     val, val_single = rows(log)[-1]["val_loss"], rows(single_log)[-1]["val_loss"]
