@@ -68,8 +68,8 @@ SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--gpus", "1000000000000"], "--gpus must be 1 to 1,000,000"),  # hung
     (["--num-layers", "100000"], "the planner takes at most 1,024 blocks"),  # hung
     (["--nope", "1"], "unrecognized arguments: --nope 1"),  # after the whole usage text
-    (["--dropout", "1"], "--dropout is a probability in [0, 1), got 1.0"),
-    (["--dropout", "nan"], "--dropout is a probability in [0, 1), got nan"),
+    (["--dropout", "1"], "--dropout must be a number in [0, 1), got 1.0"),
+    (["--dropout", "nan"], "--dropout must be a number in [0, 1), got nan"),
 ])
 def test_bad_planner_flags_are_one_line_before_anything_is_planned(args, message):
     run = run_plan(*SMALL_FLAGS, *args)

@@ -96,7 +96,7 @@ def model_of(args):
         found.append("give --global-batch-size (or a --preset)")
     if args.dropout is not None:
         if not 0 <= args.dropout < 1:
-            found.append(f"--dropout is a probability in [0, 1), got {args.dropout}")
+            found.append(f"--dropout must be a number in [0, 1), got {args.dropout}")
         given["dropout"] = args.dropout
     model = replace(base, **given)
     if not found:  # the model's own rules (heads that split it, top-k of the experts), as the trainer words them

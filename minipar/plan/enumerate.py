@@ -81,13 +81,14 @@ def _choices(model, global_batch, tp, cp, pp, dp):
                     for recompute in (None, "selective", "full"):
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for comm in (("p2p", "a2a") if cp > 1 else ("p2p",)):
-                                if recompute == "selective" and cp > 1 and comm == "p2p":
-                                    continue  # the same run as none: ring attention keeps no T x T (Layout.selective)
                                 for schedule in schedules(pp, vpp):
-                                    yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero_stage=zero,
-                                                 micro_batch_size=mbs, recompute=recompute == "full",
-                                                 selective_recompute=recompute == "selective", sequence_parallel=sp,
-                                                 cp_comm_type=comm, schedule=schedule), None
+                                    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero_stage=zero,
+                                                    micro_batch_size=mbs, recompute=recompute == "full",
+                                                    selective_recompute=recompute == "selective",
+                                                    sequence_parallel=sp, cp_comm_type=comm, schedule=schedule)
+                                    if layout.selective_recompute and not layout.selective:
+                                        continue  # ring attention: the same run as none (Layout.selective)
+                                    yield layout, None
 
 
 def schedules(pp, vpp):

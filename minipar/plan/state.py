@@ -126,17 +126,17 @@ def stage_peak_bytes(model, layout, stage=0, dtype="float32", micro_batches=None
     """The most state bytes a rank of ``stage`` holds during a step (``peak_state_bytes()`` of its
     optimizer). ZeRO-3 holds more than its shards then: whole parameters gathered and prefetched,
     gradient buffers, sends in flight (``zero3_peak.peak_bytes``, the worst case of when sends finish:
-    an upper bound that some runs reach, exact under that timing). With ``micro_batches`` unknown,
-    m = 3p, the most for any m (tested). Stages 1 and 2 add the group they are sending and the one
-    before it, and stage 2 the gradients it holds whole until the flush (``zero12.transient_bytes``);
-    stage 0 holds no more than after a step."""
+    an upper bound that some runs reach, exact under that timing). Stages 1 and 2 add the group they
+    are sending and the one before it, and stage 2 every whole gradient not sent yet
+    (``zero12.transient_bytes``); stage 0 holds no more than after a step. ``micro_batches``
+    unknown (None) is taken as the most for any m (ZeRO-3: 3p; stages 1 and 2: 2, tested)."""
     if layout.zero_stage == 3:
         from .zero3_peak import peak_bytes  # (it reads this module's counts)
 
         return peak_bytes(model, layout, micro_batches, stage, dtype)["total"]
-    from .zero12 import transient_bytes  # (as zero3)
+    from .zero12 import transient_bytes  # (as zero3_peak)
 
-    extra = transient_bytes(model, layout, stage, dtype, 2 if micro_batches is None else micro_batches)
+    extra = transient_bytes(model, layout, stage, dtype, micro_batches)
     return sum(state_bytes(model, layout, stage, dtype).values()) + extra
 
 

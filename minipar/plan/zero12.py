@@ -29,7 +29,7 @@ the ledger's exactly on a rank of one chunk (tests/mpi/plan_counts.py), whatever
 several chunks has groups that span chunks, completed by one chunk's backward of a micro-batch and
 another's of the next (and then sent again): it is taken to hold every gradient whole beside two
 sends of its largest group, an upper bound. Every parameter is taken to get its gradient in every
-backward, as in ``zero3.py``.
+backward, as in ``zero3_peak.py``.
 """
 
 from dataclasses import replace
@@ -69,13 +69,14 @@ def _modules(model, layout, stage):
     return out
 
 
-def rank_parameters(model, layout, stage):
-    """[(values, comm, held)] for each parameter a rank of ``stage`` holds, in the model's order."""
+def parameter_list(model, layout, stage):
+    """[(values, comm, held)] for each parameter a rank of ``stage`` holds, in the model's order
+    (``state.rank_parameters`` counts them)."""
     return [p for _, params in _modules(model, layout, stage) for p in params]
 
 
 def hook_order(model, layout, stage):
-    """The indices of ``rank_parameters`` in the order one chunk's backward finishes them (the
+    """The indices of ``parameter_list`` in the order one chunk's backward finishes them (the
     module docstring's order), without the tied embedding's where it is made at the flush."""
     modules, at = [], 0
     for kind, params in _modules(model, layout, stage):
@@ -89,33 +90,33 @@ def hook_order(model, layout, stage):
         elif kind == "router":
             order += index + experts
             experts = []
-        elif kind != "wte" or first and not (last and layout.defer_embedding_wgrad):
+        elif kind != "wte" or first:  # on both ends the lookup's part comes last
             order += index
     if last and not first and not layout.defer_embedding_wgrad:  # the head's backward comes first
-        order.insert(0, 0)
+        order.insert(0, 0)  # (deferred, its W comes at the flush)
     return order
 
 
 def rank_groups(model, layout, stage, dtype="float32", members=False):
     """[(values, ranks it is sharded over, held)]: the rank's ZeRO groups in their order (with
-    ``members``, each group's indices into ``rank_parameters`` appended)."""
+    ``members``, each group's indices into ``parameter_list`` appended)."""
     n, z, weight = layout.dp * layout.cp, layout.zero_stage, PRECISIONS[dtype].param
-    params = list(enumerate(rank_parameters(model, layout, stage)))
+    params = list(enumerate(parameter_list(model, layout, stage)))
     if z != 2:  # only stage 2 holds some back
         params = [(i, (v, comm, False)) for i, (v, comm, _) in params]
     params = [p for p in params if not p[1][2]] + [p for p in params if p[1][2]]
     groups, run, size = [], [], 0
-    for i, (values, comm, held) in params + [(None, (0, None, None))]:  # (the sentinel closes the last group)
-        if run and (comm != run[0][1][1] or held != run[0][1][2]):
+    for i, (values, comm, held) in params:
+        if run and (comm != run[0][1][1] or held != run[0][1][2]):  # a group never mixes two of either
             groups.append((size, run))
             run, size = [], 0
-        if comm is None:
-            break
         run.append((i, (values, comm, held)))
         size += values
-        if size * weight >= BUCKET:
+        if size * weight >= BUCKET:  # the parameter that fills the bucket closes it
             groups.append((size, run))
             run, size = [], 0
+    if run:
+        groups.append((size, run))
     out = []
     for size, run in groups:
         _, (_, comm, held) = run[0]
@@ -123,15 +124,16 @@ def rank_groups(model, layout, stage, dtype="float32", members=False):
     return out
 
 
-def transient_bytes(model, layout, stage, dtype="float32", micro_batches=2):
+def transient_bytes(model, layout, stage, dtype="float32", micro_batches=None):
     """Bytes ZeRO stage 1 or 2 holds at its fullest moment of a step beyond ``state_bytes`` (the
-    module docstring's count; 0 for other stages)."""
+    module docstring's count; 0 for other stages). From the second micro-batch on each repeats
+    the last, so m is taken as at most 2, and as 2 when None: the most for any m."""
     if layout.zero_stage not in (1, 2):
         return 0
     # the planner asks for many layouts that differ only in what the groups do not depend on
     same = replace(layout, micro_batch_size=1, recompute=False, selective_recompute=False, cp_comm_type="p2p",
                    schedule="zb-v" if layout.schedule == "zb-v" else "1f1b")
-    return _transient(model, same, stage, dtype, min(micro_batches, 2))
+    return _transient(model, same, stage, dtype, 2 if micro_batches is None else min(micro_batches, 2))
 
 
 @lru_cache(maxsize=4096)
@@ -144,7 +146,7 @@ def _transient(model, layout, stage, dtype, m):
     sent = [grad * (p * n + p) for p, (_, n, _, _) in zip(piece, groups)]  # the flat buffer and the piece
     if len(state.stage_chunks(layout, stage)) > 1:  # a group may span chunks (and go out twice in a row):
         return grad * sum(values for values, _, _, _ in groups) + 2 * max(sent)  # every gradient whole at once
-    return _replay(rank_parameters(model, layout, stage), groups, sent, hook_order(model, layout, stage), grad, m)
+    return _replay(parameter_list(model, layout, stage), groups, sent, hook_order(model, layout, stage), grad, m)
 
 
 def _replay(params, groups, sent, order, grad, m):

@@ -167,8 +167,9 @@ class _Replay:
             self.release(g)
         self.prefetch()
 
-    def weight(self, hooks):  # a W's hooks (ZeRO3._gradient_ready): a group's first makes its buffer,
-        last = {g: i for i, g in enumerate(hooks)}  # its last completes it
+    def weight(self, hooks):
+        """A W's hooks (ZeRO3._gradient_ready): a group's first makes its buffer, its last completes it."""
+        last = {g: i for i, g in enumerate(hooks)}
         for i, g in enumerate(hooks):
             self.buffer(g)
             if last[g] == i:
