@@ -184,6 +184,8 @@ class _Released:
         raise RuntimeError(self._message())
 
     def __getattr__(self, attribute):  # an AttributeError, so that hasattr() (casts over a context) says no
+        if "_what" not in self.__dict__:  # (copy and pickle ask before __init__ has run)
+            raise AttributeError(attribute)
         raise AttributeError(f"{self._message()} (its .{attribute})")
 
     __array__ = __array_ufunc__ = __array_function__ = __getitem__ = __len__ = __iter__ = _fail

@@ -24,9 +24,9 @@ class Parameter(Tensor):
     default every rank that holds it holds it whole). ``held_by`` is None, or the ZeRO-3 optimizer
     that keeps this parameter's values in shards: ``data`` is then empty except while that
     optimizer has gathered it, and ``held_by.numel(p)`` is its size. ``accumulate_dtype``: None, or
-    the dtype a backward's gradient is widened to when it starts ``grad`` (ZeRO-2's fp32 gradients
-    of a 16-bit model, where no gradient buffer is kept: a weight used twice in one backward, the
-    tied embedding, then sums its two parts in fp32 too)."""
+    the dtype a backward's gradient is widened to when it starts ``grad`` (ZeRO-2's and ZeRO-3's fp32
+    gradients of a 16-bit model, where no gradient buffer is there yet: a weight used twice in one
+    backward, the tied embedding, then sums its two parts in fp32 too)."""
 
     def __init__(self, data, placement=REPLICATED):
         super().__init__(data, requires_grad=True)

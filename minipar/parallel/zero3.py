@@ -17,7 +17,8 @@ FSDP does (Zhao et al. 2023):
               fired in this backward (one a micro-batch left unused keeps the buffer waiting for a
               later micro-batch, or the step's end)
     split     a zero-bubble schedule's B gathers and frees as backward does, and makes no buffer
-              (no weight gradient comes in B); its W reads no weight (dW = g^T x) and runs with
+              (no weight gradient comes in B; but on one chunk the tied embedding's, whose two
+              parts one W takes before its hook); its W reads no weight (dW = g^T x) and runs with
               the weights released: its first hook of a group makes the group's buffer, the last
               sends it
 
