@@ -31,7 +31,10 @@ class ZeRO2(ShardedAdamW):
 
     def __init__(self, model, comm, **hyper):
         super().__init__(model, comm, **hyper)
-        self._ready = {id(g): 0 for g in self.groups}  # gradients backward has finished, per group
+        # per group, its parameters whose gradients backward has finished since its last send: a
+        # set, not a count, since a parameter of a chunk may finish again (the next micro-batch's
+        # backward of that chunk) before another chunk's parameters of the same group finish once
+        self._ready = {id(g): set() for g in self.groups}
         self._sent = set()  # groups sent this step
         self._whole = {}  # id(p) -> bytes of its whole gradient, held until its group is sent
         self._group_of = {id(p): g for g in self.groups for p in g.params}
@@ -46,8 +49,8 @@ class ZeRO2(ShardedAdamW):
         g = self._group_of[id(p)]
         if id(g) in self._later:  # whole until the model has summed them (finish_gradients), then sent
             return
-        self._ready[id(g)] += 1
-        if self._ready[id(g)] == len(g.params):
+        self._ready[id(g)].add(id(p))
+        if len(self._ready[id(g)]) == len(g.params):
             self.reduce_scatter_group(g)
 
     def reduce_scatter_group(self, g):
@@ -57,13 +60,13 @@ class ZeRO2(ShardedAdamW):
         for q in g.params:
             self.ledger.remove("gradients", self._whole.pop(id(q), 0))
             q.grad = None
-        self._ready[id(g)] = 0
+        self._ready[id(g)] = set()
         self._sent.add(id(g))
 
     def _send_rest(self):
         """Groups not sent (some parameter got no gradient) or with gradients that came after
-        they were (a parameter unused in an earlier micro-batch made the count complete early):
-        send them now, in order."""
+        their last send (a micro-batch that left some of the group's parameters unused): send
+        them now, in order."""
         for g in self.groups:
             if id(g) not in self._sent or self._ready[id(g)]:
                 self.reduce_scatter_group(g)
@@ -71,7 +74,7 @@ class ZeRO2(ShardedAdamW):
 
     def zero_grad(self):
         super().zero_grad()
-        self._ready = {key: 0 for key in self._ready}
+        self._ready = {key: set() for key in self._ready}
         self._sent.clear()
         for g in self.groups:  # a step dropped before finish_gradients: groups it never sent
             for q in g.params:
