@@ -129,7 +129,8 @@ def stage_peak_bytes(model, layout, stage=0, dtype="float32", micro_batches=None
     an upper bound that some runs reach, exact under that timing). Stages 1 and 2 add the group they
     are sending and the one before it, and stage 2 every whole gradient not sent yet
     (``zero12.transient_bytes``); stage 0 holds no more than after a step. ``micro_batches``
-    unknown (None) is taken as the most for any m (ZeRO-3: 3p; stages 1 and 2: 2, tested)."""
+    unknown (None) is taken as the most for any m (ZeRO-3: 3p; stages 1 and 2: 2, or 3p on a rank
+    of several chunks; tested)."""
     if layout.zero_stage == 3:
         from .zero3_peak import peak_bytes  # (it reads this module's counts)
 

@@ -19,81 +19,90 @@ Stage 2 keeps only its shard of the gradients. During a step it also holds, in g
 * the previous send, its buffer and piece, when it has not finished (``IN_FLIGHT`` = 1 pending).
 
 Which gradients are whole at a send depends on the order the hooks fire, which the replay
-(``_replay``) follows parameter by parameter: modules from the output back, a module's weight
-before its bias (a group cut between them holds the weight's gradient while the bias completes
-the group before it), an MoE layer's router before its experts (last to first), the tied
-embedding last where one rank holds both its uses and first on a pipeline's last stage (the head's
-backward), where ``--defer-embedding-wgrad-compute`` makes it at the flush instead. With the sends
-left pending as long as the optimizer allows (the worst case, which runs reach) the replay's most is
-the ledger's exactly on a rank of one chunk (tests/mpi/plan_counts.py), whatever m. A rank of
-several chunks has groups that span chunks, completed by one chunk's backward of a micro-batch and
-another's of the next (and then sent again): it is taken to hold every gradient whole beside two
-sends of its largest group, an upper bound. Every parameter is taken to get its gradient in every
-backward, as in ``zero3_peak.py``.
+(``_replay``) follows parameter by parameter over the rank's schedule (``zero3_peak.rank_passes``:
+each chunk's backward, or a split one's W, in turn): within a chunk, modules from the output back,
+a module's weight before its bias (a group cut between them holds the weight's gradient while
+the bias completes the group before it), an MoE layer's router before its experts (last to
+first); the tied embedding's part last in the embeddings' chunk and first in the head's, where
+``--defer-embedding-wgrad-compute`` makes it at the flush instead. A group that spans two chunks
+is complete once every parameter's hook has fired since its last send. With the sends left pending
+as long as the optimizer allows (the worst case, which runs reach) the replay's most is the
+ledger's exactly (tests/mpi/plan_counts.py). One chunk repeats from its second micro-batch on, so
+m is walked up to 2; several chunks up to 3p, as ZeRO-3's. Every parameter is taken to get its
+gradient in every backward, as in ``zero3_peak.py``.
 """
 
 from dataclasses import replace
 from functools import lru_cache
 
+from minipar.parallel.pipeline.instructions import BACKWARD, BACKWARD_WEIGHT, HEAD_WEIGHT, STEP
+
 from . import state
 from .shapes import PRECISIONS
 from .traffic import BUCKET
+from .zero3_peak import rank_passes
 
 
 def _modules(model, layout, stage):
-    """[(module kind, [(values, comm, held)] in the model's order)] on a rank of ``stage``: comm
-    "edp" for an expert's weights under expert parallelism ("dp" otherwise), held when the model
-    sums the gradient after backward (``protocol.finished_by_model``)."""
+    """[(module kind, local chunk, [(values, comm, held)])] on a rank of ``stage``, in the model's
+    order: comm "edp" for an expert's weights under expert parallelism ("dp" otherwise), held when
+    the model sums the gradient after backward (``protocol.finished_by_model``)."""
     h, t, E = model.hidden_size, layout.tp, model.num_experts
     sp = layout.sequence_parallel and t > 1
-    first, last = state.edges(layout, stage)
+    chunks, end = state.stage_chunks(layout, stage), layout.pp * layout.vpp - 1
+    first, last = 0 in chunks, end in chunks
     expert = "edp" if layout.ep > 1 else "dp"
-    norm = ("norm", [(h, "dp", sp)] * 2)
+    norm = [(h, "dp", sp)] * 2
     out = []
     if first or last:  # the tied embedding (a copy on each end, summed over "embedding")
-        out.append(("wte", [(state.token_embedding(model, layout), "dp", layout.pp > 1 and not (first and last))]))
+        tied = layout.pp > 1 and not (first and last)
+        out.append(("wte", chunks.index(0 if first else end), [(state.token_embedding(model, layout), "dp", tied)]))
     if first:
-        out.append(("wpe", [(model.seq_length * h, "dp", sp)]))
-    for layer in state.stage_layers(model, layout, stage):  # ln_1, c_attn, c_proj (its bias whole), ln_2
-        out += [norm, ("linear", [(3 * h * h // t, "dp", False), (3 * h // t, "dp", False)]),
-                ("linear", [(h * h // t, "dp", False), (h, "dp", sp)]), norm]
-        if model.is_moe(layer):  # the router, whole on every TP rank; then this rank's whole experts
-            out.append(("router", [(E * h, "dp", sp)]))
-            out += [("expert", [(4 * h * h, expert, sp), (4 * h, expert, sp), (4 * h * h, expert, sp),
-                                (h, expert, sp)])] * (E // layout.ep)  # memory.mlp_parameters(h) each
-        else:
-            out += [("linear", [(4 * h * h // t, "dp", False), (4 * h // t, "dp", False)]),
-                    ("linear", [(4 * h * h // t, "dp", False), (h, "dp", sp)])]
+        out.append(("wpe", chunks.index(0), [(model.seq_length * h, "dp", sp)]))
+    for c, chunk in enumerate(chunks):
+        for layer in state.chunk_layers(model, layout, chunk):  # ln_1, c_attn, c_proj (bias whole), ln_2
+            out += [("norm", c, norm), ("linear", c, [(3 * h * h // t, "dp", False), (3 * h // t, "dp", False)]),
+                    ("linear", c, [(h * h // t, "dp", False), (h, "dp", sp)]), ("norm", c, norm)]
+            if model.is_moe(layer):  # the router, whole on every TP rank; then this rank's whole experts
+                out.append(("router", c, [(E * h, "dp", sp)]))
+                out += [("expert", c, [(4 * h * h, expert, sp), (4 * h, expert, sp), (4 * h * h, expert, sp),
+                                       (h, expert, sp)])] * (E // layout.ep)  # memory.mlp_parameters(h) each
+            else:
+                out += [("linear", c, [(4 * h * h // t, "dp", False), (4 * h // t, "dp", False)]),
+                        ("linear", c, [(4 * h * h // t, "dp", False), (h, "dp", sp)])]
     if last:
-        out.append(norm)
+        out.append(("norm", chunks.index(end), norm))
     return out
 
 
 def parameter_list(model, layout, stage):
     """[(values, comm, held)] for each parameter a rank of ``stage`` holds, in the model's order
     (``state.rank_parameters`` counts them)."""
-    return [p for _, params in _modules(model, layout, stage) for p in params]
+    return [p for _, _, params in _modules(model, layout, stage) for p in params]
 
 
 def hook_order(model, layout, stage):
-    """The indices of ``parameter_list`` in the order one chunk's backward finishes them (the
-    module docstring's order), without the tied embedding's where it is made at the flush."""
+    """{local chunk: the indices of ``parameter_list`` in the order that chunk's backward (or W)
+    finishes them} (the module docstring's order), without the head's tied embedding where its
+    W comes at the flush."""
     modules, at = [], 0
-    for kind, params in _modules(model, layout, stage):
-        modules.append((kind, list(range(at, at + len(params)))))
+    for kind, c, params in _modules(model, layout, stage):
+        modules.append((kind, c, list(range(at, at + len(params)))))
         at += len(params)
-    first, last = state.edges(layout, stage)
-    order, experts = [], []
-    for kind, index in reversed(modules):
+    chunks, end = state.stage_chunks(layout, stage), layout.pp * layout.vpp - 1
+    embed = chunks.index(0) if 0 in chunks else None
+    head = chunks.index(end) if end in chunks else None
+    order, experts = {c: [] for c in range(len(chunks))}, []
+    for kind, c, index in reversed(modules):
         if kind == "expert":  # its c_proj, then its c_fc
             experts += index[2:] + index[:2]
         elif kind == "router":
-            order += index + experts
+            order[c] += index + experts
             experts = []
-        elif kind != "wte" or first:  # on both ends the lookup's part comes last
-            order += index
-    if last and not first and not layout.defer_embedding_wgrad:  # the head's backward comes first
-        order.insert(0, 0)  # (deferred, its W comes at the flush)
+        elif kind != "wte" or embed is not None:  # the lookup's part: last in the embeddings' chunk
+            order[c] += index
+    if head not in (None, embed) and not layout.defer_embedding_wgrad:  # the head's part: first in its chunk
+        order[head].insert(0, 0)  # (deferred, its W comes at the flush)
     return order
 
 
@@ -126,14 +135,15 @@ def rank_groups(model, layout, stage, dtype="float32", members=False):
 
 def transient_bytes(model, layout, stage, dtype="float32", micro_batches=None):
     """Bytes ZeRO stage 1 or 2 holds at its fullest moment of a step beyond ``state_bytes`` (the
-    module docstring's count; 0 for other stages). From the second micro-batch on each repeats
-    the last, so m is taken as at most 2, and as 2 when None: the most for any m."""
+    module docstring's count; 0 for other stages). m is walked up to 2 micro-batches on a rank of
+    one chunk (each repeats the second), 3p on one of several, and that far when None: the most
+    for any m."""
     if layout.zero_stage not in (1, 2):
         return 0
     # the planner asks for many layouts that differ only in what the groups do not depend on
-    same = replace(layout, micro_batch_size=1, recompute=False, selective_recompute=False, cp_comm_type="p2p",
-                   schedule="zb-v" if layout.schedule == "zb-v" else "1f1b")
-    return _transient(model, same, stage, dtype, 2 if micro_batches is None else min(micro_batches, 2))
+    same = replace(layout, micro_batch_size=1, recompute=False, selective_recompute=False, cp_comm_type="p2p")
+    most = 2 if len(state.stage_chunks(layout, stage)) == 1 else 3 * layout.pp
+    return _transient(model, same, stage, dtype, most if micro_batches is None else min(micro_batches, most))
 
 
 @lru_cache(maxsize=4096)
@@ -144,34 +154,40 @@ def _transient(model, layout, stage, dtype, m):
     if layout.zero_stage == 1:
         return grad * max(piece)
     sent = [grad * (p * n + p) for p, (_, n, _, _) in zip(piece, groups)]  # the flat buffer and the piece
-    if len(state.stage_chunks(layout, stage)) > 1:  # a group may span chunks (and go out twice in a row):
-        return grad * sum(values for values, _, _, _ in groups) + 2 * max(sent)  # every gradient whole at once
-    return _replay(parameter_list(model, layout, stage), groups, sent, hook_order(model, layout, stage), grad, m)
+    passes = rank_passes(layout.schedule, layout.pp, m, layout.vpp, layout.defer_embedding_wgrad, stage)
+    return _replay(parameter_list(model, layout, stage), groups, sent, hook_order(model, layout, stage), passes, grad)
 
 
-def _replay(params, groups, sent, order, grad, m):
-    """The most a ZeRO-2 rank of one chunk holds beyond its state over ``m`` micro-batches' backwards
-    (the second repeats every later one) and the flush, every send pending until the next one."""
+def _replay(params, groups, sent, order, passes, grad):
+    """The most a ZeRO-2 rank holds beyond its state over ``passes`` (its schedule's, then the
+    step), every send pending until the next one: ``ZeRO2``'s hooks and ledger, replayed."""
     group_of = {i: k for k, (_, _, _, members) in enumerate(groups) for i in members}
-    whole, ready, pending, most = set(), [0] * len(groups), 0, 0
+    whole, ready, done, pending, most = set(), [set() for _ in groups], set(), 0, 0
 
-    def send(k):
+    def send(k):  # ZeRO2.reduce_scatter_group
         nonlocal pending, most
         most = max(most, grad * sum(params[i][0] for i in whole) + sent[k] + pending)
         pending = sent[k]
         whole.difference_update(groups[k][3])
+        ready[k] = set()
+        done.add(k)
 
-    for _ in range(m):
-        for i in order:
-            whole.add(i)
-            k = group_of[i]
-            if not groups[k][2]:  # held: sent at the flush
-                ready[k] += 1
-                if ready[k] == len(groups[k][3]):
-                    ready[k] = 0
+    def hook(i):  # ZeRO2._gradient_ready: a held group waits for the flush
+        whole.add(i)
+        k = group_of[i]
+        if not groups[k][2]:
+            ready[k].add(i)
+            if len(ready[k]) == len(groups[k][3]):
+                send(k)
+
+    for op, c in passes:
+        if op in (BACKWARD, BACKWARD_WEIGHT):  # a whole backward's hooks, or a split one's W's
+            for i in order[c]:
+                hook(i)
+        elif op == HEAD_WEIGHT:  # the head's W deferred to the flush: the tied embedding's part
+            hook(0)
+        elif op == STEP:  # finish_gradients: what is not sent, or came after its send, in order
+            for k in range(len(groups)):
+                if k not in done or ready[k]:
                     send(k)
-    whole.update(i for i in group_of if params[i][2])  # the flush: the head's deferred W made, if any
-    for k, (_, _, held, _) in enumerate(groups):
-        if held:
-            send(k)
     return most

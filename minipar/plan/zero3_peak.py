@@ -40,7 +40,7 @@ from .zero3 import rank_units
 
 
 @lru_cache(maxsize=256)
-def _passes(schedule, p, m, v, defer, rank):
+def rank_passes(schedule, p, m, v, defer, rank):
     """The rank's compute in a step, (op, local chunk), then its step: ``schedules.build``'s order
     without the messages (build checks m's MPI tags, and the walk's 3p may need more than the run's
     m); the head's deferred W's before the step, on the rank holding the last chunk."""
@@ -75,7 +75,7 @@ def replay(model, layout, m, stage=0, dtype="float32", in_flight=None):
     groups, chunks = rank_units(model, layout, stage)
     walk = _Replay(groups, PRECISIONS[dtype], state.state_bytes(model, layout, stage, dtype),
                    ShardedAdamW.IN_FLIGHT if in_flight is None else in_flight)
-    passes = _passes(layout.schedule, layout.pp, m, layout.vpp, layout.defer_embedding_wgrad, stage)
+    passes = rank_passes(layout.schedule, layout.pp, m, layout.vpp, layout.defer_embedding_wgrad, stage)
     # the groups in the order the step gathers them, a forward's and a reading backward's: the last
     # step's record, which the prefetch follows
     walk.record = [u.groups if op == FORWARD else u.read
