@@ -43,6 +43,11 @@ class WeightGradients:
     def holds(self, tensor):
         return id(tensor) in self._weights
 
+    def waits(self, tensor):
+        """Whether a node parked here already has ``tensor``'s gradient to make (a weight two ops
+        use: this W will take a second part of it)."""
+        return any(n and t is tensor for _, _, _, inputs, _, needs in self._parked for t, n in zip(inputs, needs))
+
     def deferred(self, node):
         """The indices of ``node``'s inputs whose gradients W computes."""
         if not node.fn.defers_weights:
@@ -107,6 +112,13 @@ def left_to_w(tensor):
     (no gradient of it arrives before W: a holder need not make room for one yet)."""
     split = engine.current_split()
     return split is not None and split.holds(tensor)
+
+
+def second_part_in_w(tensor):
+    """Whether the running B's W already has a part of ``tensor``'s gradient to make: an op
+    reaching it now gives that W two, summed into ``grad`` before the weight's hook fires."""
+    split = engine.current_split()
+    return split is not None and split.waits(tensor)
 
 
 @contextlib.contextmanager

@@ -17,8 +17,8 @@ FSDP does (Zhao et al. 2023):
               fired in this backward (one a micro-batch left unused keeps the buffer waiting for a
               later micro-batch, or the step's end)
     split     a zero-bubble schedule's B gathers and frees as backward does, and makes no buffer
-              (no weight gradient comes in B; but on one chunk the tied embedding's, whose two
-              parts one W takes before its hook); its W reads no weight (dW = g^T x) and runs with
+              (no weight gradient comes in B; but a group's whose second part this B gives W,
+              the tied embedding's on one chunk); its W reads no weight (dW = g^T x) and runs with
               the weights released: its first hook of a group makes the group's buffer, the last
               sends it
 
@@ -60,7 +60,7 @@ from minipar.parallel.protocol import check_same_layout, finished_by_model, grad
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW
 from minipar.parallel.zero3_units import UnitBackward, read_in_backward, unit_groups
-from minipar.weight_grad import left_to_w, weight_pass
+from minipar.weight_grad import left_to_w, second_part_in_w, weight_pass
 
 
 class ZeRO3(ShardedAdamW):
@@ -112,10 +112,6 @@ class ZeRO3(ShardedAdamW):
         self._pass = {}  # id(group) -> the W (weight_grad.weight_pass) its count is of, in a split backward
         self._unit_groups = {name: tuple({id(self._group_of[id(p)]): self._group_of[id(p)] for p in used}.values())
                              for name, used in units}
-        # a group two units use gets its buffer in B where one W takes both parts (one chunk: the
-        # head's, then the lookup's): the first would otherwise wait beside it, whole and uncounted
-        uses = [id(g) for groups in self._unit_groups.values() for g in groups]
-        self._two_parts = {k for k in uses if uses.count(k) > 1} if getattr(model, "n_chunks", 1) == 1 else set()
         for p in params:  # gradients W makes before their group's buffer are summed in its dtype too
             p.accumulate_dtype = self.grad_dtype if self.grad_dtype != p.dtype else None
         model.wrap_units(self._run_unit)
@@ -216,8 +212,9 @@ class ZeRO3(ShardedAdamW):
         """Before a unit's backward: the groups it reads (``read``) whole again, and each group a
         flat zeroed gradient buffer its parameters' gradients are views into, so that the engine
         accumulates straight into what will be sent; not a group whose gradients all wait for a
-        W (a split backward's B): its W makes the buffer at its first hook (unless one W takes
-        two parts of it before that: ``_two_parts``)."""
+        W (a split backward's B): its W makes the buffer at its first hook, unless this B gives
+        that W a second part of it (the tied embedding's lookup after the head, in one chunk):
+        the first would otherwise wait beside the buffer, whole and uncounted."""
         if read:  # else nothing to gather (the embeddings' lookups), nor to record for the prefetch
             self._gather_unit(name, read)
         self._collect(keep=self.IN_FLIGHT)  # the last unit's send may be done: its buffer goes first
@@ -226,7 +223,8 @@ class ZeRO3(ShardedAdamW):
             # backward (a micro-batch that left a parameter of the group unused) may fire again in
             # this one, so only this backward's count says the group is complete
             self._ready[id(g)] = set()
-            if id(g) not in self._flats and (id(g) in self._two_parts or not all(left_to_w(p) for p in g.params)):
+            left = all(left_to_w(p) for p in g.params) and not any(second_part_in_w(p) for p in g.params)
+            if id(g) not in self._flats and not left:
                 self._grad_buffer(g)  # else its earlier micro-batches' gradients stay in the buffer
 
     def after_unit_backward(self, name):

@@ -81,20 +81,21 @@ def replay(model, layout, m, stage=0, dtype="float32", in_flight=None):
     walk.record = [u.groups if op == FORWARD else u.read
                    for op, c in passes if op in (FORWARD, BACKWARD, BACKWARD_INPUT)
                    for u in (chunks[c] if op == FORWARD else chunks[c][::-1]) if op == FORWARD or u.read]
-    # a group two units use gets its buffer in B where one W takes both parts (ZeRO3._two_parts)
-    uses = [g for units in chunks for u in units for g in u.groups]
-    two_parts = {g for g in uses if uses.count(g) > 1} if layout.pp * layout.vpp == 1 else set()
+    # a group two units of one chunk use gets its buffer in the second one's B: that B gives W a
+    # second part of it (ZeRO3.before_unit_backward, weight_grad.second_part_in_w)
     for op, c in passes:
         units = chunks[c] if op != STEP else ()
         if op == FORWARD:
             for u in units:
                 walk.forward(u)
         elif op in (BACKWARD, BACKWARD_INPUT):
+            reached = set()  # the groups this B has reached so far
             for u in units[::-1]:
-                # B makes no buffer (no weight gradient comes before W) but a group's whose two parts
-                # one W takes, nor the head's backward for what its deferred W fills
-                walk.before_backward(u, [g for g in u.groups if g in two_parts] if op == BACKWARD_INPUT
+                # B makes no buffer (no weight gradient comes before W) but a group's whose second
+                # part it gives W, nor the head's backward for what its deferred W fills
+                walk.before_backward(u, [g for g in u.groups if g in reached] if op == BACKWARD_INPUT
                                      else [g for g in u.groups if g not in u.head])
+                reached.update(u.groups)
                 for g in u.backward if op == BACKWARD else ():
                     walk.complete(g)
                 if u.name != "embed":  # (token ids in: no moment after its backward, which gathered nothing)
