@@ -225,7 +225,7 @@ class ZeRO3(ShardedAdamW):
             self._ready[id(g)] = set()
             left = all(left_to_w(p) for p in g.params) and not any(second_part_in_w(p) for p in g.params)
             if id(g) not in self._flats and not left:
-                self._grad_buffer(g)  # else its earlier micro-batches' gradients stay in the buffer
+                self._grad_buffer(g)  # (one made already keeps its earlier micro-batches' gradients)
 
     def after_unit_backward(self, name):
         """After a unit's backward (a split one's B): its parameters go, complete or not; what
