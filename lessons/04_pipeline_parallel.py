@@ -55,12 +55,14 @@ Exercises (predict first, then run the command and read the table named):
    and see whether "measured" follows it (on 2 cores it hardly moves: see the note). Then with
    a core per rank, -n 2 --schedule 1f1b --micro-batches 2 (4, 8, 16): does it follow "sim, step"?
 2. Predict the "activations held" rows for --micro-batches 16 on 4 ranks, GPipe and 1F1B, and why
-   only one of them grows with m. The bytes table below it shows the same in megabytes.
+   only one of them grows with m. In the bytes table below it the global batch stays 16, so a
+   micro-batch of m = 16 is half one of m = 8: there GPipe's megabytes stay flat, 1F1B's halve.
 3. Write down 1F1B's order for 2 stages and 4 micro-batches (rank 0 runs two forwards before its
    first backward; rank 1, the last stage, alternates at once), then check it:
    ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --schedule 1f1b --micro-batches 4 --show-schedules
 4. --plant-bug never adds the tied embedding's two gradient parts (first and last stage). Predict
-   which error rows fail, and whether step 1's loss could still match:
+   which error rows fail; the "loss" row is the worst step's: could the first step's loss (step 0)
+   still match, and why does the row fail anyway?
    ./run_mpi.sh -n 4 lessons/04_pipeline_parallel.py --schedule 1f1b --plant-bug
 5. Predict ZB-H1's bubble for p = 2, m = 4 with unit costs, and with a core per rank check the
    measured one against 1F1B's: ./run_mpi.sh -n 2 lessons/04_pipeline_parallel.py --micro-batches 4
@@ -289,9 +291,10 @@ def main():
                         os.path.join(args.out, "pipedream_2bw_loss.png"), title=f"PipeDream-2BW, p={p}, m={m}")
     ran = {None: "Every schedule equals the single-device run, PipeDream-2BW its delayed rule",
            TWO_BW: "PipeDream-2BW equals the single-device run of its delayed rule"}
+    tables = "" if args.schedule == TWO_BW else (";\nthe bubble, the activations held and the bytes sent are "
+                                                  "what the formulas say")  # (2BW alone prints none of them)
     return lesson.finish(comm, not ok, lambda: report(args, grid, results, runs, lines, tol, two_bw),
-                         ran.get(args.schedule, f"{args.schedule} equals the single-device run") + ";\nthe "
-                         "bubble, the activations held and the bytes sent are what the formulas say.")
+                         ran.get(args.schedule, f"{args.schedule} equals the single-device run") + tables + ".")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ where a dense weight's is summed over all of DP.
 3. What it costs: the bytes each rank sends by all-to-all-v, measured beside the exact count from
    the routing, and the estimate for a uniform router; the expert parameters each rank holds.
 
-What to look at. Errors are rounding (float32 ~1e-6, float64 ~1e-15) and the slot counts are equal.
+What to look at. Errors are rounding (float32 below 1e-6, float64 ~1e-15) and the slot counts are
+equal.
 Each rank sends 2 (out + in) rows of h values per MoE layer, forward and backward together: out,
 its slots routed to other ranks' experts; in, the slots others route to its experts. A uniform
 router makes out = in = N k (EP-1)/EP. Expert bytes per rank fall as 1/EP; the dense ones do not.
@@ -35,7 +36,8 @@ Exercises.
   c. Predict the bytes of EP=8 from the uniform formula before running -n 8; why is the measured
      number not exactly it?
   d. --plant-bug combines with the wrong permutation (the rows come back in the order they arrived,
-     not the order of their tokens): which rows fail first, and why does EP=1 not notice?
+     not the order of their tokens): which rows fail first, and why does EP=1 not notice? At -n 8
+     EP=8 passes too: how many experts does each rank hold there?
 
 Read next: minipar/models/moe.py, minipar/parallel/experts.py, minipar/functional/routing.py,
 functional/router_losses.py, docs/moe.md.
