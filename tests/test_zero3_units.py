@@ -146,34 +146,6 @@ class _Squared(Function):
         return (grad * ctx.w * ctx.w if need_x else None), ((2 * grad * ctx.x * ctx.w).sum(0) if need_w else None)
 
 
-def test_a_split_backward_sums_16_bit_gradients_in_fp32_as_a_whole_one():
-    """bf16 weights with fp32 gradients: W's gradients made before their group's buffer are
-    summed in fp32 too, so ZB-H1's are 1F1B's bit for bit (the tied embedding's two parts were
-    added in bf16 first, 1e-3 apart)."""
-    from minipar.parallel.optimizers import make_optimizer
-    from minipar.parallel.pipeline.executor import PipelineExecutor
-    from minipar.precision import from_flags
-
-    dtype, policy, scaler = from_flags("float32", bf16=True, accumulate_allreduce_grads_in_fp32=True)
-    minipar.set_default_dtype(dtype)
-    try:
-        config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.0)
-        x = np.random.default_rng(1).integers(0, 32, (6, 8))
-        grads = []
-        for schedule in ("1f1b", "zb-h1"):
-            minipar.manual_seed(0)
-            grid = ProcessGrid(1, 1)
-            model = GPT(config, grid)
-            opt = make_optimizer(model, grid, 3, policy=policy, scaler=scaler, lr=1e-2)
-            PipelineExecutor(model, grid, schedule, micro_batches=3, optimizer=opt).step(x, x)
-            whole = opt.inner.full_gradients()
-            grads.append({n: np.asarray(whole[id(p)]) for n, p in model.named_parameters()})
-    finally:
-        minipar.set_default_dtype("float32")
-    for name in grads[0]:
-        assert grads[0][name].dtype == np.float32 and np.array_equal(grads[0][name], grads[1][name]), name
-
-
 def test_a_w_that_reads_a_weight_released_after_b_fails_naming_it():
     """W runs with the weights a holder released after B, and no holder gathers one again behind
     the schedule's back: an op whose weight gradient reads its weight fails there, saying so."""
