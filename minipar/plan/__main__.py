@@ -94,9 +94,7 @@ def model_of(args):
             found.append(f"--global-batch-size {batch}: the planner takes at most {MAX_BATCH:,} sequences a step")
     if batch is None:
         found.append("give --global-batch-size (or a --preset)")
-    if args.dropout is not None:
-        if not 0 <= args.dropout < 1:
-            found.append(f"--dropout must be a number in [0, 1), got {args.dropout}")
+    if args.dropout is not None:  # checked below, by the trainer's rule
         given["dropout"] = args.dropout
     model = replace(base, **given)
     if not found:  # the model's own rules (heads that split it, top-k of the experts), as the trainer words them
@@ -108,7 +106,8 @@ def model_config(model):
     """The ``validate.RunConfig`` of the model alone: what no layout can change."""
     experts = model.num_experts or None
     return validate.RunConfig(n_layer=model.num_layers, n_head=model.num_attention_heads, n_embd=model.hidden_size,
-                              block_size=model.seq_length, vocab_size=model.vocab_size, num_experts=experts,
+                              block_size=model.seq_length, vocab_size=model.vocab_size, dropout=model.dropout,
+                              num_experts=experts,
                               moe_router_topk=model.moe_router_topk if experts else None,
                               moe_layer_freq=model.moe_layer_freq if experts else None)
 

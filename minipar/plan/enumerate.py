@@ -38,7 +38,8 @@ FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-
          "virtual_stages": "--virtual-pipeline-model-parallel-size", "zero_stage": "--zero-stage",
          "sequence_parallel": "--sequence-parallel", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
          "moe_layer_freq": "--moe-layer-freq", "cp_comm_type": "--cp-comm-type", "schedule": "--schedule",
-         "pipeline_layers": "--pipeline-layers", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute"}
+         "pipeline_layers": "--pipeline-layers", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute",
+         "dropout": "--dropout"}
 
 
 def divisors(n):
