@@ -24,7 +24,8 @@ a multiple of N (``shards.py``); the count here is exact when every parameter's 
 multiple of N (h a multiple of N), and under it by less than N values per group otherwise.
 """
 
-from minipar.parallel.memory import mlp_parameters
+from functools import lru_cache
+
 from minipar.parallel.tensor import padded_vocab
 
 from .shapes import PRECISIONS
@@ -57,14 +58,41 @@ def stage_layers(model, layout, stage):
     return [layer for g in stage_chunks(layout, stage) for layer in chunk_layers(model, layout, g)]
 
 
+def block_modules(model, layout, layer):
+    """Block ``layer``'s parameters on one rank, module by module in the model's order: [(kind,
+    [(values, expert, partial)])], kind "norm", "linear", "router" or "expert" (this rank's whole
+    experts, ``memory.mlp_parameters`` each), ``partial`` for what every TP rank holds whole and
+    sequence parallelism leaves each a part of the gradient of (the LayerNorms, the row-parallel
+    biases, the router)."""
+    return _block(model, layer, layout.tp, layout.ep)[0]
+
+
+def _block(model, layer, tp=1, ep=1):
+    """(``block_modules``, its (dense, experts, partial) sums): one computation per kind of block."""
+    experts = model.num_experts if model.is_moe(layer) else 0
+    return _block_modules(model.hidden_size, tp, experts, experts // ep)
+
+
+@lru_cache(maxsize=1024)  # the planner asks for every block of every layout it tries
+def _block_modules(h, t, experts, local):
+    norm = ("norm", ((h, False, True),) * 2)
+    out = (norm, ("linear", ((3 * h * h // t, False, False), (3 * h // t, False, False))),  # ln_1, c_attn,
+           ("linear", ((h * h // t, False, False), (h, False, True))), norm)  # c_proj (its bias whole), ln_2
+    if not experts:
+        out += (("linear", ((4 * h * h // t, False, False), (4 * h // t, False, False))),
+                ("linear", ((4 * h * h // t, False, False), (h, False, True))))
+    else:  # an expert's c_fc and c_proj, whole: memory.mlp_parameters(h) = 8 h^2 + 5 h
+        expert = ("expert", ((4 * h * h, True, False), (4 * h, True, False), (4 * h * h, True, False),
+                             (h, True, False)))
+        out += (("router", ((experts * h, False, True),)),) + (expert,) * local
+    values = [p for _, params in out for p in params]
+    return out, (sum(v for v, e, _ in values if not e), sum(v for v, e, _ in values if e),
+                 sum(v for v, _, partial in values if partial))
+
+
 def block_parameters(model, layout, layer):
     """(dense, experts) parameters block ``layer`` puts on one rank."""
-    h, t = model.hidden_size, layout.tp
-    attention = (3 * h * h + 3 * h) // t + h * h // t + h + 4 * h
-    if not model.is_moe(layer):
-        return attention + (8 * h * h + 4 * h) // t + h, 0
-    E = model.num_experts
-    return attention + E * h, E // layout.ep * mlp_parameters(h)
+    return _block(model, layer, layout.tp, layout.ep)[1][:2]
 
 
 def token_embedding(model, layout):
@@ -77,8 +105,7 @@ def partial_sums(model, layer):
     """The parameters of block ``layer`` whole on every TP rank, whose gradients sequence
     parallelism leaves each TP rank a part of: the LayerNorms, c_proj's bias and the MLP's (a MoE
     block has none: its router, E h, instead)."""
-    h = model.hidden_size
-    return 5 * h + (model.num_experts * h if model.is_moe(layer) else h)
+    return _block(model, layer)[1][2]  # (whole on every TP rank: the same for any TP)
 
 
 def rank_parameters(model, layout, stage=0):

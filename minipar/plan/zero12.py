@@ -47,11 +47,9 @@ def _modules(model, layout, stage):
     """[(module kind, local chunk, [(values, comm, held)])] on a rank of ``stage``, in the model's
     order: comm "edp" for an expert's weights under expert parallelism ("dp" otherwise), held when
     the model sums the gradient after backward (``protocol.finished_by_model``)."""
-    h, t, E = model.hidden_size, layout.tp, model.num_experts
-    sp = layout.sequence_parallel and t > 1
+    h, sp = model.hidden_size, layout.sequence_parallel and layout.tp > 1
     chunks, end = state.stage_chunks(layout, stage), layout.pp * layout.vpp - 1
     first, last = 0 in chunks, end in chunks
-    expert = "edp" if layout.ep > 1 else "dp"
     norm = [(h, "dp", sp)] * 2
     out = []
     if first or last:  # the tied embedding (a copy on each end, summed over "embedding")
@@ -60,16 +58,10 @@ def _modules(model, layout, stage):
     if first:
         out.append(("wpe", chunks.index(0), [(model.seq_length * h, "dp", sp)]))
     for c, chunk in enumerate(chunks):
-        for layer in state.chunk_layers(model, layout, chunk):  # ln_1, c_attn, c_proj (bias whole), ln_2
-            out += [("norm", c, norm), ("linear", c, [(3 * h * h // t, "dp", False), (3 * h // t, "dp", False)]),
-                    ("linear", c, [(h * h // t, "dp", False), (h, "dp", sp)]), ("norm", c, norm)]
-            if model.is_moe(layer):  # the router, whole on every TP rank; then this rank's whole experts
-                out.append(("router", c, [(E * h, "dp", sp)]))
-                out += [("expert", c, [(4 * h * h, expert, sp), (4 * h, expert, sp), (4 * h * h, expert, sp),
-                                       (h, expert, sp)])] * (E // layout.ep)  # memory.mlp_parameters(h) each
-            else:
-                out += [("linear", c, [(4 * h * h // t, "dp", False), (4 * h // t, "dp", False)]),
-                        ("linear", c, [(4 * h * h // t, "dp", False), (h, "dp", sp)])]
+        for layer in state.chunk_layers(model, layout, chunk):  # an expert's gradient, too, is summed over TP
+            out += [(kind, c, [(v, "edp" if expert and layout.ep > 1 else "dp", sp and (partial or expert))
+                               for v, expert, partial in params])
+                    for kind, params in state.block_modules(model, layout, layer)]
     if last:
         out.append(("norm", chunks.index(end), norm))
     return out
