@@ -79,3 +79,24 @@ def probability(p, what="dropout probability"):
     if not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
         raise ValueError(f"{what} must be a number in [0, 1), got {p!r}")
     return float(p)
+
+
+def loss_targets(op, logits, targets, vocab_size, ignore_index, reduction):
+    """Integer ``targets`` (the logits' shape without its last axis) for a cross-entropy over
+    ``vocab_size`` classes, each in [0, vocab_size) or ``ignore_index``; with ``reduction="mean"``
+    at least one not ignored, since the mean over none is undefined. Shared by the serial loss
+    and the vocabulary-parallel one, which refuse alike."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{op}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"{op}: targets of shape {targets.shape} do not match logits {logits.shape}")
+    if targets.dtype.kind not in "iu":
+        raise TypeError(f"{op}: targets must be integers, got {targets.dtype}")
+    used = targets[targets != ignore_index]
+    if reduction == "mean" and used.size == 0:
+        raise ValueError(f"{op}: every target equals ignore_index, so the mean is undefined; use "
+                         "reduction='sum' and normalise by the global count")
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= vocab_size):
+        raise IndexError(f"{op}: targets must lie in [0, {vocab_size}) or equal ignore_index ({ignore_index}), "
+                         f"got values in [{int(used.min())}, {int(used.max())}]")
+    return targets

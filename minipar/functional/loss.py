@@ -8,7 +8,7 @@ import numpy
 
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp
-from minipar.functional.checks import floats
+from minipar.functional.checks import floats, loss_targets
 from minipar.functional.widen import in_float32
 
 
@@ -59,23 +59,5 @@ def cross_entropy(logits, targets, ignore_index=-1, reduction="mean"):
     """
     logits = floats("cross_entropy", logits)
     targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"cross_entropy: targets of shape {targets.shape} do not match logits {logits.shape}"
-        )
-    if targets.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
-    used = targets[targets != ignore_index]
-    if reduction == "mean" and used.size == 0:
-        raise ValueError(
-            "cross_entropy: every target equals ignore_index, so the mean is undefined; "
-            "use reduction='sum' and normalise by the global count"
-        )
-    if used.size and (int(used.min()) < 0 or int(used.max()) >= logits.shape[-1]):
-        raise IndexError(
-            f"cross_entropy: targets must lie in [0, {logits.shape[-1]}) or equal ignore_index "
-            f"({ignore_index}), got values in [{int(used.min())}, {int(used.max())}]"
-        )
+    loss_targets("cross_entropy", logits, targets, logits.shape[-1], ignore_index, reduction)
     return CrossEntropy.apply(logits, targets, int(ignore_index), reduction)

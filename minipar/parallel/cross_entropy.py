@@ -18,7 +18,7 @@ import numpy
 
 from minipar.autograd import Function
 from minipar.backend import array_of, xp
-from minipar.functional.checks import floats
+from minipar.functional.checks import floats, loss_targets
 from minipar.functional.widen import in_float32
 
 
@@ -72,18 +72,9 @@ def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start, vocab_size,
     rank of ``comm`` gets the same loss."""
     logits = floats("vocab_parallel_cross_entropy", logits)
     targets = xp.asarray(array_of(targets))
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(f"targets of shape {targets.shape} do not match logits {logits.shape}")
     if logits.shape[-1] * comm.size < vocab_size:
-        raise ValueError(f"{comm.size} ranks of {logits.shape[-1]} vocabulary columns do not hold a vocabulary of "
-                         f"{vocab_size}")
-    used = targets[targets != ignore_index]
-    if used.size == 0 and reduction == "mean":
-        raise ValueError("every target equals ignore_index, so the mean is undefined; use reduction='sum' "
-                         "and normalise by the global count")
-    if used.size and (int(used.min()) < 0 or int(used.max()) >= vocab_size):
-        raise IndexError(f"targets must lie in [0, {vocab_size}) or equal ignore_index ({ignore_index})")
+        raise ValueError(f"vocab_parallel_cross_entropy: {comm.size} ranks of {logits.shape[-1]} vocabulary "
+                         f"columns do not hold a vocabulary of {vocab_size}")
+    loss_targets("vocab_parallel_cross_entropy", logits, targets, vocab_size, ignore_index, reduction)
     return VocabParallelCrossEntropy.apply(logits, targets, comm, int(vocab_start), int(vocab_size),
                                            int(ignore_index), reduction)
