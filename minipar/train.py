@@ -29,8 +29,9 @@ DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, 
 
 def layer_counts(text):
     """--pipeline-layers 3,1: the layers of each pipeline chunk, comma-separated (validate checks
-    their number and sum against --pp x --vpp and --n-layer)."""
-    return tuple(positive_int(part) for part in text.split(","))
+    their number and sum against --pp x --vpp and --n-layer); or "balanced", which check_args
+    turns into counts once the model's shape is known."""
+    return "balanced" if text == "balanced" else tuple(positive_int(part) for part in text.split(","))
 
 
 OPTIONAL_PATHS = ("data", "tokenizer", "load", "init_weights", "save", "log_json", "export_weights", "export_hf")
@@ -85,7 +86,9 @@ def build_parser():
     g.add_argument("--dp", type=positive_int, help="data-parallel size, checked against the number of ranks (default: the ranks / (TP x CP x PP))")
     g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1, help="expert-parallel size: DP ranks that split the experts (a divisor of DP)")
     g.add_argument("--pipeline-layers", type=layer_counts, help="layers of each pipeline chunk in order, e.g. 3,1 "
-                   "(an uneven split for stages of unequal speed: python -m minipar.plan --node-speeds); "
+                   "(an uneven split for stages of unequal speed: python -m minipar.plan --node-speeds), or "
+                   "'balanced': fewer layers where the output head runs, as many fewer as its training FLOPs are "
+                   "worth in blocks; "
                    "default: --n-layer / (--pp x --vpp) each")
     g.add_argument("--num-virtual-stages", "--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule; 2 for zb-v)")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (1f1b-slack: 1F1B with one more forward in flight, which absorbs uneven instruction times; zb-h1, zb-h2, zb-v: zero bubble, the backward split into B and W; zb-v places --num-virtual-stages 2 in a V; pipedream-2bw: no flush, weights stashed, the update one step delayed)")

@@ -182,6 +182,7 @@ def check_args(args, world_size):
             problems.append(f"--{flag.replace('_', '-')} is about the checkpoints of --save DIR: give --save")
     if args.exit_interval and not args.save:
         problems.append("--exit-interval stops the run to resume it later: give --save DIR to keep its state")
+    problems += balanced_layers(args)
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
     if not layout:  # the sizes make sense: will the model and its activations fit before they are allocated?
         from minipar.parallel.memory import BYTES, problem as memory_problem
@@ -198,6 +199,29 @@ def check_args(args, world_size):
     if problems:
         raise FlagError(*problems)
     args.dp, args.micro_batches = run.dp, run.micro_batches
+
+
+def balanced_layers(args):
+    """--pipeline-layers balanced as counts (``plan.hetero.balance``: the last chunk's head counted
+    in blocks' FLOPs); a problem where there is nothing to balance."""
+    if args.pipeline_layers != "balanced":
+        return []
+    from minipar.parallel.pipeline import schedules
+    from minipar.plan import hetero
+
+    chunks = args.pp * args.vpp
+    args.pipeline_layers = None  # what the problems below leave: the even split, for the checks that follow
+    if chunks == 1:
+        return ["--pipeline-layers balanced splits the layers between pipeline chunks, and --pp x --vpp is 1: "
+                "give --pp > 1, or drop it"]
+    if args.n_layer < chunks:
+        return []  # validate says it: every chunk needs a layer
+    moe_layers = sum(i % args.moe_layer_freq == 0 for i in range(args.n_layer)) if args.num_experts else 0
+    head = hetero.head_in_blocks(args.n_embd, args.block_size, args.vocab_size, args.recompute, args.n_layer,
+                                 moe_layers, args.moe_router_topk, args.num_experts or 0)
+    shape = schedules.shape_of(args.schedule)
+    args.pipeline_layers = tuple(hetero.chunk_layers(args.n_layer, args.pp, args.vpp, head, shape))
+    return []
 
 
 def check_files(p, args, config, data):

@@ -116,7 +116,9 @@ class Reports:
         ep = f" (EP {g.ep})" if g.ep > 1 else ""
         print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}{ep}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
-              + (f", {a.vpp} virtual stages" if a.vpp > 1 else "") + f"; ZeRO stage {self.opt.stage}"
+              + (f", {a.vpp} virtual stages" if a.vpp > 1 else "")
+              + (f", layers per chunk {','.join(map(str, a.pipeline_layers))}" if a.pipeline_layers else "")
+              + f"; ZeRO stage {self.opt.stage}"
               + (f"; {self.opt.policy.params.name}, fp32 master weights" if self.opt.policy is not None else "")
               + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else "")
               + (", selective recompute" if a.recompute_granularity == "selective" else ""))

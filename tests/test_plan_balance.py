@@ -48,7 +48,8 @@ def test_the_slowest_node_paces_a_stage_that_spans_nodes():
 def test_the_command_line_shows_the_balancing_win():
     run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "1", "--gpu-memory-gb", "2", "--node-speeds", "1,0.5")
     assert run.returncode == 0, run.stderr
-    assert "balanced  layers per stage [8, 4]" in run.stdout and "balancing saves" in run.stdout
+    # the half-speed stage also runs GPT-2's head, 4.46 blocks: it keeps one layer, 11 + 0 against (1 + 4.46) / 0.5
+    assert "balanced  layers per stage [11, 1]" in run.stdout and "balancing saves" in run.stdout
 
 
 def test_the_balanced_plans_command_is_one_the_trainer_takes(monkeypatch):
@@ -67,3 +68,50 @@ def test_the_balanced_plans_command_is_one_the_trainer_takes(monkeypatch):
     assert args.pipeline_layers and args.schedule in run.stdout.split("heterogeneous GPUs:")[1]
     monkeypatch.setattr(backend, "free_memory", lambda host=False: None)  # this machine's memory is not the plan's
     check_args(args, int(ranks))
+
+
+def test_the_head_counts_as_the_blocks_its_flops_make():
+    """GPT-2's head (V 50257, h 768, T 1024) is 4.46 blocks' training FLOPs: its stage takes fewer
+    layers, optimally (every split tried), and the simulator says the step is shorter for it."""
+    head = hetero.head_in_blocks(768, 1024, 50257)
+    assert round(float(head), 2) == 4.46
+    assert hetero.head_in_blocks(768, 1024, 50257, recompute=True) == head * Fraction(3, 4)
+    for L, speeds in ((12, [1, 1]), (12, [1, 1, 1, 1]), (9, [1, 0.5, 1])):
+        layers = hetero.balance(L, speeds, head)
+        cost = lambda split: max((n + head * (i == len(split) - 1)) / Fraction(s)  # noqa: E731
+                                 for i, (n, s) in enumerate(zip(split, speeds)))
+        best = min(cost(split) for split in itertools.product(range(1, L + 1), repeat=len(speeds)) if sum(split) == L)
+        assert sum(layers) == L and cost(layers) == best
+    assert hetero.balance(12, [1, 1], head) == [8, 4] and hetero.balance(12, [1] * 4, head) == [4, 4, 3, 1]
+    assert hetero.chunk_layers(12, 2, 1, head) == [8, 4] and hetero.chunk_layers(12, 2, 2, head) == [4, 3, 4, 1]
+    out = hetero.compare(12, [1, 1], 8, last=head)
+    assert out["balanced"][0] == [8, 4] and out["balanced"][1] < out["even"][1] and out["balanced"][2] < out["even"][2]
+
+
+@pytest.mark.parametrize("flags,layers", [
+    ("--pp 2 --n-layer 12 --vocab-size 4096", (8, 4)),  # the head 4.9 blocks, about GPT-2's 4.5
+    # each rank's share first (8 and 4 + the head), then over its chunks: the head's chunk the smaller
+    ("--pp 2 --vpp 2 --schedule interleaved --n-layer 12 --vocab-size 4096", (4, 3, 4, 1)),
+    ("--pp 2 --vpp 2 --schedule zb-v --n-layer 12 --vocab-size 4096", (3, 4, 4, 1)),  # the V: rank 0 holds chunks 0 and 3
+    ("--pp 2 --n-layer 7", (4, 3)),  # a small head: as even as 7 layers allow (an even split is refused)
+])
+def test_the_trainer_runs_the_balanced_split(monkeypatch, flags, layers):
+    from minipar import backend
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: None)
+    args = build_parser().parse_args(f"{flags} --n-embd 64 --block-size 32 --pipeline-layers balanced".split())
+    check_args(args, 2)
+    assert args.pipeline_layers == layers
+
+
+def test_a_balanced_split_needs_a_pipeline():
+    from minipar.cli import FlagError
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    with pytest.raises(FlagError) as refusal:
+        check_args(build_parser().parse_args(["--pipeline-layers", "balanced"]), 1)
+    assert refusal.value.lines == ["--pipeline-layers balanced splits the layers between pipeline chunks, and "
+                                   "--pp x --vpp is 1: give --pp > 1, or drop it"]

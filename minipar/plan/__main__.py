@@ -266,7 +266,10 @@ def heterogeneous(result, machine, model, batch, speeds, precision="float32"):
     layout = runnable[0]
     stage = hetero.stage_speeds(layout, machine.gpus_per_node, speeds)  # (a speed per node: checked)
     m = batch // layout.dp // layout.micro_batch_size
-    out = hetero.compare(model.num_layers, stage, m, layout.schedule)
+    moe_layers = sum(model.is_moe(i) for i in range(model.num_layers))
+    head = hetero.head_in_blocks(model.hidden_size, model.seq_length, model.vocab_size, layout.recompute,
+                                 model.num_layers, moe_layers, model.moe_router_topk, model.num_experts)
+    out = hetero.compare(model.num_layers, stage, m, layout.schedule, head)  # the head too: the last stage's extra
     print(f"\nheterogeneous GPUs: the fastest plan with a pipeline (PP={layout.pp}), stage speeds {stage}, "
           f"{m} micro-batches, {layout.schedule}")
     for name, (layers, makespan, bub) in out.items():
