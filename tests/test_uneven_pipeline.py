@@ -23,7 +23,7 @@ def test_an_uneven_split_that_covers_the_layers_is_a_run(pp, v, n_layer, layers)
 @pytest.mark.parametrize("layers,message", [
     ((4, 0), "--pipeline-layers [4, 0]: every pipeline chunk needs at least one layer"),
     ((1, 1, 2), "--pipeline-layers [1, 1, 2] has 3 counts: give one per pipeline chunk, --pp x virtual_stages = 2 x 1"),
-    ((3, 2), "--pipeline-layers [3, 2] sums to 5, not --n-layer 4"),
+    ((3, 2), "--pipeline-layers [3, 2] sums to 5, not --n-layer 4: give counts that add up to 4"),
 ])
 def test_a_bad_split_is_refused_with_the_reason(layers, message):
     assert problems(RunConfig(pp=2, n_layer=4, pipeline_layers=layers), FLAGS) == [message]

@@ -39,7 +39,8 @@ def _pipeline_layers_problems(cfg, say, pp, v, known):
         out.append(f"{say.name('pipeline_layers')} {list(layers)} has {len(layers)} counts: give one per pipeline "
                    f"chunk, {say.name('pp')} x {say.name('virtual_stages')} = {pp} x {v}")
     if known("n_layer") and not out and sum(layers) != cfg.n_layer:
-        out.append(f"{say.name('pipeline_layers')} {list(layers)} sums to {sum(layers)}, not {say('n_layer')}")
+        out.append(f"{say.name('pipeline_layers')} {list(layers)} sums to {sum(layers)}, not {say('n_layer')}: "
+                   f"give counts that add up to {cfg.n_layer}")
     return out
 
 
