@@ -6,7 +6,7 @@
 
 A mixture of experts (MoE) gives a block E MLPs ("experts") and a router that sends each token to
 k of them: E times the MLP's parameters for k times its FLOPs per token. Expert parallelism (EP)
-spreads the experts over EP ranks carved out of data parallelism: rank r of an EP group holds
+spreads the experts over EP ranks carved out of DP x CP (here DP): rank r of an EP group holds
 experts r E/EP ... (r+1) E/EP - 1, every token travels to its experts' ranks by all-to-all and
 back, and an expert's gradient is summed only over the ranks that hold it (DP x CP / EP of them),
 where a dense weight's is summed over all of DP.

@@ -84,7 +84,7 @@ def build_parser():
     g.add_argument("--context-parallel-size", "--cp", dest="cp", type=positive_int, default=1, help="context-parallel size: ranks that split every sequence (2 x CP chunks, load-balanced)")
     g.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p", help="how context-parallel ranks attend across the sequence: p2p (ring attention) or a2a (Ulysses: whole heads per rank)")
     g.add_argument("--dp", type=positive_int, help="data-parallel size, checked against the number of ranks (default: the ranks / (TP x CP x PP))")
-    g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1, help="expert-parallel size: DP ranks that split the experts (a divisor of DP)")
+    g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1, help="expert-parallel size: DP x CP ranks that split the experts (a divisor of DP x CP, CP ranks first)")
     g.add_argument("--pipeline-layers", type=layer_counts, help="layers of each pipeline chunk in order, e.g. 3,1 "
                    "(an uneven split for stages of unequal speed: python -m minipar.plan --node-speeds), or "
                    "'balanced': fewer layers where the output head runs, as many fewer as its training FLOPs are "

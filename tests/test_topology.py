@@ -139,23 +139,30 @@ def test_grid_sizes_are_checked_for_type():
         ProcessGrid(tp="1", pp=1)
 
 
-def test_expert_parallel_groups_are_carved_out_of_data_parallel_ones():
-    """EP fastest within DP (Megatron-core): an EP group is EP consecutive DP ranks, and the ranks
-    with the same EP rank across DP x CP hold the same experts (the edp group)."""
+def test_expert_parallel_groups_are_carved_out_of_data_and_context_parallel_ones():
+    """EP fastest within DP x CP (Megatron-core): an EP group is EP consecutive DP x CP ranks, CP
+    first, and the ranks with the same EP rank across DP x CP hold the same experts (the edp group)."""
     lay = Layout(tp=2, pp=1, dp=4, ep=2)
     assert lay.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert lay.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert lay.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert lay.ranks(6)["ep"] == 1 and lay.ranks(6)["edp"] == 1
-    with_cp = Layout(tp=1, pp=1, dp=4, cp=2, ep=2)  # the edp group spans CP too: other positions
-    assert with_cp.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert with_cp.groups("edp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    for r in range(8):  # every rank's index in its groups is its place in the group's list
-        for kind in ("ep", "edp"):
-            assert getattr(with_cp, f"{kind}_group")(r).index(r) == with_cp.ranks(r)[kind]
+    with_cp = Layout(tp=1, pp=1, dp=4, cp=2, ep=2)  # the two halves of a sequence hold other experts
+    assert with_cp.groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert with_cp.groups("edp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    across = Layout(tp=2, pp=1, dp=2, cp=2, ep=4)  # EP over all of DP x CP: every expert once per TP rank
+    assert across.groups("ep") == [[0, 2, 4, 6], [1, 3, 5, 7]] and across.groups("edp") == [[r] for r in range(8)]
+    for lay in (with_cp, across, Layout(tp=1, pp=1, dp=2, cp=4, ep=2)):
+        for r in range(lay.world_size):  # every rank's index in its groups is its place in the group's list
+            for kind in ("ep", "edp"):
+                assert getattr(lay, f"{kind}_group")(r).index(r) == lay.ranks(r)[kind]
+        for r in range(lay.world_size):  # the EP groups and the edp groups cut each DP x CP group
+            assert sorted(a for e in lay.ep_group(r) for a in lay.edp_group(e)) == lay.dp_cp_group(r)
     assert Layout(1, 1, 4).groups("edp") == Layout(1, 1, 4).groups("dp_cp")
-    with pytest.raises(ValueError, match="EP=3 does not divide DP=4"):
+    with pytest.raises(ValueError, match=r"EP=3 does not divide DP x CP = 4 x 1"):
         Layout(1, 1, 4, ep=3)
+    with pytest.raises(ValueError, match=r"EP=4 does not divide DP x CP = 1 x 2"):
+        Layout(1, 1, 1, cp=2, ep=4)
 
 
 def test_comm_stats_tally_ring_collectives_and_charge_them_when_read():

@@ -132,7 +132,7 @@ def test_every_bad_expert_size_is_reported_at_once_one_line_each(tmp_path):
     run = train("--num-experts", "3", "--ep", "2", "--moe-router-topk", "4", "--max-iters", "1", cwd=tmp_path)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 3, run.stderr
-    for message in ("expert parallelism is carved out of data parallelism: --ep 2 does not divide DP=1",
+    for message in ("expert parallelism is carved out of DP x CP: --ep 2 does not divide DP=1",
                     "--num-experts 3 is not divisible by --ep 2",
                     "--moe-router-topk 4 exceeds --num-experts 3"):
         assert sum(message in line for line in lines) == 1, (message, run.stderr)

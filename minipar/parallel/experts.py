@@ -21,10 +21,11 @@ the rows it received; backward the same again.
 
 Where the experts' parameters live (``EXPERT_PLACEMENT``): each is a whole tensor under its own
 global name (``experts.<e>.c_fc.weight``), so it is *not* a ``Split`` of one stacked tensor. Its
-copies are on the ranks that hold the same experts: the expert-data-parallel group "edp" (the DP
-ranks with the same EP index; EP is carved out of DP, Megatron-core's rule), and its gradient is
-summed over "edp" alone, where a dense parameter's is summed over all of "dp": an expert on one EP
-rank already received the rows of every rank of its EP group. The optimizers read that from the
+copies are on the ranks that hold the same experts: the expert-data-parallel group "edp" (the DP x
+CP ranks with the same EP index; EP is carved out of DP x CP, Megatron-core's rule, so the CP ranks
+of a sequence may hold other experts and "cp" is not among the copies), and its gradient is summed
+over "edp" alone, where a dense parameter's is summed over all of "dp": an expert on one EP rank
+already received the rows of every rank of its EP group. The optimizers read that from the
 placement (``protocol.gradient_group``): the sums, broadcasts and ZeRO-1's shards of experts are
 over the edp group.
 """
@@ -36,7 +37,7 @@ from minipar.autograd import Function
 from minipar.backend import to_numpy, xp
 from minipar.placement import Placement
 
-EXPERT_PLACEMENT = Placement(copies=("tp", "cp", "edp"), grad_sum=("edp",))
+EXPERT_PLACEMENT = Placement(copies=("tp", "edp"), grad_sum=("edp",))
 
 
 def local_experts(n_experts, group):

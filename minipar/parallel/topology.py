@@ -18,19 +18,23 @@ kind, made with ``Comm.Split``:
                                                     other tokens of the same weights)
     embedding     first and last stage of a pp group: both hold the tied token embedding
 
-Expert parallelism is carved out of DP (Megatron-core's rule), EP fastest within it:
+Expert parallelism is carved out of DP x CP (Megatron-core's rule: an MLP's tokens are
+independent of one another, so the ranks that split a sequence can hold different experts as well
+as those that split the batch), EP fastest within it, as the expert layers' order tp-ep-dp-pp
+places EP right after TP, where the dense order has CP:
 
-    dp_rank = ep_rank + EP * (dp_rank // EP)
-    ep group      same (tp, cp, pp, dp // EP), the EP consecutive DP ranks around it: each holds
+    i = cp_rank + CP * dp_rank              (the dp_cp index)
+    ep group      same (tp, pp, i // EP), the EP consecutive DP x CP ranks around it: each holds
                   E/EP experts, and the group's tokens travel to them by all-to-all
-    edp group     same (tp, pp, ep_rank): the DP x CP / EP ranks that hold the same experts, over
+    edp group     same (tp, pp, i % EP): the DP x CP / EP ranks that hold the same experts, over
                   which an expert's gradient is summed ("expert data parallel"); without expert
                   parallelism it is the dp_cp group
 
 With TP=2, PP=4 on 16 ranks (DP=2): tp groups [0,1] [2,3] ..., dp groups [0,2] [1,3] [4,6] ...,
 pp groups [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]. With CP=2 too on 8 ranks (TP=2, DP=2):
 cp groups [0,2] [1,3] [4,6] [5,7], dp groups [0,4] [1,5] [2,6] [3,7], dp_cp groups [0,2,4,6] [1,3,5,7].
-With DP=4, EP=2 on 4 ranks: ep groups [0,1] [2,3], edp groups [0,2] [1,3].
+With DP=4, EP=2 on 4 ranks: ep groups [0,1] [2,3], edp groups [0,2] [1,3]. With CP=2, EP=2 on 2
+ranks: one ep group [0,1], the two halves of every sequence sending their tokens to each other's experts.
 """
 
 from dataclasses import dataclass
@@ -57,16 +61,16 @@ class Layout:
     pp: int
     dp: int
     cp: int = 1
-    ep: int = 1  # expert parallel, carved out of DP
+    ep: int = 1  # expert parallel, carved out of DP x CP
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "cp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name.upper()} size must be an integer >= 1, got {value!r}")
-        if self.dp % self.ep:
-            raise ValueError(f"expert parallelism is carved out of data parallelism: EP={self.ep} does not "
-                             f"divide DP={self.dp}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"expert parallelism is carved out of DP x CP: EP={self.ep} does not divide "
+                             f"DP x CP = {self.dp} x {self.cp}")
 
     @property
     def world_size(self):
@@ -103,13 +107,19 @@ class Layout:
     def dp_cp_group(self, rank):
         return self._along(rank, "cp", "dp")
 
+    def _dp_cp_index(self, rank):
+        c = self.coords(rank)
+        return c.cp + self.cp * c.dp
+
     def ep_group(self, rank):
-        """The EP consecutive DP ranks of ``rank``'s block (DP rank // EP the same)."""
-        return [r for r in self.dp_group(rank) if self.coords(r).dp // self.ep == self.coords(rank).dp // self.ep]
+        """The EP consecutive DP x CP ranks of ``rank``'s block (dp_cp index // EP the same)."""
+        i = self._dp_cp_index(rank) // self.ep
+        return [r for r in self.dp_cp_group(rank) if self._dp_cp_index(r) // self.ep == i]
 
     def edp_group(self, rank):
         """The DP x CP ranks with ``rank``'s EP rank: they hold the same experts."""
-        return [r for r in self.dp_cp_group(rank) if self.coords(r).dp % self.ep == self.coords(rank).dp % self.ep]
+        i = self._dp_cp_index(rank) % self.ep
+        return [r for r in self.dp_cp_group(rank) if self._dp_cp_index(r) % self.ep == i]
 
     def embedding_group(self, rank):
         """The first and last stage of this rank's pipeline (one rank when PP = 1); None for a
@@ -122,8 +132,8 @@ class Layout:
         """{group name: index of ``rank`` in that group}: how a parameter's ``Placement`` (which
         names groups) resolves on this rank. "embedding" only on the first and last stage."""
         c = self.coords(rank)
-        out = {"tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp, "dp_cp": c.cp + self.cp * c.dp,
-               "ep": c.dp % self.ep, "edp": c.cp + self.cp * (c.dp // self.ep)}
+        i = self._dp_cp_index(rank)
+        out = {"tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp, "dp_cp": i, "ep": i % self.ep, "edp": i // self.ep}
         embedding = self.embedding_group(rank)
         if embedding is not None:
             out["embedding"] = embedding.index(rank)
@@ -147,7 +157,7 @@ class Layout:
         lines += [f"{r:>6}" + "".join(f"{getattr(self.coords(r), k):>5}" for k in kinds) for r in range(self.world_size)]
         extra = (["dp_cp"] if self.cp > 1 else []) + (["ep", "edp"] if self.ep > 1 else [])
         if self.ep > 1:
-            lines[0] += f" (EP={self.ep} within DP)"
+            lines[0] += f" (EP={self.ep} within DP x CP)"
         for kind in kinds + extra + ["embedding"]:
             lines.append(f"{kind + ' groups':<17}" + " ".join(str(g) for g in self.groups(kind)))
         return "\n".join(lines)

@@ -140,14 +140,16 @@ def _context(cfg, say, known, out):
 
 
 def _experts(cfg, say, known, dp, out):
-    """Expert parallelism is carved out of DP and gives each EP rank E/EP whole experts."""
+    """Expert parallelism is carved out of DP x CP and gives each EP rank E/EP whole experts."""
     if not known("ep"):
         return
     ep, experts = cfg.ep, cfg.num_experts if known("num_experts") else None
-    if dp is not None and dp % ep:
+    cp = cfg.cp if known("cp") else 1
+    if dp is not None and (dp * cp) % ep:
         given = say("dp") if cfg.dp is not None else f"DP={dp}"
-        out.append(f"expert parallelism is carved out of data parallelism: {say('ep')} does not divide "
-                   f"{given}; choose {say.name('ep')} among the divisors of DP")
+        given += f" x {say('cp')}" if cp > 1 else ""
+        out.append(f"expert parallelism is carved out of DP x CP: {say('ep')} does not divide "
+                   f"{given}; choose {say.name('ep')} among the divisors of DP x CP = {dp * cp}")
     if experts is not None and experts % ep:
         out.append(f"{say('num_experts')} is not divisible by {say('ep')}: each EP rank holds "
                    f"num_experts / EP whole experts")

@@ -46,15 +46,15 @@ def flops_per_iteration(model, global_batch, recompute=False, selective=False):
 
 
 def group_span(layout, group):
-    """(stride, size) of a group's ranks in Megatron's order (EP: consecutive DP ranks; edp: the DP
-    ranks EP apart; embedding: the first and last stage)."""
+    """(stride, size) of a group's ranks in Megatron's order (EP: consecutive DP x CP ranks; edp:
+    the DP x CP ranks EP apart; embedding: the first and last stage)."""
     stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.dp}
     if group == "dp_cp":
         return layout.tp, layout.cp * layout.dp
     if group == "ep":
-        return stride["dp"], layout.ep
+        return stride["cp"], layout.ep
     if group == "edp":
-        return stride["dp"] * layout.ep, layout.dp // layout.ep
+        return stride["cp"] * layout.ep, layout.dp * layout.cp // layout.ep
     if group == "embedding":
         return stride["pp"] * (layout.pp - 1), 2
     return stride[group], getattr(layout, group)

@@ -1,7 +1,7 @@
 """Every layout of a model on a machine: the valid ones predicted and ranked by step time, the
 rest counted by the reason they fail.
 
-A layout is TP x CP x PP x DP = the GPUs (DP the rest), with EP a divisor of DP (experts only),
+A layout is TP x CP x PP x DP = the GPUs (DP the rest), with EP a divisor of DP x CP (experts only),
 virtual stages, a ZeRO stage, a micro-batch size, recomputation (none, selective or full), sequence
 parallelism (TP > 1) and the CP communication (CP > 1). The schedule is
 1F1B, ZB-H1 or ZB-H2 (Qi et al. 2024), interleaved with virtual stages or ZB-V with two: GPipe has 1F1B's bubble and
@@ -75,7 +75,7 @@ def layouts(model, machine, global_batch):
 
 def _choices(model, global_batch, tp, cp, pp, dp):
     rows = global_batch // dp if global_batch % dp == 0 else 0
-    for ep in (divisors(dp) if model.num_experts else [1]):
+    for ep in (divisors(dp * cp) if model.num_experts else [1]):
         for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
             for mbs in tuple(b for b in MICRO_BATCH_SIZES if rows and rows % b == 0) or (1,):  # (1,): refused, with why
                 for zero in (0, 1, 2, 3):

@@ -54,7 +54,8 @@ H, E, K, B, T = 4, 4, 2, 8, 4  # hidden, experts, top-k, global batch rows, posi
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 1e-4  # below every step's norm: clipping scales every step
 TOL = 1e-12
-LAYOUTS = [dict(dp=4, ep=1), dict(dp=4, ep=2), dict(dp=4, ep=4), dict(tp=2, dp=2, ep=2), dict(cp=2, dp=2, ep=2)]
+LAYOUTS = [dict(dp=4, ep=1), dict(dp=4, ep=2), dict(dp=4, ep=4), dict(tp=2, dp=2, ep=2), dict(cp=2, dp=2, ep=2),
+           dict(cp=2, dp=2, ep=4), dict(cp=4, ep=2)]  # the last two: EP over CP ranks too (CP first)
 failures = []
 
 

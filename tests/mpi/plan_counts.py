@@ -74,6 +74,8 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
                                   micro_batch_size=2), 4),
     ("--cp 2 --recompute", dict(cp=2, dp=2, recompute=True, micro_batch_size=4), 0),
     ("--cp 2 --tp 2 --cp-comm-type a2a", dict(cp=2, tp=2, cp_comm_type="a2a", micro_batch_size=8), 0),
+    ("--cp 2 --num-experts 4 --ep 4 --zero-stage 1",  # EP over CP and DP: every edp group one rank
+     dict(cp=2, dp=2, ep=4, zero_stage=1, micro_batch_size=4), 4),
     ("--num-experts 4 --ep 2 --moe-router-topk 2", dict(dp=4, ep=2, micro_batch_size=2), 4),
     ("--tp 2 --bf16 --micro-batch-size 4", dict(tp=2, dp=2, micro_batch_size=4), 0, "bf16"),  # the loss's sums in fp32
     ("--num-experts 4 --ep 2 --zero-stage 1 --micro-batch-size 2", dict(dp=4, ep=2, zero_stage=1, micro_batch_size=2), 4),
