@@ -136,7 +136,7 @@ class Trainer(Reports):
         with quiet:
             if self.lagged:  # the next batch's forwards run during this step; the stash updates
                 following = (self.data.batch("train", it + 1, self.args.batch_size, self.args.block_size,
-                                             self.args.seed) if it + 1 < self.end else None)
+                                             self.args.seed) if not self._drains(it) else None)
                 record = self.executor.step(x, y, optimizer_step=self.opt.step, following=following)
             else:
                 record = self.executor.step(x, y, optimizer_step=self._update)
@@ -185,7 +185,7 @@ class Trainer(Reports):
                     if self.lagged:  # on the weights this step made: before the next step moves them
                         evaluation = functools.partial(float, evaluation())
                 queue.append((started, ms, evaluation))
-                while len(queue) > lag:
+                while len(queue) > (0 if self.lagged and self._drains(it) else lag):
                     done, ms, evaluation = queue.pop(0)
                     yield done[0], self._results(done), ms, evaluation
             while queue:
@@ -196,6 +196,12 @@ class Trainer(Reports):
                 done[1].wait()
             if self.lagged:
                 self.opt.apply()
+
+    def _drains(self, it):
+        """Whether PipeDream-2BW's stream ends after iteration ``it``: at the run's end, and where a
+        checkpoint is saved, which then holds the two weight versions and nothing in flight (the
+        versions each batch runs on are the same with or without the drain: only time is lost)."""
+        return it + 1 >= self.end or bool(self.args.save) and (it + 1) % self.args.save_interval == 0
 
     def _evaluate_after(self, it, watchdog):
         watchdog.arm(f"the evaluation after iteration {it}")

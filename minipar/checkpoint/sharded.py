@@ -49,6 +49,7 @@ from minipar.checkpoint.pieces import pieces, weights_dtype
 from minipar.checkpoint.retention import prune, remove_stale_partials
 from minipar.checkpoint.tensor_file import as_stored, tensor_file
 from minipar.dtypes import as_dtype
+from minipar.parallel.protocol import STASHED
 
 __all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "prune", "read_index",
            "remove_stale_partials", "save"]
@@ -298,7 +299,12 @@ def load(path, model, optimizer, grid=None):
     it. Returns the trainer state saved with it."""
     index = read_index(path)
     check_model(index, model.config, weights_dtype(model, optimizer))
-    fill(pieces(model, optimizer, grid), _Reader(index))
+    every, reader = pieces(model, optimizer, grid), _Reader(index)
+    fill([p for p in every if p.kind != STASHED], reader)
     optimizer.masters_to_model()  # mixed precision: the 16-bit weights are the loaded masters' rounding
+    # PipeDream-2BW's older version: the saved one, after masters_to_model set it to the weights,
+    # which is where a stream starts from a checkpoint of a flushed schedule, which has none
+    if any(name.startswith(STASHED + "/") for name in index["tensors"]):
+        fill([p for p in every if p.kind == STASHED], reader)
     optimizer.step_count = index["trainer"]["optimizer_steps"]
     return index["trainer"]

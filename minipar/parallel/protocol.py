@@ -44,6 +44,7 @@ import numpy
 from minipar.backend import xp
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter and AdamW's m and v (PyTorch's names)
+STASHED = "stashed_param"  # PipeDream-2BW's older weight version (``weight_stash.py``)
 
 
 def gradient_group(p, grid, comm):
@@ -195,7 +196,7 @@ class DistributedOptimizer(ABC):
     @abstractmethod
     def state_arrays(self):
         """(kind, parameter, array, shape, flat) for each array of training state this rank holds:
-        kind "param", "exp_avg" or "exp_avg_sq"; shape the parameter's local shape; flat None for a
+        kind "param", "exp_avg" or "exp_avg_sq" (and PipeDream-2BW's STASHED); shape the parameter's local shape; flat None for a
         whole local array, or (a, b), the range of the flattened local array this flat array is
         (a piece that differs across the DP group)."""
 

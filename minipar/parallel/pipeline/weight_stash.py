@@ -43,7 +43,7 @@ import math
 
 from minipar.backend import xp
 from minipar.parallel.grad_norm import start_grad_norm
-from minipar.parallel.protocol import DistributedOptimizer
+from minipar.parallel.protocol import STASHED, DistributedOptimizer
 
 
 _MADE_IN_APPLY = ("PipeDream-2BW's gradients are whole only in its set-aside copy (the tied embedding's parts "
@@ -197,4 +197,7 @@ class WeightStash(DistributedOptimizer):
         raise RuntimeError(_MADE_IN_APPLY)
 
     def state_arrays(self):
-        return self.inner.state_arrays()
+        """The stage's arrays, and the stashed version W(t-1) beside each parameter: at a save the
+        stream has drained (the trainer ends it there), so the newest version and the stash are the
+        whole of 2BW's state; a resume runs its first batch on the stash, as the stream would have."""
+        return self.inner.state_arrays() + [(STASHED, p, s, p.shape, None) for p, s in zip(self.params, self.stash)]
