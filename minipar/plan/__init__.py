@@ -14,6 +14,7 @@ Layer 7, no MPI. One concept per file:
     overhead.py     per-launch, per-call and shared-core time beyond the FLOPs and bytes
     cost.py         step time: compute at peak x efficiency, an alpha-beta model per link
     enumerate.py    every layout of a machine, why each invalid one fails, ranked by step time
-    hetero.py       layers per stage balanced over stages of unequal speed
+    hetero.py       layers per stage balanced over stages of unequal speed, and over the head's FLOPs
+    commands.py     the trainer's command for a plan; the heterogeneous-GPU section that prints one
     __main__.py     ``python -m minipar.plan``
 """

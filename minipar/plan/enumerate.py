@@ -30,7 +30,7 @@ CP_SIZES = (1, 2, 4, 8, 16)
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 4, 8)
 # validate's fields as a reason names them: Megatron's flags, and the trainer's where Megatron has none
-# (the trainer takes both; ``__main__.train_flags`` prints its command)
+# (the trainer takes both; ``commands.train_flags`` prints its command)
 FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "cp": "--context-parallel-size",
          "ep": "--expert-model-parallel-size", "n_head": "--num-attention-heads", "n_embd": "--hidden-size",
          "n_layer": "--num-layers", "block_size": "--seq-length", "vocab_size": "--vocab-size",
