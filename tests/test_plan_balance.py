@@ -115,3 +115,21 @@ def test_a_balanced_split_needs_a_pipeline():
         check_args(build_parser().parse_args(["--pipeline-layers", "balanced"]), 1)
     assert refusal.value.lines == ["--pipeline-layers balanced splits the layers between pipeline chunks, and "
                                    "--pp x --vpp is 1: give --pp > 1, or drop it"]
+
+
+def test_the_planner_prices_the_heads_stage_and_plans_its_balanced_split():
+    """A pipeline runs at its busiest rank's pace: GPT-2's head (4.46 blocks) on the last of two
+    stages of 6 makes it 1.27x the mean, the balanced 8, 4 1.03x; the enumerator tries both splits."""
+    from minipar.plan.cost import stage_imbalance
+    from minipar.plan.enumerate import balanced
+    from minipar.plan.shapes import PRESETS
+
+    model = PRESETS["gpt2"][0]
+    even, split = Layout(pp=2, dp=8), Layout(pp=2, dp=8, pipeline_layers=(8, 4))
+    assert stage_imbalance(model, Layout(dp=16)) == 1.0
+    assert round(stage_imbalance(model, even), 3) == round(2 * (6 + 4.4617) / (12 + 4.4617), 3) == 1.271
+    assert round(stage_imbalance(model, split), 3) == 1.028
+    assert balanced(model, even) == (8, 4) and balanced(model, Layout(pp=2, vpp=2, dp=8, schedule="zb-v")) == (3, 4, 4, 1)
+    assert balanced(model, Layout(pp=3, dp=4)) == (6, 5, 1) and balanced(model, Layout(pp=5, dp=2)) is None  # 12 % 5
+    run = run_plan("--preset", "gpt2", "--gpus", "16", "--top", "3", "--gpu-memory-gb", "2")
+    assert run.returncode == 0 and "--pipeline-layers 3,4,4,1" in run.stdout.split("why the rest fail")[0], run.stdout

@@ -217,7 +217,8 @@ def table(result, top):
         rows.append(f"{layout.tp:>3}{layout.cp:>3}{layout.pp:>4}{layout.vpp:>3}{layout.dp:>5}{layout.ep:>3} "
                     f"{layout.zero_stage:>4}{layout.micro_batch_size:>4} {granularity(layout):>9} "
                     f"{'yes' if layout.sequence_parallel else 'no':>3} {layout.schedule if layout.pp > 1 else '-':<11}{p.memory_gb:>8.2f}{p.step_time_s:>10.4g}"
-                    f"{100 * p.mfu:>6.1f}%{p.bubble:>8.3f}  {groups}")
+                    f"{100 * p.mfu:>6.1f}%{p.bubble:>8.3f}  {groups}"
+                    + (f"; --pipeline-layers {','.join(map(str, layout.pipeline_layers))}" if layout.pipeline_layers else ""))
     return "\n".join(rows)
 
 

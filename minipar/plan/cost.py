@@ -25,12 +25,31 @@ the second and the last stage (every stage of an uneven split), the fullest of t
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from minipar.mfu import flops_per_token
 
 from . import activations, bubble, overhead, state, traffic
 from .shapes import PRECISIONS, micro_batches
 
+
+
+def stage_imbalance(model, layout):
+    """The busiest pipeline rank's training FLOPs over the ranks' mean (1 without a pipeline): a
+    pipeline runs at its slowest stage's pace, and the last chunk also runs the head, 6 V h a token
+    (GPT-2's: 4.5 blocks), while each block costs its own (an MoE block more), a third more under
+    full recomputation. ``layout.pipeline_layers`` (``--pipeline-layers balanced``) evens it out."""
+    if layout.pp == 1:
+        return 1.0
+    args = (model.hidden_size, model.seq_length, 0)
+    again = Fraction(4, 3) if layout.recompute else 1
+    block = [flops_per_token(1, *args, int(model.is_moe(i)), model.moe_router_topk, model.num_experts) * again
+             for i in range(model.num_layers)]
+    head = flops_per_token(0, model.hidden_size, model.seq_length, model.vocab_size)
+    last = layout.pp * layout.vpp - 1
+    loads = [sum(block[i] for g in state.stage_chunks(layout, r) for i in state.chunk_layers(model, layout, g))
+             + head * (last in state.stage_chunks(layout, r)) for r in range(layout.pp)]
+    return float(max(loads) * layout.pp / sum(loads))
 
 
 def flops_per_iteration(model, global_batch, recompute=False, selective=False):
@@ -116,7 +135,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
                 sent[g], steps[g] = b[g], n[g]
     model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
-    flop_time = hardware_flops / layout.world_size / rate
+    flop_time = hardware_flops / layout.world_size / rate * stage_imbalance(model, layout)
     compute = flop_time + launches
     links = {g: link(layout, machine, g) for g in sent}
     raw = {g: seconds(sent[g], steps[g], links[g], machine) + calls.get(g, 0.0) for g in sent}

@@ -18,10 +18,13 @@ limit (2 m p v tags), a bound of minipar's MPI messages, not of the layout (NCCL
 import math
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 
 from minipar.parallel import validate
+from minipar.parallel.pipeline.schedules import shape_of
 
+from . import hetero
 from .bubble import NotPlanned
 from .cost import predict
 from .shapes import Layout, run_config
@@ -90,6 +93,9 @@ def _choices(model, global_batch, tp, cp, pp, dp):
                                     if layout.selective_recompute and not layout.selective:
                                         continue  # ring attention: the same run as none (Layout.selective)
                                     yield layout, None
+                                    layers = balanced(model, layout)
+                                    if layers is not None:  # the head's stage lighter: often faster, its first stage fuller
+                                        yield replace(layout, pipeline_layers=layers), None
 
 
 def schedules(pp, vpp):
@@ -140,11 +146,29 @@ def rounded_up(x, digits=3):
     return math.ceil(x / step) * step
 
 
+def balanced(model, layout):
+    """The layers per chunk of ``--pipeline-layers balanced`` (``hetero.chunk_layers``: the head
+    counted in blocks), or None where that is the even split, or where the even split is refused
+    (the planner tries an uneven split only as the balance of an even one)."""
+    if layout.pp == 1 or model.num_layers % (layout.pp * layout.vpp):
+        return None
+    moe = sum(model.is_moe(i) for i in range(model.num_layers))
+    head = hetero.head_in_blocks(model.hidden_size, model.seq_length, model.vocab_size, layout.recompute,
+                                 model.num_layers, moe, model.moe_router_topk, model.num_experts)
+    layers = _balanced(model.num_layers, layout.pp, layout.vpp, head, shape_of(layout.schedule))
+    return None if len(set(layers)) == 1 else layers
+
+
+@lru_cache(maxsize=1024)
+def _balanced(num_layers, pp, vpp, head, shape):
+    return tuple(hetero.chunk_layers(num_layers, pp, vpp, head, shape))
+
+
 def as_json(layout, prediction):
     """One plan as the issue's JSON object (Megatron's names where they exist)."""
     out = {k: v for k, v in asdict(layout).items() if k in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size",
                                                             "recompute", "selective_recompute", "sequence_parallel",
-                                                            "cp_comm_type", "schedule")}
+                                                            "cp_comm_type", "schedule", "pipeline_layers")}
     out["vpp"] = layout.vpp
     out.update(memory_gb=round(prediction.memory_gb, 3), step_time_s=prediction.step_time_s, mfu=prediction.mfu,
                bytes_per_group=prediction.bytes_per_group, bubble=prediction.bubble,
