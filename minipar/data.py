@@ -91,17 +91,27 @@ class Dataset:
     the corpus's bytes, or given a ``tokenizer`` its ids (``path``: where the corpus was read,
     None for the default one, which decides where they are cached); ``notes`` are for the user."""
 
-    def __init__(self, corpus, val_fraction=0.1, tokenizer=None, path=None):
+    def __init__(self, corpus, val_fraction=0.1, tokenizer=None, path=None, defer_cache=False):
         self.size, self.sha256 = len(corpus), hashlib.sha256(corpus).hexdigest()
-        self.notes, self.tokenized = [], tokenizer is not None
+        self.notes, self.tokenized, self._keep = [], tokenizer is not None, None
         if tokenizer is None:
             ids = numpy.frombuffer(corpus, dtype=numpy.uint8)
         else:
             from minipar.token_cache import cached_token_ids
 
-            ids, self.notes = cached_token_ids(corpus, self.sha256, path, tokenizer)
+            ids, self.notes, self._keep = cached_token_ids(corpus, self.sha256, path, tokenizer)
+            if not defer_cache:
+                self.keep_cache()
         n_train = int(len(ids) * (1.0 - val_fraction))
         self.splits = {"train": ids[:n_train], "val": ids[n_train:]}
+
+    def keep_cache(self):
+        """Write the token cache of a corpus tokenized now (``token_cache``); with ``defer_cache``
+        the trainer calls it once the run is sure to go on, so that a run refused for its flags
+        leaves nothing behind."""
+        if self._keep is not None:
+            self.notes += self._keep()
+            self._keep = None
 
     def check_block_size(self, block_size, source=None):
         """Raise a ValueError if a split is too short for one window of ``block_size`` tokens and

@@ -67,7 +67,9 @@ def _write(path, ids):
 
 
 def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
-    """(the corpus's ids, notes for the user): read from the cache, or tokenized and cached."""
+    """(the corpus's ids, notes for the user, and None or a call that writes the cache): read from
+    the cache, or tokenized, the cache written by the returned call once the run is sure to go on
+    (a run refused for its flags writes nothing). The call returns notes for the user."""
     key = hashlib.sha256(f"{tokenizer.sha256}:{corpus_sha256}:{RECIPE}".encode()).hexdigest()[:16]
     path, note = cache_path(corpus_path, key)
     notes = [note] if note else []
@@ -77,16 +79,18 @@ def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
         notes.append(f"the corpus is not UTF-8 throughout (byte {exc.start} is the first that is not): the "
                      "tokenizer reads text, so such bytes became U+FFFD; convert it (iconv -f latin1 -t utf-8)")
     ids = _read(path)
-    if ids is None:
-        if os.path.exists(path):
-            notes.append(f"the token cache {path} was damaged: the corpus was tokenized again")
-        made = tokenizer.encode(corpus.decode("utf-8", errors="replace"))
+    if ids is not None:
+        return ids, notes, None
+    if os.path.exists(path):
+        notes.append(f"the token cache {path} was damaged: the corpus was tokenized again")
+    ids = numpy.asarray(tokenizer.encode(corpus.decode("utf-8", errors="replace")), dtype="<u2")
+
+    def keep():
         try:
-            _write(path, made)
-            ids = _read(path)
+            _write(path, ids)
         except OSError as exc:  # a full disk, a quota: the run goes on with the ids it made
-            notes.append(f"the token cache {path} could not be written ({exc.strerror or exc}): the ids are "
-                         "kept in memory, and the next run tokenizes the corpus again")
-        if ids is None:
-            ids = numpy.asarray(made, dtype="<u2")
-    return ids, notes
+            return [f"the token cache {path} could not be written ({exc.strerror or exc}): the ids are "
+                    "kept in memory, and the next run tokenizes the corpus again"]
+        return []
+
+    return ids, notes, keep

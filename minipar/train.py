@@ -170,7 +170,7 @@ def build(p, args):
     except ValueError as exc:
         p.error(str(exc))
     try:
-        data = Dataset(load_corpus(args.data), tokenizer=args.tokenizer, path=args.data)
+        data = Dataset(load_corpus(args.data), tokenizer=args.tokenizer, path=args.data, defer_cache=True)
         data.check_block_size(args.block_size, args.taken_from.get("block_size"))
     except (OSError, ValueError) as exc:
         p.error(f"--data {args.data or '(default corpus)'}: {exc}")
@@ -262,10 +262,11 @@ def _main(comm, parser, argv, run):
     except FlagError as exc:
         problems = exc.lines
     agree(comm, problems, parser.prog)
+    agree(comm, same_inputs(comm, args, data, weights), parser.prog)  # rank 0's checkpoint, corpus, weights
+    data.keep_cache()  # the run goes on: a corpus tokenized now keeps its ids for the next run
     if comm.rank == 0:
         for note in data.notes:
             print(note, flush=True)
-    agree(comm, same_inputs(comm, args, data, weights), parser.prog)  # rank 0's checkpoint, corpus, weights
     if args.load and args.use_checkpoint_opt_param_scheduler and args.max_iters:  # --load: rank 0's now, on every rank
         from minipar.checkpoint.sharded import read_index
         from minipar.lr_schedule import take_schedule

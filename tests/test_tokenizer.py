@@ -132,6 +132,15 @@ def test_a_corpus_too_short_under_a_tokenizer_says_how_many_tokens_its_bytes_mad
         data.check_block_size(200)
 
 
+def test_a_run_refused_for_its_flags_leaves_no_token_cache(bpe, tmp_path):
+    """The corpus is tokenized before its length is known to be enough; the cache beside it is
+    written only once the run goes on (a refused run writes nothing)."""
+    (tmp_path / "short.txt").write_text(TEXT[:400])
+    run = train("--tokenizer", bpe[0], "--data", "short.txt", "--block-size", "200", "--max-iters", "1", cwd=tmp_path)
+    assert run.returncode == 2 and "too few for --block-size 200" in run.stderr, run.stderr
+    assert sorted(os.listdir(tmp_path)) == ["short.txt"]
+
+
 def test_a_corpus_that_is_not_utf8_is_said_to_be_so(bpe, tmp_path):
     """Under a tokenizer its bytes that are not UTF-8 became U+FFFD without a word."""
     corpus = tmp_path / "latin1.txt"
