@@ -126,7 +126,11 @@ def same_inputs(comm, args, data, weights=None):
 def _checkpoints_in(directory):
     if not os.path.isdir(directory):
         return []
-    return sorted(name for name in os.listdir(directory) if ITER_NAME.fullmatch(name))
+    return sorted((name for name in os.listdir(directory) if ITER_NAME.fullmatch(name)), key=_iteration)
+
+
+def _iteration(name):
+    return int(name[len("iter_"):])
 
 
 def claim_save_directory(args, rank):
@@ -142,6 +146,14 @@ def claim_save_directory(args, rank):
                         f"{' and more' if len(found) > 2 else ''}) that this run does not continue: "
                         f"pass --load {args.save} to continue them, save elsewhere, or pass "
                         "--overwrite-checkpoints to let this run replace them")
+    # a run resumed from an older checkpoint would replace the newer ones at their iterations, or
+    # prune them, with other training
+    newer = [name for name in found if continues and _iteration(name) > _iteration(os.path.basename(os.path.realpath(args.load)))]
+    if newer and not args.overwrite_checkpoints:
+        raise FlagError(f"--load {args.load} is not the newest checkpoint of --save {args.save} ({', '.join(newer[-2:])}"
+                        f"{' and more' if len(newer) > 2 else ''} came after it), and this run would replace or "
+                        f"prune those: pass --load {args.save} to continue from the newest, save elsewhere, or "
+                        "pass --overwrite-checkpoints to let this run replace them")
     try:
         return SaveLock(args.save).acquire()
     except SaveDirectoryBusy as exc:

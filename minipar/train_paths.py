@@ -35,6 +35,14 @@ def clashing_paths(args):
         problems += [f"{flag} {path} is inside --export-hf {args.export_hf}, which the export replaces whole "
                      "when the run ends: put it elsewhere" for flag, path in outputs
                      if flag != "--export-hf" and _inside(path, args.export_hf)]
+    for flag, path in files + [(flag, path) for flag, path in outputs if flag == "--export-hf"]:
+        for source, directory in _save_directories(args):
+            if _in_checkpoints(path, directory):
+                problems.append(f"{flag} {path} would write into the checkpoints of {source} {directory} "
+                                "(its latest, .lock and iter_* are the checkpoints'): put it elsewhere")
+        if os.path.basename(path).endswith(".tokens"):
+            problems.append(f"{flag} {path}: .tokens is the name of a corpus's token cache, which a run reads "
+                            "while it writes its outputs: use another name")
     tokenizer = getattr(getattr(args, "tokenizer", None), "directory", None)  # (loaded by then: train_sources)
     inputs = [(flag, path) for flag, path in (("--data", args.data), ("--init-weights", args.init_weights),
                                                 ("--tokenizer", tokenizer)) if path]
@@ -47,6 +55,28 @@ def clashing_paths(args):
             problems.append(f"{source} {given} is inside --export-hf {args.export_hf}, which the export replaces "
                             "whole when the run ends: put the export elsewhere")
     return problems
+
+
+def _save_directories(args):
+    """(flag, directory) of the save directories a run writes or reads: --save, and --load's (the
+    folder it names, or the one holding the checkpoint it names)."""
+    out = [("--save", args.save)] if args.save else []
+    load = getattr(args, "load", None)
+    if load:
+        named = os.path.isfile(os.path.join(load, "index.json"))
+        folder = os.path.dirname(os.path.normpath(load)) or "." if named else load
+        if not args.save or os.path.realpath(folder) != os.path.realpath(args.save):  # one folder: said once
+            out.append(("--load", folder))
+    return out
+
+
+def _in_checkpoints(path, directory):
+    """Whether ``path`` is, or lies in, what a save directory's checkpoints are made of: its
+    ``latest``, its ``.lock``, an ``iter_*`` folder (a partial one too)."""
+    if not _inside(path, directory):
+        return False
+    first = os.path.relpath(os.path.realpath(path), os.path.realpath(directory)).split(os.sep)[0]
+    return first in ("latest", ".lock") or first.startswith("iter_")
 
 
 def trim_log(path, start):

@@ -79,6 +79,25 @@ def test_a_run_does_not_write_over_checkpoints_it_does_not_continue(tmp_path, co
         assert f.read().strip() == "iter_0000002"
 
 
+def test_a_resume_from_an_older_checkpoint_keeps_the_newer_ones(tmp_path, corpus):
+    """Its checkpoints at the newer ones' iterations would replace them (and --keep-checkpoints
+    prune them), holding other training: refused unless --overwrite-checkpoints says so. Nor may
+    an output land on a checkpoint's files."""
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "4", "--save", save, "--save-interval", "2").returncode == 0
+    older = os.path.join(save, "iter_0000002")
+    run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", older, "--save", save)
+    assert one_line(run, f"--load {older} is not the newest checkpoint of --save {save} (iter_0000004 came after "
+                         "it)"), run.stderr
+    log, index = saved_index(save, 4)
+    run = train(*TINY, "--data", corpus, "--max-iters", "6", "--load", save, "--save", save, "--log-json", log,
+                "--override-opt_param-scheduler")
+    assert one_line(run, f"--log-json {log} would write into the checkpoints of --save {save}"), run.stderr
+    assert saved_index(save, 4)[1] == index
+    told = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", older, "--save", save, "--overwrite-checkpoints")
+    assert told.returncode == 0, told.stderr
+
+
 def test_a_resume_on_another_corpus_is_refused(tmp_path, corpus):
     save, other = str(tmp_path / "ckpt"), tmp_path / "other.txt"
     other.write_text(open(corpus).read() + "x")
