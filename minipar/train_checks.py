@@ -110,9 +110,9 @@ def sample_problems(args):
 def check_args(args, world_size):
     """Every error a flag's own type cannot see, one line each, before anything is built or sent;
     raises FlagError with all of them. Fills in ``args.dp`` and ``args.micro_batches``."""
-    from minipar import backend
     from minipar.cli import device_problems
     from minipar.parallel.validate import resolve
+    from minipar.train_plan import balanced_layers, memory_problem
 
     problems = device_problems(args)
     problems += schedule_flag_problems(args)
@@ -181,43 +181,11 @@ def check_args(args, world_size):
     problems += balanced_layers(args)
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
     if not layout:  # the sizes make sense: will the model and its activations fit before they are allocated?
-        from minipar.parallel.memory import BYTES, problem as memory_problem
-        from minipar.plan import activations, shapes, state
-
-        model, plan_layout, m = shapes.from_run_config(run, args.recompute_granularity == "selective")
-        held = activations.peak_bytes(model, plan_layout, m, BYTES[run.dtype])
-        precision = run.dtype if BYTES[run.dtype] > 2 else "bf16-fp32-grads" if run.fp32_grads else "bf16"
-        peaks = [state.stage_peak_bytes(model, plan_layout, s, precision, m) for s in range(plan_layout.pp)]
-        fullest = max(peaks)  # stage by stage: 2BW's stash, ZeRO's gathered weights and gradients in flight
-        args.planned_state_peaks = peaks  # --report prints them beside the optimizer's ledger
-        problems.append(memory_problem(run, backend.free_memory(), FLAGS, held, fullest))
+        problems.append(memory_problem(args, run))
     problems = [p for p in problems if p] + layout
     if problems:
         raise FlagError(*problems)
     args.dp, args.micro_batches = run.dp, run.micro_batches
-
-
-def balanced_layers(args):
-    """--pipeline-layers balanced as counts (``plan.hetero.balance``: the last chunk's head counted
-    in blocks' FLOPs); a problem where there is nothing to balance."""
-    if args.pipeline_layers != "balanced":
-        return []
-    from minipar.parallel.pipeline import schedules
-    from minipar.plan import hetero
-
-    chunks = args.pp * args.vpp
-    args.pipeline_layers = None  # what the problems below leave: the even split, for the checks that follow
-    if chunks == 1:
-        return ["--pipeline-layers balanced splits the layers between pipeline chunks, and --pp x --vpp is 1: "
-                "give --pp > 1, or drop it"]
-    if args.n_layer < chunks:
-        return []  # validate says it: every chunk needs a layer
-    moe_layers = sum(i % args.moe_layer_freq == 0 for i in range(args.n_layer)) if args.num_experts else 0
-    head = hetero.head_in_blocks(args.n_embd, args.block_size, args.vocab_size, args.recompute, args.n_layer,
-                                 moe_layers, args.moe_router_topk, args.num_experts or 0)
-    shape = schedules.shape_of(args.schedule)
-    args.pipeline_layers = tuple(hetero.chunk_layers(args.n_layer, args.pp, args.vpp, head, shape))
-    return []
 
 
 def check_files(p, args, config, data):

@@ -91,3 +91,21 @@ def test_the_trainer_counts_the_fullest_stages_state_not_the_average(monkeypatch
         check_args(build_parser().parse_args(flags), 3)
     (line,) = refusal.value.lines
     assert line.startswith("this run needs about 1.8 GB on each rank: 1.3 GB for a model of 193,501,184 parameters")
+
+
+@pytest.mark.parametrize("flags", [["--n-layer", str(10**29)], ["--num-experts", str(10**8)]])
+def test_a_model_far_too_large_is_refused_by_arithmetic_before_it_is_planned(monkeypatch, flags):
+    """The planner's count lists every layer and expert: 10^29 layers took all the memory there is
+    before it said anything. The average stage's state, counted by arithmetic alone, says it first."""
+    from minipar import backend
+    from minipar.cli import FlagError
+    from minipar.plan import state
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: (16e9, 1, "test memory"))
+    monkeypatch.setattr(state, "stage_peak_bytes", lambda *a: pytest.fail("planned layer by layer"))
+    with pytest.raises(FlagError) as refusal:
+        check_args(build_parser().parse_args(flags + ["--max-iters", "1"]), 1)
+    (line,) = refusal.value.lines
+    assert line.startswith("this run needs about ") and "16.0 GB is available to each" in line, line

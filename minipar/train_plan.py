@@ -1,0 +1,57 @@
+"""What the trainer asks the planner (``minipar.plan``) before a run: whether the run fits this
+machine's memory, counted as the planner counts a layout, and the layers per pipeline chunk of
+``--pipeline-layers balanced``."""
+
+from minipar.train_checks import FLAGS
+
+
+BALANCED_UP_TO = 1 << 20
+PLANNED_UP_TO = 1 << 16  # layers x experts the memory check counts one by one
+
+
+def memory_problem(args, run):
+    """A line if the run would not fit in this machine's memory (``parallel.memory.problem``): the
+    fullest stage's state at its most and the activations its fullest rank keeps, as the planner
+    counts them; past PLANNED_UP_TO layers x experts, which it lists one by one, a floor by
+    arithmetic alone (the average stage's state and the batch) refuses what is far too large first."""
+    from minipar import backend
+    from minipar.parallel.memory import BYTES, problem
+    from minipar.plan import activations, shapes, state
+
+    if args.n_layer * max(1, args.num_experts or 1) > PLANNED_UP_TO:
+        rough = problem(run, backend.free_memory(), FLAGS)
+        if rough:
+            return rough
+    model, layout, m = shapes.from_run_config(run, args.recompute_granularity == "selective")
+    held = activations.peak_bytes(model, layout, m, BYTES[run.dtype])
+    precision = run.dtype if BYTES[run.dtype] > 2 else "bf16-fp32-grads" if run.fp32_grads else "bf16"
+    peaks = [state.stage_peak_bytes(model, layout, s, precision, m) for s in range(layout.pp)]
+    args.planned_state_peaks = peaks  # --report prints them beside the optimizer's ledger
+    # stage by stage: 2BW's stash, ZeRO's gathered weights and gradients in flight
+    return problem(run, backend.free_memory(), FLAGS, held, max(peaks))
+
+
+def balanced_layers(args):
+    """--pipeline-layers balanced as counts (``plan.hetero.balance``: the last chunk's head counted
+    in blocks' FLOPs); a problem where there is nothing to balance."""
+    if args.pipeline_layers != "balanced":
+        return []
+    from minipar.parallel.pipeline import schedules
+    from minipar.plan import hetero
+
+    chunks = args.pp * args.vpp
+    args.pipeline_layers = None  # what the problems below leave: the even split, for the checks that follow
+    if chunks == 1:
+        return ["--pipeline-layers balanced splits the layers between pipeline chunks, and --pp x --vpp is 1: "
+                "give --pp > 1, or drop it"]
+    if args.n_layer < chunks:
+        return []  # validate says it: every chunk needs a layer
+    if args.n_layer > BALANCED_UP_TO:  # the greedy places one layer at a time
+        return [f"--pipeline-layers balanced splits up to {BALANCED_UP_TO:,} layers, and --n-layer is "
+                f"{args.n_layer:,}: give the counts of the split yourself"]
+    moe_layers = sum(i % args.moe_layer_freq == 0 for i in range(args.n_layer)) if args.num_experts else 0
+    head = hetero.head_in_blocks(args.n_embd, args.block_size, args.vocab_size, args.recompute, args.n_layer,
+                                 moe_layers, args.moe_router_topk, args.num_experts or 0)
+    shape = schedules.shape_of(args.schedule)
+    args.pipeline_layers = tuple(hetero.chunk_layers(args.n_layer, args.pp, args.vpp, head, shape))
+    return []
