@@ -185,6 +185,18 @@ def _end(comm, prog, message):
     return 1
 
 
+def _checkpoint_failed(comm, prog, flag, exc):
+    """A checkpoint that could not be loaded or saved. Raised by every rank (``exc.speaks`` set,
+    ``sharded.agree_on_failure``): one line, from the rank that found why, and all end together,
+    nothing aborted; raised by one rank alone: it says so and ends the others."""
+    if exc.speaks is None:
+        return _end(comm, prog, f"{flag}: {exc}")
+    if exc.speaks:
+        print(f"{prog}: error: {flag}: {exc}", file=sys.stderr, flush=True)
+    comm.barrier()
+    return 1
+
+
 def _an_output(args, path):
     """Whether ``path`` is one of the files the run writes besides its checkpoints (each writer
     names its output when it fails: a full disk)."""
@@ -278,17 +290,12 @@ def _main(comm, parser, argv, run):
 
     try:
         trainer = run["trainer"] = Trainer(args, config, data, comm, weights)
-    except CheckpointError as exc:  # found by the rank that read the damaged part
-        return _end(comm, parser.prog, f"--load: {exc}")
+    except CheckpointError as exc:  # a damaged part, found by the ranks that read it
+        return _checkpoint_failed(comm, parser.prog, "--load", exc)
     try:
         return trainer.run()
     except CheckpointError as exc:  # a save that failed (a full disk): the last good one stays
-        if exc.speaks is None:
-            return _end(comm, parser.prog, f"--save: {exc}")
-        if exc.speaks:  # every rank raised it: one line, then all end together, nothing aborted
-            print(f"{parser.prog}: error: --save: {exc}", file=sys.stderr, flush=True)
-        comm.barrier()
-        return 1
+        return _checkpoint_failed(comm, parser.prog, "--save", exc)
     except OSError as exc:
         if not _an_output(args, exc.filename):  # not one of the run's own writes: a bug to be seen whole
             raise

@@ -80,19 +80,12 @@ class Trainer(Reports):
         if weights is not None:
             full.load_full_state(model, self.opt, weights, grid)
         if args.load:
-            state = sharded.load(args.load, model, self.opt, grid)
-            if "calls" in state["rng"]:
-                raise sharded.CheckpointError(
-                    f"{args.load} was saved when dropout masks followed a count of calls; masks are now "
-                    "keyed by position, so it cannot resume exactly: start the run again")
-            model.rng.seed = state["rng"]["seed"]  # the iteration, which keys the masks with it, is self.start
-            if scaler is not None and "loss_scaler" in state:  # an fp16 run's scale goes on where it was
-                try:
-                    scaler.load_state_dict(state["loss_scaler"])
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise sharded.CheckpointError(f"{args.load}: its loss_scaler state is not one: {exc!r}") from None
-            self.start = state["iteration"]
-            self.stuck = state.get("skipped_in_a_row", 0)  # 0 for checkpoints from before it was saved
+            failed = None
+            try:  # each rank reads its own pieces: a damage one rank finds, others may not
+                self._load(args, scaler)
+            except sharded.CheckpointError as exc:
+                failed = exc
+            sharded.agree_on_failure(world, failed, f"the checkpoint {args.load} was not loaded")
         self.speaks = world.rank == 0
         if args.save:  # the save directory's lock is ours (run_inputs.claim_save_directory)
             # the checkpoint loaded may be iter_N.old, which rank 0 puts back under its own name:
@@ -118,6 +111,21 @@ class Trainer(Reports):
         if self.lagged:  # waited for at once: the update set aside in this step made now
             self.opt.apply()
         return self._results(started)
+
+    def _load(self, args, scaler):
+        state = sharded.load(args.load, self.model, self.opt, self.grid)
+        if "calls" in state["rng"]:
+            raise sharded.CheckpointError(
+                f"{args.load} was saved when dropout masks followed a count of calls; masks are now "
+                "keyed by position, so it cannot resume exactly: start the run again")
+        self.model.rng.seed = state["rng"]["seed"]  # the iteration, which keys the masks with it, is self.start
+        if scaler is not None and "loss_scaler" in state:  # an fp16 run's scale goes on where it was
+            try:
+                scaler.load_state_dict(state["loss_scaler"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise sharded.CheckpointError(f"{args.load}: its loss_scaler state is not one: {exc!r}") from None
+        self.start = state["iteration"]
+        self.stuck = state.get("skipped_in_a_row", 0)  # 0 for checkpoints from before it was saved
 
     def _start(self, it):
         """Run iteration ``it`` and start the one all-reduce of what it reports: the loss, and every

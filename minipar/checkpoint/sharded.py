@@ -52,7 +52,7 @@ from minipar.dtypes import as_dtype
 from minipar.parallel.protocol import STASHED
 
 __all__ = ["FORMAT", "CheckpointError", "check_model", "fill", "find", "load", "prune", "read_index",
-           "remove_stale_partials", "save"]
+           "remove_stale_partials", "save", "agree_on_failure"]
 
 
 def _checksum(key, dtype, shape, array):
@@ -99,19 +99,39 @@ def save(directory, iteration, model, optimizer, grid, trainer_state):
     return final
 
 
+def first_failure(world, failed):
+    """(the lowest rank whose ``failed`` is not None, how many such ranks), or None: one
+    all-reduce that every rank reaches, whether or not its own part failed."""
+    votes = numpy.zeros(world.size, numpy.int64)  # a host array: MPI moves it on any device
+    votes[world.rank] = failed is not None
+    if world.size > 1:
+        votes = world.all_reduce(votes)
+    return (int(numpy.argmax(votes)), int(votes.sum())) if votes.any() else None
+
+
+def agree_on_failure(world, failed, what):
+    """Raise on every rank if any rank's ``failed`` (a CheckpointError, or None) is one: the lowest
+    such rank's own, which speaks, the others' saying only where to look (``CheckpointError.speaks``),
+    so that a damage every rank reads is one line, not one per rank. ``what``: what failed."""
+    found = first_failure(world, failed)
+    if found is None:
+        return
+    first = found[0]
+    error = failed if world.rank == first else CheckpointError(f"{what} (rank {first} says why)")
+    error.speaks = world.rank == first
+    raise error
+
+
 def _agree(world, failed, directory, final, partial=None):
     """Every rank learns whether any rank's step failed (``failed``: its OSError, or None), and if
     one did, every rank raises: the lowest failing rank says why, the others say only that it did
     (``CheckpointError.speaks``), so a disk that is full for all of them prints one line, not one
     per rank, and no rank is left waiting for one that gave up. ``partial``: every rank has
     finished writing into it, so after a failure rank 0 removes it and nothing is left behind."""
-    votes = numpy.zeros(world.size, numpy.int64)  # a host array: MPI moves it on any device
-    votes[world.rank] = failed is not None
-    if world.size > 1:
-        votes = world.all_reduce(votes)
-    if not votes.any():
+    found = first_failure(world, failed)
+    if found is None:
         return
-    first, count = int(numpy.argmax(votes)), int(votes.sum())
+    first, count = found
     if partial is not None and world.rank == 0:
         remove(partial)
     if world.rank == first:
