@@ -105,6 +105,7 @@ class DynamicLossScaler:
         _finite_scale(initial_scale, "initial_scale")
         if not 0 < min_scale <= initial_scale:
             raise ValueError(f"need 0 < min_scale <= initial_scale, got {min_scale} and {initial_scale}")
+        _finite_scale(min_scale, "min_scale")
         if not 1.0 < growth_factor < math.inf or not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"need a finite growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
                              f"{backoff_factor}")
@@ -155,10 +156,18 @@ class DynamicLossScaler:
         self.scale, self.growth_tracker, self.hysteresis_tracker = scale, growth, min(hysteresis, self.hysteresis)
 
 
+SMALLEST_SCALE = 2.0**-24  # float16's smallest subnormal: a gradient of 1 scaled below it is 0
+
+
 def _finite_scale(scale, what):
-    """``scale`` as a float, refused unless finite and positive."""
+    """``scale`` as a float, refused unless finite and at least SMALLEST_SCALE (below it every
+    gradient up to 1 flushes to zero in float16, and the run's losses turn to nan for no reason
+    the user could see)."""
     if not 0 < float(scale) < math.inf:
         raise ValueError(f"{what} must be finite and positive, got {scale}")
+    if float(scale) < SMALLEST_SCALE:
+        raise ValueError(f"{what} {scale} is below 2^-24, float16's smallest number: every scaled gradient "
+                         "up to 1 would be 0; use 1 or more")
     return float(scale)
 
 

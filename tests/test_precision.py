@@ -50,6 +50,14 @@ def test_constant_scaler_skips_but_never_moves():
         ConstantLossScaler(0.0)
 
 
+@pytest.mark.parametrize("make", [lambda: ConstantLossScaler(1e-30), lambda: DynamicLossScaler(2.0**16, 1e-30)])
+def test_a_scale_below_float16s_smallest_number_is_refused(make):
+    """Every scaled gradient up to 1 would be 0: the run's loss turned to nan a step later, and the
+    error named the learning rate."""
+    with pytest.raises(ValueError, match=r"below 2\^-24, float16's smallest number"):
+        make()
+
+
 def test_a_scaler_resumes_only_its_own_kinds_state():
     """A constant scale is the run's flag: a checkpoint's scale did override --loss-scale. A
     dynamic scale resumed from a constant one's checkpoint failed with a KeyError."""
