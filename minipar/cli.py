@@ -66,7 +66,34 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, without abbreviations (Megatron-LM's ``allow_abbrev=False``:
+    ``--n-lay`` read as ``--n-layer`` today may mean another flag once one is added), and refusing
+    two names of one flag given two values (``--tp 2 --tensor-model-parallel-size 1``: argparse keeps
+    the last, which looks like another flag). One name given twice is an override, as usual."""
+
     rank = 0  # only rank 0 prints help
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        given = {}  # dest: [(flag as typed, value)]
+        words = list(sys.argv[1:] if args is None else args)
+        for i, word in enumerate(words):
+            flag, eq, value = word.partition("=")
+            action = self._option_string_actions.get(flag) if word.startswith("--") else None
+            if action is None or action.nargs is not None or action.dest == "help":
+                continue
+            if not eq:
+                value = words[i + 1] if i + 1 < len(words) else None
+            given.setdefault(action.dest, []).append((flag, value))
+        for seen in given.values():  # one spelling repeated is an override (base flags, then the change)
+            clash = [(a, x, b, y) for i, (a, x) in enumerate(seen) for b, y in seen[i + 1:] if a != b and x != y]
+            if clash:
+                a, x, b, y = clash[0]
+                self.error(f"{a} {x} and {b} {y} are two names of one flag, given two values: give one")
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         """One line naming the problem (argparse would print the whole usage first)."""

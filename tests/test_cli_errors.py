@@ -37,6 +37,15 @@ def test_the_launcher_refuses_more_ranks_than_it_can_count(ranks):
     assert run.returncode == 2 and len(lines) == 1 and f"-n {ranks}: at most 1000000 ranks" in lines[0], run.stderr
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--tp", "2", "--tensor-model-parallel-size", "1"],  # argparse kept the last: TP 1
+     ["--tp 2 and --tensor-model-parallel-size 1 are two names of one flag, given two values: give one"]),
+    (["--n-lay", "3"], ["unrecognized arguments: --n-lay 3"]),  # no abbreviations, as Megatron-LM
+])
+def test_a_flag_is_read_as_typed(args, words, tmp_path):
+    refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)
+
+
 @pytest.mark.parametrize("plot,words", [("out/loss.xyz", ["--plot out/loss.xyz", "cannot write a .xyz file", ".png"]),
                                         ("foo", ["--plot foo", "no extension", "would write foo.png"])])
 def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, tmp_path):
