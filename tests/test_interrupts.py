@@ -94,3 +94,17 @@ def test_ctrl_c_to_a_job_prints_one_line_and_a_rank_interrupted_alone_its_own(wh
     # the whole job: rank 0 speaks, unless the signal found it inside MPI waiting for rank 1
     who = "(rank 1 )?" if whole_job else "rank 1 "
     assert re.match(f"python -m minipar.train: {who}interrupted at iteration ", ours[0]), ours
+
+
+def test_an_interruption_between_a_save_and_the_next_step_is_said_after_the_saved_step(monkeypatch):
+    """Stopped after iteration 143's checkpoint (144) was written, before 144 began: "at iteration
+    143" beside a checkpoint of 144 read as if the checkpoint held a step the run never finished."""
+    from types import SimpleNamespace
+
+    from minipar import train, train_report
+
+    monkeypatch.setattr(train_report, "last_checkpoint", lambda save: 144)
+    args = SimpleNamespace(save="ckpt")
+    assert train.interrupted(args, 143).startswith("interrupted after iteration 143; the last checkpoint in ckpt "
+                                                   "(iteration 144) is kept")
+    assert train.interrupted(args, 150).startswith("interrupted at iteration 150;")
