@@ -81,9 +81,11 @@ class Trainer(Reports):
             full.load_full_state(model, self.opt, weights, grid)
         if args.load:
             failed = None
-            try:  # each rank reads its own pieces: a damage one rank finds, others may not
+            try:  # what the index says (read alike by every rank) or a damage one rank found
                 self._load(args, scaler)
             except sharded.CheckpointError as exc:
+                if exc.speaks is not None:  # already agreed on by every rank (sharded.load's reads)
+                    raise
                 failed = exc
             sharded.agree_on_failure(world, failed, f"the checkpoint {args.load} was not loaded")
         self.speaks = world.rank == 0

@@ -227,6 +227,20 @@ def test_a_damaged_shard_ends_the_job_naming_the_file(tmp_path):
     assert code == 2 and "has no index.json" in out
 
 
+def test_a_damage_only_one_rank_reads_ends_the_job_before_zero_gathers(tmp_path):
+    """ZeRO-1's fp32 masters are pieces each DP rank reads alone; the ranks agree on the reads
+    before masters_to_model all-gathers them (a rank that found the damage had gone to the vote
+    while the other waited in the gather, for ever)."""
+    save, args = str(tmp_path / "ckpt"), ["--zero-stage", "1", "--bf16"]
+    assert train(2, "--max-iters", "4", "--exit-interval", "2", "--save", save, *args)[0] == 0
+    shard = os.path.join(save, "iter_0000002", "rank_00001.safetensors")
+    raw = bytearray(open(shard, "rb").read())
+    raw[-5] ^= 0xFF  # the last piece of the file: DP rank 1's own
+    open(shard, "wb").write(bytes(raw))
+    code, out, seconds = train(2, "--max-iters", "4", "--load", save, *args, timeout=60)
+    assert code == 1 and out.count("rank_00001.safetensors is damaged") == 1 and seconds < 60, out
+
+
 @pytest.mark.parametrize("n,args,message", [
     (4, ["--tp", "3"], "4 ranks do not split into TP x PP = 3 x 1"),
     (4, ["--tp", "2", "--dp", "3"], "TP x PP x DP = 2 x 1 x 3 = 6 ranks, but the job has 4"),

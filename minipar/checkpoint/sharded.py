@@ -314,17 +314,31 @@ def fill(piece_list, reader):
                 raise CheckpointError(f"{reader.path}: part {start}..{stop} of {tensor} is in no saved box")
 
 
+def _fill_agreed(piece_list, reader, grid, path):
+    failed = None
+    try:
+        fill(piece_list, reader)
+    except CheckpointError as exc:
+        if grid is None:
+            raise
+        failed = exc
+    if grid is not None:
+        agree_on_failure(grid.world, failed, f"the checkpoint {path} was not loaded")
+
+
 def load(path, model, optimizer, grid=None):
     """Load the checkpoint at ``path`` into this rank's model and optimizer, whatever layout wrote
-    it. Returns the trainer state saved with it."""
+    it. Returns the trainer state saved with it. Each rank reads its own pieces, so a damage one
+    rank finds, others may not: with a ``grid`` every rank's reads end in one vote
+    (``agree_on_failure``) before anything communicates again (ZeRO's masters_to_model gathers)."""
     index = read_index(path)
     check_model(index, model.config, weights_dtype(model, optimizer))
     every, reader = pieces(model, optimizer, grid), _Reader(index)
-    fill([p for p in every if p.kind != STASHED], reader)
+    _fill_agreed([p for p in every if p.kind != STASHED], reader, grid, path)
     optimizer.masters_to_model()  # mixed precision: the 16-bit weights are the loaded masters' rounding
     # PipeDream-2BW's older version: the saved one, after masters_to_model set it to the weights,
     # which is where a stream starts from a checkpoint of a flushed schedule, which has none
     if any(name.startswith(STASHED + "/") for name in index["tensors"]):
-        fill([p for p in every if p.kind == STASHED], reader)
+        _fill_agreed([p for p in every if p.kind == STASHED], reader, grid, path)
     optimizer.step_count = index["trainer"]["optimizer_steps"]
     return index["trainer"]
