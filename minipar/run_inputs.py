@@ -27,6 +27,7 @@ a run does not write into a directory of checkpoints that it does not continue u
 import hashlib
 import json
 import os
+import re
 
 import numpy
 
@@ -130,7 +131,9 @@ def _checkpoints_in(directory):
 
 
 def _iteration(name):
-    return int(name[len("iter_"):])
+    """The iteration of a checkpoint's folder, ``iter_N`` (or ``iter_N.old``, which ``find`` may
+    resolve to: a save of the same iteration stopped between its two renames)."""
+    return int(re.match(r"iter_(\d+)", name).group(1))
 
 
 def claim_save_directory(args, rank):
@@ -152,8 +155,8 @@ def claim_save_directory(args, rank):
     if newer and not args.overwrite_checkpoints:
         raise FlagError(f"--load {args.load} is not the newest checkpoint of --save {args.save} ({', '.join(newer[-2:])}"
                         f"{' and more' if len(newer) > 2 else ''} came after it), and this run would replace or "
-                        f"prune those: pass --load {args.save} to continue from the newest, save elsewhere, or "
-                        "pass --overwrite-checkpoints to let this run replace them")
+                        f"prune those: pass --load {os.path.join(args.save, newer[-1])} to continue from the newest, "
+                        "save elsewhere, or pass --overwrite-checkpoints to let this run replace them")
     try:
         return SaveLock(args.save).acquire()
     except SaveDirectoryBusy as exc:

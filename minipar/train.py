@@ -229,7 +229,7 @@ def interrupted(args, iteration):
     kept = last_checkpoint(args.save)
     if kept is None:
         return f"{line}; no checkpoint was saved in {args.save} yet"
-    if iteration is not None and kept > iteration:  # stopped between a step's save and the next step
+    if iteration is not None and kept == iteration + 1:  # stopped between a step's save and the next step
         line = f"interrupted after iteration {kept - 1}"
     return f"{line}; the last checkpoint in {args.save} (iteration {kept}) is kept: continue with --load {args.save}"
 

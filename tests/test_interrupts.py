@@ -108,3 +108,4 @@ def test_an_interruption_between_a_save_and_the_next_step_is_said_after_the_save
     assert train.interrupted(args, 143).startswith("interrupted after iteration 143; the last checkpoint in ckpt "
                                                    "(iteration 144) is kept")
     assert train.interrupted(args, 150).startswith("interrupted at iteration 150;")
+    assert train.interrupted(args, 5).startswith("interrupted at iteration 5;")  # a resume from an older one

@@ -98,6 +98,15 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_newer_ones(tmp_path, corpus
     assert told.returncode == 0, told.stderr
 
 
+def test_a_resume_from_a_checkpoint_put_aside_as_old_continues_it(tmp_path):
+    """``find`` resolves ``latest`` to ``iter_N.old`` where a save of the same iteration stopped
+    between its two renames: its iteration is N, not a name to refuse (it raised a ValueError)."""
+    for name in ("iter_0000002", "iter_0000004.old"):
+        os.makedirs(tmp_path / name)
+    args = SimpleNamespace(save=str(tmp_path), load=str(tmp_path / "iter_0000004.old"), overwrite_checkpoints=False)
+    run_inputs.claim_save_directory(args, 0).release()
+
+
 def test_a_resume_on_another_corpus_is_refused(tmp_path, corpus):
     save, other = str(tmp_path / "ckpt"), tmp_path / "other.txt"
     other.write_text(open(corpus).read() + "x")
