@@ -51,7 +51,12 @@ def untimed_evaluations(times):
 def main(argv):
     comm = world()
     folder = broadcast_text(comm, tempfile.mkdtemp(prefix="op_times_") if comm.rank == 0 else "")
-    given = DEFAULTS + ["--log-json", os.path.join(folder, "log.json")] + argv  # one command line on all ranks
+    parser = train.build_parser()
+    typed = parser.typed(argv)  # a default the user gave under any of its names gives way
+    dest = {flag: parser._option_string_actions[flag].dest for flag in DEFAULTS[::2]}  # noqa: SLF001
+    defaults = [word for flag, value in zip(DEFAULTS[::2], DEFAULTS[1::2]) if dest[flag] not in typed
+                for word in (flag, value)]
+    given = defaults + ["--log-json", os.path.join(folder, "log.json")] + argv  # one command line on all ranks
     with OpTimes() as times, untimed_evaluations(times):
         status = train.main(given)
     if status:

@@ -77,9 +77,10 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def parse_known_args(self, args=None, namespace=None):
-        given = {}  # dest: [(flag as typed, value)]
-        words = list(sys.argv[1:] if args is None else args)
+    def typed(self, words):
+        """{dest: [(the flag as typed, its value)]} of the options in ``words`` that take one value
+        (a value missing or of the wrong type left to argparse to refuse)."""
+        given = {}
         for i, word in enumerate(words):
             flag, eq, value = word.partition("=")
             action = self._option_string_actions.get(flag) if word.startswith("--") else None
@@ -87,9 +88,18 @@ class Parser(argparse.ArgumentParser):
                 continue
             if not eq:
                 value = words[i + 1] if i + 1 < len(words) else None
+            try:
+                value = action.type(value) if action.type is not None and value is not None else value
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                pass
             given.setdefault(action.dest, []).append((flag, value))
-        for seen in given.values():  # one spelling repeated is an override (base flags, then the change)
-            clash = [(a, x, b, y) for i, (a, x) in enumerate(seen) for b, y in seen[i + 1:] if a != b and x != y]
+        return given
+
+    def parse_known_args(self, args=None, namespace=None):
+        for seen in self.typed(list(sys.argv[1:] if args is None else args)).values():
+            # one spelling repeated is an override (base flags, then the change)
+            clash = [(a, x, b, y) for i, (a, x) in enumerate(seen) for b, y in seen[i + 1:]
+                     if a != b and x != y and None not in (x, y)]
             if clash:
                 a, x, b, y = clash[0]
                 self.error(f"{a} {x} and {b} {y} are two names of one flag, given two values: give one")
