@@ -100,9 +100,13 @@ class Dataset:
             from minipar.token_cache import cached_token_ids
 
             ids, self.notes, self._keep = cached_token_ids(corpus, self.sha256, path, tokenizer)
-            if not defer_cache:
-                self.keep_cache()
-        n_train = int(len(ids) * (1.0 - val_fraction))
+        self.val_fraction = val_fraction
+        self._split(ids)
+        if not defer_cache:
+            self.keep_cache()
+
+    def _split(self, ids):
+        n_train = int(len(ids) * (1.0 - self.val_fraction))
         self.splits = {"train": ids[:n_train], "val": ids[n_train:]}
 
     def keep_cache(self):
@@ -110,8 +114,10 @@ class Dataset:
         the trainer calls it once the run is sure to go on, so that a run refused for its flags
         leaves nothing behind."""
         if self._keep is not None:
-            self.notes += self._keep()
-            self._keep = None
+            notes, ids = self._keep()
+            self.notes, self._keep = self.notes + notes, None
+            if ids is not None:
+                self._split(ids)
 
     def check_block_size(self, block_size, source=None):
         """Raise a ValueError if a split is too short for one window of ``block_size`` tokens and

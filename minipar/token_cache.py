@@ -69,7 +69,8 @@ def _write(path, ids):
 def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
     """(the corpus's ids, notes for the user, and None or a call that writes the cache): read from
     the cache, or tokenized, the cache written by the returned call once the run is sure to go on
-    (a run refused for its flags writes nothing). The call returns notes for the user."""
+    (a run refused for its flags writes nothing). The call returns (notes for the user, the ids
+    read back from the cache as a memmap, or None where it could not be written)."""
     key = hashlib.sha256(f"{tokenizer.sha256}:{corpus_sha256}:{RECIPE}".encode()).hexdigest()[:16]
     path, note = cache_path(corpus_path, key)
     notes = [note] if note else []
@@ -90,7 +91,7 @@ def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
             _write(path, ids)
         except OSError as exc:  # a full disk, a quota: the run goes on with the ids it made
             return [f"the token cache {path} could not be written ({exc.strerror or exc}): the ids are "
-                    "kept in memory, and the next run tokenizes the corpus again"]
-        return []
+                    "kept in memory, and the next run tokenizes the corpus again"], None
+        return [], _read(path)  # paged in from the file as read, not held in every rank's memory
 
     return ids, notes, keep

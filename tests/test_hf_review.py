@@ -156,6 +156,20 @@ def test_a_cache_that_cannot_be_written_leaves_the_run_its_ids(tmp_path, monkeyp
     assert [f for f in os.listdir(tmp_path) if f != "corpus.txt"] == []
 
 
+def test_a_deferred_cache_is_written_when_kept_and_then_read_from_the_file(tmp_path):
+    """The trainer writes the cache only once its run goes on (``defer_cache``); then its ids are
+    the cache's memmap, as a run that found the cache has them, not a copy in every rank's memory."""
+    corpus = b"def f(x):\n    return x\n" * 20
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(corpus)
+    data = Dataset(corpus, tokenizer=_Bytes(), path=str(path), defer_cache=True)
+    assert os.listdir(tmp_path) == ["corpus.txt"] and not isinstance(data.splits["train"], numpy.memmap)
+    data.keep_cache()
+    assert len(os.listdir(tmp_path)) == 2 and isinstance(data.splits["train"], numpy.memmap)
+    ids = numpy.concatenate([data.splits["train"], data.splits["val"]])
+    assert ids.tolist() == list(corpus)
+
+
 def test_the_cache_is_verified_without_a_copy_of_its_ids(tmp_path):
     """The check of a cache's SHA-256 made a bytes copy of every id (``tobytes``): the memmap is
     there so that a large corpus's ids need not all sit in memory."""
