@@ -37,6 +37,7 @@ from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
 from minipar.plan import hetero
+from minipar.plan.shapes import Model
 from minipar.cli import Parser, parse, positive_float, positive_int
 
 from flags import run_problems  # a script beside this one
@@ -97,7 +98,7 @@ def main():
     comm = world()
     args, p = parse_args(comm), comm.size
     speeds = [1.0] * (p - 1) + [1 / args.slowdown]
-    head = hetero.head_in_blocks(args.n_embd, args.block_size, args.vocab_size)
+    head = hetero.head_in_blocks(Model(args.n_layer, args.n_embd, 4, args.block_size, args.vocab_size))
     predicted = hetero.compare(args.n_layer, speeds, args.micro_batches, last=head)
     if predicted["even"][0] == predicted["balanced"][0]:
         if comm.rank == 0:

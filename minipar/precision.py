@@ -166,8 +166,8 @@ def _finite_scale(scale, what):
     if not 0 < float(scale) < math.inf:
         raise ValueError(f"{what} must be finite and positive, got {scale}")
     if float(scale) < SMALLEST_SCALE:
-        raise ValueError(f"{what} {scale} is below 2^-24, float16's smallest number: every scaled gradient "
-                         "up to 1 would be 0; use 1 or more")
+        raise ValueError(f"{what} {scale} is below 2^-24, float16's smallest number: gradients scaled by it "
+                         "flush to 0 in float16; use 1 or more (Megatron's smallest by default)")
     return float(scale)
 
 

@@ -37,7 +37,7 @@ def balanced_layers(args):
     if args.pipeline_layers != "balanced":
         return []
     from minipar.parallel.pipeline import schedules
-    from minipar.plan import hetero
+    from minipar.plan import hetero, shapes
 
     chunks = args.pp * args.vpp
     args.pipeline_layers = None  # what the problems below leave: the even split, for the checks that follow
@@ -49,9 +49,9 @@ def balanced_layers(args):
     if args.n_layer > BALANCED_UP_TO:  # the greedy places one layer at a time
         return [f"--pipeline-layers balanced splits up to {BALANCED_UP_TO:,} layers, and --n-layer is "
                 f"{args.n_layer:,}: give the counts of the split yourself"]
-    moe_layers = sum(i % args.moe_layer_freq == 0 for i in range(args.n_layer)) if args.num_experts else 0
-    head = hetero.head_in_blocks(args.n_embd, args.block_size, args.vocab_size, args.recompute, args.n_layer,
-                                 moe_layers, args.moe_router_topk, args.num_experts or 0)
+    model = shapes.Model(args.n_layer, args.n_embd, args.n_head, args.block_size, args.vocab_size,
+                         args.num_experts or 0, args.moe_router_topk, args.moe_layer_freq)
+    head = hetero.head_in_blocks(model, args.recompute)
     shape = schedules.shape_of(args.schedule)
     args.pipeline_layers = tuple(hetero.chunk_layers(args.n_layer, args.pp, args.vpp, head, shape))
     return []

@@ -113,7 +113,7 @@ class Reports:
         print(f"model: {n_params:,} parameters, {a.n_layer} layers, {a.n_head} heads, "
               f"{a.n_embd} hidden, context {a.block_size}, {self.model.parameters()[0].dtype.name}")
         cp = f" x CP {g.cp} ({a.cp_comm_type})" if g.cp > 1 else ""
-        ep = f" (EP {g.ep})" if g.ep > 1 else ""
+        ep = f" (EP {g.ep} of DP x CP)" if g.ep > 1 and g.cp > 1 else f" (EP {g.ep})" if g.ep > 1 else ""
         print(f"layout: {self.world.size} ranks = TP {g.tp}{cp} x PP {g.pp} x DP {g.dp}{ep}; {a.micro_batches} "
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
               + (f", {a.vpp} virtual stages" if a.vpp > 1 else "")

@@ -73,9 +73,11 @@ def test_the_balanced_plans_command_is_one_the_trainer_takes(monkeypatch):
 def test_the_head_counts_as_the_blocks_its_flops_make():
     """GPT-2's head (V 50257, h 768, T 1024) is 4.46 blocks' training FLOPs: its stage takes fewer
     layers, optimally (every split tried), and the simulator says the step is shorter for it."""
-    head = hetero.head_in_blocks(768, 1024, 50257)
+    from minipar.plan.shapes import PRESETS
+
+    head = hetero.head_in_blocks(PRESETS["gpt2"][0])
     assert round(float(head), 2) == 4.46
-    assert hetero.head_in_blocks(768, 1024, 50257, recompute=True) == head * Fraction(3, 4)
+    assert hetero.head_in_blocks(PRESETS["gpt2"][0], recompute=True) == head * Fraction(3, 4)
     for L, speeds in ((12, [1, 1]), (12, [1, 1, 1, 1]), (9, [1, 0.5, 1])):
         layers = hetero.balance(L, speeds, head)
         cost = lambda split: max((n + head * (i == len(split) - 1)) / Fraction(s)  # noqa: E731

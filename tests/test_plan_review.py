@@ -239,8 +239,10 @@ def test_why_a_layout_fails_names_the_flags_that_change_it():
     result = plan(model, Machine(gpus=8), 16)
     reasons = " | ".join(result.examples.values())
     for words in ("--cp-comm-type a2a (Ulysses)", "--virtual-pipeline-model-parallel-size = 2 x 4",
-                  "or give --pipeline-layers"):
+                  "every pipeline chunk needs a layer"):
         assert words in reasons, words
+    uneven = validate.problems(run_config(Model(6, 64, 4, 32), Layout(pp=4, dp=2), 16), FLAGS)
+    assert any(p.endswith("or give --pipeline-layers") for p in uneven), uneven
     stash = validate.problems(run_config(model, Layout(pp=2, dp=4, schedule="pipedream-2bw", zero_stage=1), 16), FLAGS)
     assert stash == ["--schedule pipedream-2bw stashes a second copy of the weights it updates whole: it needs "
                      "--zero-stage 0"]

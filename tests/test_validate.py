@@ -36,6 +36,8 @@ def test_a_good_run_has_no_problem_and_its_sizes_are_derived():
     (dict(n_head=5, tp=1, world_size=4, sequence_parallel=False), "n_embd=32 is not divisible by n_head=5"),
     (dict(n_head=6, n_embd=48, tp=4, pp=1), "n_head=6 is not divisible by TP=4: each TP rank needs whole heads"),
     (dict(n_layer=6, virtual_stages=2, schedule="interleaved", global_batch=32), "n_layer=6 is not divisible by PP x virtual_stages = 2 x 2"),
+    (dict(n_layer=3, virtual_stages=2, schedule="interleaved", global_batch=32),
+     "n_layer=3 is fewer than PP x virtual_stages = 2 x 2: every pipeline chunk needs a layer"),  # no split can help
     (dict(virtual_stages=2), "virtual_stages=2 needs schedule='interleaved'"),
     (dict(global_batch=9), "global_batch=9 does not split over DP=2 ranks: use a multiple of 2"),
     (dict(global_batch=6), "3 sequences per data-parallel rank do not split into micro-batches of the default size"),

@@ -7,6 +7,8 @@ depends on the optimizer, which lists them (``state_arrays()``, part of the step
     DataParallelAdamW        each parameter's local (TP) array, and m, v of the same shape
     ZeRO1, ZeRO2             the parameters as above; m and v as flat pieces of this DP rank's shard
     ZeRO3                    parameters, m and v all as flat pieces
+    WeightStash              PipeDream-2BW's stage-0 arrays, and the stashed older version of each
+                             parameter ("stashed_param", placed as the parameter)
 
 A ``Piece`` is one such array with what it takes to place it in the whole tensor (``boxes.py``):
 its local shape, the parameter's split and which part of it this rank holds, and, for a flat

@@ -169,7 +169,7 @@ class ProcessGrid:
     ``ProcessGrid(tp, pp, dp)`` checks the sizes against the world on every rank before it makes
     any group, so a bad layout is an error everywhere, not a hang. ``dp=None`` infers DP from the
     world size. A 1 x 1 x 1 grid is the single-device run and needs no launcher. ``ep``: the
-    expert-parallel size, a divisor of DP.
+    expert-parallel size, a divisor of DP x CP.
     """
 
     def __init__(self, tp=1, pp=1, dp=None, world=None, cp=1, ep=1):

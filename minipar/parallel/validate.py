@@ -85,6 +85,9 @@ def resolve(cfg, names=None):
                    f"n_embd / TP columns; choose {say.name('tp')} among its divisors")
     if cfg.pipeline_layers is not None:  # an uneven split (a balancer's, for stages of unequal speed)
         out += _pipeline_layers_problems(cfg, say, pp, v, known)
+    elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer < pp * v:
+        out.append(f"{say('n_layer')} is fewer than {say.name('pp')} x {say.name('virtual_stages')} = {pp} x {v}: "
+                   "every pipeline chunk needs a layer")
     elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (pp * v):
         out.append(f"{say('n_layer')} is not divisible by {say.name('pp')} x {say.name('virtual_stages')} "
                    f"= {pp} x {v}: every pipeline chunk needs the same number of layers, or give "

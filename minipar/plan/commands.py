@@ -5,7 +5,10 @@ which prints one: the fastest plan with a pipeline, its layers balanced over its
 
 from minipar.parallel import validate
 
+from dataclasses import replace
+
 from . import hetero
+from .cost import predict
 from .enumerate import FLAGS
 from .shapes import run_config
 
@@ -27,9 +30,7 @@ def heterogeneous(result, machine, model, batch, speeds, precision="float32"):
     layout = runnable[0]
     stage = hetero.stage_speeds(layout, machine.gpus_per_node, speeds)  # (a speed per node: checked)
     m = batch // layout.dp // layout.micro_batch_size
-    moe_layers = sum(model.is_moe(i) for i in range(model.num_layers))
-    head = hetero.head_in_blocks(model.hidden_size, model.seq_length, model.vocab_size, layout.recompute,
-                                 model.num_layers, moe_layers, model.moe_router_topk, model.num_experts)
+    head = hetero.head_in_blocks(model, layout.recompute)
     out = hetero.compare(model.num_layers, stage, m, layout.schedule, head)  # the head too: the last stage's extra
     print(f"\nheterogeneous GPUs: the fastest plan with a pipeline (PP={layout.pp}), stage speeds {stage}, "
           f"{m} micro-batches, {layout.schedule}")
@@ -37,8 +38,14 @@ def heterogeneous(result, machine, model, batch, speeds, precision="float32"):
         print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
     saved = float(1 - out["balanced"][1] / out["even"][1])
     print(f"  balancing saves {saved:.1%} of the step (bubble {float(out['even'][2]):.3f} -> {float(out['balanced'][2]):.3f})")
-    print(f"  to run it on {layout.world_size} ranks: python -m minipar.train "
-          f"{train_flags(model, layout, batch, out['balanced'][0], precision)}")
+    # the fuller stages hold more layers' state and activations than the plan counted for the even split
+    memory = predict(model, replace(layout, pipeline_layers=tuple(out["balanced"][0])), machine, batch, precision).memory_gb
+    if memory > machine.gpu_memory_gb:
+        print(f"  but the balanced split needs {memory:.3g} GB on its fullest GPU, more than its {machine.gpu_memory_gb:g} "
+              "GB: it needs recomputation, ZeRO or a longer pipeline first")
+        return
+    print(f"  memory {memory:.3g} GB on the fullest GPU (of {machine.gpu_memory_gb:g}); to run it on "
+          f"{layout.world_size} ranks: python -m minipar.train {train_flags(model, layout, batch, out['balanced'][0], precision)}")
 
 
 # the trainer's flags that run a plan's precision (shapes.PRECISIONS' keys)

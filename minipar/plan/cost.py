@@ -38,7 +38,9 @@ def stage_imbalance(model, layout):
     """The busiest pipeline rank's training FLOPs over the ranks' mean (1 without a pipeline): a
     pipeline runs at its slowest stage's pace, and the last chunk also runs the head, 6 V h a token
     (GPT-2's: 4.5 blocks), while each block costs its own (an MoE block more), a third more under
-    full recomputation. ``layout.pipeline_layers`` (``--pipeline-layers balanced``) evens it out."""
+    full recomputation. ``layout.pipeline_layers`` (``--pipeline-layers balanced``) evens it out,
+    as far as whole layers allow (it counts an MoE model's blocks at their mean, so with
+    ``moe_layer_freq`` > 1 some imbalance it leaves is seen here)."""
     if layout.pp == 1:
         return 1.0
     args = (model.hidden_size, model.seq_length, 0)

@@ -93,9 +93,6 @@ def _choices(model, global_batch, tp, cp, pp, dp):
                                     if layout.selective_recompute and not layout.selective:
                                         continue  # ring attention: the same run as none (Layout.selective)
                                     yield layout, None
-                                    layers = balanced(model, layout)
-                                    if layers is not None:  # the head's stage lighter: often faster, its first stage fuller
-                                        yield replace(layout, pipeline_layers=layers), None
 
 
 def schedules(pp, vpp):
@@ -116,6 +113,16 @@ def plan(model, machine, global_batch, dtype="float32"):
         result.failures[key] += 1
         result.examples.setdefault(key, why)
 
+    def fits(layout):
+        try:
+            prediction = predict(model, layout, machine, global_batch, dtype)
+        except NotPlanned as e:
+            return fail(str(e))
+        if prediction.memory_gb > machine.gpu_memory_gb:
+            return fail(f"does not fit: {rounded_up(prediction.memory_gb):.3g} GB per GPU needed, "
+                        f"{machine.gpu_memory_gb:g} GB available")
+        result.plans.append((layout, prediction))
+
     for layout, problem in layouts(model, machine, global_batch):
         if problem:
             fail(problem)
@@ -125,16 +132,10 @@ def plan(model, machine, global_batch, dtype="float32"):
         if problems:
             fail(problems[0])
             continue
-        try:
-            prediction = predict(model, layout, machine, global_batch, dtype)
-        except NotPlanned as e:
-            fail(str(e))
-            continue
-        if prediction.memory_gb > machine.gpu_memory_gb:
-            fail(f"does not fit: {rounded_up(prediction.memory_gb):.3g} GB per GPU needed, "
-                 f"{machine.gpu_memory_gb:g} GB available")
-            continue
-        result.plans.append((layout, prediction))
+        fits(layout)
+        layers = balanced(model, layout)
+        if layers is not None:  # a valid pipeline tried with the head's stage lighter too: faster, its first stage fuller
+            fits(replace(layout, pipeline_layers=layers))
     result.plans.sort(key=lambda lp: (lp[1].step_time_s, lp[1].memory_gb))  # a tie: the smaller footprint
     return result
 
@@ -152,11 +153,14 @@ def balanced(model, layout):
     (the planner tries an uneven split only as the balance of an even one)."""
     if layout.pp == 1 or model.num_layers % (layout.pp * layout.vpp):
         return None
-    moe = sum(model.is_moe(i) for i in range(model.num_layers))
-    head = hetero.head_in_blocks(model.hidden_size, model.seq_length, model.vocab_size, layout.recompute,
-                                 model.num_layers, moe, model.moe_router_topk, model.num_experts)
+    head = _head(model, layout.recompute)
     layers = _balanced(model.num_layers, layout.pp, layout.vpp, head, shape_of(layout.schedule))
     return None if len(set(layers)) == 1 else layers
+
+
+@lru_cache(maxsize=64)
+def _head(model, recompute):
+    return hetero.head_in_blocks(model, recompute)
 
 
 @lru_cache(maxsize=1024)

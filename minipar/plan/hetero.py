@@ -63,12 +63,14 @@ def chunk_layers(num_layers, pp, vpp=1, last=0, shape="round-robin"):
     return counts
 
 
-def head_in_blocks(n_embd, block_size, vocab_size, recompute=False, n_layer=1, moe_layers=0, top_k=1, n_experts=0):
-    """The output head's training FLOPs per token in units of one block's (``minipar.mfu``'s count,
-    a mixture of experts' blocks at their mean), as a Fraction; full recomputation runs each
-    block's forward again (a third more) and not the head's."""
-    blocks = Fraction(flops_per_token(n_layer, n_embd, block_size, 0, moe_layers, top_k, n_experts), n_layer)
-    return flops_per_token(0, n_embd, block_size, vocab_size) / (blocks * (Fraction(4, 3) if recompute else 1))
+def head_in_blocks(model, recompute=False):
+    """The output head's training FLOPs per token in units of one of ``model``'s blocks (a
+    ``plan.shapes.Model``; ``minipar.mfu``'s count, a mixture of experts' blocks at their mean), as
+    a Fraction; full recomputation runs each block's forward again (a third more) and not the head's."""
+    h, T, L = model.hidden_size, model.seq_length, model.num_layers
+    moe = sum(model.is_moe(i) for i in range(L))
+    blocks = Fraction(flops_per_token(L, h, T, 0, moe, model.moe_router_topk, model.num_experts), L)
+    return flops_per_token(0, h, T, model.vocab_size) / (blocks * (Fraction(4, 3) if recompute else 1))
 
 
 def step(layers, speeds, micro_batches, schedule="1f1b", last=0):
