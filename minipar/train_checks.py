@@ -130,10 +130,9 @@ def check_args(args, world_size):
             problems.append(f"{', '.join(unused)}: for mixture-of-experts layers, and this model has none: "
                             "give --num-experts, or drop them")
     problems += mixed_precision_problems(args)
-    if args.schedule == "pipedream-2bw":  # the stash is a second copy of the model weights
-        if args.bf16 or args.fp16:
-            problems.append(f"--schedule pipedream-2bw with --{'bf16' if args.bf16 else 'fp16'}: the stashed "
-                            "version would need its own fp32 masters; train in --dtype float32 or float64")
+    if args.schedule == "pipedream-2bw" and args.fp16:  # (bf16 has no loss scale: its masters are the newest version)
+        problems.append("--schedule pipedream-2bw with --fp16: an overflow skips a step, and the delayed update "
+                        "would have to be skipped with it; train in --bf16")
     if args.seed < 0:
         problems.append(f"--seed must be >= 0, got {args.seed}")
     if args.data is not None and not os.path.exists(args.data):

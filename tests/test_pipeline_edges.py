@@ -67,6 +67,35 @@ def test_pipedream_2bw_runs_batch_0_on_weights_loaded_after_it_was_built(float64
         full.load_full_state(model, opt, loaded.state_dict(), grid)
 
 
+@pytest.mark.parametrize("grads", ["bfloat16", "float32"])
+def test_pipedream_2bw_in_bf16_keeps_the_masters_newest_and_the_16_bit_older_version_stashed(grads):
+    """With fp32 masters the newest version W(t) is theirs, the model's 16-bit weights its rounding,
+    the stash the 16-bit W(t-1). Each update swaps the arrays the model reads, so the masters must
+    round into the new newest ones, not into the stash an in-flight backward reads."""
+    from minipar.dtypes import bfloat16
+    from minipar.precision import Policy
+
+    grid = ProcessGrid(1, 1)
+    minipar.set_default_dtype(bfloat16)
+    try:
+        minipar.manual_seed(0)
+        model = GPT(CONFIG, grid)
+    finally:
+        minipar.set_default_dtype("float32")
+    policy = Policy(bfloat16, "float32", grads)
+    opt = WeightStash(make_optimizer(model, grid, 0, policy=policy, lr=1e-2))
+    run, x, y = PipeDream2BW(model, grid, 2, opt), _batch(), _batch()[::-1]
+    run.step(x, y, opt.step, following=(y, x))  # batch 0's update, set aside (one stage: no forward of batch 1 yet)
+    opt.apply()  # made now, as batch 1's first forward would: W(1)
+    after_one = [p.data.copy() for p in model.parameters()]
+    masters = [m.data.copy() for m in opt.inner.masters]
+    assert all(np.array_equal(p.data, m.astype(bfloat16)) for p, m in zip(model.parameters(), masters))
+    run.step(y, x, opt.step)  # batch 1 (on W(1)), then a drain: its update makes W(2)
+    assert all(np.array_equal(s, w) for s, w in zip(opt.stash, after_one))  # W(1), the 16-bit one
+    assert all(np.array_equal(p.data, m.data.astype(bfloat16)) for p, m in zip(model.parameters(), opt.inner.masters))
+    assert not all(np.array_equal(m.data, old) for m, old in zip(opt.inner.masters, masters))
+
+
 @pytest.mark.parametrize("args", [["--pp", "3", "--schedule", "1f1b-slack", "--m", "2"],
                                   ["--pp", "3", "--schedule", "interleaved", "--v", "2", "--m", "3"]])
 def test_the_deferred_head_with_a_middle_stage_matches_one_device(args):

@@ -51,21 +51,26 @@ _MADE_IN_APPLY = ("PipeDream-2BW's gradients are whole only in its set-aside cop
 
 
 class WeightStash(DistributedOptimizer):
-    """``inner``: a stage-0 optimizer over the model's parameters (``DataParallelAdamW``), without
-    fp32 masters (those would be a third copy of the weights the stash would have to follow).
-    ``max_norm``: clip each update's gradients to this global norm (0: do not clip)."""
+    """``inner``: a stage-0 optimizer over the model's parameters (``DataParallelAdamW``), or the
+    mixed-precision wrapper of one without a loss scale (bf16): its fp32 masters are the newest
+    version, W(t), which the model's 16-bit weights are the rounding of, and the stash the 16-bit
+    W(t-1). ``max_norm``: clip each update's gradients to this global norm (0: do not clip)."""
 
     def __init__(self, inner, plant_bug=False, max_norm=0.0):
-        if inner.stage != 0 or inner.policy is not None:
-            raise ValueError("PipeDream-2BW stashes the model's own weights: it needs ZeRO stage 0 and "
-                             "no 16-bit policy (fp32 masters would be a third version)")
+        if getattr(inner, "scaler", None) is not None:
+            raise ValueError("PipeDream-2BW with a loss scale (fp16): an overflow skips a step, and the delayed "
+                             "update would have to be skipped with it; train in bf16")
+        inner = getattr(inner, "inner", inner)  # bf16's wrapper adds nothing without a scale
+        if inner.stage != 0:
+            raise ValueError("PipeDream-2BW stashes the model's own weights: it needs ZeRO stage 0")
         super().__init__(inner.model, inner.comm)
         self.inner, self.stage, self.plant_bug, self.max_norm = inner, inner.stage, plant_bug, max_norm
-        self.params = inner.model.parameters()
+        self.policy, self.params = inner.policy, inner.model.parameters()
         inner.model.tied_sum_elsewhere = True  # ``step`` adds the tied embedding's parts, on its copy
         self.newest = 0  # W(0); the stash is W(-1) := W(0), the version batch 0 runs on
         self.stash = [p.data.copy() for p in self.params]
-        self.saved = [xp.empty_like(p.data) for p in self.params]  # a batch's gradients, until its update
+        grads = None if self.policy is None else self.policy.grads  # fp32 with --accumulate-allreduce-grads-in-fp32
+        self.saved = [xp.empty_like(p.data, dtype=grads) for p in self.params]  # a batch's gradients, until its update
         self.pending = None  # the set-aside batch's (grad_scale, lr, its norm's sum, the tied embedding's sums)
         self.updates = []  # each update's (gradient norm, parameters whose gradient was not finite), in order
 
@@ -138,16 +143,19 @@ class WeightStash(DistributedOptimizer):
             self.stash, old = [p.data for p in self.params], self.stash
             for p, a in zip(self.params, old):
                 p.data = a
-        live = [p.grad for p in self.params]  # the next batch's, being summed: AdamW reads the set-aside ones
-        for p, g in zip(self.params, self.saved):
+        adamw = self.inner.adamw
+        if self.inner.masters is not None:  # the masters' update is rounded into the newest arrays, these now
+            adamw.copies = [p.data for p in self.params]
+        live = [p.grad for p in adamw.params]  # the next batch's, being summed: AdamW reads the set-aside ones
+        for p, g in zip(adamw.params, self.saved):
             p.grad = g
         current, self.lr = self.lr, lr
         try:
             if math.isfinite(total):  # else W(t+1) = W(t), and the trainer ends the run on the norm
-                self.inner.adamw.step(grad_scale)
+                adamw.step(grad_scale)
         finally:
             self.lr = current
-            for p, g in zip(self.params, live):
+            for p, g in zip(adamw.params, live):
                 p.grad = g
         self.newest += 1
 
