@@ -27,34 +27,21 @@ splits are the same there is nothing to measure, and it says so.
 import statistics
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
-from minipar.autograd import Function
 from minipar.comm import world
 from minipar.models import GPT, GPTConfig
 from minipar.parallel import ProcessGrid
 from minipar.parallel.optimizers import make_optimizer
 from minipar.parallel.pipeline.executor import PipelineExecutor
+from minipar.parallel.zero3_units import UnitBackward
 from minipar.plan import hetero
 from minipar.plan.shapes import Model
 from minipar.cli import Parser, parse, positive_float, positive_int
 
 from flags import run_problems  # a script beside this one
-
-
-class SlowBackward(Function):
-    """The identity, whose backward sleeps ``seconds`` first: the slow stage's backward of a layer."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 def slow_runner(k):
@@ -66,7 +53,9 @@ def slow_runner(k):
         if not name.startswith("h."):
             return y
         time.sleep((k - 1) * took)
-        return SlowBackward.apply(y, 2 * (k - 1) * took)
+        # the identity on the unit's output (ZeRO-3's boundary op), whose backward runs before the
+        # unit's: it sleeps k - 1 times a backward, taken as two forwards
+        return UnitBackward.apply(y, partial(time.sleep, 2 * (k - 1) * took))
     return run
 
 
