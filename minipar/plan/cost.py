@@ -26,11 +26,12 @@ the second and the last stage (every stage of an uneven split), the fullest of t
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 
 from minipar.mfu import flops_per_token
 
 from . import activations, bubble, overhead, state, traffic
-from .shapes import PRECISIONS, micro_batches
+from .shapes import PRECISIONS, Layout, micro_batches
 
 
 
@@ -43,6 +44,13 @@ def stage_imbalance(model, layout):
     ``moe_layer_freq`` > 1 some imbalance it leaves is seen here)."""
     if layout.pp == 1:
         return 1.0
+    # what it reads of the layout alone, so that the layouts that differ elsewhere (TP, DP, ZeRO, ...) share it
+    return _imbalance(model, Layout(pp=layout.pp, vpp=layout.vpp, schedule=layout.schedule, recompute=layout.recompute,
+                                    pipeline_layers=layout.pipeline_layers))
+
+
+@lru_cache(maxsize=4096)
+def _imbalance(model, layout):
     args = (model.hidden_size, model.seq_length, 0)
     again = Fraction(4, 3) if layout.recompute else 1
     block = [flops_per_token(1, *args, int(model.is_moe(i)), model.moe_router_topk, model.num_experts) * again
