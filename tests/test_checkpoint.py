@@ -120,12 +120,12 @@ def test_a_load_holds_the_saved_boxes_of_one_tensor_at_a_time(tmp_path, monkeypa
     the rank's share of the checkpoint)."""
     import weakref
 
-    from minipar.checkpoint import sharded
+    from minipar.checkpoint import reshard, sharded
 
     save = str(tmp_path / "save")
     sharded.save(save, 1, *_tiny(), {})
     read, alive = [], []
-    real = sharded.safe_open
+    real = reshard.safe_open
 
     class Tracked:
         def __init__(self, *args, **kwargs):
@@ -144,6 +144,6 @@ def test_a_load_holds_the_saved_boxes_of_one_tensor_at_a_time(tmp_path, monkeypa
             alive.append(sum(r() is not None for r in read))
             return array
 
-    monkeypatch.setattr(sharded, "safe_open", Tracked)
+    monkeypatch.setattr(reshard, "safe_open", Tracked)
     sharded.load(save, *_tiny())
     assert len(read) > 30 and max(alive) <= 2, alive  # the box being filled, and the last one's view

@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 import minipar
-from minipar.checkpoint import sharded
+from minipar.checkpoint import reshard, sharded
 from minipar.checkpoint.files import write_file
 from minipar.checkpoint.index import seal
 from minipar.checkpoint.sharded import CheckpointError
@@ -322,7 +322,7 @@ def _forge(save, tensor, array):
     step = os.path.join(save, "iter_0000001")
     size = write_file(os.path.join(step, "rank_00001.safetensors"), tensor_file({"x": array}))
     box = {"file": "rank_00001.safetensors", "key": "x", "dtype": array.dtype.name, "start": [0] * array.ndim,
-           "stop": list(array.shape), "sha256": sharded._checksum("x", array.dtype, array.shape, array)}
+           "stop": list(array.shape), "sha256": reshard.box_checksum("x", array.dtype, array.shape, array)}
 
     def change(index):
         index["files"]["rank_00001.safetensors"] = size

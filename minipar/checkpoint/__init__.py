@@ -4,6 +4,8 @@
     boxes.py     where a rank's piece of a tensor lies in the whole tensor
     pieces.py    what a rank holds of the training state (parameters, AdamW moments)
     sharded.py   checkpoints every rank writes its pieces of, loadable on any layout
+    reshard.py   such a checkpoint read back onto any layout, every box verified
+    failures.py  a failed read or write ends every rank together, said by one
     files.py     a checkpoint's files written whole, through exclusive temporaries, never via links
     index.py     what a checkpoint on disk says (``latest``, the index, its file names), checked
     retention.py a save directory kept tidy: stale partial saves removed, old checkpoints pruned
