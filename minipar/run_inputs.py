@@ -31,7 +31,7 @@ import re
 
 import numpy
 
-from minipar.checkpoint.index import ITER_NAME
+from minipar.checkpoint.index import ITER_NAME, CheckpointError, find, read_index
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
 from minipar.checkpoint.weights import digest
 from minipar.cli import FlagError
@@ -136,6 +136,27 @@ def _iteration(name):
     return int(re.match(r"iter_(\d+)", name).group(1))
 
 
+def _iteration_of(path):
+    """The iteration of the checkpoint at ``path``: its folder's name's, or, for a copy under
+    another name (``ckpt/best``), its index's; None if it cannot be read (``check_files`` says why)."""
+    if re.match(r"iter_\d+", os.path.basename(path)):
+        return _iteration(os.path.basename(path))
+    try:
+        return read_index(path)["iteration"]
+    except CheckpointError:
+        return None
+
+
+def _newest(directory, found):
+    """The iteration the save directory's history has reached: the checkpoint ``latest`` names (a
+    resume with --overwrite-checkpoints moved it back, leaving the abandoned ones beyond it), else
+    the highest ``iter_N``."""
+    try:
+        return _iteration_of(find(directory))
+    except CheckpointError:
+        return max(map(_iteration, found), default=None)
+
+
 def claim_save_directory(args, rank):
     """Rank 0 locks ``--save`` for this run (held until the process ends) and refuses to write
     into checkpoints the run does not continue; raises FlagError. Returns the lock (None when
@@ -151,7 +172,8 @@ def claim_save_directory(args, rank):
                         "--overwrite-checkpoints to let this run replace them")
     # a run resumed from an older checkpoint would replace the newer ones at their iterations, or
     # prune them, with other training
-    newer = [name for name in found if continues and _iteration(name) > _iteration(os.path.basename(os.path.realpath(args.load)))]
+    loaded, newest = (_iteration_of(os.path.realpath(args.load)), _newest(args.save, found)) if continues else (None, None)
+    newer = [] if None in (loaded, newest) else [name for name in found if loaded < _iteration(name) <= newest]
     if newer and not args.overwrite_checkpoints:
         raise FlagError(f"--load {args.load} is not the newest checkpoint of --save {args.save} ({', '.join(newer[-2:])}"
                         f"{' and more' if len(newer) > 2 else ''} came after it), and this run would replace or "

@@ -3,6 +3,7 @@ adversary's cases (``minipar/run_inputs.py``, ``minipar/checkpoint/lock.py``).""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from test_train import TINY, reseal, saved_index, train
 
 from minipar import run_inputs
 from minipar.checkpoint.lock import SaveDirectoryBusy, SaveLock
+from minipar.cli import FlagError
 from minipar.data import Dataset
 from minipar.lr_schedule import learning_rate
 
@@ -94,8 +96,16 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_newer_ones(tmp_path, corpus
                 "--override-opt_param-scheduler")
     assert one_line(run, f"--log-json {log} would write into the checkpoints of --save {save}"), run.stderr
     assert saved_index(save, 4)[1] == index
-    told = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", older, "--save", save, "--overwrite-checkpoints")
+    best = os.path.join(save, "best")  # a copy under another name: its iteration is its index's
+    shutil.copytree(older, best)
+    with pytest.raises(FlagError, match=r"--load \S+best is not the newest checkpoint of --save \S+ \(iter_0000004 came"):
+        run_inputs.claim_save_directory(SimpleNamespace(save=save, load=best, overwrite_checkpoints=False), 0)
+    told = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", older, "--save", save, "--exit-interval", "3",
+                 "--overwrite-checkpoints")
     assert told.returncode == 0, told.stderr
+    # latest is now iter_3: the abandoned iter_4 beyond it is no newer checkpoint to refuse for
+    again = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save, "--save", save)
+    assert again.returncode == 0, again.stderr
 
 
 def test_a_resume_from_a_checkpoint_put_aside_as_old_continues_it(tmp_path):
