@@ -86,8 +86,10 @@ class Parser(argparse.ArgumentParser):
             action = self._option_string_actions.get(flag) if word.startswith("--") else None
             if action is None or action.nargs is not None or action.dest == "help":
                 continue
-            if not eq:
+            if not eq:  # the next word, unless it is a flag (this one's value missing: argparse says so)
                 value = words[i + 1] if i + 1 < len(words) else None
+                if value is not None and value.partition("=")[0] in self._option_string_actions:
+                    value = None
             try:
                 value = action.type(value) if action.type is not None and value is not None else value
             except (TypeError, ValueError, argparse.ArgumentTypeError):

@@ -44,8 +44,8 @@ def balanced_layers(args):
     if chunks == 1:
         return ["--pipeline-layers balanced splits the layers between pipeline chunks, and --pp x --vpp is 1: "
                 "give --pp > 1, or drop it"]
-    if args.n_layer < chunks:
-        return []  # validate says it: every chunk needs a layer
+    if args.n_layer < chunks or (args.schedule == "zb-v" and args.vpp != 2):
+        return []  # validate says it: every chunk needs a layer; ZB-V's V is two chunks a rank
     if args.n_layer > BALANCED_UP_TO:  # the greedy places one layer at a time
         return [f"--pipeline-layers balanced splits up to {BALANCED_UP_TO:,} layers, and --n-layer is "
                 f"{args.n_layer:,}: give the counts of the split yourself"]

@@ -41,6 +41,7 @@ def test_the_launcher_refuses_more_ranks_than_it_can_count(ranks):
     (["--tp", "2", "--tensor-model-parallel-size", "1"],  # argparse kept the last: TP 1
      ["--tp 2 and --tensor-model-parallel-size 1 are two names of one flag, given two values: give one"]),
     (["--n-lay", "3"], ["unrecognized arguments: --n-lay 3"]),  # no abbreviations, as Megatron-LM
+    (["--tp", "--tensor-model-parallel-size", "2"], ["argument --tensor-model-parallel-size/--tp: expected one argument"]),  # not "two names of one flag"
 ])
 def test_a_flag_is_read_as_typed(args, words, tmp_path):
     refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)

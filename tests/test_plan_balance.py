@@ -119,6 +119,21 @@ def test_a_balanced_split_needs_a_pipeline():
                                    "--pp x --vpp is 1: give --pp > 1, or drop it"]
 
 
+def test_a_balanced_zb_v_of_other_than_two_chunks_a_rank_gets_validates_line():
+    """The balancer runs before the layout is checked: a V of 3 chunks a rank, where no rank's last
+    chunk is the head's, raised StopIteration on every rank, not validate's line."""
+    from minipar.cli import FlagError
+    from minipar.plan import hetero
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    with pytest.raises(FlagError) as refusal:
+        check_args(build_parser().parse_args("--pp 2 --vpp 3 --schedule zb-v --n-layer 6 --pipeline-layers balanced".split()), 2)
+    assert any("zb-v places two chunks per rank in a V: it needs" in line for line in refusal.value.lines), refusal.value.lines
+    with pytest.raises(ValueError, match="no rank's last chunk is the head's"):
+        hetero.chunk_layers(6, 2, 3, shape="v")
+
+
 def test_the_planner_prices_the_heads_stage_and_plans_its_balanced_split():
     """A pipeline runs at its busiest rank's pace: GPT-2's head (4.46 blocks) on the last of two
     stages of 6 makes it 1.27x the mean, the balanced 8, 4 1.03x; the enumerator tries both splits."""

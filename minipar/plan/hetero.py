@@ -53,7 +53,9 @@ def chunk_layers(num_layers, pp, vpp=1, last=0, shape="round-robin"):
     chunk per rank that is ``balance``'s split; interleaved over 2 ranks, GPT-2's 12 layers and head
     go 4, 3, 4, 1 (ranks 8 and 4 + 4.5) where balancing the chunks alone gives 4, 4, 3, 1 (7 and 9.5)."""
     pipe = Pipeline(pp, 1, vpp, shape)
-    head_rank = next(r for r in range(pp) if pipe.global_chunk(r, vpp - 1) == pp * vpp - 1)
+    head_rank = next((r for r in range(pp) if pipe.global_chunk(r, vpp - 1) == pp * vpp - 1), None)
+    if head_rank is None:  # a V of other than two chunks a rank puts the head in no rank's last chunk
+        raise ValueError(f"{pp} ranks of {vpp} chunks in a {shape!r} shape: no rank's last chunk is the head's")
     order = list(range(pp)) if head_rank == pp - 1 else list(range(pp))[::-1]  # the head's rank last
     share = dict(zip(order, balance(num_layers, [1] * pp, last, least=vpp)))
     counts = [0] * (pp * vpp)
