@@ -18,9 +18,10 @@ def memory_problem(args, run):
     from minipar.parallel.memory import BYTES, problem
     from minipar.plan import activations, shapes, state
 
+    free = backend.free_memory()
     if args.n_layer * max(1, args.num_experts or 1) > PLANNED_UP_TO:
-        rough = problem(run, backend.free_memory(), FLAGS)
-        if rough:
+        rough = problem(run, free, FLAGS)
+        if rough or free is None:  # memory not known: nothing to refuse, and no count of 10^29 layers
             return rough
     model, layout, m = shapes.from_run_config(run, args.recompute_granularity == "selective")
     held = activations.peak_bytes(model, layout, m, BYTES[run.dtype])
@@ -28,7 +29,7 @@ def memory_problem(args, run):
     peaks = [state.stage_peak_bytes(model, layout, s, precision, m) for s in range(layout.pp)]
     args.planned_state_peaks = peaks  # --report prints them beside the optimizer's ledger
     # stage by stage: 2BW's stash, ZeRO's gathered weights and gradients in flight
-    return problem(run, backend.free_memory(), FLAGS, held, max(peaks))
+    return problem(run, free, FLAGS, held, max(peaks))
 
 
 def balanced_layers(args):

@@ -109,3 +109,6 @@ def test_a_model_far_too_large_is_refused_by_arithmetic_before_it_is_planned(mon
         check_args(build_parser().parse_args(flags + ["--max-iters", "1"]), 1)
     (line,) = refusal.value.lines
     assert line.startswith("this run needs about ") and "16.0 GB is available to each" in line, line
+    # where the memory is not known (no /proc/meminfo) there is nothing to refuse, and it is not planned either
+    monkeypatch.setattr(backend, "free_memory", lambda host=False: None)
+    check_args(build_parser().parse_args(flags + ["--max-iters", "1"]), 1)
