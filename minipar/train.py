@@ -187,7 +187,7 @@ def _end(comm, prog, message):
 
 def _checkpoint_failed(comm, prog, flag, exc):
     """A checkpoint that could not be loaded or saved. Raised by every rank (``exc.speaks`` set,
-    ``sharded.agree_on_failure``): one line, from the rank that found why, and all end together,
+    ``checkpoint.failures.agree_on_failure``): one line, from the rank that found why, and all end together,
     nothing aborted; raised by one rank alone: it says so and ends the others."""
     if exc.speaks is None:
         return _end(comm, prog, f"{flag}: {exc}")

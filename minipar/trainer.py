@@ -84,7 +84,7 @@ class Trainer(Reports):
             try:  # what the index says (read alike by every rank) or a damage one rank found
                 self._load(args, scaler)
             except sharded.CheckpointError as exc:
-                if exc.speaks is not None:  # already agreed on by every rank (sharded.load's reads)
+                if exc.speaks is not None:  # already agreed on by every rank (reshard.load's reads)
                     raise
                 failed = exc
             sharded.agree_on_failure(world, failed, f"the checkpoint {args.load} was not loaded")

@@ -3,7 +3,7 @@
 
 ``gather_full_state`` sends every rank's parameter boxes (the ones it would save, so each element
 once) to world rank 0, which puts them in place; ``load_full_state`` fills every rank's parameters
-from whole arrays, as ``sharded.load`` fills them from saved boxes.
+from whole arrays, as ``reshard.load`` fills them from saved boxes.
 """
 
 import json
