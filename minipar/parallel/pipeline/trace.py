@@ -9,6 +9,7 @@ first need a common origin.
 import json
 import os
 import statistics
+from fractions import Fraction
 
 from minipar.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD,
                                                  HEAD_WEIGHT, LETTERS)
@@ -29,7 +30,7 @@ def bubble(timelines):
     optimizer step after it, and the gradient all-reduces it waits for, are not pipeline idle)."""
     t0 = origin(timelines)
     end = max(t[4] for events in timelines.values() for t in events if t[0] in COMPUTE)
-    span = end - t0
+    span = Fraction(end - t0) if isinstance(end - t0, int) else end - t0  # a simulator's whole units stay exact
     return {r: 1 - sum(e - s for op, _, _, s, e in events if op in COMPUTE) / span
             for r, events in timelines.items()}
 
