@@ -86,6 +86,15 @@ def test_oversubscribed_ranks_wait_politely():
     assert code == 0 and "polite=True" in out
 
 
+def test_minipar_wait_given_to_one_rank_only_is_agreed_on():
+    """A hand-typed job that sets MINIPAR_WAIT for one rank alone: that rank skipped the node
+    split (a collective) the other made, and both waited forever in different collectives."""
+    script = os.path.join(ROOT, "tests", "mpi", "wait_mode.py")
+    code, out, _ = run_mpi(2, "", timeout=60, command=["mpiexec", "-n", "1", "-env", "MINIPAR_WAIT", "polite",
+                                                       sys.executable, script, ":", "-n", "1", sys.executable, script])
+    assert code == 0 and "polite=True size=2 every rank polite: [1.0, 1.0]" in out, out
+
+
 def test_one_rank_that_must_wait_politely_makes_every_rank_polite():
     """Rank 0 keeps a single core: it alone outnumbers its cores. Had rank 1 waited in MPI's
     blocking calls, the all-reduce that follows would never match rank 0's non-blocking one."""

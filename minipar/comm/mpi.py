@@ -278,12 +278,12 @@ def _must_be_polite(comm):
     in their first collective. So each rank's choice is all-reduced, and one rank that must be
     polite makes them all polite."""
     choice = os.environ.get("MINIPAR_WAIT", "auto")
-    if choice == "auto":
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        mine = int(node.Get_size() > usable_cores())
-        node.Free()
-    else:
-        mine = {"blocking": 0, "polite": 1}.get(choice, 2)  # 2: not a choice, refused on every rank
+    # Split_type is a collective: every rank calls it, whatever its own MINIPAR_WAIT (a rank that
+    # skipped it for its setting would be in the all-reduce while the others wait in the split)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    outnumbered = node.Get_size() > usable_cores()
+    node.Free()
+    mine = int(outnumbered) if choice == "auto" else {"blocking": 0, "polite": 1}.get(choice, 2)  # 2: refused
     every = numpy.array([mine], numpy.int64)
     comm.Allreduce(MPI.IN_PLACE, every, MPI.MAX)
     if every[0] == 2:
