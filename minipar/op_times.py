@@ -69,8 +69,8 @@ class OpTimes:
         def timed_apply(cls, *args, **kwargs):
             return timer._timed(cls.__name__, "forward", lambda: apply.__func__(cls, *args, **kwargs))
 
-        def timed_backward(fn, ctx, out_grads, inputs):
-            return timer._timed(fn.__name__, "backward", call_backward, fn, ctx, out_grads, inputs)
+        def timed_backward(fn, ctx, out_grads, inputs, **kwargs):  # weights_only: a split backward's W
+            return timer._timed(fn.__name__, "backward", lambda: call_backward(fn, ctx, out_grads, inputs, **kwargs))
 
         Function.apply = classmethod(timed_apply)
         engine.call_backward = timed_backward

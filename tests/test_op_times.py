@@ -68,6 +68,21 @@ def test_an_op_inside_another_is_not_charged_to_both():
     assert all(row[:2] == [0.0, 0.0] for name, row in rows.items() if name != "Slow")
 
 
+def test_a_split_backward_is_charged_in_b_and_in_w():
+    """Zero-bubble's W calls the backward again for the weights alone (``weights_only``): the
+    timer's door took no such keyword, and every split-backward schedule under it raised."""
+    from minipar.weight_grad import backward_input
+
+    w = Tensor(np.ones(3), requires_grad=True)
+    x = Tensor(np.ones(3), requires_grad=True)
+    with OpTimes() as times:
+        pending = backward_input(F.sum(Slow.apply(x, 0.25) * w), [w])
+        pending.run()
+    rows = {name: row for name, *row in times.rows()}
+    assert rows["Slow"] == [0.25, 0.5, 1, 1] and rows["Mul"][3] == 2, rows  # Mul: B, then W
+    assert w.grad is not None and x.grad is not None
+
+
 def test_the_doors_are_restored_and_one_timer_at_a_time():
     apply, call_backward = Function.__dict__["apply"], engine.call_backward
     with OpTimes():
