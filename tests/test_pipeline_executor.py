@@ -94,7 +94,7 @@ def test_stages_hold_their_chunks_round_robin():
         PipelineExecutor(model, FakeGrid(4, 3), "interleaved", micro_batches=4096)
 
 
-def test_a_model_of_another_shape_is_refused_on_every_rank():
+def test_a_model_of_another_shape_or_stage_is_refused():
     """On 3 stages rank 1 holds chunks 1 and 4 both round-robin and in ZB-V's V: it must refuse a
     round-robin model for zb-v as ranks 0 and 2 do, or they would wait for it forever."""
     config = GPTConfig(n_layer=6, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -105,6 +105,9 @@ def test_a_model_of_another_shape_is_refused_on_every_rank():
         shaped = GPT(config, FakeGrid(3, r), virtual_stages=2, pipeline_shape="v")
         with pytest.raises(ValueError, match="places a rank's chunks round-robin, the model was built v"):
             PipelineExecutor(shaped, FakeGrid(3, r), "interleaved", micro_batches=6)
+    other_stage = GPT(config, FakeGrid(3, 1), virtual_stages=2)  # a model built for another stage or grid
+    with pytest.raises(ValueError, match=r"places chunks \[2, 5\] on pipeline rank 2, the model holds \[1, 4\]"):
+        PipelineExecutor(other_stage, FakeGrid(3, 2), "interleaved", micro_batches=6)
 
 
 def test_one_f_one_b_memory_does_not_grow_with_the_micro_batches():

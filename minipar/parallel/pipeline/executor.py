@@ -108,6 +108,10 @@ class PipelineExecutor:
         if model.pipeline_shape != shape:
             raise ValueError(f"the {schedule!r} schedule places a rank's chunks {shape}, the model was built "
                              f"{model.pipeline_shape}: build the GPT with pipeline_shape={shape!r}")
+        placed = [self.pipe.global_chunk(grid.pp_rank, c) for c in range(v)]
+        if list(model.chunks) != placed:  # a model built for another grid (PP, v or stage)
+            raise ValueError(f"the {schedule!r} schedule places chunks {placed} on pipeline rank {grid.pp_rank}, "
+                             f"the model holds {list(model.chunks)}: build the GPT on this grid")
         plans = S.build(schedule, grid.pp, micro_batches, v, defer_embedding_wgrad)  # every rank's, to check them all alike
         self.instructions = plans[grid.pp_rank]
         self.forward_only = S.forward_only(grid.pp, micro_batches, v, grid.pp_rank, shape)
