@@ -23,6 +23,7 @@ On import it also tunes glibc's allocator for NumPy's allocate-per-op pattern (`
 """
 
 import argparse
+import math
 import os
 import types
 
@@ -222,17 +223,25 @@ def sum_of_squares(arrays):
 
     A float32 BLAS dot accumulates in float32 along a few long strides: 3e-5 relative error over
     5M elements (the plain reduction, the GPU's, has 4e-9). So float32 squares are summed pairwise
-    into float64 (~1e-10; 0.3 ms for 834K elements, against 0.05 for the dot)."""
+    into float64 (~1e-10; 0.3 ms for 834K elements, against 0.05 for the dot). A float32 square
+    overflows past 1.8e19, where the gradient is still finite: a sum that came out infinite is
+    taken again with the squares in float64, so the norm is infinite only if an element is."""
     arrays = [x.astype(numpy.float32) if is_16bit(x.dtype) else x for x in arrays]  # fp16's square overflows at 256
     if DEVICE != "cpu":
-        return float(sum(((x * x).sum() for x in arrays), xp.zeros((), "float64")))
+        with numpy.errstate(over="ignore"):  # (NumPy standing in for CuPy in the tests; CuPy never warns)
+            total = float(sum(((x * x).sum() for x in arrays), xp.zeros((), "float64")))
+        if math.isfinite(total):
+            return total
+        return float(sum((xp.square(x, dtype=xp.float64).sum() for x in arrays), xp.zeros((), "float64")))
     total = 0.0  # a float even for no arrays
     for x in arrays:
         flat = x.ravel()
         if flat.dtype == numpy.float64:
             total += float(numpy.vdot(flat, flat))
-        else:
-            total += float(numpy.square(flat).sum(dtype=numpy.float64))
+            continue
+        with numpy.errstate(over="ignore"):
+            part = float(numpy.square(flat).sum(dtype=numpy.float64))
+        total += part if math.isfinite(part) else float(numpy.square(flat, dtype=numpy.float64).sum())
     return total
 
 

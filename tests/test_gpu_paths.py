@@ -97,6 +97,17 @@ def test_the_gpu_branches_of_the_reductions_agree_with_the_cpu_ones(monkeypatch,
             assert numpy.abs(numpy.asarray(x, "float64") - y).max() <= rtol * scale, shape
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_sum_of_squares_is_infinite_only_where_an_element_is(monkeypatch, device):
+    """float32 squares overflow past 1.8e19: gradients of 3e19 and 4e19, finite, had an infinite
+    norm, and the run stopped as diverged, naming no gradient (none was non-finite)."""
+    monkeypatch.setattr(backend, "DEVICE", device)
+    big = numpy.array([3e19, 4e19], numpy.float32)
+    assert numpy.isclose(backend.sum_of_squares([big, numpy.ones(3, numpy.float32)]), 2.5e39 + 3, rtol=1e-6)
+    assert backend.sum_of_squares([big, numpy.array([numpy.inf], numpy.float32)]) == numpy.inf
+    assert numpy.isnan(backend.sum_of_squares([numpy.array([numpy.nan, 1.0], numpy.float32)]))
+
+
 def test_gelu_on_the_gpu_branches_equals_the_cpu_blocks(monkeypatch):
     """On a GPU the chain runs as one piece, however many elements: the backward's scratch too
     (sized from the CPU's block, it once broke every activation larger than one block)."""
