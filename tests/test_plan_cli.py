@@ -67,6 +67,10 @@ SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--node-speeds", "1", "--json"], "--node-speeds adds a table to the printed plans, and --json prints them"),
     (["--gpus", "1000000000000"], "--gpus must be 1 to 1,000,000"),  # hung
     (["--num-layers", "100000"], "the planner takes at most 1,024 blocks"),  # hung
+    (["--num-experts", str(10**20)], "--num-experts 100000000000000000000 in each of 4 layers: the planner counts "
+                                      "at most 16,384 experts in all"),  # an OverflowError; 10^6 ran for minutes
+    (["--gpus", "16", "--node-speeds", "1e-320,1"], "--node-speeds 1e-320,1: the fastest node is more than 1e+06 "
+                                                   "times the slowest"),  # an OverflowError after the whole plan
     (["--nope", "1"], "unrecognized arguments: --nope 1"),  # after the whole usage text
     (["--dropout", "1"], "--dropout must be a number in [0, 1), got 1.0"),
     (["--dropout", "nan"], "--dropout must be a number in [0, 1), got nan"),

@@ -47,6 +47,9 @@ def test_a_good_run_has_no_problem_and_its_sizes_are_derived():
     (dict(schedule="interleaved", virtual_stages=2, micro_batches=1, global_batch=2), "micro_batches=1 is not divisible by PP=2"),
     (dict(schedule="interleaved"), "schedule='interleaved' takes turns between each rank's chunks: with virtual_stages=1 it is 1F1B"),
     (dict(micro_batch_size=1, global_batch=40000), "need 80000 message tags, more than MPI promises (32767)"),
+    (dict(world_size=4, virtual_stages=8192, schedule="interleaved", n_layer=16384, global_batch=2),
+     "2 micro-batches (global_batch=2 / (DP=1 x 1 (rows / PP, the default))) x 16384 pipeline chunks need 65536 message "
+     "tags, more than MPI promises (32767): use a larger micro_batch_size or fewer pipeline chunks (PP x virtual_stages)"),
     (dict(block_size=15), "sequence_parallel splits the sequence: block_size=15 is not divisible by TP=2"),
     (dict(tp=1, world_size=4), "sequence_parallel splits along the tensor-parallel group: it needs TP > 1"),
     (dict(ep=0), "EP must be a positive integer, got 0"),

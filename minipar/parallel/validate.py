@@ -111,7 +111,7 @@ def resolve(cfg, names=None):
     _context(cfg, say, known, out)
     _experts(cfg, say, known, dp, out)
     m, mbs = _batch(cfg, say, known, dp, out)
-    _schedule(cfg, say, known, dp, m, out)
+    _schedule(cfg, say, known, dp, m, mbs, out)
     # sequence parallelism and ZeRO
     if cfg.sequence_parallel and known("tp") and tp == 1:
         out.append(f"{say('sequence_parallel')} splits along the tensor-parallel group: it needs "
@@ -220,15 +220,15 @@ def _deferred_head(cfg, say, known, out):
                    f"gradients: {flag} needs one of {', '.join(DEFERS_HEAD)}")
 
 
-def _schedule(cfg, say, known, dp, m, out):
+def _schedule(cfg, say, known, dp, m, mbs, out):
     """The schedule's own requirements of the micro-batches."""
     _deferred_head(cfg, say, known, out)
     if m is None or not known("pp", "virtual_stages"):
         return
     p, v = cfg.pp, cfg.virtual_stages
     given = cfg.micro_batches is not None  # else the caller set them through the batch
-    count = say("micro_batches", m) if given else (
-        f"{m} micro-batches ({say('global_batch')} / (DP={dp} x {say('micro_batch_size', cfg.micro_batch_size or '?')}))")
+    size = say("micro_batch_size", mbs) if known("micro_batch_size") else f"{mbs} (rows / PP, the default)"
+    count = say("micro_batches", m) if given else f"{m} micro-batches ({say('global_batch')} / (DP={dp} x {size}))"
     if known("schedule") and cfg.schedule == "interleaved" and m % p:
         fix = (f"choose {say.name('micro_batches')} among the multiples of {p}" if given else
                f"set {say.name('micro_batch_size')} so that the micro-batches are a multiple of {p}")
@@ -236,8 +236,9 @@ def _schedule(cfg, say, known, dp, m, out):
                    f"divisible by {say('pp')}; {fix}")
     # PipeDream-2BW has two batches in flight, each with its own tags above evaluation's
     tags = 2 * m * p * v * (3 if known("schedule") and cfg.schedule == "pipedream-2bw" else 1)
-    if p > 1 and tags > MAX_TAG:
-        fix = f"use fewer {say.name('micro_batches')}" if given else f"raise {say.name('micro_batch_size')}"
+    if p > 1 and tags > MAX_TAG and not (known("n_layer") and cfg.n_layer < p * v):  # (said: too few layers)
+        fewer = f"fewer {say.name('micro_batches')}" if given else f"a larger {say.name('micro_batch_size')}"
+        fix = f"use {fewer} or fewer pipeline chunks ({say.name('pp')} x {say.name('virtual_stages')})"
         out.append(f"{count} x {p * v} pipeline chunks need {tags} message tags, more than MPI "
                    f"promises ({MAX_TAG}): {fix}")
 

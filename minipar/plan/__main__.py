@@ -56,10 +56,12 @@ def parser():
     return p
 
 
-# the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~5 s),
-# and walks a long pipeline's schedule micro-batch by micro-batch (a global batch of 10^6: ~70 s
-# and 1 GB; 65,536: ~5 s); run_mpi.sh's limit on ranks
-MAX_LAYERS, MAX_BATCH, MAX_GPUS = 1024, 65_536, 1_000_000
+# the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~5 s)
+# and every expert of a block (8 layers of 4,096 experts on 8 GPUs: 310 s; 10^20 raised an
+# OverflowError), and walks a long pipeline's schedule micro-batch by micro-batch (a global batch
+# of 10^6: ~70 s and 1 GB; 65,536: ~5 s); run_mpi.sh's limit on ranks
+MAX_LAYERS, MAX_EXPERT_BLOCKS, MAX_BATCH, MAX_GPUS = 1024, 16_384, 65_536, 1_000_000
+MAX_SPEED_RATIO = 1e6
 POSITIVE = ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
 NOT_NEGATIVE = ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "ring_pass_overhead_us")
 
@@ -77,6 +79,10 @@ def model_of(args):
     if given.get("num_layers", 0) > MAX_LAYERS:
         found.append(f"--num-layers {given['num_layers']}: the planner takes at most {MAX_LAYERS:,} blocks")
     experts = given.get("num_experts", base.num_experts if base else 0)
+    layers = given.get("num_layers", base.num_layers if base else 1)
+    if layers * experts > MAX_EXPERT_BLOCKS and layers <= MAX_LAYERS:
+        found.append(f"--num-experts {experts} in each of {layers} layers: the planner counts at most "
+                     f"{MAX_EXPERT_BLOCKS:,} experts in all (layers x experts)")
     topk = given.get("moe_router_topk", base.moe_router_topk if base else 2)
     if "moe_router_topk" in given and not experts:
         found.append(f"--moe-router-topk {topk} routes to experts, and this model has none: "
@@ -145,6 +151,9 @@ def speeds_of(args):
         return [f"--node-speeds {args.node_speeds!r}: give numbers separated by commas"], None
     if not all(0 < x < math.inf for x in speeds):
         return [f"--node-speeds {args.node_speeds}: each speed must be a finite number > 0"], None
+    if max(speeds) > MAX_SPEED_RATIO * min(speeds):  # (1e-320 made a step of 6e+320 units: no float)
+        return [f"--node-speeds {args.node_speeds}: the fastest node is more than {MAX_SPEED_RATIO:.0e} times "
+                "the slowest; give relative speeds (1,0.5 for a node half as fast)"], None
     if args.gpus < 1 or args.gpus_per_node < 1:  # refused already: no count of nodes to hold them to
         return [], None
     nodes = -(-args.gpus // args.gpus_per_node)
