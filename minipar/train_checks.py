@@ -167,8 +167,11 @@ def check_args(args, world_size):
     for flag in ("log_json", "export_weights", "plot"):
         if getattr(args, flag):
             problems.append(writable("--" + flag.replace("_", "-"), getattr(args, flag)))
-    if args.save:
-        problems.append(writable("--save", os.path.join(args.save, "latest")))
+    if args.save:  # the folder named as given (its `latest` only if the folder itself is fine)
+        from minipar.checkpoint.files import folder_problem
+
+        why = folder_problem(os.path.abspath(args.save))
+        problems.append(f"--save {args.save}: {why}" if why else writable("--save", os.path.join(args.save, "latest")))
     if args.save_interval and not args.save:
         problems.append(f"--save-interval {args.save_interval} is how often --save DIR writes a checkpoint: give --save")
     args.save_interval = args.save_interval or 100

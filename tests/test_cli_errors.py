@@ -47,6 +47,11 @@ def test_a_flag_is_read_as_typed(args, words, tmp_path):
     refused(train(*ONE_STEP, *args, cwd=tmp_path), PROG, *words)
 
 
+def test_a_save_folder_that_is_a_file_is_named_as_given(tmp_path):
+    (tmp_path / "ckpt").write_text("")
+    refused(train(*ONE_STEP, "--save", "ckpt", cwd=tmp_path), PROG, "--save ckpt: ", "is a file, not a folder")  # not "ckpt/latest"
+
+
 @pytest.mark.parametrize("plot,words", [("out/loss.xyz", ["--plot out/loss.xyz", "cannot write a .xyz file", ".png"]),
                                         ("foo", ["--plot foo", "no extension", "would write foo.png"])])
 def test_a_plot_matplotlib_cannot_write_is_refused_before_training(plot, words, tmp_path):
