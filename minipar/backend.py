@@ -232,7 +232,7 @@ def sum_of_squares(arrays):
             total = float(sum(((x * x).sum() for x in arrays), xp.zeros((), "float64")))
         if math.isfinite(total):
             return total
-        return float(sum((xp.square(x, dtype=xp.float64).sum() for x in arrays), xp.zeros((), "float64")))
+        return float(sum((xp.square(x.astype(xp.float64)).sum() for x in arrays), xp.zeros((), "float64")))
     total = 0.0  # a float even for no arrays
     for x in arrays:
         flat = x.ravel()
