@@ -3,9 +3,9 @@ which prints one: the fastest plan with a pipeline, its layers balanced over its
 (``hetero.balance``, the head counted), what balancing saves by the schedule simulator, and the
 ``python -m minipar.train`` flags that run it."""
 
-from minipar.parallel import validate
-
 from dataclasses import replace
+
+from minipar.parallel import validate
 
 from . import hetero
 from .cost import predict

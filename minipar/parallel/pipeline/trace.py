@@ -30,7 +30,9 @@ def bubble(timelines):
     optimizer step after it, and the gradient all-reduces it waits for, are not pipeline idle)."""
     t0 = origin(timelines)
     end = max(t[4] for events in timelines.values() for t in events if t[0] in COMPUTE)
-    span = Fraction(end - t0) if isinstance(end - t0, int) else end - t0  # a simulator's whole units stay exact
+    span = end - t0
+    if isinstance(span, int):  # a simulator's whole units: the fractions stay exact
+        span = Fraction(span)
     return {r: 1 - sum(e - s for op, _, _, s, e in events if op in COMPUTE) / span
             for r, events in timelines.items()}
 
