@@ -21,7 +21,7 @@ import time
 
 from minipar.cli import DefaultsHelpFormatter, FlagError, Parser, agree, non_negative_float, non_negative_int, positive_float, positive_int
 from minipar.parallel.validate import SCHEDULES
-from minipar.train_checks import PROMPT, ROUTER_DEFAULTS, check_args, check_files
+from minipar.train_checks import PROG, PROMPT, ROUTER_DEFAULTS, check_args, check_files
 
 DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
                 lr=3e-3, min_lr=3e-4, warmup_iters=50)
@@ -55,7 +55,7 @@ class TrainParser(Parser):
 def build_parser():
     from minipar import backend
 
-    p = TrainParser(prog="python -m minipar.train", formatter_class=DefaultsHelpFormatter,
+    p = TrainParser(prog=PROG, formatter_class=DefaultsHelpFormatter,
                      description="Train a GPT on text (by default the Python standard library's source, as "
                                  "bytes, or as GPT-2's tokens with --tokenizer), on one device or on a TP x CP x "
                                  "DP x PP grid of MPI ranks; start from or export Hugging Face GPT-2 snapshots.")

@@ -16,6 +16,8 @@ from minipar.cli import FlagError
 from minipar.lr_schedule import flag_problems as schedule_flag_problems
 from minipar.train_paths import clashing_paths, writable
 
+PROG = "python -m minipar.train"  # the command: every error line it prints starts with it
+
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type": "--cp-comm-type", "virtual_stages": "--num-virtual-stages", "schedule": "--schedule",
          "global_batch": "--global-batch-size", "micro_batch_size": "--micro-batch-size", "n_layer": "--n-layer", "pipeline_layers": "--pipeline-layers",

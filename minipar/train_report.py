@@ -18,6 +18,7 @@ from minipar.checkpoint.pieces import pieces
 from minipar.lr_schedule import learning_rate
 from minipar.models import GPT
 from minipar.parallel.pipeline import stage_times
+from minipar.train_checks import PROG
 
 STUCK_STEPS = 10  # fp16 steps skipped in a row at the lowest loss scale before the run stops
 
@@ -166,7 +167,7 @@ class Reports:
         lines = gather_text(self.world, f"rank {self.world.rank}: {', '.join(bad[:3])}{more}" if bad else "")
         if self.speaks:
             named = "; ".join(line for line in lines if line) or "none found (the loss itself)"
-            print(f"error: at iter {it} the loss is {loss} and the gradient norm {norm}: training diverged; "
+            print(f"{PROG}: error: at iter {it} the loss is {loss} and the gradient norm {norm}: training diverged; "
                   f"non-finite gradients: {named}. Lower --lr or raise --warmup-iters.{kept(self.args.save)}",
                   file=sys.stderr, flush=True)
         self.world.barrier()  # a rank's non-zero exit aborts the job: not before rank 0 has spoken
@@ -178,7 +179,7 @@ class Reports:
             a = self.args
             fix = (f"lower --loss-scale {a.loss_scale:g}" if a.loss_scale else
                    f"lower --min-loss-scale {self.loss_scale:g}")
-            print(f"error: at iter {it} the last {STUCK_STEPS} steps were all skipped: every one's fp16 "
+            print(f"{PROG}: error: at iter {it} the last {STUCK_STEPS} steps were all skipped: every one's fp16 "
                   f"gradients overflowed at the loss scale {self.loss_scale:g}, which cannot go lower, so "
                   f"the weights no longer change: {fix}, or train in --bf16.{kept(a.save)}", file=sys.stderr,
                   flush=True)
@@ -234,7 +235,7 @@ class Reports:
         if not self.speaks:
             return 0
         if weights is not None and not all(numpy.isfinite(w).all() for w in weights.values()):
-            print("error: the weights after the last step are not finite: its update diverged (the loss "
+            print(f"{PROG}: error: the weights after the last step are not finite: its update diverged (the loss "
                   "logged was computed before it), so nothing is exported or sampled. Lower --lr or raise "
                   "--warmup-iters.", file=sys.stderr, flush=True)
             return 1
@@ -268,6 +269,6 @@ class Reports:
             try:
                 print("sample:\n" + decode(serial.generate(prompt, args.sample, temperature=0.8, generator=rng)[0]))
             except FloatingPointError as exc:
-                print(f"error: --sample: {exc}", file=sys.stderr, flush=True)
+                print(f"{PROG}: error: --sample: {exc}", file=sys.stderr, flush=True)
                 return 1
         return 0

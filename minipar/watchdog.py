@@ -28,10 +28,11 @@ class Watchdog:
     """``arm(what)`` at the start of each piece of work that must end within ``seconds``;
     ``close()`` when there is no more. ``seconds`` 0: never fires. ``flag``: the setting, as the
     message names it. ``abort``: what ends the job (the trainer's: its world's ``abort``, which
-    lets the launcher read this rank's report first)."""
+    lets the launcher read this rank's report first). ``prog``: the command, which starts its error line."""
 
-    def __init__(self, seconds, flag, abort):
+    def __init__(self, seconds, flag, abort, prog=None):
         self.seconds, self.flag, self.abort = seconds, flag, abort
+        self.said = f"{prog}: error:" if prog else "error:"  # how the command's error lines start
         self.armed = None  # (what, deadline)
         self.stop = threading.Event()
         self.thread = None
@@ -63,7 +64,7 @@ class Watchdog:
     def _fire(self, what):
         """Say what has not ended and where this rank is, then end the job, whatever the saying raises."""
         try:
-            print(f"error: {what} has not ended after {self.seconds:g} s ({self.flag}): a rank stopped, "
+            print(f"{self.said} {what} has not ended after {self.seconds:g} s ({self.flag}): a rank stopped, "
                   "or waits for a message or collective that never comes. Where this rank is:",
                   file=sys.stderr, flush=True)
             try:

@@ -281,7 +281,7 @@ def test_a_hang_ends_the_job_saying_which_iteration_and_where_each_rank_waits(tm
     code, out, seconds = run_mpi(2, str(script), "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
                                  "--block-size", "16", "--batch-size", "4", "--max-iters", "50", "--sample", "0",
                                  "--plot", "", "--distributed-timeout-minutes", "0.1", timeout=90)
-    assert code != 0 and "error: the step of iteration 2 has not ended after 6 s " \
+    assert code != 0 and "python -m minipar.train: error: the step of iteration 2 has not ended after 6 s " \
         "(--distributed-timeout-minutes 0.1)" in out, out
     assert "Where this rank is:" in out and 'File "' in out and seconds < 60, out
 

@@ -257,8 +257,8 @@ def test_the_peak_is_measured_again_at_each_evaluation_and_the_highest_kept(tmp_
 
 
 @pytest.mark.parametrize("lr,message", [
-    ("1e39", "error: the weights after the last step are not finite: its update diverged"),  # inf weights
-    ("1e38", "error: --sample: the next token's probabilities are not finite"),  # finite, logits overflow
+    ("1e39", "python -m minipar.train: error: the weights after the last step are not finite: its update diverged"),  # inf weights
+    ("1e38", "python -m minipar.train: error: --sample: the next token's probabilities are not finite"),  # finite, logits overflow
 ])
 def test_a_last_update_that_diverged_is_an_error_not_a_traceback(lr, message, corpus):
     """The divergence check reads each step's loss, computed before its update: the last update's

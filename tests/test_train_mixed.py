@@ -64,7 +64,7 @@ def test_fp16_steps_skipped_at_a_scale_that_cannot_go_lower_stop_the_run(scale, 
     run = train(*TINY, "--fp16", *scale, "--max-iters", "30", "--save", "ckpt", cwd=tmp_path)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1, run.stderr
-    assert lines[0].startswith("error: at iter 9 the last 10 steps were all skipped") and fix in lines[0]
+    assert lines[0].startswith("python -m minipar.train: error: at iter 9 the last 10 steps were all skipped") and fix in lines[0]
     assert lines[0].endswith("No checkpoint was saved in ckpt yet.")  # (the default --save-interval: 100)
 
 
