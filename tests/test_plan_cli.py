@@ -57,6 +57,7 @@ SMALL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--efficiency", "inf"], "--efficiency is the share of the peak the kernels reach: in (0, 1], got inf"),
     (["--efficiency", "1e-320"], "--peak-tflops 312.0 x --efficiency 1e-320 is less than 1 FLOP/s"),  # steps of inf s
     (["--inter-node-gbps", "1e-300"], "--inter-node-gbps 1e-300 is less than 1 byte/s"),
+    (["--layer-overhead-us", "1e308"], "--layer-overhead-us 1e+308 is more than 1e+09 us (1,000 s)"),  # steps of inf s
     (["--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
     (["--top", "0"], "--top must be >= 1, got 0"),
     (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),

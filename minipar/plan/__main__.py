@@ -62,6 +62,8 @@ def parser():
 # of 10^6: ~70 s and 1 GB; 65,536: ~5 s); run_mpi.sh's limit on ranks
 MAX_LAYERS, MAX_EXPERT_BLOCKS, MAX_BATCH, MAX_GPUS = 1024, 16_384, 65_536, 1_000_000
 MAX_SPEED_RATIO = 1e6
+MAX_OVERHEAD_US = 1e9  # 1,000 s per layer, message or call: beyond any measured overhead, and
+# far enough below the float range that the step times built from it stay finite
 POSITIVE = ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
 NOT_NEGATIVE = ("layer_overhead_us", "edge_overhead_us", "call_overhead_us", "ring_pass_overhead_us")
 
@@ -127,6 +129,8 @@ def machine_of(args):
               if not 0 < getattr(args, f) < math.inf]
     found += [f"{flag(f)} must be a finite number >= 0, got {getattr(args, f)}" for f in NOT_NEGATIVE
               if not 0 <= getattr(args, f) < math.inf]
+    found += [f"{flag(f)} {getattr(args, f):g} is more than {MAX_OVERHEAD_US:g} us ({MAX_OVERHEAD_US / 1e6:,.0f} s): give "
+              "a measured overhead, in microseconds" for f in NOT_NEGATIVE if MAX_OVERHEAD_US < getattr(args, f) < math.inf]
     if not 0 < args.efficiency <= 1:
         found.append(f"--efficiency is the share of the peak the kernels reach: in (0, 1], got {args.efficiency}")
     elif not found and args.peak_tflops * 1e12 * args.efficiency < 1:  # a step of the cost model's would be inf s
