@@ -8,7 +8,9 @@ numerical derivative is the central difference
     dL/dx_i ~ (L(x + eps e_i) - L(x - eps e_i)) / (2 eps),
 
 whose truncation error is O(eps^2); with eps = 1e-6 in float64 both it and the rounding error
-(~1e-16 / eps) are far below the tolerance, so a wrong backward stands out by many orders of magnitude.
+(~1e-16 sum|y G| / eps) are far below the tolerance, so a wrong backward stands out by many orders
+of magnitude. Inputs are perturbed where they lie: a strided view stays a view, so an op whose
+backward is wrong only for non-contiguous operands is caught.
 """
 
 from dataclasses import dataclass
@@ -34,9 +36,10 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
 
     ``fn(*inputs)`` must return a Tensor and be deterministic (reseed any dropout inside it).
     ``max_entries`` checks a random subset of each input's entries instead of all of them.
-    An input passes when every entry has |analytic - numeric| <= atol + rtol * |numeric|: ``atol``
-    sits above the rounding noise of the differences (~1e-16 |L| / eps), far below a real mistake,
-    and comparing entry by entry means a wrong small entry cannot hide behind a large one.
+    An input passes when every entry has |analytic - numeric| <= atol + noise + rtol * |numeric|:
+    ``noise`` is the differences' rounding, 4 ulp x sum|y G| / eps (1e-9 for an objective of
+    magnitude 1, and it grows with it), ``atol`` a margin above it far below a real mistake, and
+    comparing entry by entry means a wrong small entry cannot hide behind a large one.
     ``split``: the inputs whose gradients a split backward leaves for W (``minipar.weight_grad``):
     the gradients checked are then those of B followed by W, as a zero-bubble pipeline runs them.
     Returns one ``GradReport`` per checked input.
@@ -47,7 +50,6 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
     for i, t in checked:
         if t.dtype != numpy.float64:
             raise TypeError(f"gradcheck needs float64 inputs, input {i} is {t.dtype}")
-        t.data = xp.ascontiguousarray(t.data)  # so that perturbing a flat view perturbs the input
     rng = numpy.random.default_rng(seed)
     out = fn(*inputs)
     upstream = xp.asarray(rng.standard_normal(out.shape))
@@ -67,28 +69,32 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
         with no_grad():
             return float((fn(*inputs).data * upstream).sum())
 
+    with no_grad():  # the rounding of L's sum, each term's: it cancels where the terms do
+        noise = 4 * numpy.finfo(numpy.float64).eps * float(xp.abs(fn(*inputs).data * upstream).sum()) / eps
+
     reports = []
     for i, t in checked:
         analytic = to_numpy(t.grad if t.grad is not None else xp.zeros_like(t.data)).ravel()
-        flat = t.data.reshape(-1)  # a view: perturbing it perturbs the input
-        entries = numpy.arange(flat.size)
-        if max_entries is not None and flat.size > max_entries:
-            entries = numpy.sort(rng.choice(flat.size, max_entries, replace=False))
+        data = t.data  # perturbed by index where it lies: a strided input is not copied
+        entries = numpy.arange(data.size)
+        if max_entries is not None and data.size > max_entries:
+            entries = numpy.sort(rng.choice(data.size, max_entries, replace=False))
         numeric = numpy.empty(len(entries))
         for k, e in enumerate(entries):
-            original = float(flat[e])
-            flat[e] = original + eps
+            at = numpy.unravel_index(e, data.shape)  # entry e in C order, as ``analytic`` is raveled
+            original = float(data[at])
+            data[at] = original + eps
             plus = objective()
-            flat[e] = original - eps
+            data[at] = original - eps
             minus = objective()
-            flat[e] = original
+            data[at] = original
             numeric[k] = (plus - minus) / (2 * eps)
         diff = numpy.abs(analytic[entries] - numeric)
         max_abs = float(diff.max()) if diff.size else 0.0
         scale = float(numpy.abs(numeric).max()) if numeric.size else 0.0
         rel = max_abs / scale if scale > 0 else max_abs
         name = names[i] if names else f"input {i}"
-        ok = bool(numpy.all(diff <= atol + rtol * numpy.abs(numeric)))
+        ok = bool(numpy.all(diff <= atol + noise + rtol * numpy.abs(numeric)))
         reports.append(GradReport(name, max_abs, rel, len(entries), ok))
     return reports
 

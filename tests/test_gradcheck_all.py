@@ -267,6 +267,34 @@ class ZeroesItsGradient(Function):
         return grad
 
 
+class WrongWhenStrided(Function):
+    """x^2 whose backward reads its saved input in the wrong order when that input is a strided
+    view: right on contiguous inputs only."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.x = x
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.x if ctx.x.flags.c_contiguous else numpy.ascontiguousarray(ctx.x).reshape(ctx.x.shape[::-1]).T
+        return 2 * x * grad
+
+
+class OnePercentOff(Function):
+    """x^2 with a backward 1% too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.x = x
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2.02 * ctx.x * grad
+
+
 def _t(*shape, seed=0):
     return Tensor(numpy.random.default_rng(seed).standard_normal(shape), requires_grad=True, dtype=numpy.float64)
 
@@ -282,3 +310,21 @@ def test_a_backward_wrong_only_for_one_input_or_in_w_is_caught():
 def test_a_backward_that_writes_into_its_upstream_gradient_is_caught():
     with pytest.raises(AssertionError, match="wrote into the upstream gradient"):
         gradcheck(ZeroesItsGradient.apply, [_t(3, 4)])
+
+
+def test_a_strided_input_is_checked_as_it_is():
+    """gradcheck perturbs an input where it lies: a transposed view stays one, and a backward that
+    is wrong only for strided operands fails."""
+    x = Tensor._wrap(_t(4, 3).data.T, requires_grad=True)
+    assert not x.data.flags.c_contiguous
+    assert not gradcheck(WrongWhenStrided.apply, [x])[0].ok and not x.data.flags.c_contiguous
+    assert gradcheck(WrongWhenStrided.apply, [_t(3, 4)])[0].ok
+
+
+def test_the_tolerance_grows_with_the_objective_and_still_catches_a_wrong_gradient():
+    """Next to an output of 1e5, the differences' rounding (~1e-16 x 1e5 / 1e-6) passes a right
+    gradient that a fixed 1e-8 failed, and a gradient 1% off still fails."""
+    big = Tensor(numpy.full((3, 4), 1e5), dtype=numpy.float64)
+
+    assert gradcheck(lambda x: F.concat([F.tanh(x) * 1e-3, big]), [_t(3, 4)])[0].ok
+    assert not gradcheck(lambda x: F.concat([OnePercentOff.apply(x), big]), [_t(3, 4)])[0].ok

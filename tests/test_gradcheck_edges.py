@@ -239,7 +239,8 @@ def test_gpt_with_dropout_recomputed(granularity, extra, float64):
 
 # ---- 16-bit paths ---------------------------------------------------------------------------------
 
-SIXTEEN = {"bfloat16": 5e-2, "float16": 8e-3}  # 8 and 11 bits of mantissa, a few roundings
+SIXTEEN = {"bfloat16": 1.5e-2, "float16": 8e-3}  # 8 and 11 bits of mantissa, a few roundings: twice the
+# worst honest error over the cases (7.7e-3 and 9e-4), so a backward 2% off in 16 bits alone fails
 ALL = [n for n, _, _ in all_cases()]
 
 

@@ -93,17 +93,20 @@ close(emb.weight.grad, part(padded, 0), "vocab embedding dW")
 Vp = T.padded_vocab(V, N)
 targets = np.random.default_rng(8).integers(0, V, (B, S))
 targets[0, 1] = targets[1, 0] = -1
-for shift in (0.0, 1000.0):
+# of both reductions; a scalar upstream other than 1 catches a backward that forgets to scale by it
+# (the serial loss's backward is checked by central differences with random upstreams)
+for shift, reduction in ((0.0, "mean"), (1000.0, "mean"), (0.0, "sum")):
     logits = data(7, (B, S, Vp)) * 3 + shift
+    upstream = np.asarray(0.37)
     ls = leaf(logits[..., :V])
-    loss_s = F.cross_entropy(ls, targets)
-    loss_s.backward()
+    loss_s = F.cross_entropy(ls, targets, reduction=reduction)
+    loss_s.backward(upstream)
     lp = leaf(part(logits, -1))
-    loss = vocab_parallel_cross_entropy(lp, targets, tp, r * Vp // N, V)
-    close(loss.item(), loss_s.item(), f"vocab-parallel loss, logits + {shift}")
-    loss.backward()
+    loss = vocab_parallel_cross_entropy(lp, targets, tp, r * Vp // N, V, reduction=reduction)
+    close(loss.item(), loss_s.item(), f"vocab-parallel loss ({reduction}), logits + {shift}")
+    loss.backward(upstream)
     close(lp.grad, part(np.concatenate([ls.grad, np.zeros((B, S, Vp - V))], axis=-1), -1),
-          f"vocab-parallel dlogits, logits + {shift}")
+          f"vocab-parallel dlogits ({reduction}), logits + {shift}")
 
 # The whole GPT, with and without sequence parallelism, with dropout
 config = GPTConfig(n_layer=2, n_head=2 * N, n_embd=4 * N, block_size=2 * N, vocab_size=V, dropout=0.1)
