@@ -49,6 +49,9 @@ def edge_cases(seed=0):
         data = rng.standard_normal(shape) * scale + shift
         return Tensor(numpy.abs(data) + 0.5 if positive else data, requires_grad=True, dtype=numpy.float64)
 
+    def strided(*shape):  # a leaf whose array is a view in another order (gradcheck perturbs it there)
+        return Tensor(rng.standard_normal(shape[::-1]).T, requires_grad=True, dtype=numpy.float64)
+
     def site(p, B, H):
         return DropoutSite((3, 1), p, numpy.arange(B), numpy.arange(H))
 
@@ -119,6 +122,14 @@ def edge_cases(seed=0):
         # products: a shared matrix against two batch axes (the fold into one GEMM), a 1-D input
         ("matmul (4-D batch @ shared matrix)", F.matmul, [t(2, 2, 3, 4), t(4, 5)]),
         ("matmul (matrix @ 4-D batch)", F.matmul, [t(3, 4), t(2, 2, 4, 5)]),
+        # strided leaves: transposed views reach an op's backward as they are
+        ("matmul (both operands transposed views)", F.matmul, [strided(3, 4), strided(4, 5)]),
+        ("linear (a transposed input and weight)", F.linear, [strided(4, 5), strided(3, 5), t(3)]),
+        ("softmax (a transposed input)", F.softmax, [strided(3, 5)]),
+        ("sum (axis 0 of a transposed input)", lambda a: F.sum(a, axis=0), [strided(3, 4)]),
+        ("embedding (a transposed weight, repeated ids)",
+         lambda w: F.embedding(numpy.array([[2, 0, 2]]), w), [strided(4, 3)]),
+        ("causal_attention (a strided qkv)", lambda q: F.causal_attention(q, 2), [strided(1, 3, 12)]),
         ("linear (a 1-D input)", F.linear, [t(5), t(3, 5), t(3)]),
         ("linear (a 4-D input)", F.linear, [t(2, 1, 2, 5), t(3, 5), t(3)]),
         # indexing and moving
