@@ -9,6 +9,7 @@ once as a FlagError.
 """
 
 import os
+import re
 
 import numpy
 
@@ -192,6 +193,26 @@ def check_args(args, world_size):
     args.dp, args.micro_batches = run.dp, run.micro_batches
 
 
+def _trainer_state_problem(saved, iteration):
+    """What is wrong with a checkpoint's trainer state beyond its types (checked before), or None:
+    the iteration the run resumes at is the index's, seeds are NumPy's (>= 0), the corpus it was
+    trained on, recorded by every checkpoint of this format, is [bytes, SHA-256], and what made
+    its tokens is "bytes" or a SHA-256."""
+    if saved["iteration"] != iteration:
+        return f"says iteration {saved['iteration']}, the index {iteration}"
+    negative = [key for key, value in (("seed", saved["seed"]), ("rng.seed", saved["rng"]["seed"])) if value < 0]
+    if negative:
+        return f"has a negative {' and '.join(negative)}"
+    corpus = saved.get("corpus")
+    if not (isinstance(corpus, list) and len(corpus) == 2 and type(corpus[0]) is int and corpus[0] >= 0
+            and isinstance(corpus[1], str) and re.fullmatch(r"[0-9a-f]{64}", corpus[1])):
+        return "has no corpus [bytes, sha256] (every checkpoint records the corpus it was trained on)"
+    tokens = saved.get("tokenizer")  # (absent from checkpoints older than it)
+    if tokens is not None and tokens != "bytes" and not (isinstance(tokens, str) and re.fullmatch(r"[0-9a-f]{64}", tokens)):
+        return 'has a tokenizer that is neither "bytes" nor a SHA-256'
+    return None
+
+
 def check_files(p, args, config, data):
     """The checkpoint or weights to start from must hold this model and have been trained on this
     corpus (read on every rank, before any communication). ``args.load`` becomes the checkpoint
@@ -219,6 +240,10 @@ def check_files(p, args, config, data):
         if missing:
             p.error(f"--load: {args.load}/index.json: its trainer state has no whole number "
                     f"{', '.join(missing)}: it was not written by minipar.train")
+        # the index is sealed, but whoever edits it can seal it again: its fields must agree
+        problem = _trainer_state_problem(saved, index["iteration"])
+        if problem:
+            p.error(f"--load: {args.load}/index.json: its trainer state {problem}; load an earlier checkpoint")
         problem = corpus_matches(saved.get("corpus"), data, f"--data {args.data or '(default corpus)'}")
         problem = problem or tokenizer_matches(saved.get("tokenizer"), args)
         if problem:

@@ -74,20 +74,51 @@ def _edit_index(save, change):
     open(path, "w").write(json.dumps(seal(index)))
 
 
-def test_a_box_read_as_another_dtype_fails_its_checksum_though_header_and_index_agree(tmp_path):
-    """The checksum covers the box's dtype and shape, not only its bytes: the same bytes as int32
-    are not the weights that were saved."""
+def test_a_box_read_as_another_dtype_is_refused_though_header_and_index_agree(tmp_path):
+    """The same bytes as int32 are not the weights that were saved: a box holds floats no wider than
+    the checkpoint's (the checksum, over the box's dtype and shape as well as its bytes, would
+    refuse them next)."""
     save = _saved(tmp_path)
     _edit_header(os.path.join(save, "iter_0000001", "rank_00000.safetensors"), WTE, lambda t: t.update(dtype="I32"))
     _edit_index(save, lambda index: index["tensors"]["param/transformer.wte.weight"]["boxes"][0].update(dtype="int32"))
-    with pytest.raises(CheckpointError, match=f"{WTE}.* does not match its checksum"):
+    with pytest.raises(CheckpointError, match=r'boxes\[0\]\.dtype is "int32", not a float dtype no wider than '
+                                              "the checkpoint's, float32"):
+        _load(save)
+
+
+@pytest.mark.parametrize("tensor,value,message", [
+    ("param/transformer.h.0.ln_1.weight", numpy.nan, "it holds NaN or infinite values"),  # "diverged" at the step
+    ("exp_avg_sq/transformer.h.0.ln_1.weight", -1.0, "it holds negative second moments"),  # Adam's sqrt: nan
+])
+def test_a_box_of_values_no_run_saves_is_refused_though_its_checksum_is_remade(tensor, value, message, tmp_path):
+    save = _saved(tmp_path)
+    _forge(save, tensor, numpy.full(16, value, numpy.float32))
+    with pytest.raises(CheckpointError, match=f"{tensor}/0: {message}"):
+        _load(save)
+
+
+def test_a_box_listed_under_another_tensor_is_refused(tmp_path):
+    """Its checksum passes (it is a real box of the checkpoint) but it holds another tensor's values:
+    the LayerNorm's weight read from Adam's first moment."""
+    save = _saved(tmp_path)
+    name = "transformer.h.0.ln_1.weight"
+    _edit_index(save, lambda index: index["tensors"][f"param/{name}"].update(boxes=index["tensors"][f"exp_avg/{name}"]["boxes"]))
+    with pytest.raises(CheckpointError, match=re.escape(f'tensors["param/{name}"].boxes[0].key is "exp_avg/{name}/0"')):
+        _load(save)
+
+
+def test_a_box_listed_twice_is_refused(tmp_path):
+    save = _saved(tmp_path)
+    boxes = lambda index: index["tensors"]["param/transformer.wte.weight"]["boxes"]  # noqa: E731
+    _edit_index(save, lambda index: boxes(index).append(dict(boxes(index)[0])))
+    with pytest.raises(CheckpointError, match="a box is listed twice or missing"):
         _load(save)
 
 
 def test_a_tensor_in_no_saved_box_is_refused_not_left_at_its_initial_values(tmp_path):
     save = _saved(tmp_path)
     _edit_index(save, lambda index: index["tensors"]["param/transformer.wte.weight"].update(boxes=[]))
-    with pytest.raises(CheckpointError, match="in no saved box"):
+    with pytest.raises(CheckpointError, match="boxes hold 0 values of a tensor of 512: a box is listed twice or missing"):
         _load(save)
 
 
@@ -320,9 +351,10 @@ def _forge(save, tensor, array):
     """Replace ``tensor``'s boxes by one box holding all of ``array`` in a new shard, its checksum
     and the index's seal made as the writer makes them: only a check against the model is left."""
     step = os.path.join(save, "iter_0000001")
-    size = write_file(os.path.join(step, "rank_00001.safetensors"), tensor_file({"x": array}))
-    box = {"file": "rank_00001.safetensors", "key": "x", "dtype": array.dtype.name, "start": [0] * array.ndim,
-           "stop": list(array.shape), "sha256": reshard.box_checksum("x", array.dtype, array.shape, array)}
+    key = f"{tensor}/0"
+    size = write_file(os.path.join(step, "rank_00001.safetensors"), tensor_file({key: array}))
+    box = {"file": "rank_00001.safetensors", "key": key, "dtype": array.dtype.name, "start": [0] * array.ndim,
+           "stop": list(array.shape), "sha256": reshard.box_checksum(key, array.dtype, array.shape, array)}
 
     def change(index):
         index["files"]["rank_00001.safetensors"] = size

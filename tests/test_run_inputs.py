@@ -301,3 +301,21 @@ def test_a_trainer_state_without_its_fields_is_one_line(tmp_path, corpus):
     run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
     assert one_line(run, "its trainer state has no whole number seed, rng.seed, skipped_in_a_row: it was not "
                     "written by"), run.stderr
+
+
+@pytest.mark.parametrize("change,message", [  # each once a traceback or a run that silently went elsewhere
+    (lambda t: t.update(iteration=5), "says iteration 5, the index 2"),  # resumed at 5, or trained nothing
+    (lambda t: t["rng"].update(seed=-3), "has a negative rng.seed"),  # NumPy's seeding raised
+    (lambda t: t.update(corpus={"a": 1}), "has no corpus [bytes, sha256] (every checkpoint records"),  # a KeyError
+    (lambda t: t.pop("corpus"), "has no corpus [bytes, sha256] (every checkpoint records"),  # the check skipped
+    (lambda t: t.update(tokenizer=["x"]), 'has a tokenizer that is neither "bytes" nor a SHA-256'),
+])
+def test_a_trainer_state_that_disagrees_with_its_index_is_one_line(change, message, tmp_path, corpus):
+    """The index is sealed, but an editor can seal it again: the trainer state must agree with it."""
+    save = str(tmp_path / "ckpt")
+    assert train(*TINY, "--data", corpus, "--max-iters", "2", "--save", save).returncode == 0
+    index_file, index = saved_index(save)
+    change(index["trainer"])
+    reseal(index_file, index)
+    run = train(*TINY, "--data", corpus, "--max-iters", "4", "--load", save)
+    assert one_line(run, f"its trainer state {message}"), run.stderr

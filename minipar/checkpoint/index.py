@@ -19,11 +19,13 @@ it should not.
 
 import hashlib
 import json
+import math
 import os
 import re
 
 from minipar.checkpoint.files import is_plain
 from minipar.checkpoint.tensor_file import DTYPE_NAMES
+from minipar.dtypes import FLOAT_DTYPES, as_dtype
 
 FORMAT = "minipar-sharded-checkpoint-3"  # 3: the index is sealed by its own checksum; 2: a box's
 # checksum covers its key, dtype and shape too
@@ -172,7 +174,7 @@ def validate(index, index_file):
         raise CheckpointError(f"{index_file} does not match its own checksum: it was damaged or edited after "
                               "it was written; load an earlier checkpoint")
     field(index, "iteration", "", "a whole number >= 0", _whole())
-    field(index, "dtype", "", "a NumPy dtype name", _dtype_name)
+    field(index, "dtype", "", f"a float dtype name, one of {', '.join(FLOAT_DTYPES)}", lambda v: v in FLOAT_DTYPES)
     field(index, "model", "", "an object", is_dict)
     layout = field(index, "layout", "", "an object", is_dict)
     for size in ("tp", "pp", "dp"):
@@ -191,15 +193,29 @@ def validate(index, index_file):
         entry = field(tensors, tensor, "tensors", "an object", is_dict)
         shape = field(entry, "shape", where, "a list of whole numbers", _list_of(None, _whole()))
         boxes = field(entry, "boxes", where, "a list", lambda v: isinstance(v, list))
+        # a box belongs to its tensor (its key is the tensor's name and its number, so it cannot
+        # be another tensor's, whose checksum would pass) and holds floats no wider than the
+        # checkpoint's dtype (PipeDream-2BW's stashed weights of a 16-bit run are 16-bit): a box of
+        # integers, or of float64 in a float32 checkpoint, would be cast silently
+        own_key = re.compile(re.escape(tensor) + r"/[0-9]+")
+        held = 0
         for i in range(len(boxes)):
             box = field(boxes, i, f"{where}.boxes", "an object", is_dict)
             at = f"{where}.boxes[{i}]"
             field(box, "file", at, "one of the names in files", lambda v: isinstance(v, str) and v in files)
-            field(box, "key", at, "a string", lambda v: isinstance(v, str))
-            field(box, "dtype", at, "a NumPy dtype name", _dtype_name)
+            field(box, "key", at, f"{json.dumps(tensor + '/N')[:60]}, a box of this tensor",
+                  lambda v: isinstance(v, str) and own_key.fullmatch(v) is not None)
+            field(box, "dtype", at, f"a float dtype no wider than the checkpoint's, {index['dtype']}",
+                  lambda v: v in FLOAT_DTYPES and as_dtype(v).itemsize <= as_dtype(index["dtype"]).itemsize)
             start = field(box, "start", at, f"a list of {len(shape)} whole numbers", _list_of(len(shape), _whole()))
-            field(box, "stop", at, f"a list of {len(shape)} whole numbers, each above start and at most the "
-                  f"shape {shape}", lambda v: _list_of(len(shape), _whole())(v)
-                  and all(a < b <= n for a, b, n in zip(start, v, shape)))
+            stop = field(box, "stop", at, f"a list of {len(shape)} whole numbers, each above start and at most the "
+                         f"shape {shape}", lambda v: _list_of(len(shape), _whole())(v)
+                         and all(a < b <= n for a, b, n in zip(start, v, shape)))
             field(box, "sha256", at, "64 lowercase hexadecimal digits",
                   lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None)
+            held += math.prod(b - a for a, b in zip(start, stop))
+        # the boxes of a save tile their tensor: a box listed twice or one missing shows in the sum
+        # (a load checks that the parts it reads are covered, box by box)
+        if held != math.prod(shape):
+            raise CheckpointError(f"{index_file}: field {where}.boxes hold {held:,} values of a tensor of "
+                                  f"{math.prod(shape):,}: a box is listed twice or missing; {_DAMAGED}")

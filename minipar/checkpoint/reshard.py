@@ -87,6 +87,10 @@ class _Reader:
                 problem = f"its shape is {array.shape}, its box in the index is {shape}"
             elif box_checksum(box["key"], box["dtype"], shape, array) != box["sha256"]:
                 problem = "it does not match its checksum"
+            elif not numpy.isfinite(array).all():  # the step would be nan, and "diverged" the wrong advice
+                problem = "it holds NaN or infinite values (the run that saved it had diverged, or it was edited)"
+            elif box["key"].startswith("exp_avg_sq/") and (array < 0).any():  # Adam's sqrt(v) would be nan
+                problem = "it holds negative second moments, which Adam's squares never make"
             if problem:
                 raise CheckpointError(f"{file} is damaged: {box['key']}: {problem}; load an earlier checkpoint")
             self.cache[key] = array
