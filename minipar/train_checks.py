@@ -196,8 +196,8 @@ def check_args(args, world_size):
 def _trainer_state_problem(saved, iteration):
     """What is wrong with a checkpoint's trainer state beyond its types (checked before), or None:
     the iteration the run resumes at is the index's, seeds are NumPy's (>= 0), the corpus it was
-    trained on, recorded by every checkpoint of this format, is [bytes, SHA-256], and what made
-    its tokens is "bytes" or a SHA-256."""
+    trained on, recorded by every checkpoint of this format, is [bytes, SHA-256], what made its
+    tokens is "bytes" or a SHA-256, and the bos/eos ids an export writes are ids or null."""
     if saved["iteration"] != iteration:
         return f"says iteration {saved['iteration']}, the index {iteration}"
     negative = [key for key, value in (("seed", saved["seed"]), ("rng.seed", saved["rng"]["seed"])) if value < 0]
@@ -210,6 +210,10 @@ def _trainer_state_problem(saved, iteration):
     tokens = saved.get("tokenizer")  # (absent from checkpoints older than it)
     if tokens is not None and tokens != "bytes" and not (isinstance(tokens, str) and re.fullmatch(r"[0-9a-f]{64}", tokens)):
         return 'has a tokenizer that is neither "bytes" nor a SHA-256'
+    ids = saved.get("hf_token_ids", {})  # (absent from checkpoints older than it)
+    if not (isinstance(ids, dict) and set(ids) <= {"bos_token_id", "eos_token_id"}
+            and all(v is None or (type(v) is int and v >= 0) for v in ids.values())):
+        return "has hf_token_ids that are not {bos_token_id, eos_token_id} of whole numbers or null"
     return None
 
 
@@ -244,6 +248,8 @@ def check_files(p, args, config, data):
         problem = _trainer_state_problem(saved, index["iteration"])
         if problem:
             p.error(f"--load: {args.load}/index.json: its trainer state {problem}; load an earlier checkpoint")
+        if args.hf_token_ids.get("eos_token_id") is None:  # neither --init-weights DIR nor --tokenizer gave them
+            args.hf_token_ids = saved.get("hf_token_ids", {})  # the snapshot's a run began from, if it did
         problem = corpus_matches(saved.get("corpus"), data, f"--data {args.data or '(default corpus)'}")
         problem = problem or tokenizer_matches(saved.get("tokenizer"), args)
         if problem:

@@ -248,7 +248,7 @@ class Trainer(Reports):
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
                  "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256],
-                 "tokenizer": tokens_of(self.args),
+                 "tokenizer": tokens_of(self.args), "hf_token_ids": self.args.hf_token_ids,  # for --export-hf
                  "schedule": schedule_state(self.args)}
         if self.scaler is not None:
             state["loss_scaler"], state["skipped_in_a_row"] = self.scaler.state_dict(), self.stuck

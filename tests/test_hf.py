@@ -149,11 +149,18 @@ def test_a_snapshot_converts_and_round_trips_bit_for_bit(tmp_path, corpus):
     # the tied head's NaN at the embedding's: said to be untied, since NaN != NaN
     ([], {"NaN": ("transformer.wte.weight", "lm_head.weight")}, "transformer.wte.weight holds NaN or infinite"),
     (["--num-experts", "4"], {}, "--init-weights SNAP: GPT-2 has dense MLPs, and this model has --num-experts 4"),
+    # a key without transformer. that is no GPT2Model module: named as the file has it, not transformer.score.weight
+    ([], {"extra": "score.weight"}, "--init-weights SNAP: unexpected: score.weight; its model.safetensors does not"),
+    ([], {"extra": "score.weight", "architectures": ["GPT2ForSequenceClassification"]},
+     "SNAP is a GPT2ForSequenceClassification (config.json's architectures): its model.safetensors holds heads "
+     "GPT2LMHeadModel has not (score.weight), and minipar reads GPT2LMHeadModel / GPT2Model snapshots"),
 ])
 def test_a_snapshot_the_run_cannot_take_is_one_line(flags, config, message, tmp_path, corpus):
     tensors = transformers_tensors(minipar_state())
     for name in config.pop("NaN", ()):  # once exported again with exit status 0 under --max-iters 0
         tensors[name][0, 0] = numpy.nan
+    if "extra" in config:  # a task model's head, as GPT2ForSequenceClassification saves it: (labels, n_embd)
+        tensors[config.pop("extra")] = numpy.zeros((2, CONFIG.n_embd), numpy.float32)
     snap = write_snapshot(tmp_path / "snap", tensors, **config)
     run = train("--init-weights", snap, *flags, "--max-iters", "0", "--data", corpus, *RUN)
     lines = run.stderr.strip().splitlines()
@@ -264,3 +271,18 @@ def test_an_export_is_on_disk_before_its_name_is(tmp_path, monkeypatch):
         assert ("sync", tmp, ["config.json", "model.safetensors"]) in events[:renamed], events
         assert [e[:2] for e in events[renamed:] if e[0] == "sync"] == [("sync", str(tmp_path))], events
         assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_a_checkpoint_of_a_snapshot_exports_the_snapshots_token_ids(tmp_path, corpus):
+    """The bos/eos ids come from the snapshot's config.json; a checkpoint keeps them, so converting
+    it later (--load, no --init-weights, no --tokenizer) writes them, not null."""
+    snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()))
+    save = tmp_path / "ckpt"
+    run = train("--init-weights", snap, "--max-iters", "1", "--save", save, "--data", corpus, *RUN)
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "out"
+    run = train("--load", save, "--n-layer", 2, "--n-head", 2, "--n-embd", 16, "--block-size", 16,
+                "--vocab-size", 259, "--max-iters", "0", "--export-hf", out, "--data", corpus, *RUN)
+    assert run.returncode == 0, run.stderr
+    config = json.load(open(out / "config.json"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (50256, 50256)

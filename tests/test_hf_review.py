@@ -4,6 +4,7 @@ training runs, no MPI."""
 
 import errno
 import os
+import re
 import sys
 import tracemalloc
 
@@ -73,6 +74,74 @@ def test_buffers_of_any_dtype_are_skipped_in_a_snapshot(tmp_path):
         tensors[f"transformer.h.{i}.attn.bias"] = numpy.tril(numpy.ones((16, 16), bool))[None, None]
     state, flags, _ = hf.load_snapshot(write_snapshot(tmp_path / "snap", tensors))
     assert set(state) == set(minipar_state()) and flags["n_layer"] == 2
+
+
+def test_a_key_outside_gpt2s_body_keeps_the_files_own_name():
+    """from_hf put transformer. before every key without it: a GPT2ForSequenceClassification's
+    score.weight was then refused as transformer.score.weight, a name the file does not hold."""
+    for prefix in (True, False):
+        tensors = transformers_tensors(minipar_state(), prefix=prefix)
+        tensors["score.weight"] = numpy.zeros((2, CONFIG.n_embd), numpy.float32)
+        state = hf.from_hf(tensors)
+        assert "score.weight" in state and "transformer.score.weight" not in state
+        assert set(state) - {"score.weight"} == set(minipar_state())  # h.0..., wte...: still GPT-2's names
+
+
+@pytest.mark.parametrize("cls,heads", [("GPT2ForSequenceClassification", ["score.weight"]),
+                                       ("GPT2DoubleHeadsModel", ["multiple_choice_head.summary.weight",
+                                                                 "multiple_choice_head.summary.bias"])])
+def test_a_task_models_heads_are_refused_naming_its_class(cls, heads, tmp_path):
+    """A task model's snapshot holds GPT-2's body and heads minipar's GPT has not: the refusal says
+    which class the file is, and how to save the body alone (which then loads)."""
+    from test_hf import write_snapshot
+
+    body = transformers_tensors(minipar_state())
+    tensors = dict(body, **{name: numpy.zeros((1, CONFIG.n_embd), numpy.float32) for name in heads})
+    snap = write_snapshot(tmp_path / "task", tensors, architectures=[cls])
+    expected = (f"{snap} is a {cls} (config.json's architectures): its model.safetensors holds heads GPT2LMHeadModel "
+                f"has not ({', '.join(sorted(heads))}), and minipar reads GPT2LMHeadModel / GPT2Model snapshots: save "
+                "the GPT-2 body alone, model.transformer.save_pretrained(DIR)")
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        hf.load_snapshot(snap)
+    state, _, _ = hf.load_snapshot(write_snapshot(tmp_path / "body", body, architectures=[cls]))  # heads removed
+    assert set(state) == set(minipar_state())
+
+
+def weightless_snapshot(directory):
+    """A snapshot folder with a valid config.json and no model.safetensors yet."""
+    from test_hf import write_snapshot
+
+    write_snapshot(directory, transformers_tensors(minipar_state()))
+    os.remove(directory / "model.safetensors")
+    return directory
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "pytorch_model.bin.index.json"])
+def test_a_pickle_only_snapshot_is_told_how_to_resave_it(name, tmp_path):
+    """Only "has no model.safetensors" was said of a snapshot in transformers' older, pickled format.
+    The file here is no pickle at all: it must not be opened, only seen."""
+    snap = weightless_snapshot(tmp_path / "snap")
+    (snap / name).write_bytes(b"not read")
+    expected = (f"{snap} has no model.safetensors: it holds {name} (a pickle, which minipar never loads): "
+                "re-save it with save_pretrained(..., safe_serialization=True)")
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        hf.load_snapshot(str(snap))
+    os.remove(snap / name)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(snap))} has no model.safetensors$"):  # nothing to hint at
+        hf.load_snapshot(str(snap))
+
+
+@pytest.mark.timeout(30)  # a FIFO read would block: fail in seconds, not at the suite's 600
+@pytest.mark.parametrize("kind", ["fifo", "folder", "broken link"])
+def test_a_model_safetensors_that_is_no_file_is_not_called_missing(kind, tmp_path):
+    """A FIFO (or a folder) named model.safetensors was reported as "has no model.safetensors"."""
+    snap = weightless_snapshot(tmp_path / "snap")
+    path = snap / "model.safetensors"
+    {"fifo": os.mkfifo, "folder": os.mkdir, "broken link": lambda p: os.symlink(tmp_path / "blob", p)}[kind](path)
+    expected = (f"{path} is a link to {tmp_path / 'blob'}, which does not exist" if kind == "broken link"
+                else f"{path}: not a regular file")
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        hf.load_snapshot(str(snap))
 
 
 # ---- minipar/tokenizer.py --------------------------------------------------------------------------

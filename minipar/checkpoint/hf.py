@@ -8,6 +8,7 @@ minipar's GPT already uses GPT-2's names; the layout differs in four ways, all h
   So those four weights are transposed at the border, every other tensor is taken as it is.
 * key prefixes: ``GPT2LMHeadModel`` writes ``transformer.h.0...``, a bare ``GPT2Model`` (the file
   of the original ``gpt2`` snapshot) writes ``h.0...``. Both are read; ``transformer.`` is written.
+  A key of neither (a task model's head, ``score.weight``) keeps its own name, as the file has it.
 * the output head: ``lm_head.weight`` is ``wte`` (tied). A file may carry it; it must then equal
   ``wte``, since minipar has no separate head. It is not written: safetensors files hold a tied
   tensor once, and ``from_pretrained`` ties it again.
@@ -34,6 +35,11 @@ CONFIG, WEIGHTS = "config.json", "model.safetensors"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # the dot: not c_attn.bias
 PREFIX = "transformer."
+# GPT2Model's own modules, the keys a bare GPT2Model file holds without PREFIX; any other key (a
+# GPT2ForSequenceClassification's score.weight) keeps the file's name, so an error names what is there
+BODY = ("wte.", "wpe.", "h.", "ln_f.")
+# the classes whose files hold GPT-2's body and at most its tied head, which is all minipar's GPT has
+READ = ("GPT2LMHeadModel", "GPT2Model")
 # what minipar computes, in config.json's terms: GELU's tanh form ("gelu_new"), LayerNorm's
 # epsilon 1e-5, scores scaled by 1/sqrt(head size) only, the head tied to the embedding
 _SAME = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "layer_norm_epsilon": (1e-5,),
@@ -52,7 +58,7 @@ def from_hf(tensors):
     """minipar's state ({GPT-2 name: (out, in) array}) from a transformers file's tensors."""
     state, head, keys = {}, None, {}
     for key, value in tensors.items():
-        name = key if key.startswith(PREFIX) else PREFIX + key
+        name = PREFIX + key if key.startswith(BODY) else key
         if key == "lm_head.weight":
             head = value
         elif not name.endswith(BUFFERS):
@@ -91,6 +97,16 @@ def is_hf_layout(tensors):
 def read_config(directory):
     """config.json's model as minipar's flags ({n_layer, n_head, n_embd, block_size, vocab_size}),
     plus its bos/eos ids; raises ValueError, one line, for a model minipar does not compute."""
+    return _settings(_config(directory))
+
+
+def _settings(config):
+    flags = {flag: config[key] for flag, key in FIELDS.items()}
+    return flags, {key: config.get(key) for key in ("bos_token_id", "eos_token_id")}
+
+
+def _config(directory):
+    """config.json of ``directory`` as a dict, checked to describe a model minipar computes."""
     path = os.path.join(directory, CONFIG)
     if not os.path.lexists(path):
         raise ValueError(f"{directory} has no {CONFIG}: a Hugging Face GPT-2 snapshot holds {CONFIG} and "
@@ -122,8 +138,7 @@ def read_config(directory):
         raise ValueError(f"{path}: n_inner is {inner}; minipar's MLP is 4 x n_embd = {4 * config['n_embd']} wide")
     if config.get("n_ctx", config["n_positions"]) != config["n_positions"]:
         raise ValueError(f"{path}: n_ctx {config['n_ctx']} differs from n_positions {config['n_positions']}")
-    flags = {flag: config[key] for flag, key in FIELDS.items()}
-    return flags, {key: config.get(key) for key in ("bos_token_id", "eos_token_id")}
+    return config
 
 
 def hf_config(config, dropout=0.0, token_ids=None, dtype="float32"):
@@ -155,13 +170,36 @@ def read_tensors(path):
 
 def load_snapshot(directory):
     """(minipar state, model flags, token ids) of a transformers snapshot directory."""
-    flags, ids = read_config(directory)
+    config = _config(directory)
     path = os.path.join(directory, WEIGHTS)
+    if os.path.islink(path) and not os.path.exists(path):  # a hub cache's link whose blob never arrived
+        raise ValueError(f"{path} is a link to {os.readlink(path)}, which does not exist")
+    check_regular(path)  # a FIFO or a folder under that name is there, not missing
     if not os.path.isfile(path):
-        hint = " (a sharded model.safetensors.index.json is not read: save it whole)" if os.path.isfile(
-            path + ".index.json") else ""
-        raise ValueError(f"{directory} has no {WEIGHTS}{hint}")
-    return from_hf(read_tensors(path)), flags, ids
+        raise ValueError(f"{directory} has no {WEIGHTS}{_missing_hint(directory)}")
+    state = from_hf(read_tensors(path))
+    heads = sorted(name for name in state if not name.startswith(PREFIX))  # (lm_head: from_hf took it)
+    classes = config.get("architectures")
+    if heads and isinstance(classes, list) and classes and not any(c in READ for c in classes):
+        # a task model (GPT2ForSequenceClassification, GPT2DoubleHeadsModel): its body is GPT-2's
+        more = f" and {len(heads) - 2} more" if len(heads) > 2 else ""
+        raise ValueError(f"{directory} is a {', '.join(map(str, classes))} ({CONFIG}'s architectures): its {WEIGHTS} "
+                         f"holds heads GPT2LMHeadModel has not ({', '.join(heads[:2])}{more}), and minipar reads "
+                         "GPT2LMHeadModel / GPT2Model snapshots: save the GPT-2 body alone, "
+                         "model.transformer.save_pretrained(DIR)")
+    return (state, *_settings(config))
+
+
+def _missing_hint(directory):
+    """Why a snapshot without model.safetensors has none, from the weights it holds instead."""
+    if os.path.lexists(os.path.join(directory, WEIGHTS + ".index.json")):
+        return " (a sharded model.safetensors.index.json is not read: save it whole)"
+    pickles = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+               if os.path.lexists(os.path.join(directory, name))]
+    if pickles:  # transformers' format before safetensors: torch.load runs whatever code the file names
+        return (f": it holds {pickles[0]} (a pickle, which minipar never loads): re-save it with "
+                "save_pretrained(..., safe_serialization=True)")
+    return ""
 
 
 def save_snapshot(state, config, directory, dropout=0.0, token_ids=None, extra_files=()):
