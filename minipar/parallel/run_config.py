@@ -71,6 +71,11 @@ class Say:
             return name if value else f"no {name}"
         return f"{name} {value}" if name.startswith("-") else f"{name}={value!r}"
 
+    def offers(self, field):
+        """Whether the caller can set ``field``: a flag of its own, or any field when it speaks in
+        fields, not flags (a lesson has flags for some fields only)."""
+        return self.name(field).startswith("-") or not any(n.startswith("-") for n in self.names.values())
+
     def change(self, *fields):
         """The fields a fix may change: the caller's flags among them, or all of them if none is."""
         flags = [self.name(f) for f in fields if self.name(f).startswith("-")]

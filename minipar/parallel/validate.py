@@ -89,9 +89,9 @@ def resolve(cfg, names=None):
         out.append(f"{say('n_layer')} is fewer than {say.name('pp')} x {say.name('virtual_stages')} = {pp} x {v}: "
                    "every pipeline chunk needs a layer")
     elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (pp * v):
+        uneven = f", or give {say.name('pipeline_layers')}" if say.offers("pipeline_layers") else ""
         out.append(f"{say('n_layer')} is not divisible by {say.name('pp')} x {say.name('virtual_stages')} "
-                   f"= {pp} x {v}: every pipeline chunk needs the same number of layers, or give "
-                   f"{say.name('pipeline_layers')}")
+                   f"= {pp} x {v}: every pipeline chunk needs the same number of layers{uneven}")
     # One rank can run its chunks in turn, so the schedules allow v > 1 with p = 1; a job that asks
     # for virtual stages without a pipeline is a mistake, so a run (its world size given) may not.
     one_rank = known("world_size") and pp == 1
