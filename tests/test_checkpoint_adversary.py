@@ -372,3 +372,13 @@ def test_a_saved_tensor_of_another_shape_than_the_models_is_refused(shape, tmp_p
     _forge(save, name, numpy.arange(numpy.prod(shape), dtype=numpy.float32).reshape(shape))
     with pytest.raises(CheckpointError, match=re.escape(f"{name} is {list(shape)} in the index, but this model's is [16, 16]")):
         _load(save)
+
+
+def test_an_index_json_that_is_a_folder_is_named_as_such(tmp_path):
+    """Not "no checkpoint here ... a save that did not finish": the checkpoint is there, damaged."""
+    save = _saved(tmp_path)
+    step = os.path.join(save, "iter_0000001")
+    os.remove(os.path.join(step, "index.json"))
+    os.mkdir(os.path.join(step, "index.json"))
+    with pytest.raises(CheckpointError, match="index.json is not a regular file: the checkpoint is damaged"):
+        _load(step)

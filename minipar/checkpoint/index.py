@@ -59,8 +59,11 @@ def seal(index):
 def find(path):
     """The checkpoint directory ``path`` names: an ``iter_*`` directory, or a save directory whose
     ``latest`` file names one. Raises CheckpointError saying what is missing."""
-    if os.path.isfile(os.path.join(path, "index.json")):
+    index = os.path.join(path, "index.json")
+    if os.path.isfile(index):
         return path  # a directory the user named: trusted as given
+    if os.path.lexists(index):  # a folder or a FIFO by that name: no save leaves one
+        raise CheckpointError(f"{index} is not a regular file: the checkpoint is damaged; load an earlier one")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory" if not os.path.lexists(path) else
                               f"{path}: not a directory; give a save directory or one of its iter_* checkpoints")

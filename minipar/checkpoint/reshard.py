@@ -46,7 +46,8 @@ def check_model(index, config, dtype, chosen_by=None):
     if index["dtype"] != numpy.dtype(dtype).name:
         diffs.append(f"dtype {index['dtype']} (flags: {numpy.dtype(dtype).name}{f', {chosen_by}' if chosen_by else ''})")
     if diffs:
-        raise CheckpointError(f"{index['path']} holds a different model: " + "; ".join(diffs))
+        raise CheckpointError(f"{index['path']} holds a different model: " + "; ".join(diffs) +
+                              ": give the model flags it was trained with, or load a checkpoint of this model")
 
 
 class _Reader:
