@@ -35,8 +35,9 @@ import textwrap
 
 import numpy as np
 
+import lesson
 from minipar.backend import add_device_flag
-from minipar.cli import Parser, device_problems, parse
+from minipar.cli import Parser, device_problems
 from minipar.kernels import emulator, gemm
 
 TILES = gemm.TILES["float32"]
@@ -64,14 +65,14 @@ def run_text(operand, i, k, along_k, count):
 def tile_walk(source, thread=17):
     M, N, K = 130, 130, 3 * BK
     a, b = np.ones((M, K), np.float32), np.ones((K, N), np.float32)
+    ty, tx = thread // (BN // TN), thread % (BN // TN)
+    print(f"1. One thread's walk: C = A B with M = N = {M}, K = {K};\n   blocks of {THREADS} threads own "
+          f"{BM} x {BN} tiles of C")  # (the heading first: a kernel the emulator stops is reported under it)
+    print(f"   block (0, 0), thread {thread} accumulates C[{ty * TM}:{ty * TM + TM}, {tx * TN}:{tx * TN + TN}] "
+          f"in {TM * TN} registers")
     emulator.watch("float32", thread, source)
     emulator.matmul(a, b, source=source)
     rows, _ = emulator.trace("float32", source)
-    ty, tx = thread // (BN // TN), thread % (BN // TN)
-    print(f"1. One thread's walk: C = A B with M = N = {M}, K = {K};\n   blocks of {THREADS} threads own "
-          f"{BM} x {BN} tiles of C")
-    print(f"   block (0, 0), thread {thread} accumulates C[{ty * TM}:{ty * TM + TM}, {tx * TN}:{tx * TN + TN}] "
-          f"in {TM * TN} registers")
     for slab in range(K // BK):
         loads = [run_text(*r) for r in rows[2 * slab : 2 * slab + 2]]
         print(f"   slab k = {slab * BK}..{slab * BK + BK - 1}: copies {loads[0]}\n   {'':<17}and {loads[1]} to shared memory")
@@ -83,13 +84,13 @@ def tile_walk(source, thread=17):
 def load_counts(source):
     n = 256
     a, b = np.ones((n, n), np.float32), np.ones((n, n), np.float32)
+    print(f"\n2. Loads from global memory for M = N = K = {n} (counted in the emulator | formula)")
     counts = {}
     for name, naive in (("naive", True), ("tiled", False)):
         emulator.watch("float32", -1, source)
         emulator.matmul(a, b, naive=naive, source=source)
         counts[name] = emulator.trace("float32", source)[1]
     expected = {"naive": 2 * n**3, "tiled": int(n**3 * (1 / BN + 1 / BM))}
-    print(f"\n2. Loads from global memory for M = N = K = {n} (counted in the emulator | formula)")
     for name in counts:
         instructions, elements = counts[name]
         formula = "2 M N K" if name == "naive" else "M N K (1/BN + 1/BM)"
@@ -200,7 +201,7 @@ def main():
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--plant-bug", action="store_true", help="a wrong index in the emulated kernel's tile copy")
     add_device_flag(p)
-    args = parse(p, None, device_problems)  # a bad flag is one line and exit 2, as in the MPI lessons
+    args = lesson.parse_one_process(p, device_problems)  # a bad flag (or several ranks): one line and exit 2
     if emulator.compiler() is None:
         print("this lesson runs the kernel in a CPU emulator built with g++ (C++20): install g++")
         return 2
@@ -219,11 +220,11 @@ def main():
             checks.append(False)
     if args.device == "cuda":
         checks.append(on_the_gpu())
-    failed = not all(checks)
-    print("\nMISMATCH: see the sections above" if failed else
+    failed = [str(number) for number, passed in enumerate(checks, 1) if not passed]
+    print(f"\nMISMATCH: section{'s' * (len(failed) > 1)} {', '.join(failed)} failed (see above)" if failed else
           f"\nThe tiled kernel computes the product with {2 * BN * BM // (BN + BM)}x fewer loads than the naive\n"
           "one, and both barriers are needed.")
-    return int(failed)
+    return int(bool(failed))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,13 @@ def check(args, ranks):
                         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                         dropout=args.dropout, dtype=args.dtype)
         found += [line for line in problems(run, FLAGS) if line not in found]
+    sizes = expert_sizes(args, ranks)
+    if args.plant_bug and not found and all(ep == 1 or ep >= args.num_experts for ep in sizes):
+        # EP=1 sends nothing and sorts nothing; a rank of one expert gets its rows in token order anyway
+        found.append(f"--plant-bug skips putting the rows combine returns back in token order, which only an "
+                     f"expert-parallel rank holding 2 or more experts gets wrong, and EP={', '.join(map(str, sizes))} "
+                     f"with {args.num_experts} experts gives no such rank: run on 2 or more ranks, with an --ep "
+                     f"between 2 and {args.num_experts // 2}")
     return found or lesson.memory_problems(run, FLAGS, args.steps)  # (the same model in every layout)
 
 
@@ -181,10 +188,14 @@ def main():
     split_ok = uneven_split()
 
     tol = lesson.TOLERANCE[args.dtype]
-    ok = lesson.within(tol, *(errors for errors, _ in results.values())) and split_ok
+    columns = {f"EP={ep}": errors for ep, (errors, _) in results.items()}
+    failed = lesson.failed_rows(tol, columns) + [
+        "an expert with no rows and an uneven all-to-all-v: slots did not come back to their places"] * (not split_ok)
     h, itemsize, k, E = args.n_embd, np.dtype(args.dtype).itemsize, args.topk, args.num_experts
     expert_whole = args.n_layer * E * mlp_parameters(h) * itemsize
-    ok &= all(costs["ok"] and costs["expert_bytes"] * ep == expert_whole for ep, (_, costs) in results.items())
+    failed += [f"EP={ep}: the all-to-all-v bytes differ from the routing's" for ep, (_, c) in results.items() if not c["ok"]]
+    failed += [f"EP={ep}: a rank holds {c['expert_bytes']:,} expert bytes, not 1/EP of {expert_whole:,}"
+               for ep, (_, c) in results.items() if c["expert_bytes"] * ep != expert_whole]
 
     def report():
         print(f"{comm.size} ranks (DP = {comm.size}); MoE GPT {args.n_layer} layers, {E} experts, top-{k}, "
@@ -209,7 +220,7 @@ def main():
               f"layer, {args.n_layer * np.log(E) ** 2 * args.z_loss_coeff:.6f}")
         print(f"  an expert with no rows and an uneven all-to-all-v: slots come back to their places: "
               f"{'yes' if split_ok else 'NO'}")
-        lesson.print_errors({f"EP={ep}": errors for ep, (errors, _) in results.items()}, tol,
+        lesson.print_errors(columns, tol,
                             title=f"2. the MoE GPT, {args.steps} AdamW steps through the executor")
         print("\n3. all-to-all-v bytes per rank in the first step, forward + backward, all MoE layers "
               "(worst rank: measured | exact from the routing | uniform router)")
@@ -227,7 +238,7 @@ def main():
         for ep, (_, costs) in results.items():
             print(f"  EP={ep:<2} {costs['mfu']}")
 
-    return lesson.finish(comm, not ok, report, "Expert parallelism equals the single-device mixture of experts, "
+    return lesson.finish(comm, failed, report, "Expert parallelism equals the single-device mixture of experts, "
                          "and sends what the routing says.")
 
 

@@ -6,8 +6,9 @@
 
 Every real LLM trains in 16 bits. The weights, activations and gradients are bfloat16 or float16;
 the optimizer keeps an fp32 master copy of every weight and Adam's m and v in fp32, updates the
-master and rounds it into the 16-bit weight (an update of lr = 1e-3 of a weight is below half of
-bfloat16's 2^-8 spacing: a 16-bit weight would not move). LayerNorm, softmax, the loss and every
+master and rounds it into the 16-bit weight (a bfloat16 weight near 1 would not move: its
+neighbours there are 2^-7 apart, and an update of lr = 1e-3 is below half of that, 2^-8 = 0.0039,
+the unit roundoff, so it rounds back). LayerNorm, softmax, the loss and every
 matrix product accumulate in fp32. float16 has 5 bits of exponent, so its small gradients vanish
 below 6e-8: the loss is multiplied by a scale S before backward and the gradients divided by S in
 fp32; an overflow (S too large) skips the step on every rank and halves S (Megatron's dynamic
@@ -59,6 +60,7 @@ from minipar.precision import ConstantLossScaler, DynamicLossScaler, Policy
 N_HEAD = 4
 FORMULA = {"float32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},  # bytes: a P + b P/N
            "16-bit": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}}  # the ZeRO paper's
+OVERFLOW_STEP = 2  # section 3's planted overflow, unless --overflow-step says otherwise
 FLAGS = {"global_batch": "--batch-size", "n_layer": "--n-layer", "n_embd": "--n-embd",
          "block_size": "--block-size", "zero_stage": "--zero-stage"}
 
@@ -69,7 +71,7 @@ def flags(p):
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8, help="the global batch")
     p.add_argument("--zero-stage", type=int, default=1, help="the stage of the training runs")
-    p.add_argument("--overflow-step", type=int, default=2, help="the step whose gradients overflow")
+    p.add_argument("--overflow-step", type=int, help=f"the step whose gradients overflow (default {OVERFLOW_STEP})")
     p.add_argument("--fp16-initial-scale", type=float, default=2.0**16, help="fp16's first loss scale")
     p.add_argument("--plot", default="out/mixed_precision.png", help="the loss curves ('' for none)")
 
@@ -79,10 +81,16 @@ def check(args, ranks):
                     n_embd=args.n_embd, block_size=args.block_size, zero_stage=args.zero_stage)
     out = problems(run, FLAGS) or lesson.memory_problems(run, FLAGS, args.steps, reference=False)
     out = lesson.at_least_one(args, "--steps") + out
-    if args.dtype != "float32":  # (each run sets its own: float32, and bf16 and fp16 over float32 masters)
-        out.append(f"--dtype {args.dtype}: this lesson trains in float32, bf16 and fp16 itself; drop --dtype")
-    if not 0 <= args.overflow_step < args.steps:
+    if args.overflow_step is None and not OVERFLOW_STEP < args.steps:  # named: the user gave --steps alone
+        out.append(f"--steps {args.steps}: section 3 plants an overflow at step {OVERFLOW_STEP} (--overflow-step's "
+                   f"default): give --steps {OVERFLOW_STEP + 1} or more, or an --overflow-step below {args.steps}")
+    elif args.overflow_step is None:
+        args.overflow_step = OVERFLOW_STEP
+    elif not 0 <= args.overflow_step < args.steps:
         out.append(f"--overflow-step {args.overflow_step} is not one of the {args.steps} steps (--steps)")
+    if args.plant_bug and ranks < 2:  # one rank's own check is everyone's
+        out.append("--plant-bug lets each rank decide alone whether a step overflowed, and one rank's decision is "
+                   "every rank's: run it on 2 or more ranks (./run_mpi.sh -n 2)")
     if not 1 <= args.fp16_initial_scale < float("inf"):  # the scaler's smallest scale is 1; nan fails too
         out.append(f"--fp16-initial-scale must be finite and >= 1, got {args.fp16_initial_scale}")
     if args.plot and path_problem(args.plot):
@@ -143,9 +151,11 @@ def formula(a, b):
 def main():
     args, comm = lesson.start("Mixed precision: bf16 and fp16 with fp32 master weights.", flags, check,
                               plant_bug="let each rank decide from its own gradients whether the step "
-                              "overflowed (no all-reduce)", steps=12)
+                              "overflowed (no all-reduce)", steps=12, dtypes=("float32",),
+                              dtype_help="float32 only: the lesson trains in float32, bf16 and fp16 itself "
+                              "(over float32 masters), and checks float64 in section 4")
     grid = ProcessGrid(tp=1, pp=1)
-    dp, N, ok = grid.dp_group, grid.dp, True
+    dp, N, failed = grid.dp_group, grid.dp, []
     config = GPTConfig(n_layer=args.n_layer, n_head=N_HEAD, n_embd=args.n_embd, block_size=args.block_size,
                        dropout=0.1)
     batches = lesson.batches(args, config.block_size)
@@ -164,7 +174,8 @@ def main():
             a, b = FORMULA["float32" if policy is None else "16-bit"][stage]
             expected = a * padded + b * padded // N if stage else a * P
             held = sum(opt.state_bytes().values())
-            ok &= held == expected
+            if held != expected:
+                failed.append(f"{name} at stage {stage} holds {held:,} bytes, not the formula's {expected:,} (1.)")
             memory[name, stage] = (held, expected, padded)
 
     # 2. the three precisions trained side by side. A step is skipped exactly when its gradients
@@ -182,14 +193,16 @@ def main():
             curves[name].append(loss)
             skipped[name] += [step] * skip
             overflowed[name] += [step] * inf
-    ok &= all(skipped[n] == overflowed[n] for n in precisions) and len(skipped["fp16"]) < len(batches)
+    failed += [f"{n} skipped steps {skipped[n]}, but its gradients overflowed at {overflowed[n]} (2.)"
+               for n in precisions if skipped[n] != overflowed[n]]
+    failed += ["fp16 skipped every step (2.)"] * (len(skipped["fp16"]) == len(batches))
     reference = {"bf16": curves["float32"], "fp16": curves["float32"]}
     if overflowed["fp16"]:
         model, opt = build(args, config, grid, args.zero_stage, "float32")
         reference["fp16"] = [train_step(model, opt, dp, step, x, y, hold=step in overflowed["fp16"])[0]
                              for step, (x, y) in enumerate(batches)]
     gap = {n: max(abs(a - b) for a, b in zip(curves[n], reference[n])) for n in ("bf16", "fp16")}
-    ok &= max(gap.values()) < 0.1
+    failed += [f"{n}'s loss strays {gap[n]:.3f} from float32's, above 0.1 (2.)" for n in gap if not gap[n] < 0.1]
 
     # 3. an overflow on one rank skips the step on every rank. The planted bug runs at stage 0:
     # under ZeRO the ranks that step would wait forever in an all-gather the skipping rank never
@@ -203,7 +216,8 @@ def main():
     every = comm.all_gather(np.array([int(skip), int((digest(opt) == before).all()), opt.loss_scale]))
     backed_off = max(scale / 2, 1.0)  # halved, never below the scaler's floor of 1 (--fp16-initial-scale 1.5: 1)
     overflow_ok = (every[:, 0] == 1).all() and (every[:, 1] == 1).all() and (every[:, 2] == backed_off).all()
-    ok &= bool(overflow_ok)
+    failed += [f"the overflow on rank {N - 1} was not skipped alike on every rank, its state kept and its scale "
+               f"halved (3.)"] * (not overflow_ok)
 
     # 4. the machinery in float64 everywhere is the float64 run
     runs = [build(args, config, grid, args.zero_stage, "float64"),
@@ -214,7 +228,7 @@ def main():
             train_step(model, opt, dp, step, x, y)
     plain, mixed = (opt.full_state_dict() for _, opt in runs)
     differing = sum(not np.array_equal(plain[n], mixed[n]) for n in plain)
-    ok &= differing == 0
+    failed += [f"the float64 policy differs from the float64 run in {differing} tensors (4.)"] * (differing != 0)
     if args.plot and comm.rank == 0:
         plot_curves(curves, args.plot, title=f"GPT on {N} ranks, ZeRO-{args.zero_stage}: fp32, bf16, fp16")
 
@@ -238,8 +252,9 @@ def main():
             if skipped[name] != overflowed[name]:
                 print(f"  {name} skipped steps {skipped[name]}, but its gradients overflowed at {overflowed[name]}")
         if overflowed["fp16"]:
-            print(f"  (fp16's gradients overflowed at steps {', '.join(map(str, overflowed['fp16']))}:\n"
-                  "  its gap is to a float32 run that held its weights at those steps)")
+            steps, many = overflowed["fp16"], len(overflowed["fp16"]) > 1
+            print(f"  (fp16's gradients overflowed at step{'s' * many} {', '.join(map(str, steps))}:\n"
+                  f"  its gap is to a float32 run that held its weights at {'those steps' if many else 'that step'})")
         if len(skipped["fp16"]) == len(batches):
             print("  fp16 skipped every step, so its curve shows nothing: lower --fp16-initial-scale or raise --steps")
         print("  (a CPU emulates 16-bit arithmetic: expect no speed-up here, and with more ranks than cores\n"
@@ -251,7 +266,7 @@ def main():
               f" scale {scale:g} -> {sorted(set(every[:, 2].tolist()))}")
         print(f"\n4. float64 policy against the float64 run: {differing} of {len(plain)} tensors differ (0 expected)")
 
-    return lesson.finish(comm, not ok, report, "16-bit training holds the ZeRO paper's bytes, follows the "
+    return lesson.finish(comm, failed, report, "16-bit training holds the ZeRO paper's bytes, follows the "
                          "float32 curve, skips overflowed steps on every rank, and is exact in float64.")
 
 

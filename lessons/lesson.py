@@ -9,12 +9,15 @@ A lesson is five moves, and only the middle two are its own:
     return lesson.finish(comm, failed, report, "The ... equals ...")
 
 ``finish`` makes the ranks agree on the verdict, lets rank 0 print the report and one last
-sentence, and returns the exit status: 0, or 1 on a mismatch (``--plant-bug`` makes one).
+sentence, and returns the exit status: 0, or 1 on a mismatch (``--plant-bug`` makes one). Every
+row of an error table ends in "ok" or "FAIL", and a mismatch's last sentence names what failed.
 
 This module belongs to the lessons: minipar never imports it. A lesson finds it because a
 script's folder comes first on ``sys.path`` (``python -m mpi4py`` keeps that rule).
 """
 
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,24 +42,25 @@ from computed_once import computed_once
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 # AdamW for every run; eps = 1e-5 so that nearly cancelled gradients are not full steps (minipar.verify)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
-MISMATCH = "MISMATCH: see the rows above"
 
 
-def start(description, flags=None, check=None, *, plant_bug, training=True, steps=3):
+def start(description, flags=None, check=None, *, plant_bug, training=True, steps=3, dtypes=tuple(TOLERANCE),
+          dtype_help=None):
     """The world and the flags, parsed and checked on every rank before any message: on a problem,
     one rank prints it, one line each, and every rank exits with status 2 (minipar.cli).
 
     ``flags(parser)`` adds the lesson's own flags; ``check(args, ranks)`` returns the problems
     argparse cannot see, one line each (``validate.problems`` of the run, ``at_least_one``). A
-    training lesson also takes --steps, --dtype, --device and --seed, and from here on runs in that
-    dtype on that device. Returns (args, comm): on GPUs, comm is then NCCL's."""
+    training lesson also takes --steps, --dtype (one of ``dtypes``; ``dtype_help`` says why where
+    that is float32 alone), --device and --seed, and from here on runs in that dtype on that device.
+    Returns (args, comm): on GPUs, comm is then NCCL's."""
     comm = world()
     p = Parser(description=description)
     if flags is not None:
         flags(p)
     if training:
         p.add_argument("--steps", type=int, default=steps, help="optimizer steps compared")
-        p.add_argument("--dtype", choices=TOLERANCE, default="float32")
+        p.add_argument("--dtype", choices=dtypes, default="float32", help=dtype_help)
         add_device_flag(p)
         p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plant-bug", action="store_true", help=plant_bug)
@@ -268,13 +272,27 @@ def within(tolerance, *runs):
 
 
 def print_errors(runs, tolerance, width=10, title="relative error against the single-device run", note=""):
-    """The table of relative errors: a row per quantity, a column per run. ``runs`` is
+    """The table of relative errors: a row per quantity, a column per run, and last the row's
+    verdict, "ok" or "FAIL" (an error above ``tolerance`` in any column, or NaN). ``runs`` is
     {column heading: {row: error}}; a lone run under the heading None prints no heading row."""
     print(f"\n{title} (tolerance {tolerance:g}){note}")
     if list(runs) != [None]:
         print(f"  {'':<28}" + "".join(f"{heading:>{width}}" for heading in runs))
     for row in next(iter(runs.values())):
-        print(f"  {row:<28}" + "".join(f"{errors[row]:>{width}.1e}" for errors in runs.values()))
+        verdict = "ok" if all(errors[row] <= tolerance for errors in runs.values()) else "FAIL"  # NaN: FAIL
+        print(f"  {row:<28}" + "".join(f"{errors[row]:>{width}.1e}" for errors in runs.values()) + f"  {verdict}")
+
+
+def failed_rows(tolerance, runs, where=""):
+    """[the line naming the rows of an error table (``runs`` as ``print_errors`` takes it) above
+    ``tolerance``, each with the columns it failed in], or [] if none is: a mismatch's words (``finish``).
+    ``where``: which table, where a lesson prints several."""
+    rows = []
+    for row in next(iter(runs.values()), {}):  # (lesson 4 with PipeDream-2BW alone has no table of runs)
+        columns = [str(heading) for heading, errors in runs.items() if not errors[row] <= tolerance]  # NaN too
+        if columns:
+            rows.append(row if list(runs) == [None] else f"{row} [{', '.join(columns)}]")
+    return [f"see the rows above marked FAIL{where}: {', '.join(rows)}"] if rows else []
 
 
 def mfu(comm, config, tokens, seconds, peak):
@@ -287,14 +305,35 @@ def mfu(comm, config, tokens, seconds, peak):
             f"peak {peak / 1e9:.1f} GFLOP/s (all ranks at once)")
 
 
-def finish(comm, failed, report, passed, mismatch=MISMATCH):
+def finish(comm, failed, report, passed):
     """The end of every lesson: the ranks agree on the verdict (one rank's mismatch fails all),
-    rank 0 runs ``report()`` and prints the last sentence, ``passed`` or ``mismatch``, and every
-    rank returns the exit status, 0 or 1. No rank returns before rank 0 has printed: under
-    ``python -m mpi4py`` a rank's non-zero exit ends the whole job at once."""
-    failed = bool(comm.all_reduce(np.array([int(failed)]), op="max")[0])
+    rank 0 runs ``report()`` and prints the last sentence, ``passed`` or the mismatch, and every
+    rank returns the exit status, 0 or 1. ``failed``: what failed on this rank, a line each ([]
+    if nothing did): rank 0's lines name the mismatch. No rank returns before rank 0 has printed:
+    under ``python -m mpi4py`` a rank's non-zero exit ends the whole job at once."""
+    failed_here = list(failed)
+    failed = bool(comm.all_reduce(np.array([int(bool(failed_here))]), op="max")[0])
     if comm.rank == 0:
         report()
-        print(f"\n{mismatch if failed else passed}")
+        what = "; ".join(failed_here) or "a check failed on a rank other than 0 (rank 0's passed)"
+        print(f"\nMISMATCH: {what}" if failed else f"\n{passed}")
     comm.barrier()
     return int(failed)
+
+
+def parse_one_process(parser, check):
+    """The flags of a lesson that runs in one process (01, 07), as ``minipar.cli.parse`` checks them
+    (``check(args)``: the problems, a line each). Started on several MPI ranks (run_mpi.sh -n 2),
+    each rank would run the whole lesson and print it, interleaved with the others: that is refused
+    too, in one line from one rank, every rank exiting with status 2."""
+    ranks = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)  # MPICH's, Open MPI's
+    comm = world() if ranks > 1 else None  # MPI only to agree on the refusal
+
+    def problems(args):
+        found = check(args)
+        if ranks > 1:
+            found.append(f"this lesson runs in one process, and {ranks} ranks started it (each would run it all): "
+                         f"run python {os.path.relpath(sys.argv[0])}")
+        return found
+
+    return parse(parser, comm, problems)

@@ -86,12 +86,12 @@ def unit_costs(name, recompute=0):
 
 def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
     """Each cost of lesson 4's runs (``results``: {(schedule, recompute): (errors, costs)}) next to its
-    formula (rank r of the table is pipeline rank r of replica 0), whether all agree, and the
-    timelines drawn in --out."""
+    formula (rank r of the table is pipeline rank r of replica 0), the costs that differ from theirs
+    (a line each, [] if none), and the timelines drawn in --out."""
     p, m = grid.pp, args.micro_batches
     act_bytes = (args.batch_size // m // grid.dp) * args.block_size * n_embd * np.dtype(args.dtype).itemsize
     stage_ranks = [grid.layout.rank(pp=r) for r in range(p)]
-    lines, ok = [], True
+    lines, failed = [], []
     for name, vv in runs:
         defer = args.defer_embedding_wgrad  # the head's W's at the flush: unit costs leave them free
         plan, shape = schedules.build(name, p, m, vv, defer), schedules.shape_of(name)
@@ -99,15 +99,20 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
         text, theory = bubble(name, p, m, vv)
         units = [simulate(plan, m, vv, shape=shape, **unit_costs(name, r)) for r in (0, 1)[: 1 + recomputed]]
         # any equal costs keep a fused schedule's fraction; a split one's formula is for unit costs
-        ok &= theory is None or all(b == theory for sim in units for b in sim.bubble.values())
+        if not (theory is None or all(b == theory for sim in units for b in sim.bubble.values())):
+            failed.append(f"{name}: the bubble with unit costs differs from {text}")
         costs = results[name, False][1]
         costs_r = results[name, True][1] if recomputed else None
         alive = [int(costs["peak_alive"][g]) for g in stage_ranks]
         formula, formula_text = held(name, p, m, vv)
-        ok &= alive == [units[0].peak_alive[r] for r in range(p)] and formula in (None, alive)
-        ok &= costs_r is None or list(costs_r["peak_alive"]) == list(costs["peak_alive"])  # recompute holds as many
+        if not (alive == [units[0].peak_alive[r] for r in range(p)] and formula in (None, alive)):
+            failed.append(f"{name}: the activations held differ from the simulator's or from {formula_text}")
+        if not (costs_r is None or list(costs_r["peak_alive"]) == list(costs["peak_alive"])):  # as many with recompute
+            failed.append(f"{name}: recompute held other micro-batches' activations than the plain run")
         per_rank = bytes_sent(name, p, m, vv, act_bytes)
-        ok &= costs["sent"] == per_rank[grid.pp_rank]  # every rank checks its own
+        if costs["sent"] != per_rank[grid.pp_rank]:  # every rank checks its own
+            failed.append(f"{name}: pipeline rank {grid.pp_rank} sent {costs['sent']:,} bytes, not "
+                          f"{per_rank[grid.pp_rank]:,}")
         # each stage's median forward, backward (or B) and W, and with recompute what its backward
         # took beyond the plain run's: the costs table
         op = trace.op_costs(costs["timelines"])
@@ -125,7 +130,8 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
         measured = [trace.bubble(run["timelines"]) for run in timed]
         mem = [int(costs["activation bytes"][g]) for g in stage_ranks]
         mem_r = [int(costs_r["activation bytes"][g]) for g in stage_ranks] if recomputed else None
-        ok &= mem_r is None or all(b < a for a, b in zip(mem, mem_r))
+        if not (mem_r is None or all(b < a for a, b in zip(mem, mem_r))):
+            failed.append(f"{name}: recompute did not lower every rank's peak bytes")
         lines.append(SimpleNamespace(name=name, v=vv, text=text, theory=theory, units=units, replayed=replayed,
                                      measured=measured, alive=alive, held=formula_text, mem=mem, mem_r=mem_r,
                                      per_rank=per_rank,
@@ -137,7 +143,7 @@ def costs_beside_formulas(comm, args, grid, results, runs, n_embd):
             trace.gantt(costs["timelines"], os.path.join(args.out, f"{name}_measured.png"),
                         f"{tag}: measured on this machine", chunks=vv)
             trace.chrome_trace(costs["timelines"], os.path.join(args.out, f"{name}_trace.json"), chunks=vv)
-    return lines, ok
+    return lines, failed
 
 
 def replay(name, timelines, p, v, m, defer_head=False):

@@ -18,15 +18,14 @@ def print_schedules(args, p, runs):
         print(f"{name} (compute order per rank)\n{schedules.table(plan)}\n")
 
 
-def report(args, grid, results, runs, lines, tol, two_bw=None):
+def report(args, grid, columns, lines, tol, two_bw=None):
+    """``columns``: the error table, {schedule (+r: with recompute): {row: error}}."""
     p, m = grid.pp, args.micro_batches
     print(f"PP={p} x DP={grid.dp}; GPT of {args.n_layer} blocks; global batch {args.batch_size} in {m} "
           f"micro-batches;\n{args.dtype}, dropout 0.1, {args.steps} AdamW steps"
           + ("; the head's weight gradients at the flush (H)" if args.defer_embedding_wgrad else ""))
-    short = {"interleaved": "interl"}
-    columns = {short.get(n, n) + ("+r" if r else ""): errors for (n, r), (errors, _) in results.items()}
     for i in range(0, len(columns), 6):  # six columns fit a line
-        lesson.print_errors(dict(list(columns.items())[i:i + 6]), tol, width=11,
+        lesson.print_errors(dict(list(columns.items())[i:i + 6]), tol, width=10,
                             note=";\n+r: with recompute, interl: interleaved" if i == 0 else "")
     if lines:
         print_costs(args, grid, lines)

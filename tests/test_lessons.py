@@ -4,6 +4,7 @@ import importlib
 import importlib.util
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -44,9 +45,17 @@ def test_autograd_lesson_passes(solo_runs):
 
 
 def test_autograd_lesson_fails_on_a_planted_bug(solo_runs):
+    """Every GPT row with a GELU between it and the loss fails, the LayerNorms' small gradients
+    (~5e-5, 1e-9 off) too, which an atol of 1e-8 let pass; the rows after the last GELU stay ok
+    (exercise 2)."""
     run = solo_runs["01_autograd.py", "--plant-bug"]
     assert run.returncode == 1
     assert "FAIL" in run.stdout and "MISMATCH" in run.stdout
+    verdicts = dict(re.findall(r"^  (transformer\.\S+) .* (ok|FAIL)$", run.stdout, re.M))
+    assert len(verdicts) == 28, run.stdout
+    last = ("transformer.h.1.mlp.c_proj.", "transformer.ln_f.")  # no GELU after them
+    assert {n for n, v in verdicts.items() if v == "ok"} == {n for n in verdicts if n.startswith(last)}, run.stdout
+    assert verdicts["transformer.h.0.ln_1.bias"] == verdicts["transformer.h.1.ln_1.weight"] == "FAIL"
 
 
 class OneRank:
@@ -61,20 +70,28 @@ class OneRank:
 
 
 def test_lesson_scaffolding_prints_the_table_and_exits_1_on_a_mismatch(monkeypatch, capsys):
+    """Each row ends in its verdict, and a mismatch's last line names the rows that failed, with
+    their columns (it once said "see the rows above", and no row was marked)."""
     monkeypatch.syspath_prepend(LESSONS)  # as a lesson script finds it: its folder first on sys.path
     lesson = importlib.import_module("lesson")
     runs = {"SP off": {"loss": 1e-7, "gradients (worst tensor)": 3e-5},
             "SP on": {"loss": 2e-7, "gradients (worst tensor)": 4e-7}}
-    for failed, runs_shown, last in ((False, {None: runs["SP on"]}, "all equal"),
-                                     (True, runs, "MISMATCH: see the rows above")):
+    for failed, runs_shown, last in (
+            (False, {None: runs["SP on"]}, "all equal"),
+            (True, runs, "MISMATCH: see the rows above marked FAIL: gradients (worst tensor) [SP off]; bytes")):
+        failures = lesson.failed_rows(1e-5, runs_shown) + ["bytes"] * failed
         assert lesson.within(1e-5, *runs_shown.values()) != failed
-        code = lesson.finish(OneRank(), failed, lambda: lesson.print_errors(runs_shown, 1e-5, width=12), "all equal")
+        code = lesson.finish(OneRank(), failures, lambda: lesson.print_errors(runs_shown, 1e-5, width=12), "all equal")
         out = capsys.readouterr().out
         assert code == int(failed) and out.endswith(f"\n\n{last}\n"), out
         assert "relative error against the single-device run (tolerance 1e-05)\n" in out
         assert ("SP off       SP on\n" in out) == failed  # a heading row only for named runs
-    assert "  gradients (worst tensor)         3.0e-05     4.0e-07\n" in out
+    assert "  gradients (worst tensor)         3.0e-05     4.0e-07  FAIL\n" in out
+    assert "  loss                             1.0e-07     2.0e-07  ok\n" in out
     assert not lesson.within(1e-5, {"loss": float("nan")})  # NaN is a mismatch, not a pass
+    assert lesson.failed_rows(1e-5, {None: {"loss": float("nan")}}, where=" (2.)") == [
+        "see the rows above marked FAIL (2.): loss"]
+    assert lesson.failed_rows(1e-5, {}) == []  # no runs (lesson 4 with PipeDream-2BW alone): nothing failed
 
 
 def test_a_lessons_batches_are_counted_against_the_host_when_it_runs_on_a_gpu(monkeypatch):
@@ -182,8 +199,12 @@ def test_gemm_kernel_lesson_passes(solo_runs):
 
 
 def test_gemm_kernel_lesson_fails_on_a_planted_bug(solo_runs):
+    """Every section keeps its heading when the emulator stops the kernel (1 and 2 once lost theirs),
+    and the last line names the sections that failed."""
     run = solo_runs["07_gemm_kernel.py", "--plant-bug"]
-    assert run.returncode == 1 and "MISMATCH" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 1 and "MISMATCH: sections 1, 2, 3, 4, 5 failed" in run.stdout, run.stdout + run.stderr
+    walk, loads = run.stdout.index("1. One thread's walk"), run.stdout.index("2. Loads from global memory")
+    assert walk < run.stdout.index("the kernel was stopped") < loads, run.stdout
 
 
 # Every MPI lesson runs with its defaults at 2, 4 and 8 ranks (lesson 6 also at 16, by hand: too
@@ -232,7 +253,7 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("09_mixture_of_experts.py", ["--aux-loss-coeff", "nan"], "must be finite and >= 0", 1),
     ("10_mixed_precision.py", ["--fp16-initial-scale", "0"], "--fp16-initial-scale must be finite and >= 1, got 0.0", 1),
     ("06_3d_parallel.py", ["--schedule", "zb-v", "--virtual-stages", "3"], "it needs --virtual-stages 2, got 3", 2),
-    ("11_which_parallelism.py", ["--dtype", "float64", "--require-spearman", "nan"], "the planner predicts float32", 2),
+    ("11_which_parallelism.py", ["--steps", "0", "--require-spearman", "nan"], "a rank correlation lies in [-1, 1]", 2),
     ("08_context_parallel.py", ["--cp", "0"], "--cp must be a positive integer, got 0", 1),  # once taken as the default
     # sizes far beyond the machine: once a MemoryError traceback from every rank
     ("03_tensor_parallel.py", ["--n-embd", "65536"], "fix: fewer --n-layer or a smaller --n-embd", 1),
@@ -242,7 +263,16 @@ def test_3d_lesson_defaults_fit_two_ranks():
     ("00_collectives.py", ["--size", "1000000000000"], "fix: a smaller --size", 1),
     ("08_context_parallel.py", ["--tp", "2", "--cp-comm-type", "a2a"],  # ran as "CP1 a2a", sending nothing
      "--cp-comm-type a2a is how context-parallel ranks communicate, and CP is 1 here", 1),
-    ("10_mixed_precision.py", ["--dtype", "float64"], "this lesson trains in float32, bf16 and fp16 itself", 1),
+    ("10_mixed_precision.py", ["--dtype", "float64"], "invalid choice: 'float64' (choose from 'float32')", 1),
+    ("11_which_parallelism.py", ["--dtype", "float64"], "invalid choice: 'float64' (choose from 'float32')", 1),
+    # --steps alone: the default overflow step named (it once refused an --overflow-step never given)
+    ("10_mixed_precision.py", ["--steps", "1"], "--steps 1: section 3 plants an overflow at step 2 (--overflow-step's", 1),
+    # one stage: once a TypeError from the report
+    ("04_pipeline_parallel.py", ["--pp", "1", "--schedule", "1f1b"], "--pp 1 is one stage, not a pipeline", 1),
+    ("06_3d_parallel.py", ["--schedule", "pipedream-2bw"], "lesson 4 runs it", 1),  # once: "it needs zero_stage=0"
+    # planted bugs that cannot show in these layouts, which once passed
+    ("03_tensor_parallel.py", ["--tp", "1", "--plant-bug"], "TP=1 runs no sequence parallelism: give --tp 2", 1),
+    ("09_mixture_of_experts.py", ["--ep", "2", "--num-experts", "2", "--plant-bug"], "EP=2 with 2 experts gives no such rank", 1),
     ("04_pipeline_parallel.py", ["--out", "/dev/null"], "--out /dev/null: /dev/null is a file, not a folder", 1),
     ("10_mixed_precision.py", ["--plot", "/dev/null/loss.png"], "/dev/null is a file, not a folder", 1),  # once after the run
     pytest.param("02_data_parallel.py", ["--device", "cuda"], "--device cuda: the cuda device needs CuPy", 1,
@@ -275,3 +305,55 @@ def test_mixed_precision_lesson_passes_and_fails_on_a_planted_bug(tmp_path):
     assert os.path.exists(tmp_path / "curves.png")
     code, out, _ = run_mpi(2, lesson, "--steps", "4", "--plot", "", "--plant-bug", timeout=120)
     assert code == 1 and "skipped on 1 of 2 ranks" in out and "MISMATCH" in out, out
+
+
+@pytest.mark.parametrize("lesson,args,message", [
+    ("00_collectives.py", ["--plant-bug"], "one rank's ring has no steps: run it on 2 or more ranks"),
+    ("02_data_parallel.py", ["--plant-bug"], "with one rank those are its rows: run it on 2 or more ranks"),
+    ("05_zero.py", ["--plant-bug"], "with one rank those are the global rows: run it on 2 or more ranks"),
+    ("09_mixture_of_experts.py", ["--plant-bug"], "EP=1 with 8 experts gives no such rank"),
+    ("10_mixed_precision.py", ["--plant-bug"], "one rank's decision is every rank's: run it on 2 or more ranks"),
+    ("11_which_parallelism.py", ["--plant-bug"], "1 rank(s) have no layout with TP > 1"),
+    ("04_pipeline_parallel.py", ["--schedule", "gpipe"], "a pipeline needs 2 or more stages, a rank each"),
+])
+def test_what_one_rank_cannot_show_is_refused_in_one_line(lesson, args, message):
+    """A planted bug that one rank cannot show (each of these exited 0), and a pipeline of one
+    stage (a TypeError from the report): one line, exit status 2, before any run."""
+    code, out, _ = run_mpi(1, os.path.join(LESSONS, lesson), *args, timeout=60)
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("script", ["01_autograd.py", "07_gemm_kernel.py"])
+def test_single_process_lessons_refuse_several_ranks_in_one_line(script):
+    """Every rank ran the whole lesson and printed it, interleaved with the others."""
+    code, out, _ = run_mpi(2, os.path.join(LESSONS, script), timeout=60)
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and "this lesson runs in one process, and 2 ranks started it" in errors[0], out
+    assert "checks passed" not in out and "One thread's walk" not in out, out
+
+
+def test_a_planted_bug_names_the_rows_that_failed():
+    """Lesson 6's planted bug at 2 ranks (PP = 2): each failing row marked, and named last (the
+    lessons once ended a mismatch with "see the rows above", no row marked)."""
+    code, out, _ = run_mpi(2, os.path.join(LESSONS, "06_3d_parallel.py"), "--plant-bug", "--steps", "2", timeout=120)
+    assert code == 1 and re.search(r"^  gradients \(worst tensor\) +\S+  FAIL$", out, re.M), out
+    assert "\nMISMATCH: see the rows above marked FAIL: loss (worst step), gradients (worst tensor), parameters " \
+        "after 2 steps\n" in out, out
+
+
+def test_lesson_11_ranks_only_the_layouts_its_measurement_tells_apart(monkeypatch):
+    """Three layouts within 2% of each other (as at 2 ranks) have no measured order, so the
+    predicted one stands among them, whatever order the noise put them in; layouts measured far
+    apart and predicted the wrong way round still fail the ranking."""
+    monkeypatch.syspath_prepend(LESSONS)
+    which = importlib.import_module("11_which_parallelism")
+    rounds = [[10.0, 10.0, 10.1], [10.1, 10.1, 10.2], [10.2, 10.2, 10.0], [20.0, 21.0, 20.5], [40.0, 41.0, 39.0]]
+    predicted = [3.0, 2.0, 1.0, 4.0, 5.0]  # the three close ones predicted in reverse
+    places, groups = which.measured_order(rounds, predicted)
+    assert groups[1:] == [[3], [4]] and sorted(groups[0]) == [0, 1, 2]
+    assert places == [2, 1, 0, 3, 4] and which.spearman(places, predicted) == 1.0
+    assert which.spearman([statistics.median(r) for r in rounds], predicted) == pytest.approx(0.6)  # what once failed the lesson
+    swapped = [3.0, 2.0, 1.0, 5.0, 0.5]  # the slowest layout predicted the fastest: a real misprediction
+    places, _ = which.measured_order(rounds, swapped)
+    assert which.spearman(places, swapped) < 0.8
