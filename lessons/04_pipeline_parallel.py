@@ -147,12 +147,12 @@ def choose_pipeline(n, args):
     none fits, the problems every divisor shares, or a line saying so."""
     if args.pp is not None:
         return args.pp, all_problems(n, args, args.pp)
-    tried = {pp: all_problems(n, args, pp) for pp in range(1, n + 1) if n % pp == 0}
-    fits = [pp for pp, found in tried.items() if not found and pp > 1]
+    tried = {pp: all_problems(n, args, pp) for pp in range(2, n + 1) if n % pp == 0}
+    fits = [pp for pp, found in tried.items() if not found]
     if fits:
         return max(fits), []
     common = set.intersection(*map(set, tried.values()))  # problems that no --pp would mend
-    return None, [f for f in tried[1] if f in common] or [
+    return None, [f for f in tried[min(tried)] if f in common] or [
         f"no pipeline fits {n} rank(s) with {'--schedule ' + args.schedule + ', ' if args.schedule else ''}--micro-batches {args.micro_batches}, --virtual-stages "
         f"{args.virtual_stages}, --n-layer {args.n_layer} and --batch-size {args.batch_size}: change "
         "those flags or the number of ranks (the defaults fit 2, 4 and 8)"]

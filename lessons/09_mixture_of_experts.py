@@ -102,8 +102,9 @@ def check(args, ranks):
         # EP=1 sends nothing and sorts nothing; a rank of one expert gets its rows in token order anyway
         found.append(f"--plant-bug skips putting the rows combine returns back in token order, which only an "
                      f"expert-parallel rank holding 2 or more experts gets wrong, and EP={', '.join(map(str, sizes))} "
-                     f"with {args.num_experts} experts gives no such rank: run on 2 or more ranks, with an --ep "
-                     f"between 2 and {args.num_experts // 2}")
+                     f"with {args.num_experts} experts gives no such rank: " +
+                     (f"run on 2 or more ranks, with an --ep between 2 and {args.num_experts // 2}"
+                      if args.num_experts >= 4 else "give --num-experts 4 or more (2 or more a rank at --ep 2)"))
     return found or lesson.memory_problems(run, FLAGS, args.steps)  # (the same model in every layout)
 
 

@@ -216,8 +216,8 @@ def main():
     every = comm.all_gather(np.array([int(skip), int((digest(opt) == before).all()), opt.loss_scale]))
     backed_off = max(scale / 2, 1.0)  # halved, never below the scaler's floor of 1 (--fp16-initial-scale 1.5: 1)
     overflow_ok = (every[:, 0] == 1).all() and (every[:, 1] == 1).all() and (every[:, 2] == backed_off).all()
-    failed += [f"the overflow on rank {N - 1} was not skipped alike on every rank, its state kept and its scale "
-               f"halved (3.)"] * (not overflow_ok)
+    failed += [f"the overflow on rank {N - 1} was not handled alike on every rank (each should skip the step, "
+               f"keep its state and halve its scale) (3.)"] * (not overflow_ok)
 
     # 4. the machinery in float64 everywhere is the float64 run
     runs = [build(args, config, grid, args.zero_stage, "float64"),

@@ -162,12 +162,14 @@ def told_apart(fast, slow):
 def measured_order(rounds, predicted):
     """The layouts in the order of their measured step times (``rounds``: each one's times over the
     rounds), in groups the measurement cannot tell apart: a layout starts a new group when it is
-    told apart from every layout of the group before it. Within a group the measurement has no
+    told apart from the fastest layout of the group before it. Within a group the measurement has no
     order, so the layouts take the predicted one, which it cannot contradict. Returns each layout's
     place in that order, and the groups."""
     groups = []
     for i in sorted(range(len(rounds)), key=lambda i: statistics.median(rounds[i])):
-        if groups and not all(told_apart(rounds[j], rounds[i]) for j in groups[-1]):
+        # against the group's fastest, not its latest: layouts each a little slower than the one
+        # before would otherwise chain into one group however far apart its ends are
+        if groups and not told_apart(rounds[groups[-1][0]], rounds[i]):
             groups[-1].append(i)
         else:
             groups.append([i])

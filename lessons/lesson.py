@@ -10,7 +10,8 @@ A lesson is five moves, and only the middle two are its own:
 
 ``finish`` makes the ranks agree on the verdict, lets rank 0 print the report and one last
 sentence, and returns the exit status: 0, or 1 on a mismatch (``--plant-bug`` makes one). Every
-row of an error table ends in "ok" or "FAIL", and a mismatch's last sentence names what failed.
+row of an error table (``print_errors``) ends in "ok" or "FAIL", and a mismatch's last sentence
+names what failed.
 
 This module belongs to the lessons: minipar never imports it. A lesson finds it because a
 script's folder comes first on ``sys.path`` (``python -m mpi4py`` keeps that rule).

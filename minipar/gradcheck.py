@@ -29,9 +29,10 @@ class GradReport:
     rel_err: float  # max |analytic - numeric| / max |numeric|: a norm-wise relative error
     checked: int  # entries compared
     ok: bool
+    resolved: bool = True  # False: the differences' rounding is not below a thousandth of the gradient
 
 
-def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, max_entries=None, split=None):
+def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-10, seed=0, max_entries=None, split=None):
     """Compare ``fn``'s backward with central differences for every input that requires grad.
 
     ``fn(*inputs)`` must return a Tensor and be deterministic (reseed any dropout inside it).
@@ -39,7 +40,12 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
     An input passes when every entry has |analytic - numeric| <= atol + noise + rtol * |numeric|:
     ``noise`` is the differences' rounding, 4 ulp x sum|y G| / eps (1e-9 for an objective of
     magnitude 1, and it grows with it), ``atol`` a margin above it far below a real mistake, and
-    comparing entry by entry means a wrong small entry cannot hide behind a large one.
+    comparing entry by entry means a wrong small entry cannot hide behind a large one. Where the
+    noise exceeds both ``atol`` and a thousandth of the largest numeric entry (not 0: an output
+    that did not move at all has no rounding), the differences
+    cannot tell a wrong gradient from a right one: the input fails, ``resolved`` False (a tiny
+    gradient beside a huge output; a smaller objective or a larger ``eps`` can resolve it).
+    Inputs are perturbed in place: each must be writable and share no memory with another.
     ``split``: the inputs whose gradients a split backward leaves for W (``minipar.weight_grad``):
     the gradients checked are then those of B followed by W, as a zero-bubble pipeline runs them.
     Returns one ``GradReport`` per checked input.
@@ -50,6 +56,14 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
     for i, t in checked:
         if t.dtype != numpy.float64:
             raise TypeError(f"gradcheck needs float64 inputs, input {i} is {t.dtype}")
+        if not getattr(getattr(t.data, "flags", None), "writeable", True):
+            raise ValueError(f"gradcheck perturbs its inputs in place, and input {i} is read-only "
+                             "(a broadcast view?): pass a writable array")
+    for k, (i, a) in enumerate(checked):  # perturbing one would perturb the other: differences of both
+        for j, b in checked[k + 1:]:
+            if isinstance(a.data, numpy.ndarray) and numpy.shares_memory(a.data, b.data):
+                raise ValueError(f"gradcheck perturbs its inputs in place, and inputs {i} and {j} share memory "
+                                 "(views of one array): pass separate arrays")
     rng = numpy.random.default_rng(seed)
     out = fn(*inputs)
     upstream = xp.asarray(rng.standard_normal(out.shape))
@@ -94,8 +108,9 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-8, seed=0, ma
         scale = float(numpy.abs(numeric).max()) if numeric.size else 0.0
         rel = max_abs / scale if scale > 0 else max_abs
         name = names[i] if names else f"input {i}"
-        ok = bool(numpy.all(diff <= atol + noise + rtol * numpy.abs(numeric)))
-        reports.append(GradReport(name, max_abs, rel, len(entries), ok))
+        resolved = noise <= max(atol, 1e-3 * scale) or scale == 0  # 0: L did not move at all, no rounding
+        ok = resolved and bool(numpy.all(diff <= atol + noise + rtol * numpy.abs(numeric)))
+        reports.append(GradReport(name, max_abs, rel, len(entries), ok, resolved))
     return reports
 
 

@@ -198,6 +198,8 @@ def _trainer_state_problem(saved, iteration):
     the iteration the run resumes at is the index's, seeds are NumPy's (>= 0), the corpus it was
     trained on, recorded by every checkpoint of this format, is [bytes, SHA-256], what made its
     tokens is "bytes" or a SHA-256, and the bos/eos ids an export writes are ids or null."""
+    from minipar.checkpoint.hf import token_id
+
     if saved["iteration"] != iteration:
         return f"says iteration {saved['iteration']}, the index {iteration}"
     negative = [key for key, value in (("seed", saved["seed"]), ("rng.seed", saved["rng"]["seed"])) if value < 0]
@@ -211,9 +213,8 @@ def _trainer_state_problem(saved, iteration):
     if tokens is not None and tokens != "bytes" and not (isinstance(tokens, str) and re.fullmatch(r"[0-9a-f]{64}", tokens)):
         return 'has a tokenizer that is neither "bytes" nor a SHA-256'
     ids = saved.get("hf_token_ids", {})  # (absent from checkpoints older than it)
-    if not (isinstance(ids, dict) and set(ids) <= {"bos_token_id", "eos_token_id"}
-            and all(v is None or (type(v) is int and v >= 0) for v in ids.values())):
-        return "has hf_token_ids that are not {bos_token_id, eos_token_id} of whole numbers or null"
+    if not (isinstance(ids, dict) and set(ids) <= {"bos_token_id", "eos_token_id"} and all(map(token_id, ids.values()))):
+        return "has hf_token_ids that are not {bos_token_id, eos_token_id} of token ids, lists of them, or null"
     return None
 
 

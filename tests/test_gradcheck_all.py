@@ -317,9 +317,21 @@ def test_a_strided_input_is_checked_as_it_is():
 
 
 def test_the_tolerance_grows_with_the_objective_and_still_catches_a_wrong_gradient():
-    """Next to an output of 1e5, the differences' rounding (~1e-16 x 1e5 / 1e-6) passes a right
-    gradient that a fixed 1e-8 failed, and a gradient 1% off still fails."""
+    """Next to an output of 1e5, the differences' rounding (~1e-16 x 1e5 / 1e-6, 9e-4) passes a right
+    gradient of x^2 that a fixed 1e-8 failed, and fails one 1% off; a gradient below that rounding
+    (tanh x 1e-3) cannot be told right or wrong, and fails as unresolved."""
     big = Tensor(numpy.full((3, 4), 1e5), dtype=numpy.float64)
-
-    assert gradcheck(lambda x: F.concat([F.tanh(x) * 1e-3, big]), [_t(3, 4)])[0].ok
+    assert gradcheck(lambda x: F.concat([x * x, big]), [_t(3, 4)])[0].ok
     assert not gradcheck(lambda x: F.concat([OnePercentOff.apply(x), big]), [_t(3, 4)])[0].ok
+    report = gradcheck(lambda x: F.concat([F.tanh(x) * 1e-3, big]), [_t(3, 4)])[0]
+    assert not report.ok and not report.resolved
+    assert gradcheck(lambda x: F.tanh(x) * 1e-3, [_t(3, 4)])[0].ok  # alone, resolved and right
+
+
+def test_inputs_the_checker_cannot_perturb_alone_are_refused():
+    base = numpy.random.default_rng(0).standard_normal((3, 3))
+    with pytest.raises(ValueError, match="inputs 0 and 1 share memory"):
+        gradcheck(F.matmul, [Tensor(base, requires_grad=True, dtype=numpy.float64),
+                             Tensor(base.T, requires_grad=True, dtype=numpy.float64)])
+    with pytest.raises(ValueError, match="input 0 is read-only"):
+        gradcheck(F.tanh, [Tensor(numpy.broadcast_to(base[0], (3, 3)), requires_grad=True, dtype=numpy.float64)])

@@ -151,6 +151,7 @@ def test_a_snapshot_converts_and_round_trips_bit_for_bit(tmp_path, corpus):
     (["--num-experts", "4"], {}, "--init-weights SNAP: GPT-2 has dense MLPs, and this model has --num-experts 4"),
     # a key without transformer. that is no GPT2Model module: named as the file has it, not transformer.score.weight
     ([], {"extra": "score.weight"}, "--init-weights SNAP: unexpected: score.weight; its model.safetensors does not"),
+    ([], {"eos_token_id": "</s>"}, 'SNAP/config.json: eos_token_id is "</s>", not a token id'),
     ([], {"extra": "score.weight", "architectures": ["GPT2ForSequenceClassification"]},
      "SNAP is a GPT2ForSequenceClassification (config.json's architectures): its model.safetensors holds heads "
      "GPT2LMHeadModel has not (score.weight), and minipar reads GPT2LMHeadModel / GPT2Model snapshots"),
@@ -286,3 +287,16 @@ def test_a_checkpoint_of_a_snapshot_exports_the_snapshots_token_ids(tmp_path, co
     assert run.returncode == 0, run.stderr
     config = json.load(open(out / "config.json"))
     assert (config["bos_token_id"], config["eos_token_id"]) == (50256, 50256)
+
+
+def test_a_list_of_end_tokens_goes_through_a_checkpoint(tmp_path, corpus):
+    """transformers lets eos_token_id be a list: a run from such a snapshot saves checkpoints its
+    own resume takes (they were refused as malformed), and exports the list."""
+    snap = write_snapshot(tmp_path / "snap", transformers_tensors(minipar_state()), eos_token_id=[10, 0])
+    save, out = tmp_path / "ckpt", tmp_path / "out"
+    assert train("--init-weights", snap, "--max-iters", "1", "--save", save, "--data", corpus, *RUN).returncode == 0
+    run = train("--load", save, "--n-layer", 2, "--n-head", 2, "--n-embd", 16, "--block-size", 16,
+                "--vocab-size", 259, "--max-iters", "2", "--use-checkpoint-opt_param-scheduler", "--export-hf", out,
+                "--data", corpus, *RUN)
+    assert run.returncode == 0, run.stderr
+    assert json.load(open(out / "config.json"))["eos_token_id"] == [10, 0]

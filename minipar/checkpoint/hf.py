@@ -138,7 +138,18 @@ def _config(directory):
         raise ValueError(f"{path}: n_inner is {inner}; minipar's MLP is 4 x n_embd = {4 * config['n_embd']} wide")
     if config.get("n_ctx", config["n_positions"]) != config["n_positions"]:
         raise ValueError(f"{path}: n_ctx {config['n_ctx']} differs from n_positions {config['n_positions']}")
+    for key in ("bos_token_id", "eos_token_id"):  # carried to checkpoints and exports as they are
+        if not token_id(config.get(key)):
+            raise ValueError(f"{path}: {key} is {json.dumps(config[key])[:40]}, not a token id (a whole number "
+                             ">= 0), a list of them, or null")
     return config
+
+
+def token_id(value):
+    """Whether ``value`` is what config.json may give as a bos or eos token: an id, a list of ids
+    (transformers' several end tokens), or None."""
+    ids = value if isinstance(value, list) else [value]
+    return value is None or all(type(v) is int and v >= 0 for v in ids)
 
 
 def hf_config(config, dropout=0.0, token_ids=None, dtype="float32"):

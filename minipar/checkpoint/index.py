@@ -206,7 +206,7 @@ def validate(index, index_file):
             box = field(boxes, i, f"{where}.boxes", "an object", is_dict)
             at = f"{where}.boxes[{i}]"
             field(box, "file", at, "one of the names in files", lambda v: isinstance(v, str) and v in files)
-            field(box, "key", at, f"{json.dumps(tensor + '/N')[:60]}, a box of this tensor",
+            field(box, "key", at, f"{json.dumps(tensor + '/N')}, a box of this tensor",
                   lambda v: isinstance(v, str) and own_key.fullmatch(v) is not None)
             field(box, "dtype", at, f"a float dtype no wider than the checkpoint's, {index['dtype']}",
                   lambda v: v in FLOAT_DTYPES and as_dtype(v).itemsize <= as_dtype(index["dtype"]).itemsize)
