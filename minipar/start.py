@@ -37,7 +37,9 @@ def abort_on_uncaught_exception():
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
-        try:
+        try:  # which rank failed: the tracebacks of several ranks read alike
+            print(f"rank {MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()} ends the job:", file=sys.stderr,
+                  flush=True)
             previous(kind, value, traceback)
             let_output_through()
         finally:

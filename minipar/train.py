@@ -16,6 +16,7 @@ prints them, and every rank exits with status 2, never a hang.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -244,13 +245,16 @@ def main(argv=None):
     try:
         return _main(comm, parser, argv, run)
     except KeyboardInterrupt:  # Ctrl-C is how a user stops a run, not a bug: no traceback, from start to end
+        # a second Ctrl-C (mpiexec forwards each, and a signal to every task sends its own) must not
+        # land in the lines below as a traceback: the first one is being answered
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if comm.rank != 0:
             # Ctrl-C reaches every rank, and rank 0's line and exit end the job within this grace;
             # a rank still here was interrupted alone (kill -INT of its process), or rank 0 cannot
             # speak (Python sees a signal only between calls, and rank 0 may be inside MPI waiting
             # for this rank): it says so itself, the lowest such rank first, its exit ending the rest
             time.sleep(INTERRUPT_GRACE_S + INTERRUPT_STAGGER_S * min(comm.rank - 1, 16))
-        who = "" if comm.rank == 0 else f"rank {comm.rank} "
+        who = "" if comm.rank == 0 else f"rank {comm.rank}: "  # says it for the job: rank 0 could not
         trainer = run.get("trainer")
         # (a resumed run's iteration before its first step is where it resumed)
         line = interrupted(run.get("args"), None if trainer is None else max(trainer.model.rng.iteration, trainer.start))

@@ -280,7 +280,7 @@ class Trainer(Reports):
         # leaves nothing for the close to fail on again
         with open(args.log_json if args.log_json and self.speaks else os.devnull, "ab" if self.start else "wb",
                   buffering=0) as log, Watchdog(60 * minutes, f"--distributed-timeout-minutes {minutes:g}",
-                                           self.world.abort, PROG) as watchdog:
+                                           self.world.abort, PROG, self.world.rank) as watchdog:
             for it, (loss, norm, bubble, bad), ms, evaluation in self._steps(self.start, end, watchdog):
                 if not (math.isfinite(loss) and (math.isfinite(norm) or self.opt.skipped_step)):
                     return self._diverged(it, loss, norm, bad)

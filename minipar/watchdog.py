@@ -28,11 +28,13 @@ class Watchdog:
     """``arm(what)`` at the start of each piece of work that must end within ``seconds``;
     ``close()`` when there is no more. ``seconds`` 0: never fires. ``flag``: the setting, as the
     message names it. ``abort``: what ends the job (the trainer's: its world's ``abort``, which
-    lets the launcher read this rank's report first). ``prog``: the command, which starts its error line."""
+    lets the launcher read this rank's report first). ``prog``: the command, which starts its error line,
+    and ``rank`` this process's, which the line names."""
 
-    def __init__(self, seconds, flag, abort, prog=None):
+    def __init__(self, seconds, flag, abort, prog=None, rank=None):
         self.seconds, self.flag, self.abort = seconds, flag, abort
-        self.said = f"{prog}: error:" if prog else "error:"  # how the command's error lines start
+        # how the command's error lines start, naming the rank: every rank that waits reports
+        self.said = (f"{prog}: " if prog else "") + "error:" + (f" rank {rank}:" if rank is not None else "")
         self.armed = None  # (what, deadline)
         self.stop = threading.Event()
         self.thread = None

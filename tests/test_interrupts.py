@@ -96,7 +96,7 @@ def test_ctrl_c_to_a_job_prints_one_line_and_a_rank_interrupted_alone_its_own(wh
     ours = [line for line in lines if line.startswith("python -m minipar.train:")]
     assert code != 0 and len(ours) == 1 and "Traceback" not in "".join(lines), lines
     # the whole job: rank 0 speaks, unless the signal found it inside MPI waiting for rank 1
-    who = "(rank 1 )?" if whole_job else "rank 1 "
+    who = "(rank 1: )?" if whole_job else "rank 1: "
     assert re.match(f"python -m minipar.train: {who}interrupted at iteration ", ours[0]), ours
 
 

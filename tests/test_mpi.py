@@ -255,6 +255,15 @@ def test_a_rank_that_fails_before_numpy_loads_ends_the_job(tmp_path):
     assert seconds < 30, seconds
 
 
+def test_an_uncaught_exception_names_the_rank_it_ended(tmp_path):
+    """Every rank's traceback reads alike: the line before it says whose it is."""
+    script = tmp_path / "raises.py"
+    script.write_text("import minipar\nfrom minipar.comm import world\ncomm = world()\nif comm.rank == 1:\n"
+                      "    raise ValueError('planted on one rank')\ncomm.barrier()\n")
+    code, out, seconds = run_mpi(2, str(script), timeout=60)
+    assert code != 0 and "rank 1 of 2 ends the job:\nTraceback" in out and "ValueError: planted" in out, out
+
+
 # A rank that leaves training early without an error, as a bug could make it: the other waits in
 # the step's collectives for a rank that is gone. (Without the watchdog the job spun until killed.)
 STOPS_ON_RANK_1 = """import sys
@@ -281,8 +290,8 @@ def test_a_hang_ends_the_job_saying_which_iteration_and_where_each_rank_waits(tm
     code, out, seconds = run_mpi(2, str(script), "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
                                  "--block-size", "16", "--batch-size", "4", "--max-iters", "50", "--sample", "0",
                                  "--plot", "", "--distributed-timeout-minutes", "0.1", timeout=90)
-    assert code != 0 and "python -m minipar.train: error: the step of iteration 2 has not ended after 6 s " \
-        "(--distributed-timeout-minutes 0.1)" in out, out
+    assert code != 0 and re.search(r"python -m minipar.train: error: rank [01]: the step of iteration 2 has not "
+                                   r"ended after 6 s \(--distributed-timeout-minutes 0.1\)", out), out
     assert "Where this rank is:" in out and 'File "' in out and seconds < 60, out
 
 

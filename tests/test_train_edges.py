@@ -80,7 +80,7 @@ def test_a_rank_interrupted_alone_before_training_ends_the_job_in_one_line(where
     code, out, _ = run_mpi(2, SCRIPT, where, "1", *TINY, "--data", corpus, "--max-iters", "2", timeout=120)
     ours = [line for line in out.splitlines() if line.startswith("python -m minipar.train:")]
     assert code != 0 and "Traceback" not in out, out
-    assert ours == ["python -m minipar.train: rank 1 interrupted before training started"], out
+    assert ours == ["python -m minipar.train: rank 1: interrupted before training started"], out
 
 
 def test_a_resumed_runs_log_has_each_iteration_once(tmp_path, corpus):
