@@ -46,7 +46,7 @@ from minipar.parallel.pipeline.schedules import shape_of
 from minipar.run_inputs import tokens_of
 from minipar.train_paths import trim_log
 from minipar.train_checks import PROG
-from minipar.train_report import STUCK_STEPS, Reports
+from minipar.train_report import STUCK_STEPS, Reports, last_checkpoint
 from minipar.watchdog import Watchdog
 
 
@@ -245,6 +245,13 @@ class Trainer(Reports):
         self.model.train()
         return float(self.world.all_reduce(numpy.array([total]))[0]) / self.args.eval_iters
 
+    def _save_said(self, iteration):
+        """The watchdog's name for a save that has not ended: whether ``latest`` names it by then
+        (a rank that stopped in the last vote leaves it published)."""
+        named = last_checkpoint(self.args.save) == iteration
+        return (f"the checkpoint of iteration {iteration} (" +
+                ("published: latest names it" if named else "not published: latest names the one before") + ")")
+
     def save(self, iteration):
         state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
                  "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256],
@@ -297,7 +304,7 @@ class Trainer(Reports):
                     # nearest the peak (one taken while the machine was busy made MFU exceed 100%)
                     peak = max(peak, measured_peak(self.world, dtype))
                 if args.save and ((it + 1) % args.save_interval == 0 or last):
-                    watchdog.arm(f"the checkpoint of iteration {it + 1}")
+                    watchdog.arm(functools.partial(self._save_said, it + 1))
                     self.save(it + 1)
                 history.append(loss)
                 try:

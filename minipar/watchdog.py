@@ -43,6 +43,8 @@ class Watchdog:
             self.thread.start()
 
     def arm(self, what):
+        """``what``: the work's name, or a function that says it when the watchdog fires (what a
+        save had done by then)."""
         self.armed = (what, time.monotonic() + self.seconds)  # one attribute: read whole by the thread
 
     def close(self):
@@ -66,6 +68,7 @@ class Watchdog:
     def _fire(self, what):
         """Say what has not ended and where this rank is, then end the job, whatever the saying raises."""
         try:
+            what = what() if callable(what) else what
             print(f"{self.said} {what} has not ended after {self.seconds:g} s ({self.flag}): a rank stopped, "
                   "or waits for a message or collective that never comes. Where this rank is:",
                   file=sys.stderr, flush=True)

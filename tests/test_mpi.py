@@ -295,6 +295,36 @@ def test_a_hang_ends_the_job_saying_which_iteration_and_where_each_rank_waits(tm
     assert "Where this rank is:" in out and 'File "' in out and seconds < 60, out
 
 
+# rank 1 stops for good as the save of iteration 2 begins: the save never ends on any rank
+STOPS_IN_A_SAVE = """import sys, time
+from minipar import train, trainer
+from minipar.comm import world
+
+original = trainer.sharded.save
+
+
+def save(directory, iteration, *args):
+    if iteration == 2 and world().rank == 1:
+        time.sleep(600)
+    return original(directory, iteration, *args)
+
+
+trainer.sharded.save = save
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_save_that_hangs_says_whether_it_was_published(tmp_path):
+    script = tmp_path / "stops_in_a_save.py"
+    script.write_text(STOPS_IN_A_SAVE)
+    code, out, seconds = run_mpi(2, str(script), "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+                                 "--block-size", "16", "--batch-size", "4", "--max-iters", "4", "--sample", "0",
+                                 "--plot", "", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                                 "--distributed-timeout-minutes", "0.1", timeout=90)
+    assert code != 0 and "the checkpoint of iteration 2 (not published: latest names the one before) has not " \
+        "ended after 6 s" in out, out
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pipe's unread bytes are asked of Linux (FIONREAD)")
 def test_an_abort_waits_until_the_launcher_has_read_the_error():
     """The launcher reads a rank's output from a pipe; MPI_Abort while the error is still in the

@@ -53,3 +53,12 @@ def test_the_job_ends_even_when_saying_why_fails():
     done = subprocess.run([sys.executable, "-c", program.format(seconds=0.5, pause=3)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 3 and "all pieces ended" not in done.stdout
+
+
+def test_work_named_by_a_function_is_named_when_the_watchdog_fires():
+    """A save's name says whether it was published by the time it was found hanging."""
+    program = PROGRAM.replace('dog.arm(f"piece {{it}}")', 'state = ["started"]; dog.arm(lambda: f"piece {{it}} ({{state[0]}})"); '
+                              'state[0] = "half done"')
+    done = subprocess.run([sys.executable, "-c", program.format(seconds=0.5, pause=3)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3 and "error: piece 0 (half done) has not ended after 0.5 s" in done.stderr, done.stderr
