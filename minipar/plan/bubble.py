@@ -35,17 +35,23 @@ class NotPlanned(ValueError):
     """A layout whose bubble the planner can neither simulate nor write in closed form."""
 
 
+def check_planned(schedule, p, m, v=1):
+    """Raises NotPlanned where ``pipeline`` can neither simulate the schedule nor write it in closed
+    form: a zero-bubble schedule short of its steady state beyond ``SIMULATE_UP_TO``."""
+    # the zero-bubble schedules in closed form once each rank's steady state is reached
+    steady = {"zb-h1": ("p", p), "zb-h2": ("2p - 1", 2 * p - 1), "zb-v": ("2p", 2 * p)}.get(schedule)
+    if p > 1 and steady and m < steady[1] and p * v * m > SIMULATE_UP_TO:
+        raise NotPlanned(f"{schedule} with m={m} < {steady[0]} (p={p}) has no closed form here and {p * v * m} "
+                         f"chunk-passes are more than the simulator is run for ({SIMULATE_UP_TO})")
+
+
 @lru_cache(maxsize=4096)
 def pipeline(schedule, p, m, v=1, recompute=False):
     """(bubble: Fraction, in flight per rank: tuple of chunk activations, source) of a schedule."""
     if p == 1:
         return Fraction(0), (1,), "no pipeline"
     zero_bubble = schedule in validate.SPLIT_BACKWARD
-    # the zero-bubble schedules in closed form once each rank's steady state is reached
-    steady = {"zb-h1": ("p", p), "zb-h2": ("2p - 1", 2 * p - 1), "zb-v": ("2p", 2 * p)}.get(schedule)
-    if steady and m < steady[1] and p * v * m > SIMULATE_UP_TO:
-        raise NotPlanned(f"{schedule} with m={m} < {steady[0]} (p={p}) has no closed form here and {p * v * m} "
-                         f"chunk-passes are more than the simulator is run for ({SIMULATE_UP_TO})")
+    check_planned(schedule, p, m, v)
     if p * v * m <= SIMULATE_UP_TO:
         # a split backward: B and W each half of it (Qi et al. 2024 take T_B = T_W = T_F)
         sim = simulate(schedules.build(schedule, p, m, v), m, v, forward=1, backward=1 if zero_bubble else 2,

@@ -122,23 +122,39 @@ class Prediction:
     bubble_source: str = ""
 
 
-def predict(model, layout, machine, global_batch, dtype="float32", query_block=64):
-    """The Prediction of one valid layout (``enumerate`` checks validity first)."""
-    m = micro_batches(layout, global_batch)
-    bub, _, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
-    d = PRECISIONS[dtype].activation
+def _stages(layout):
     # even stages: the first and last (the fullest: embedding, head) and one in the middle (it sends
     # on the pipeline both ways, twice an edge's bytes); uneven ones: every stage
-    stages = range(layout.pp) if layout.pipeline_layers else sorted({0, min(1, layout.pp - 1), layout.pp - 1})
-    memory, sent, steps, launches, calls = 0, {}, {}, 0.0, {}
-    for s in stages:
-        launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
-        for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
-            calls[g] = max(calls.get(g, 0.0), v)
+    return range(layout.pp) if layout.pipeline_layers else sorted({0, min(1, layout.pp - 1), layout.pp - 1})
+
+
+def memory_bytes(model, layout, global_batch, dtype="float32", query_block=64):
+    """The fullest stage's state at its peak and activations (the Prediction's memory, in bytes);
+    raises NotPlanned as ``predict`` does, for a schedule it cannot plan."""
+    m = micro_batches(layout, global_batch)
+    bubble.check_planned(layout.schedule, layout.pp, m, layout.vpp)
+    d = PRECISIONS[dtype].activation
+    memory = 0
+    for s in _stages(layout):
         held = state.stage_peak_bytes(model, layout, s, dtype, m)  # ZeRO: what a step holds for a moment too
         peaks = bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s, layout.defer_embedding_wgrad)
         held += activations.rank_bytes(model, layout, s, peaks, d, query_block)
         memory = max(memory, held)
+    return memory
+
+
+def predict(model, layout, machine, global_batch, dtype="float32", query_block=64, memory=None):
+    """The Prediction of one valid layout (``enumerate`` checks validity first); ``memory``: its
+    ``memory_bytes`` where the caller has them already."""
+    m = micro_batches(layout, global_batch)
+    bub, _, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
+    if memory is None:
+        memory = memory_bytes(model, layout, global_batch, dtype, query_block)
+    sent, steps, launches, calls = {}, {}, 0.0, {}
+    for s in _stages(layout):
+        launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
+        for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
+            calls[g] = max(calls.get(g, 0.0), v)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
         for g in b:  # the busier stage's count of each group
             if b[g] >= sent.get(g, 0):

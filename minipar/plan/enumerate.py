@@ -18,7 +18,7 @@ limit (2 m p v tags), a bound of minipar's MPI messages, not of the layout (NCCL
 import math
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
 from minipar.parallel import validate
@@ -26,7 +26,7 @@ from minipar.parallel.pipeline.schedules import shape_of
 
 from . import hetero
 from .bubble import NotPlanned
-from .cost import predict
+from .cost import memory_bytes, predict
 from .shapes import Layout, run_config
 
 CP_SIZES = (1, 2, 4, 8, 16)
@@ -114,14 +114,15 @@ def plan(model, machine, global_batch, dtype="float32"):
         result.examples.setdefault(key, why)
 
     def fits(layout):
+        # the memory first: a layout that does not fit is not timed (the same Prediction's memory)
         try:
-            prediction = predict(model, layout, machine, global_batch, dtype)
+            memory = memory_bytes(model, layout, global_batch, dtype)
         except NotPlanned as e:
             return fail(str(e))
-        if prediction.memory_gb > machine.gpu_memory_gb:
-            return fail(f"does not fit: {rounded_up(prediction.memory_gb):.3g} GB per GPU needed, "
+        if memory / 1e9 > machine.gpu_memory_gb:
+            return fail(f"does not fit: {rounded_up(memory / 1e9):.3g} GB per GPU needed, "
                         f"{machine.gpu_memory_gb:g} GB available")
-        result.plans.append((layout, prediction))
+        result.plans.append((layout, predict(model, layout, machine, global_batch, dtype, memory=memory)))
 
     for layout, problem in layouts(model, machine, global_batch):
         if problem:
@@ -170,7 +171,8 @@ def _balanced(num_layers, pp, vpp, head, shape):
 
 def as_json(layout, prediction):
     """One plan as the issue's JSON object (Megatron's names where they exist)."""
-    out = {k: v for k, v in asdict(layout).items() if k in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size",
+    # (the fields' own values, in their order: asdict's deep copy of each is the same JSON)
+    out = {f.name: getattr(layout, f.name) for f in fields(layout) if f.name in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size",
                                                             "recompute", "selective_recompute", "sequence_parallel",
                                                             "cp_comm_type", "schedule", "pipeline_layers")}
     out["vpp"] = layout.vpp

@@ -55,7 +55,21 @@ def chunk_layers(model, layout, chunk):
 
 def stage_layers(model, layout, stage):
     """The blocks pipeline rank ``stage`` holds, in order: its chunks' runs of blocks."""
-    return [layer for g in stage_chunks(layout, stage) for layer in chunk_layers(model, layout, g)]
+    return list(_stage_layers(model.num_layers, *_split(layout), stage))
+
+
+def _split(layout):
+    """What the split of the blocks over the stages reads of a layout (stage_chunks, chunk_layers)."""
+    return layout.pp, layout.vpp, layout.schedule == "zb-v", layout.pipeline_layers
+
+
+@lru_cache(maxsize=4096)  # the planner asks for every stage of every layout it tries
+def _stage_layers(num_layers, pp, vpp, v_shape, pipeline_layers, stage):
+    from .shapes import Layout, Model  # (only the model's layers and the split are read)
+
+    model = Model(num_layers, 1, 1, 1)
+    layout = Layout(pp=pp, vpp=vpp, schedule="zb-v" if v_shape else "1f1b", pipeline_layers=pipeline_layers)
+    return tuple(layer for g in stage_chunks(layout, stage) for layer in chunk_layers(model, layout, g))
 
 
 def block_modules(model, layout, layer):
@@ -110,6 +124,14 @@ def partial_sums(model, layer):
 
 def rank_parameters(model, layout, stage=0):
     """(dense, experts) parameters a rank of pipeline stage ``stage`` holds."""
+    return _rank_parameters(model, layout.tp, layout.ep, *_split(layout), stage)
+
+
+@lru_cache(maxsize=4096)
+def _rank_parameters(model, tp, ep, pp, vpp, v_shape, pipeline_layers, stage):
+    from .shapes import Layout  # (what it reads of a layout: TP, EP and the split)
+
+    layout = Layout(tp=tp, ep=ep, pp=pp, vpp=vpp, schedule="zb-v" if v_shape else "1f1b", pipeline_layers=pipeline_layers)
     h = model.hidden_size
     layers = stage_layers(model, layout, stage)
     kinds = {}  # is it MoE -> [a block of that kind, how many]: every block of a kind holds the same

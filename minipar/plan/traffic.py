@@ -47,7 +47,7 @@ from minipar.comm.stats import ring_bytes
 from minipar.parallel.context import HEADER
 
 from . import zero3
-from .shapes import PRECISIONS, micro_batches
+from .shapes import PRECISIONS, Layout, micro_batches
 from .state import edges, partial_sums, rank_parameters, stage_chunks, stage_layers, token_embedding
 
 NORM = 8  # the gradient norm's partial sum: one float64
@@ -92,7 +92,9 @@ def _count(model, layout, global_batch, stage, dtype):
     s = model.seq_length // lay.cp
     S = b * s * h * d  # one micro-batch's activation on a rank
     layers = stage_layers(model, lay, stage)
-    moe_ids = [i for i in layers if model.is_moe(i)]
+    moe_ids, partial, per_block, recomputed_once = _layer_counts(model, lay.pp, lay.vpp, lay.schedule == "zb-v",
+                                                                 lay.pipeline_layers, stage)
+    moe_ids = list(moe_ids)
     moe_layers = len(moe_ids)
     first, last = edges(lay, stage)
     dense, experts = rank_parameters(model, lay, stage)
@@ -112,12 +114,11 @@ def _count(model, layout, global_batch, stage, dtype):
 
     # the LayerNorms, the row-parallel biases (a MoE block's MLP has none) and a MoE block's router:
     # what sequence parallelism leaves each TP rank part of the gradient of
-    partial = sum(partial_sums(model, i) for i in layers)
     # tensor parallelism
     if t > 1:
         forwards = 2 if lay.recompute else 1
-        per_block = sum(2 + (0 if model.is_moe(i) else 2) for i in layers)  # forward + backward
-        recomputed = sum(1 + (0 if model.is_moe(i) else 1) for i in layers) * (forwards - 1)
+        # per_block: forward + backward
+        recomputed = recomputed_once * (forwards - 1)
         ends = first + last  # the embedding's forward, the head's input backward
         ops = ("reduce_scatter", "all_gather") if lay.sequence_parallel else ("all_reduce",)
         for op in ops:
@@ -226,6 +227,16 @@ def _count(model, layout, global_batch, stage, dtype):
         out[group] += ring_bytes(op, nbytes, size)[0]
     sent = {g: v for g, v in out.items() if v}
     return sent, {g: v for g, v in steps.items() if g in sent}, {g: v for g, v in calls.items() if g in sent}
+
+
+@lru_cache(maxsize=4096)
+def _layer_counts(model, pp, vpp, v_shape, pipeline_layers, stage):
+    """(the stage's MoE blocks, their partial sums (``partial_sums``), TP's all-reduces per micro-batch
+    of its blocks, forward and backward, and of one recomputed forward): one count per split."""
+    layers = stage_layers(model, Layout(pp=pp, vpp=vpp, schedule="zb-v" if v_shape else "1f1b",
+                                        pipeline_layers=pipeline_layers), stage)
+    return (tuple(i for i in layers if model.is_moe(i)), sum(partial_sums(model, i) for i in layers),
+            sum(2 + (0 if model.is_moe(i) else 2) for i in layers), sum(1 + (0 if model.is_moe(i) else 1) for i in layers))
 
 
 def buckets(nbytes):

@@ -121,12 +121,13 @@ class _Replay:
         self.keep, self.record, self.next = keep, [], 0
         self.whole, self.prefetched, self.flats, self.pending = set(), set(), set(), []
         self.now, self.peak = dict(base), dict(base)
-        self.peak_total = sum(base.values())
+        self.peak_total = self.total = sum(base.values())
 
     def add(self, kind, nbytes):
         self.now[kind] += nbytes
         self.peak[kind] = max(self.peak[kind], self.now[kind])
-        self.peak_total = max(self.peak_total, sum(self.now.values()))
+        self.total += nbytes  # sum(self.now.values()), kept: summing it at every entry was the planner's hot spot
+        self.peak_total = max(self.peak_total, self.total)
 
     def gather(self, groups):  # ZeRO3._gather_unit
         self.next += 1
