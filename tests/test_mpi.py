@@ -284,12 +284,17 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def test_a_hang_ends_the_job_saying_which_iteration_and_where_each_rank_waits(tmp_path):
+def _watched(tmp_path, program, *flags):
+    """``program`` (a script that makes a rank stop) run on 2 ranks of a tiny GPT under a 6 s watchdog."""
     script = tmp_path / "stops.py"
-    script.write_text(STOPS_ON_RANK_1)
-    code, out, seconds = run_mpi(2, str(script), "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
-                                 "--block-size", "16", "--batch-size", "4", "--max-iters", "50", "--sample", "0",
-                                 "--plot", "", "--distributed-timeout-minutes", "0.1", timeout=90)
+    script.write_text(program)
+    return run_mpi(2, str(script), "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+                   "--batch-size", "4", "--sample", "0", "--plot", "", "--distributed-timeout-minutes", "0.1", *flags,
+                   timeout=90)
+
+
+def test_a_hang_ends_the_job_saying_which_iteration_and_where_each_rank_waits(tmp_path):
+    code, out, seconds = _watched(tmp_path, STOPS_ON_RANK_1, "--max-iters", "50")
     assert code != 0 and re.search(r"python -m minipar.train: error: rank [01]: the step of iteration 2 has not "
                                    r"ended after 6 s \(--distributed-timeout-minutes 0.1\)", out), out
     assert "Where this rank is:" in out and 'File "' in out and seconds < 60, out
@@ -315,12 +320,8 @@ sys.exit(train.main(sys.argv[1:]))
 
 
 def test_a_save_that_hangs_says_whether_it_was_published(tmp_path):
-    script = tmp_path / "stops_in_a_save.py"
-    script.write_text(STOPS_IN_A_SAVE)
-    code, out, seconds = run_mpi(2, str(script), "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
-                                 "--block-size", "16", "--batch-size", "4", "--max-iters", "4", "--sample", "0",
-                                 "--plot", "", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
-                                 "--distributed-timeout-minutes", "0.1", timeout=90)
+    code, out, _ = _watched(tmp_path, STOPS_IN_A_SAVE, "--max-iters", "4", "--save", str(tmp_path / "ckpt"),
+                            "--save-interval", "1")
     assert code != 0 and "the checkpoint of iteration 2 (not published: latest names the one before) has not " \
         "ended after 6 s" in out, out
 
