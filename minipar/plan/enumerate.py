@@ -172,9 +172,9 @@ def _balanced(num_layers, pp, vpp, head, shape):
 def as_json(layout, prediction):
     """One plan as the issue's JSON object (Megatron's names where they exist)."""
     # (the fields' own values, in their order: asdict's deep copy of each is the same JSON)
-    out = {f.name: getattr(layout, f.name) for f in fields(layout) if f.name in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size",
-                                                            "recompute", "selective_recompute", "sequence_parallel",
-                                                            "cp_comm_type", "schedule", "pipeline_layers")}
+    named = ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size", "recompute", "selective_recompute",
+             "sequence_parallel", "cp_comm_type", "schedule", "pipeline_layers")
+    out = {f.name: getattr(layout, f.name) for f in fields(layout) if f.name in named}
     out["vpp"] = layout.vpp
     out.update(memory_gb=round(prediction.memory_gb, 3), step_time_s=prediction.step_time_s, mfu=prediction.mfu,
                bytes_per_group=prediction.bytes_per_group, bubble=prediction.bubble,
