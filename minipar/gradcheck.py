@@ -42,9 +42,9 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-10, seed=0, m
     magnitude 1, and it grows with it), ``atol`` a margin above it far below a real mistake, and
     comparing entry by entry means a wrong small entry cannot hide behind a large one. Where the
     noise exceeds both ``atol`` and a thousandth of the largest numeric entry (not 0: an output
-    that did not move at all has no rounding), the differences
-    cannot tell a wrong gradient from a right one: the input fails, ``resolved`` False (a tiny
-    gradient beside a huge output; a smaller objective or a larger ``eps`` can resolve it).
+    that did not move at all has no rounding), the differences cannot tell a wrong gradient from
+    a right one: the input fails, ``resolved`` False (a tiny gradient beside a huge output; a
+    smaller objective or a larger ``eps`` can resolve it).
     Inputs are perturbed in place: each must be writable and share no memory with another.
     ``split``: the inputs whose gradients a split backward leaves for W (``minipar.weight_grad``):
     the gradients checked are then those of B followed by W, as a zero-bubble pipeline runs them.
@@ -67,6 +67,8 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-10, seed=0, m
     rng = numpy.random.default_rng(seed)
     out = fn(*inputs)
     upstream = xp.asarray(rng.standard_normal(out.shape))
+    # the rounding of L's sum, each term's (it cancels where the terms do), from the output at hand
+    noise = 4 * numpy.finfo(numpy.float64).eps * float(xp.abs(out.data * upstream).sum()) / eps
     for _, t in checked:
         t.grad = None
     # backward gets a copy: one that wrote into the gradient it receives (engine.py forbids it)
@@ -82,9 +84,6 @@ def gradcheck(fn, inputs, names=None, eps=1e-6, rtol=1e-6, atol=1e-10, seed=0, m
     def objective():
         with no_grad():
             return float((fn(*inputs).data * upstream).sum())
-
-    with no_grad():  # the rounding of L's sum, each term's: it cancels where the terms do
-        noise = 4 * numpy.finfo(numpy.float64).eps * float(xp.abs(fn(*inputs).data * upstream).sum()) / eps
 
     reports = []
     for i, t in checked:
