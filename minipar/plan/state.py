@@ -24,11 +24,12 @@ a multiple of N (``shards.py``); the count here is exact when every parameter's 
 multiple of N (h a multiple of N), and under it by less than N values per group otherwise.
 """
 
+from dataclasses import replace
 from functools import lru_cache
 
 from minipar.parallel.tensor import padded_vocab
 
-from .shapes import PRECISIONS
+from .shapes import PRECISIONS, Layout
 
 
 def stage_chunks(layout, stage):
@@ -55,20 +56,27 @@ def chunk_layers(model, layout, chunk):
 
 def stage_layers(model, layout, stage):
     """The blocks pipeline rank ``stage`` holds, in order: its chunks' runs of blocks."""
-    return list(_stage_layers(model.num_layers, *_split(layout), stage))
+    return list(split_layers(model, split_of(layout), stage))
 
 
-def _split(layout):
-    """What the split of the blocks over the stages reads of a layout (stage_chunks, chunk_layers)."""
+def split_of(layout):
+    """What the split of the blocks over the stages reads of ``layout`` (``stage_chunks``,
+    ``chunk_layers``): (PP, v, chunks in a V, the counts), a cache key the layouts the planner
+    tries share where they differ elsewhere (a tuple: a Layout made at every call cost 10%)."""
     return layout.pp, layout.vpp, layout.schedule == "zb-v", layout.pipeline_layers
 
 
-@lru_cache(maxsize=4096)  # the planner asks for every stage of every layout it tries
-def _stage_layers(num_layers, pp, vpp, v_shape, pipeline_layers, stage):
-    from .shapes import Layout, Model  # (only the model's layers and the split are read)
+@lru_cache(maxsize=256)
+def split_layout(split):
+    """A Layout of ``split_of``'s tuple, holding no more than it."""
+    pp, vpp, v_shape, counts = split
+    return Layout(pp=pp, vpp=vpp, schedule="zb-v" if v_shape else "1f1b", pipeline_layers=counts)
 
-    model = Model(num_layers, 1, 1, 1)
-    layout = Layout(pp=pp, vpp=vpp, schedule="zb-v" if v_shape else "1f1b", pipeline_layers=pipeline_layers)
+
+@lru_cache(maxsize=4096)  # the planner asks for every stage of every layout it tries
+def split_layers(model, split, stage):
+    """``stage_layers`` of a split (``split_of``), as a tuple."""
+    layout = split_layout(split)
     return tuple(layer for g in stage_chunks(layout, stage) for layer in chunk_layers(model, layout, g))
 
 
@@ -124,14 +132,12 @@ def partial_sums(model, layer):
 
 def rank_parameters(model, layout, stage=0):
     """(dense, experts) parameters a rank of pipeline stage ``stage`` holds."""
-    return _rank_parameters(model, layout.tp, layout.ep, *_split(layout), stage)
+    return _rank_parameters(model, layout.tp, layout.ep, split_of(layout), stage)
 
 
 @lru_cache(maxsize=4096)
-def _rank_parameters(model, tp, ep, pp, vpp, v_shape, pipeline_layers, stage):
-    from .shapes import Layout  # (what it reads of a layout: TP, EP and the split)
-
-    layout = Layout(tp=tp, ep=ep, pp=pp, vpp=vpp, schedule="zb-v" if v_shape else "1f1b", pipeline_layers=pipeline_layers)
+def _rank_parameters(model, tp, ep, split, stage):  # all it reads of a layout: TP, EP and the split
+    layout = replace(split_layout(split), tp=tp, ep=ep)
     h = model.hidden_size
     layers = stage_layers(model, layout, stage)
     kinds = {}  # is it MoE -> [a block of that kind, how many]: every block of a kind holds the same

@@ -47,8 +47,9 @@ from minipar.comm.stats import ring_bytes
 from minipar.parallel.context import HEADER
 
 from . import zero3
-from .shapes import PRECISIONS, Layout, micro_batches
-from .state import edges, partial_sums, rank_parameters, stage_chunks, stage_layers, token_embedding
+from .shapes import PRECISIONS, micro_batches
+from .state import (edges, partial_sums, rank_parameters, split_layers, split_of, stage_chunks, stage_layers,
+                    token_embedding)
 
 NORM = 8  # the gradient norm's partial sum: one float64
 BUCKET = 4 << 20  # DataParallelAdamW's bucket_bytes
@@ -92,8 +93,7 @@ def _count(model, layout, global_batch, stage, dtype):
     s = model.seq_length // lay.cp
     S = b * s * h * d  # one micro-batch's activation on a rank
     layers = stage_layers(model, lay, stage)
-    moe_ids, partial, per_block, recomputed_once = _layer_counts(model, lay.pp, lay.vpp, lay.schedule == "zb-v",
-                                                                 lay.pipeline_layers, stage)
+    moe_ids, partial, per_block, recomputed_once = _layer_counts(model, split_of(lay), stage)
     moe_ids = list(moe_ids)
     moe_layers = len(moe_ids)
     first, last = edges(lay, stage)
@@ -230,11 +230,10 @@ def _count(model, layout, global_batch, stage, dtype):
 
 
 @lru_cache(maxsize=4096)
-def _layer_counts(model, pp, vpp, v_shape, pipeline_layers, stage):
+def _layer_counts(model, split, stage):
     """(the stage's MoE blocks, their partial sums (``partial_sums``), TP's all-reduces per micro-batch
     of its blocks, forward and backward, and of one recomputed forward): one count per split."""
-    layers = stage_layers(model, Layout(pp=pp, vpp=vpp, schedule="zb-v" if v_shape else "1f1b",
-                                        pipeline_layers=pipeline_layers), stage)
+    layers = split_layers(model, split, stage)
     return (tuple(i for i in layers if model.is_moe(i)), sum(partial_sums(model, i) for i in layers),
             sum(2 + (0 if model.is_moe(i) else 2) for i in layers), sum(1 + (0 if model.is_moe(i) else 1) for i in layers))
 
