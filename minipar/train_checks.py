@@ -9,7 +9,6 @@ once as a FlagError.
 """
 
 import os
-import re
 
 import numpy
 
@@ -199,6 +198,7 @@ def _trainer_state_problem(saved, iteration):
     trained on, recorded by every checkpoint of this format, is [bytes, SHA-256], what made its
     tokens is "bytes" or a SHA-256, and the bos/eos ids an export writes are ids or null."""
     from minipar.checkpoint.hf import token_id
+    from minipar.checkpoint.index import is_sha256
 
     if saved["iteration"] != iteration:
         return f"says iteration {saved['iteration']}, the index {iteration}"
@@ -207,10 +207,10 @@ def _trainer_state_problem(saved, iteration):
         return f"has a negative {' and '.join(negative)}"
     corpus = saved.get("corpus")
     if not (isinstance(corpus, list) and len(corpus) == 2 and type(corpus[0]) is int and corpus[0] >= 0
-            and isinstance(corpus[1], str) and re.fullmatch(r"[0-9a-f]{64}", corpus[1])):
+            and is_sha256(corpus[1])):
         return "has no corpus [bytes, sha256] (every checkpoint records the corpus it was trained on)"
     tokens = saved.get("tokenizer")  # (absent from checkpoints older than it)
-    if tokens is not None and tokens != "bytes" and not (isinstance(tokens, str) and re.fullmatch(r"[0-9a-f]{64}", tokens)):
+    if tokens is not None and tokens != "bytes" and not is_sha256(tokens):
         return 'has a tokenizer that is neither "bytes" nor a SHA-256'
     ids = saved.get("hf_token_ids", {})  # (absent from checkpoints older than it)
     if not (isinstance(ids, dict) and set(ids) <= {"bos_token_id", "eos_token_id"} and all(map(token_id, ids.values()))):

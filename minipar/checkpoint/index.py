@@ -47,6 +47,11 @@ class CheckpointError(ValueError):
     speaks = None
 
 
+def is_sha256(value):
+    """Whether ``value`` is a SHA-256 as a checkpoint writes one: 64 lowercase hexadecimal digits."""
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
+
+
 def seal(index):
     """``index`` with its checksum, ``sha256``: the SHA-256 of its other fields written as canonical
     JSON (sorted keys, no spaces), which reads back the same from the indented file."""
@@ -172,7 +177,7 @@ def validate(index, index_file):
                               "and shape): load it with the minipar that wrote it, or start the run again")
     field, is_dict = _Fields(index_file), (lambda v: isinstance(v, dict))
     sealed = field(index, "sha256", "", "64 lowercase hexadecimal digits",
-                   lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None)
+                   is_sha256)
     if seal(index)["sha256"] != sealed:
         raise CheckpointError(f"{index_file} does not match its own checksum: it was damaged or edited after "
                               "it was written; load an earlier checkpoint")
@@ -215,7 +220,7 @@ def validate(index, index_file):
                          f"shape {shape}", lambda v: _list_of(len(shape), _whole())(v)
                          and all(a < b <= n for a, b, n in zip(start, v, shape)))
             field(box, "sha256", at, "64 lowercase hexadecimal digits",
-                  lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None)
+                  is_sha256)
             held += math.prod(b - a for a, b in zip(start, stop))
         # the boxes of a save tile their tensor: a box listed twice or one missing shows in the sum
         # (a load checks that the parts it reads are covered, box by box)
