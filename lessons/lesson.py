@@ -192,11 +192,6 @@ class Comparison:
         return self.errors
 
 
-def within(tolerance, *runs):
-    """Whether every error of these runs ({row: error} each) is at most ``tolerance``."""
-    return all(e <= tolerance for errors in runs for e in errors.values())
-
-
 def print_errors(runs, tolerance, width=10, title="relative error against the single-device run", note=""):
     """The table of relative errors: a row per quantity, a column per run, and last the row's
     verdict, "ok" or "FAIL" (an error above ``tolerance`` in any column, or NaN). ``runs`` is
@@ -205,8 +200,13 @@ def print_errors(runs, tolerance, width=10, title="relative error against the si
     if list(runs) != [None]:
         print(f"  {'':<28}" + "".join(f"{heading:>{width}}" for heading in runs))
     for row in next(iter(runs.values())):
-        verdict = "ok" if all(errors[row] <= tolerance for errors in runs.values()) else "FAIL"  # NaN: FAIL
+        verdict = "FAIL" if _failing(tolerance, runs, row) else "ok"
         print(f"  {row:<28}" + "".join(f"{errors[row]:>{width}.1e}" for errors in runs.values()) + f"  {verdict}")
+
+
+def _failing(tolerance, runs, row):
+    """The headings of the columns whose error in ``row`` is above ``tolerance``, or NaN."""
+    return [str(heading) for heading, errors in runs.items() if not errors[row] <= tolerance]
 
 
 def failed_rows(tolerance, runs, where=""):
@@ -215,7 +215,7 @@ def failed_rows(tolerance, runs, where=""):
     ``where``: which table, where a lesson prints several."""
     rows = []
     for row in next(iter(runs.values()), {}):  # (lesson 4 with PipeDream-2BW alone has no table of runs)
-        columns = [str(heading) for heading, errors in runs.items() if not errors[row] <= tolerance]  # NaN too
+        columns = _failing(tolerance, runs, row)
         if columns:
             rows.append(row if list(runs) == [None] else f"{row} [{', '.join(columns)}]")
     return [f"see the rows above marked FAIL{where}: {', '.join(rows)}"] if rows else []
