@@ -183,9 +183,7 @@ def load_snapshot(directory):
     """(minipar state, model flags, token ids) of a transformers snapshot directory."""
     config = _config(directory)
     path = os.path.join(directory, WEIGHTS)
-    if os.path.islink(path) and not os.path.exists(path):  # a hub cache's link whose blob never arrived
-        raise ValueError(f"{path} is a link to {os.readlink(path)}, which does not exist")
-    check_regular(path)  # a FIFO or a folder under that name is there, not missing
+    check_regular(path)  # a FIFO, a folder or a broken link under that name is there, not missing
     if not os.path.isfile(path):
         raise ValueError(f"{directory} has no {WEIGHTS}{_missing_hint(directory)}")
     state = from_hf(read_tensors(path))

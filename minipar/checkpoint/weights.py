@@ -43,7 +43,10 @@ def save_weights(state, path):
 
 def check_regular(path):
     """Refuse, before reading it, a path that is not a plain file (or a link to one): a FIFO would
-    block the read forever, a device such as /dev/zero never end it."""
+    block the read forever, a device such as /dev/zero never end it; a link to nothing (a hub
+    cache's link whose blob never arrived) is named as such, not as a file missing."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{path} is a link to {os.readlink(path)}, which does not exist")
     if os.path.exists(path) and not os.path.isfile(path):
         raise ValueError(f"{path}: not a regular file")
 
