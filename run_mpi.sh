@@ -12,6 +12,7 @@
 #   the others waiting forever;
 # - one BLAS/OpenMP thread per rank (unless you set those variables yourself): 8 ranks on 2 cores
 #   with 2 BLAS threads each would fight over the cores;
+# - shared-memory segments that earlier jobs which died left in /dev/shm, removed first;
 # - Open MPI's refusals to run as root or with more ranks than cores (MPICH has neither);
 # - --hostfile FILE given to MPICH as -f, to Open MPI as --hostfile (docs/multi_node.md). The
 #   launcher's own variables (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC, OMPI_MCA_*) pass through as set.
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         -n|-np) [ $# -ge 2 ] || usage; ranks="$2"; shift 2 ;;
         -f|--hostfile) [ $# -ge 2 ] || usage; hostfile="$2"; shift 2 ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
@@ -71,6 +72,15 @@ python=${PYTHON:-$(command -v python || command -v python3 || true)}
 if [ -z "$python" ] || ! command -v "$python" >/dev/null; then
     echo "$0: no python${PYTHON:+ at PYTHON=$PYTHON}; activate the project's environment (. .venv/bin/activate)" >&2
     exit 2
+fi
+
+# MPI jobs that died (an abort, a kill) leave their shared-memory segments in /dev/shm, memory
+# that no one frees until reboot; remove those of earlier jobs on this host before starting
+# (minipar/comm/shm_orphans.py says how a live job's segments are told apart).
+here=$(cd "$(dirname "$0")" && pwd)
+if [ -f "$here/minipar/comm/shm_orphans.py" ]; then
+    "$python" "$here/minipar/comm/shm_orphans.py" --remove \
+        || echo "$0: could not look for dead jobs' segments in /dev/shm; starting anyway" >&2
 fi
 
 # Ask the Python that will run the ranks which MPI it links and where that MPI's mpiexec is.

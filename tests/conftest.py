@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import minipar
+from minipar.comm.shm_orphans import remove_orphans
 from minipar.dtypes import get_default_dtype, set_default_dtype
 
 
@@ -15,6 +16,13 @@ def fresh_state():
     minipar.manual_seed(0)
     yield
     set_default_dtype(dtype)
+
+
+def pytest_runtest_teardown(item):
+    """Many tests end MPI jobs on purpose (an abort, a timeout's kill), and each such job leaves
+    MPICH's shared-memory segment in /dev/shm: memory held until reboot. One suite's worth, run
+    a few hundred times, once filled the machine (minipar/comm/shm_orphans.py)."""
+    remove_orphans()
 
 
 @pytest.fixture

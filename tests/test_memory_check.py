@@ -112,3 +112,21 @@ def test_a_model_far_too_large_is_refused_by_arithmetic_before_it_is_planned(mon
     # where the memory is not known (no /proc/meminfo) there is nothing to refuse, and it is not planned either
     monkeypatch.setattr(backend, "free_memory", lambda host=False: None)
     check_args(build_parser().parse_args(flags + ["--max-iters", "1"]), 1)
+
+
+def test_a_refusal_names_the_memory_dead_mpi_jobs_left_in_dev_shm(monkeypatch):
+    """Segments that aborted MPI jobs leave in /dev/shm count against MemAvailable until removed:
+    a refusal says how much they hold and how to free it, and says nothing of them on a GPU."""
+    from minipar.comm import shm_orphans
+    from minipar.parallel.memory import problem
+    from minipar.parallel.validate import RunConfig
+
+    run = RunConfig(n_layer=2, n_embd=64, block_size=32, vocab_size=256, global_batch=8, dtype="float32")
+    monkeypatch.setattr(shm_orphans, "orphans", lambda: [("/dev/shm/mpich_shm_1_0", 3e9), ("/dev/shm/mpich_shm_2_0", 1e9)])
+    host = problem(run, (1e5, 1, "MemAvailable"), {})
+    assert "free the 4.0 GB that MPI jobs which died left in /dev/shm (2 segments)" in host, host
+    assert "shm_orphans.py --remove" in host
+    gpu = problem(run, (1e5, 1, "free memory of the NVIDIA H200"), {})
+    assert gpu and "/dev/shm" not in gpu
+    monkeypatch.setattr(shm_orphans, "orphans", lambda: [])
+    assert "/dev/shm" not in problem(run, (1e5, 1, "MemAvailable"), {})

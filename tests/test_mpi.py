@@ -366,3 +366,48 @@ def test_the_abort_hook_survives_a_closed_stdout():
     done = subprocess.run([PYTHON, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           timeout=60, cwd=ROOT)
     assert done.returncode == 0 and "returned" in done.stderr, done.stderr
+
+
+def _segments():
+    from minipar.comm.shm_orphans import SHM_DIR, PREFIXES
+
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIXES)} if os.path.isdir(SHM_DIR) else set()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")
+def test_a_dead_jobs_shared_memory_is_removed_and_a_live_jobs_kept(tmp_path):
+    """MPICH unlinks its /dev/shm segment in MPI_Finalize only: an aborted job leaves it, holding
+    memory until reboot. shm_orphans removes such segments and must never touch a live job's."""
+    from minipar.comm.shm_orphans import orphans, remove_orphans
+
+    before = _segments()
+    code, out, _ = run_mpi(2, "one_rank_fails.py", timeout=60)
+    assert code != 0, out
+    dead = _segments() - before
+    assert dead, "the aborted job left no segment: this MPI cleans up after itself, and the test needs revisiting"
+    up, go = tmp_path / "up", tmp_path / "go"
+    live = subprocess.Popen([os.path.join(sysconfig.get_path("scripts"), "mpiexec"), "-n", "2", PYTHON,
+                             os.path.join(ROOT, "tests", "mpi", "holds_its_segment.py"), str(up), str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not up.exists() and live.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert up.exists(), "the live job did not start"
+        held = _segments() - before - dead
+        assert held, "the live job has no segment to protect"
+        found = {os.path.basename(path) for path, _ in orphans()}
+        assert dead <= found and not held & found, (dead, held, found)
+        count, freed = remove_orphans()
+        assert count >= len(dead) and freed > 0 and not dead & _segments() and held <= _segments()
+        go.touch()
+        assert live.wait(timeout=60) == 0, live.stdout.read()
+    finally:
+        if live.poll() is None:
+            os.killpg(live.pid, 9)
+            live.wait()
+    # run_mpi.sh removes what an earlier job left before it starts the next.
+    run_mpi(2, "one_rank_fails.py", timeout=60)
+    code, out, _ = run_mpi(1, "wait_mode.py", timeout=60)
+    assert code == 0 and re.search(r"removed [1-9]\d* shared-memory segment\(s\)", out), out
+    assert not _segments() - before, out

@@ -99,7 +99,9 @@ def test_export_then_init_weights(tmp_path, corpus):
     (["--dtype", "float16"], "invalid choice"),
     (["--data", "/nonexistent/corpus.txt"], "no such file"),
     (["--init-weights", "w.safetensors"], "no such file"),
-    (["--block-size", "15000", "--global-batch-size", "1", "--n-layer", "1", "--data", "CORPUS"], "too few for --block-size"),
+    # a corpus shorter than one sequence, with a sequence short enough to fit any machine's memory
+    (["--block-size", "400", "--global-batch-size", "1", "--n-layer", "1", "--data", "SHORT_CORPUS"],
+     "too few for --block-size"),
     (["--dropout", "1.5"], "in [0, 1)"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--data", "/dev/null"], "neither a regular file nor a directory"),
@@ -108,8 +110,10 @@ def test_export_then_init_weights(tmp_path, corpus):
     (["--fp16", "--initial-loss-scale", "0.5"], "--min-loss-scale 1 (the default) is above --initial-loss-scale 0.5"),
     (["--fp16", "--min-loss-scale", "1e10"], "--min-loss-scale 1e+10 is above --initial-loss-scale 4.29497e+09 (the default)"),
 ])
-def test_bad_values_get_a_one_line_error(args, message, tmp_path, corpus):
-    args = [corpus if a == "CORPUS" else a for a in args]
+def test_bad_values_get_a_one_line_error(args, message, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n    return x\n" * 10)
+    args = [str(short) if a == "SHORT_CORPUS" else a for a in args]
     run = train(*(args if "--max-iters" in args else args + ["--max-iters", "1"]), cwd=tmp_path)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()

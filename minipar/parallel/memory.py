@@ -9,7 +9,8 @@ step allocates beside that, the step's token ids are counted, and the activation
 count (the trainer gives the planner's, ``plan.activations.peak_bytes``, which depends on the
 schedule and recomputation), or without one a floor the batch alone decides, one micro-batch's
 logits (``batch_bytes``). It imports nothing from minipar, like ``validate``, which resolves the
-sizes it reads.
+sizes it reads (a refusal alone asks ``comm.shm_orphans``, itself plain Python, what dead MPI jobs
+hold in /dev/shm).
 
 A mixture-of-experts block holds a router (E h) and E experts of the MLP's 8 h^2 + 5 h in place of
 its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of its stage, and
@@ -119,6 +120,14 @@ def problem(cfg, free, names, activations=None, state=None):
         fixes.insert(0, f"a smaller {name('vocab_size', 'vocabulary')}")
     if batch > need / 2:
         fixes.insert(0, f"a smaller {name('global_batch', 'batch')}")
+    if what == "MemAvailable":
+        from minipar.comm.shm_orphans import SHM_DIR, orphans  # the standard library's only
+
+        dead = orphans()
+        if dead:  # memory no process uses, which a reboot or this command frees
+            fixes.insert(0, f"free the {gb(sum(size for _, size in dead))} that MPI jobs which died left in "
+                            f"{SHM_DIR} ({len(dead)} segments): python minipar/comm/shm_orphans.py --remove "
+                            "(run_mpi.sh does it before each launch)")
     state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments" + (
         " (and PipeDream-2BW's stashed weights and gradients)" if cfg.schedule == "pipedream-2bw" else "")
     kept = (f"{gb(batch)} for the batch's token ids and a micro-batch's logits (other activations not counted)"
