@@ -12,7 +12,8 @@
 #   the others waiting forever;
 # - one BLAS/OpenMP thread per rank (unless you set those variables yourself): 8 ranks on 2 cores
 #   with 2 BLAS threads each would fight over the cores;
-# - shared-memory segments that earlier jobs which died left in /dev/shm, removed first;
+# - shared-memory segments that earlier jobs which died left in /dev/shm, removed first, silently
+#   (a scheduler's clean-up between jobs);
 # - Open MPI's refusals to run as root or with more ranks than cores (MPICH has neither);
 # - --hostfile FILE given to MPICH as -f, to Open MPI as --hostfile (docs/multi_node.md). The
 #   launcher's own variables (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC, OMPI_MCA_*) pass through as set.
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         -n|-np) [ $# -ge 2 ] || usage; ranks="$2"; shift 2 ;;
         -f|--hostfile) [ $# -ge 2 ] || usage; hostfile="$2"; shift 2 ;;
-        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
@@ -79,7 +80,7 @@ fi
 # (minipar/comm/shm_orphans.py says how a live job's segments are told apart).
 here=$(cd "$(dirname "$0")" && pwd)
 if [ -f "$here/minipar/comm/shm_orphans.py" ]; then
-    "$python" "$here/minipar/comm/shm_orphans.py" --remove \
+    "$python" "$here/minipar/comm/shm_orphans.py" --remove --quiet \
         || echo "$0: could not look for dead jobs' segments in /dev/shm; starting anyway" >&2
 fi
 

@@ -16,7 +16,7 @@ and only on this host: the other hosts of a --hostfile run keep theirs until the
 This file imports nothing from minipar (run_mpi.sh runs it by path, before any rank starts):
 
     python minipar/comm/shm_orphans.py            # list them
-    python minipar/comm/shm_orphans.py --remove   # and remove them
+    python minipar/comm/shm_orphans.py --remove   # and remove them (--quiet: say nothing)
 """
 
 import os
@@ -85,12 +85,12 @@ def remove_orphans():
 
 
 def main(argv):
-    if argv not in ([], ["--remove"]):
-        print(f"usage: python {sys.argv[0]} [--remove]", file=sys.stderr)
+    if argv not in ([], ["--remove"], ["--remove", "--quiet"]):
+        print(f"usage: python {sys.argv[0]} [--remove [--quiet]]", file=sys.stderr)
         return 2
     if argv:
         count, freed = remove_orphans()
-        if count:
+        if count and "--quiet" not in argv:
             print(f"removed {count} shared-memory segment(s), {freed / 2**20:.0f} MiB in {SHM_DIR}, "
                   "left by MPI jobs that ended without MPI_Finalize", file=sys.stderr)
         return 0
