@@ -15,6 +15,7 @@ from minipar.autograd import Tensor
 from minipar.functional.blockwise import Block, OnlineSoftmax, attend, attend_backward
 from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
+from minipar.parallel.collectives import reduce_from_region
 from minipar.plan.traffic import latency_steps
 from minipar.rng import context_positions
 
@@ -106,30 +107,37 @@ def overheads(comm, model, repeats=15, block=4):
     own (``plan.overhead`` adds the sharing of cores).
     Calls: what a collective costs inside a step, where the ranks it waits for are computing (and,
     sharing cores, may not be running): every rank runs a 1-layer GPT step ``block`` times, alone
-    (t_0), then each followed by 4 8-byte all-reduces over the world (t_N, 2 log2 N steps each, as
-    ``plan.traffic.latency_steps`` counts them) and over pairs (t_2, 2 steps). Per all-reduce
-    a_N = (t_N - t_0) / 4 block, so alpha = (a_N - a_2) / (2 (log2 N - 1)) and call = a_2 - 2 alpha
-    (N = 2: call 0, alpha = a_2 / 2)."""
+    (t_0), then each followed by 4 all-reduces of 8 bytes over the world (t_N, 2 log2 N steps each,
+    as ``plan.traffic.latency_steps`` counts them) and over pairs (t_2, 2 steps). Each is made as a
+    step makes its collectives, through autograd (``reduce_from_region`` and its backward: a graph
+    node made and then walked, and the communicator's checks and accounting), not as a bare MPI
+    call: the Python around a call is most of its cost when the ranks have a core each. Per all-reduce a_N = (t_N - t_0) / 4 block,
+    so alpha = (a_N - a_2) / (2 (log2 N - 1)) and call = a_2 - 2 alpha. With N = 2 the two are one
+    group and cannot tell alpha from the call: alpha is then the ping-pong's one-way time of 8
+    bytes (``alpha_beta``) and the call the rest of a_2."""
     mine = np.zeros(4)
     if comm.rank == 0:
         one, five = median_times([tiny_gpt(model, 1), tiny_gpt(model, 5)], 2 * repeats)
         mine[:2] = (five - one) / 4, one - (five - one) / 4
     comm.barrier()
-    x, pair, work = np.zeros(1), comm.split(comm.rank // 2, comm.rank, "pair"), tiny_gpt(model, 1)
+    x, one, pair, work = np.zeros(1, np.float32), np.ones(1, np.float32), comm.split(comm.rank // 2, comm.rank, "pair"), tiny_gpt(model, 1)
 
     def steps(group):
         def run():
             for _ in range(block):
                 work()
                 for _ in range(4 if group is not None else 0):
-                    group.all_reduce(x)
+                    reduce_from_region(Tensor(x, requires_grad=True), group).backward(one)
         return run
     if comm.size > 1:
         alone, over_world, over_pairs = median_times([steps(None), steps(comm), steps(pair)], repeats, comm)
         mine[2] = (over_world - alone) / (4 * block)
         mine[3] = (over_pairs - alone) / (4 * block)
+    small = alpha_beta(comm)[0] if comm.size == 2 else 0.0  # (a collective: every rank calls it)
     layer, edge, world, pairs = comm.all_reduce(mine, op="max")
-    if comm.size <= 2:
-        return layer, edge, max(0.0, world) / 2, 0.0
+    if comm.size == 1:
+        return layer, edge, 0.0, 0.0
+    if comm.size == 2:
+        return layer, edge, small, max(0.0, pairs - 2 * small)
     alpha = max(0.0, world - pairs) / (latency_steps("all_reduce", comm.size) - 2)
     return layer, edge, alpha, max(0.0, pairs - 2 * alpha)
