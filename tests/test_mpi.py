@@ -368,23 +368,35 @@ def test_the_abort_hook_survives_a_closed_stdout():
     assert done.returncode == 0 and "returned" in done.stderr, done.stderr
 
 
-def _segments():
-    from minipar.comm.shm_orphans import SHM_DIR, PREFIXES
+def _files(folder, prefixes):
+    return {n for n in os.listdir(folder) if n.startswith(prefixes)} if os.path.isdir(folder) else set()
 
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIXES)} if os.path.isdir(SHM_DIR) else set()
+
+def _segments():
+    from minipar.comm.shm_orphans import PREFIXES, SHM_DIR
+
+    return _files(SHM_DIR, PREFIXES)
+
+
+def _topology_files():
+    from minipar.comm.shm_orphans import TOPOLOGY_DIR, TOPOLOGY_PREFIX
+
+    return _files(TOPOLOGY_DIR, TOPOLOGY_PREFIX)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")
-def test_a_dead_jobs_shared_memory_is_removed_and_a_live_jobs_kept(tmp_path):
-    """MPICH unlinks its /dev/shm segment in MPI_Finalize only: an aborted job leaves it, holding
-    memory until reboot. shm_orphans removes such segments and must never touch a live job's."""
-    from minipar.comm.shm_orphans import orphans, remove_orphans
+def test_a_dead_jobs_leftovers_are_removed_and_a_live_jobs_kept(tmp_path, monkeypatch):
+    """MPICH unlinks its /dev/shm segment in MPI_Finalize only, and its launcher its topology file
+    in /tmp at a clean exit: an aborted job leaves both, the segment holding memory until reboot.
+    shm_orphans removes them and must never touch a live job's."""
+    from minipar.comm import shm_orphans
 
-    before = _segments()
+    monkeypatch.setattr(shm_orphans, "TOPOLOGY_MIN_AGE", 0.0)  # not a minute's wait
+    before, topology_before = _segments(), _topology_files()
     code, out, _ = run_mpi(2, "one_rank_fails.py", timeout=60)
     assert code != 0, out
-    dead = _segments() - before
-    assert dead, "the aborted job left no segment: this MPI cleans up after itself, and the test needs revisiting"
+    dead, dead_topology = _segments() - before, _topology_files() - topology_before
+    assert dead and dead_topology, "the aborted job left nothing: this MPI cleans up, and the test needs revisiting"
     up, go = tmp_path / "up", tmp_path / "go"
     live = subprocess.Popen([os.path.join(sysconfig.get_path("scripts"), "mpiexec"), "-n", "2", PYTHON,
                              os.path.join(ROOT, "tests", "mpi", "holds_its_segment.py"), str(up), str(go)],
@@ -394,12 +406,14 @@ def test_a_dead_jobs_shared_memory_is_removed_and_a_live_jobs_kept(tmp_path):
         while not up.exists() and live.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert up.exists(), "the live job did not start"
-        held = _segments() - before - dead
-        assert held, "the live job has no segment to protect"
-        found = {os.path.basename(path) for path, _ in orphans()}
-        assert dead <= found and not held & found, (dead, held, found)
-        count, freed = remove_orphans()
-        assert count >= len(dead) and freed > 0 and not dead & _segments() and held <= _segments()
+        held, held_topology = _segments() - before - dead, _topology_files() - topology_before - dead_topology
+        assert held and held_topology, "the live job has nothing to protect"
+        found = {os.path.basename(path) for path, _ in shm_orphans.orphans() + shm_orphans.stale_topology_files()}
+        assert dead | dead_topology <= found and not (held | held_topology) & found, (dead, held, found)
+        count, freed = shm_orphans.remove_orphans()
+        assert count >= len(dead) + len(dead_topology) and freed > 0
+        assert not dead & _segments() and not dead_topology & _topology_files()
+        assert held <= _segments() and held_topology <= _topology_files()
         go.touch()
         assert live.wait(timeout=60) == 0, live.stdout.read()
     finally:
@@ -410,4 +424,4 @@ def test_a_dead_jobs_shared_memory_is_removed_and_a_live_jobs_kept(tmp_path):
     run_mpi(2, "one_rank_fails.py", timeout=60)
     left = _segments() - before
     code, out, _ = run_mpi(1, "wait_mode.py", timeout=60)
-    assert left and code == 0 and not left & _segments() and "shared-memory" not in out, out
+    assert left and code == 0 and not left & _segments() and "removed" not in out, out
