@@ -12,8 +12,8 @@
 #   the others waiting forever;
 # - one BLAS/OpenMP thread per rank (unless you set those variables yourself): 8 ranks on 2 cores
 #   with 2 BLAS threads each would fight over the cores;
-# - shared-memory segments that earlier jobs which died left in /dev/shm, removed first, silently
-#   (a scheduler's clean-up between jobs);
+# - what earlier jobs that died left on this host (shared memory in /dev/shm, the launcher's
+#   files in /tmp), removed first, silently, as a scheduler cleans up between jobs;
 # - Open MPI's refusals to run as root or with more ranks than cores (MPICH has neither);
 # - --hostfile FILE given to MPICH as -f, to Open MPI as --hostfile (docs/multi_node.md). The
 #   launcher's own variables (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC, OMPI_MCA_*) pass through as set.
@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         -n|-np) [ $# -ge 2 ] || usage; ranks="$2"; shift 2 ;;
         -f|--hostfile) [ $# -ge 2 ] || usage; hostfile="$2"; shift 2 ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;  # the header
         *) break ;;
     esac
 done
@@ -76,12 +76,13 @@ if [ -z "$python" ] || ! command -v "$python" >/dev/null; then
 fi
 
 # MPI jobs that died (an abort, a kill) leave their shared-memory segments in /dev/shm, memory
-# that no one frees until reboot; remove those of earlier jobs on this host before starting
-# (minipar/comm/shm_orphans.py says how a live job's segments are told apart).
+# that no one frees until reboot, and the launcher's topology file in /tmp; remove those of
+# earlier jobs on this host before starting (minipar/comm/shm_orphans.py says how a live job's
+# files are told apart).
 here=$(cd "$(dirname "$0")" && pwd)
 if [ -f "$here/minipar/comm/shm_orphans.py" ]; then
     "$python" "$here/minipar/comm/shm_orphans.py" --remove --quiet \
-        || echo "$0: could not look for dead jobs' segments in /dev/shm; starting anyway" >&2
+        || echo "$0: could not look for what dead jobs left in /dev/shm and /tmp; starting anyway" >&2
 fi
 
 # Ask the Python that will run the ranks which MPI it links and where that MPI's mpiexec is.

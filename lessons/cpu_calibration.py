@@ -111,16 +111,17 @@ def overheads(comm, model, repeats=15, block=4):
     as ``plan.traffic.latency_steps`` counts them) and over pairs (t_2, 2 steps). Each is made as a
     step makes its collectives, through autograd (``reduce_from_region`` and its backward: a graph
     node made and then walked, and the communicator's checks and accounting), not as a bare MPI
-    call: the Python around a call is most of its cost when the ranks have a core each. Per all-reduce a_N = (t_N - t_0) / 4 block,
-    so alpha = (a_N - a_2) / (2 (log2 N - 1)) and call = a_2 - 2 alpha. With N = 2 the two are one
-    group and cannot tell alpha from the call: alpha is then the ping-pong's one-way time of 8
-    bytes (``alpha_beta``) and the call the rest of a_2."""
+    call: the Python around a call is most of its cost when the ranks have a core each. Per
+    all-reduce a_N = (t_N - t_0) / 4 block, so alpha = (a_N - a_2) / (2 (log2 N - 1)) and
+    call = a_2 - 2 alpha. With N = 2 the world is the pair and cannot tell alpha from the call:
+    alpha is then the ping-pong's one-way time of 8 bytes (``alpha_beta``), the call the rest of a_2."""
     mine = np.zeros(4)
     if comm.rank == 0:
         one, five = median_times([tiny_gpt(model, 1), tiny_gpt(model, 5)], 2 * repeats)
         mine[:2] = (five - one) / 4, one - (five - one) / 4
     comm.barrier()
-    x, one, pair, work = np.zeros(1, np.float32), np.ones(1, np.float32), comm.split(comm.rank // 2, comm.rank, "pair"), tiny_gpt(model, 1)
+    x, one = np.zeros(1, np.float32), np.ones(1, np.float32)
+    pair, work = comm.split(comm.rank // 2, comm.rank, "pair"), tiny_gpt(model, 1)
 
     def steps(group):
         def run():
