@@ -15,7 +15,6 @@ import numpy
 from minipar.checkpoint import full
 from minipar.checkpoint.boxes import volume
 from minipar.checkpoint.pieces import pieces
-from minipar.lr_schedule import learning_rate
 from minipar.models import GPT
 from minipar.parallel.pipeline import stage_times
 from minipar.train_checks import PROG
@@ -142,7 +141,7 @@ class Reports:
     def _record(self, it, loss, norm, bubble, ms, mfu):
         """Iteration ``it``'s row of --log-json (and of the progress line)."""
         args = self.args
-        record = {"iter": it, "loss": loss, "lr": learning_rate(it, args), "grad_norm": norm, "ms": ms, "bubble": bubble,
+        record = {"iter": it, "loss": loss, "lr": self.rates.pop(it), "grad_norm": norm, "ms": ms, "bubble": bubble,
                   "mfu": mfu}
         # the bubble of this step's compute alone (stage_times): a replay of up to 4096
         # chunk-passes, 0.1 s at that size, so only for a log; on every rank alike, so that

@@ -76,7 +76,7 @@ class Trainer(Reports):
         # chunks per rank; PipeDream-2BW's step runs the next batch's forwards too: no replay for it
         self.lagged = isinstance(self.executor, PipeDream2BW)  # its results come a step late (_steps)
         self.v, self.replayable = args.vpp, not self.lagged
-        self.start, self._n_params = 0, None
+        self.start, self._n_params, self.rates = 0, None, {}
         self.stuck = 0  # fp16 steps skipped in a row at a scale that cannot go lower (saved: a resume goes on counting)
         if weights is not None:
             full.load_full_state(model, self.opt, weights, grid)
@@ -133,7 +133,11 @@ class Trainer(Reports):
     def _start(self, it):
         """Run iteration ``it`` and start the one all-reduce of what it reports: the loss, and every
         stage's summary averaged over the stage's ranks. ``_results`` waits for it."""
-        self.opt.lr = learning_rate(it, self.args)
+        # an fp16 step skipped for an overflow changes no weight and does not advance the schedule
+        # (Megatron steps its scheduler after successful updates alone): the rate follows the
+        # updates taken, so a run that starts by skipping still warms up from the first update
+        updates = self.opt.step_count if self.scaler is not None else it
+        self.rates[it] = self.opt.lr = learning_rate(updates, self.args)  # (the log's, by iteration)
         self.model.rng.iteration = it  # dropout masks are keyed by the iteration (and the position)
         x, y = self.data.batch("train", it, self.args.batch_size, self.args.block_size, self.args.seed)
         for _, group in self._groups():

@@ -157,3 +157,44 @@ def test_a_16_bit_run_starts_from_the_weights_it_is_given(tmp_path):
         val[" ".join(flags)] = float(run.stdout.split("val loss ")[1].split()[0])
     assert val[""] < 4.5, val  # trained: the check below could not tell an untrained model apart otherwise
     assert val["--bf16"] == pytest.approx(val[""], rel=0.02) and val["--fp16"] == pytest.approx(val[""], rel=0.01), val
+
+
+def test_skipped_fp16_steps_do_not_advance_the_learning_rate_schedule(tmp_path):
+    """A run that starts at a scale of 2^32 skips its first steps. The schedule ran on through
+    them, so the warm-up was spent on steps that changed nothing and the first update came at
+    several times its rate; it follows the updates taken, as Megatron's scheduler does."""
+    log = str(tmp_path / "log.jsonl")
+    run = train(*TINY, "--fp16", "--max-iters", "24", "--warmup-iters", "10", "--log-json", log, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    logged = rows(log)
+    skipped = [r["skipped"] for r in logged]
+    assert skipped[0] and not all(skipped), skipped  # some skipped steps, then updates
+    peak = 3e-3  # TINY's --lr (the default)
+    updates = 0
+    for r in logged:  # warm-up: lr (k + 1) / (warmup + 1) at the k-th update, skipped or not
+        assert r["lr"] == pytest.approx(peak * (updates + 1) / 11), (r, updates)
+        updates += not r["skipped"]
+
+
+def test_an_fp16_run_resumes_exactly_with_its_dynamic_loss_scale(tmp_path):
+    """Saved at iteration 6, after the scale has grown and just before an overflow: the resumed run
+    must go on with the scaler's whole state (its scale, its counts of clean steps and of
+    overflows), or its next overflow check, and every update after it, differs from the run that
+    did not stop (restarted at 65536, it did not skip iteration 6, and the weights differed by 2e-3)."""
+    common = [*TINY, "--fp16", "--initial-loss-scale", "65536", "--hysteresis", "1", "--loss-scale-window", "4",
+              "--max-iters", "12", "--warmup-iters", "2"]
+    whole, parts = str(tmp_path / "whole.safetensors"), str(tmp_path / "parts.safetensors")
+    log_whole, log_parts = str(tmp_path / "whole.jsonl"), str(tmp_path / "parts.jsonl")
+    assert train(*common, "--export-weights", whole, "--log-json", log_whole, cwd=tmp_path).returncode == 0
+    save = str(tmp_path / "ck")
+    first = train(*common, "--save", save, "--exit-interval", "6", "--log-json", log_parts, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = train(*common, "--load", save, "--export-weights", parts, "--log-json", log_parts, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    a, b = rows(log_whole), rows(log_parts)
+    scales = [(r["loss_scale"], r["skipped"]) for r in a]
+    assert scales[5][0] > scales[0][0] and scales[6][1], scales  # grown before the save, an overflow after
+    assert [(r["loss_scale"], r["skipped"], r["lr"]) for r in a] == [(r["loss_scale"], r["skipped"], r["lr"]) for r in b]
+    x, y = load_weights(whole), load_weights(parts)
+    for name in x:
+        numpy.testing.assert_array_equal(x[name], y[name], err_msg=name)
