@@ -157,14 +157,18 @@ class DynamicLossScaler:
 
 
 SMALLEST_SCALE = 2.0**-24  # float16's smallest subnormal: a gradient of 1 scaled below it is 0
+LARGEST_SCALE = float(numpy.finfo(numpy.float32).max)  # the loss is scaled in float32
 
 
 def _finite_scale(scale, what):
-    """``scale`` as a float, refused unless finite and at least SMALLEST_SCALE (below it every
+    """``scale`` as a float, refused unless finite, at least SMALLEST_SCALE (below it every
     gradient up to 1 flushes to zero in float16, and the run's losses turn to nan for no reason
-    the user could see)."""
+    the user could see) and at most LARGEST_SCALE."""
     if not 0 < float(scale) < math.inf:
         raise ValueError(f"{what} must be finite and positive, got {scale}")
+    if float(scale) > LARGEST_SCALE:
+        raise ValueError(f"{what} {scale} is above float32's largest number (3.4e38): the scaled loss is inf "
+                         "and every step would be skipped; use 2^32 (Megatron's initial scale) or less")
     if float(scale) < SMALLEST_SCALE:
         raise ValueError(f"{what} {scale} is below 2^-24, float16's smallest number: gradients scaled by it "
                          "flush to 0 in float16; use 1 or more (Megatron's smallest by default)")

@@ -28,6 +28,8 @@ def rows(path):
     (["--fp16", "--loss-scale", "8", "--loss-scale-window", "4"], "--loss-scale is a constant scale"),
     (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8 is above --initial-loss-scale 4"),
     (["--accumulate-allreduce-grads-in-fp32"], "is for --bf16 or --fp16 runs"),
+    (["--fp16", "--initial-loss-scale", "1e39"], "1e+39 is above float32's largest number (3.4e38)"),
+    (["--fp16", "--loss-scale", "1e300"], "1e+300 is above float32's largest number"),
     (["--fp16", "--loss-scale", "0"], "--loss-scale: must be > 0"),
 ])
 def test_bad_mixed_precision_flags_get_a_one_line_error(args, message, tmp_path):

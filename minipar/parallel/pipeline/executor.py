@@ -211,7 +211,8 @@ class PipelineExecutor:
         if last:  # this micro-batch's share of the step's mean loss (of its positions, with CP): its sum
             out = out * (1.0 / state.tokens)  # over the step's count; a share with every target ignored adds 0
             state.loss += out.item()
-            if self.optimizer is not None and self.optimizer.loss_scale != 1.0:  # fp16's loss scale
+            scaled = self.optimizer is not None and self.optimizer.loss_scale != 1.0
+            if scaled and is_grad_enabled():  # fp16's loss scale, for backward alone (not evaluation's)
                 out = out * self.optimizer.loss_scale
         state.kept[unit] = (inp, out)
         # a micro-batch's activations are held until its backward, or, split, until its W
