@@ -104,6 +104,7 @@ def test_the_replay_of_a_step_with_the_head_ws_gives_it_back():
 
     args = build_parser().parse_args(["--pp", "2", "--defer-embedding-wgrad-compute", "--log-json", "log.jsonl"])
     args.micro_batches = m
-    trainer = SimpleNamespace(args=args, v=1, stages=table, opt=SimpleNamespace(policy=None), routing=None)
+    trainer = SimpleNamespace(args=args, v=1, stages=table, opt=SimpleNamespace(policy=None), routing=None,
+                              rates={0: 1e-3})
     row = Reports._record(trainer, 0, 1.0, 1.0, measured, 1.0, 0.5)
     assert row["bubble_expected"] == pytest.approx(measured, rel=1e-6)
