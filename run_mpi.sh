@@ -79,10 +79,13 @@ fi
 # that no one frees until reboot, and the launcher's topology file in /tmp; remove those of
 # earlier jobs on this host before starting (minipar/comm/shm_orphans.py says how a live job's
 # files are told apart).
-here=$(cd "$(dirname "$0")" && pwd)
+# A Ctrl-C that lands while it runs must stop the launch, not read as the clean-up failing.
+here=$(dirname "$(readlink -f "$0")")  # the project's folder, also when run through a link
 if [ -f "$here/minipar/comm/shm_orphans.py" ]; then
+    trap 'exit 130' INT
     "$python" "$here/minipar/comm/shm_orphans.py" --remove --quiet \
         || echo "$0: could not look for what dead jobs left in /dev/shm and /tmp; starting anyway" >&2
+    trap - INT
 fi
 
 # Ask the Python that will run the ranks which MPI it links and where that MPI's mpiexec is.

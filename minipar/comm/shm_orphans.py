@@ -9,12 +9,14 @@ launcher leaves a copy of the host's topology too (``/tmp/hydra_hwloc_xmlfile_*`
 each). Removing them is the launcher's job (a cluster's resource manager does it after every
 job), so run_mpi.sh calls ``remove_orphans`` before each job, and the tests after each test.
 
-A segment is an orphan when no process has it open or mapped. A live job's ranks map it from
-MPI_Init until MPI_Finalize, and whoever creates it holds it open until it is mapped, so there is
-no moment at which a live job's segment is neither. A topology file is held open by the job's
-proxies, but not between the launcher writing it and the proxies opening it: one is an orphan
-when no process has it open and it is a minute old. Only this user's files are touched, and only
-on this host: the other hosts of a --hostfile run keep theirs until the next job there.
+A file is an orphan when no process has it open or mapped and it is a minute old. A live job's
+ranks map its segment from MPI_Init until MPI_Finalize, and whoever creates it holds it open until
+it is mapped; the launcher's proxies hold the topology file open from creating it to removing it.
+The minute covers what a scan of /proc cannot see: the holders of a job that is starting in
+another PID namespace sharing /dev/shm (a container), or processes this user may not inspect.
+Removing a segment before every rank has attached it would hang that job; after, it does no harm.
+If /proc does not list this process, nothing is removed. Only this user's files are touched, and
+only on this host: the other hosts of a --hostfile run keep theirs until the next job there.
 
 This file imports nothing from minipar (run_mpi.sh runs it by path, before any rank starts):
 
@@ -22,69 +24,85 @@ This file imports nothing from minipar (run_mpi.sh runs it by path, before any r
     python minipar/comm/shm_orphans.py --remove   # and remove them (--quiet: say nothing)
 """
 
+import glob
 import os
 import sys
 import time
 
 SHM_DIR = "/dev/shm"
-# MPICH's segments; Open MPI's shared-memory transports name theirs these ways.
-PREFIXES = ("mpich_shm_", "vader_segment.", "sm_segment.")
-TOPOLOGY_DIR, TOPOLOGY_PREFIX = "/tmp", "hydra_hwloc_xmlfile_"  # MPICH's launcher, hydra
-TOPOLOGY_MIN_AGE = 60.0  # seconds: older than any launch's gap between writing it and opening it
+# MPICH's segments (and a shared-memory window's, before every rank attached it); Open MPI's
+# shared-memory transports name theirs these ways.
+PREFIXES = ("mpich_shm_", "mpich_shar_tmp", "vader_segment.", "sm_segment.")
+TOPOLOGY_DIR, TOPOLOGY_PREFIX = "/tmp", "hydra_hwloc_xmlfile_"  # MPICH's launcher, hydra (it ignores TMPDIR)
+MIN_AGE = 60.0  # seconds since a file was last written before it may be an orphan
 
 
 def _in_use(folder):
-    """Every path in ``folder`` that a process readable to this user has open or mapped."""
-    used = set()
+    """Every path in ``folder`` that a process readable to this user has open or mapped; None if
+    /proc cannot say (absent, or not listing this process: another PID namespace's)."""
     marker = folder + "/"
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    if str(os.getpid()) not in pids:
+        return None
+    used = set()
+    for pid in pids:
+        # the open files first, then the mappings: a holder that maps the file and then closes it
+        # between the two reads is seen in one of them
         try:
-            with open(f"/proc/{pid}/maps") as fh:
-                for line in fh:
-                    at = line.find(marker)
-                    if at >= 0:
-                        used.add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(marker):
-                    used.add(target)
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # the process ended meanwhile, or belongs to someone else
-            continue
+            fds = []
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # this descriptor closed meanwhile: the others still count
+                continue
+            if target.startswith(marker):
+                used.add(target)
+        # every thread's: a process whose first thread has exited shows no mappings in its own
+        for maps in [f"/proc/{pid}/maps"] + glob.glob(f"/proc/{pid}/task/*/maps"):
+            try:
+                with open(maps) as fh:
+                    for line in fh:
+                        at = line.find(marker)
+                        if at >= 0:
+                            used.add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
+            except OSError:
+                continue
     return used
 
 
-def _unheld(folder, prefixes, min_age):
-    """[(path, bytes)] of this user's files in ``folder`` named with ``prefixes``, at least
-    ``min_age`` seconds old, that no process holds."""
+def _unheld(folder, prefixes):
+    """[(path, bytes of memory or disk it takes)] of this user's files in ``folder`` named with
+    ``prefixes``, MIN_AGE old, that no process holds."""
     try:
         names = sorted(n for n in os.listdir(folder) if n.startswith(prefixes))
     except OSError:  # no such folder (not Linux): nothing to find
         return []
-    if not names:
-        return []
-    used = _in_use(folder)
-    found, now = [], time.time()
+    now, old = time.time(), []
     for name in names:
         path = os.path.join(folder, name)
         try:
             info = os.lstat(path)
         except OSError:
             continue
-        if info.st_uid == os.getuid() and path not in used and now - info.st_mtime >= min_age:
-            found.append((path, info.st_size))
-    return found
+        if info.st_uid == os.getuid() and now - info.st_mtime >= MIN_AGE:
+            old.append((path, info.st_blocks * 512))  # a window's file is sparse: its size is not its memory
+    used = _in_use(folder) if old else set()  # the scan only when some file is old enough
+    return [] if used is None else [(path, size) for path, size in old if path not in used]
 
 
 def orphans():
     """[(path, bytes)] of this user's MPI segments under SHM_DIR that no process holds: memory."""
-    return _unheld(SHM_DIR, PREFIXES, 0.0)
+    return _unheld(SHM_DIR, PREFIXES)
 
 
 def stale_topology_files():
     """[(path, bytes)] of hydra's topology files in TOPOLOGY_DIR that no job holds."""
-    return _unheld(TOPOLOGY_DIR, TOPOLOGY_PREFIX, TOPOLOGY_MIN_AGE)
+    return _unheld(TOPOLOGY_DIR, TOPOLOGY_PREFIX)
 
 
 def remove_orphans():
@@ -102,10 +120,10 @@ def remove_orphans():
 
 
 def main(argv):
-    if argv not in ([], ["--remove"], ["--remove", "--quiet"]):
+    if not set(argv) <= {"--remove", "--quiet"} or len(set(argv)) < len(argv) or argv == ["--quiet"]:
         print(f"usage: python {sys.argv[0]} [--remove [--quiet]]", file=sys.stderr)
         return 2
-    if argv:
+    if "--remove" in argv:
         count, freed = remove_orphans()
         if count and "--quiet" not in argv:
             print(f"removed {count} file(s), {freed / 2**20:.0f} MiB, that MPI jobs which ended without "
