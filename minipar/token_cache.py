@@ -19,8 +19,9 @@ from minipar.checkpoint.files import write_file
 MAGIC = b"MINIPAR-TOKENS-1"
 HEADER = len(MAGIC) + 8 + 32
 # part of every cache's key: raised when the same tokenizer files come to make other ids (2: the
-# vocab.json + merges.txt format reads <|endoftext|> in the text as its one special id)
-RECIPE = 2
+# vocab.json + merges.txt format reads <|endoftext|> in the text as its one special id; 3: a
+# tokenizer.json's truncation, padding and post-processor's special tokens are not applied)
+RECIPE = 3
 
 
 def user_cache_dir():

@@ -48,6 +48,10 @@ class BPETokenizer:
                 self._tok = tokenizers.Tokenizer.from_file(self.files[0])
             except Exception as exc:  # its Rust errors have no common Python type
                 raise ValueError(f"{self.files[0]}: not a tokenizer ({exc})") from None
+            # a file saved for a model's inputs may truncate or pad each text to its length: the
+            # corpus is one text, which it would cut to the first max_length tokens, silently
+            self._tok.no_truncation()
+            self._tok.no_padding()
         else:
             try:
                 self._tok = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(*self.files))
@@ -79,7 +83,9 @@ class BPETokenizer:
         self.sha256 = digest.hexdigest()
 
     def encode(self, text):
-        return numpy.array(self._tok.encode(text).ids, dtype=numpy.uint16)
+        # no special tokens around the whole corpus (a post-processor's <s> ... </s>): the text's
+        # own <|endoftext|> separators are kept, as added tokens
+        return numpy.array(self._tok.encode(text, add_special_tokens=False).ids, dtype=numpy.uint16)
 
     def decode(self, ids):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

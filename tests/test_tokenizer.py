@@ -48,6 +48,22 @@ def test_both_formats_encode_alike_and_decode_back(bpe):
     assert whole.decode(ids) == pair.decode(ids) == TEXT[:200]
 
 
+def test_a_tokenizer_json_made_for_model_inputs_still_encodes_the_whole_corpus(bpe, tmp_path):
+    """A tokenizer.json saved with truncation (max_length 16), padding and a post-processor that
+    puts <|endoftext|> around each text: the corpus, one text, was cut to its first 16 tokens
+    without a word, and would have been wrapped in special tokens."""
+    tok = tokenizers.Tokenizer.from_file(os.path.join(bpe[0], "tokenizer.json"))
+    tok.enable_truncation(max_length=16)
+    tok.enable_padding(length=20000, pad_id=0, pad_token="<|endoftext|>")
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|endoftext|> $A <|endoftext|>", special_tokens=[("<|endoftext|>", 0)])
+    (tmp_path / "inputs").mkdir()
+    tok.save(str(tmp_path / "inputs" / "tokenizer.json"))
+    plain, for_inputs = BPETokenizer(bpe[0]), BPETokenizer(str(tmp_path / "inputs"))
+    assert len(plain.encode(TEXT)) > 1000
+    assert numpy.array_equal(for_inputs.encode(TEXT), plain.encode(TEXT))
+
+
 def test_a_decoded_sample_shows_where_a_document_ended(bpe):
     """<|endoftext|> is decoded, not dropped: a sample says where the model ended one text."""
     tokenizer = BPETokenizer(bpe[0])
