@@ -46,15 +46,26 @@ def default_corpus_files():
 
 def _text_files(directory):
     """Every non-hidden regular file under ``directory`` that holds no NUL byte, by sorted relative
-    path. Sockets, FIFOs and devices are skipped: opening a FIFO would wait forever."""
+    path. Sockets, FIFOs and devices are skipped: opening a FIFO would wait forever. Links are
+    followed, to folders too (a corpus gathered by linking datasets' folders), each folder once."""
     def unreadable(exc):  # os.walk skips a folder it cannot list unless told: a corpus would shrink unseen
         raise ValueError(f"{exc.filename}: cannot list this folder of the corpus ({exc.strerror}): make it "
                          "readable, or move it out of the folder given to --data")
 
-    found = []
-    for root, dirs, files in os.walk(directory, onerror=unreadable):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    found, seen = [], {os.path.realpath(directory)}
+    for root, dirs, files in os.walk(directory, onerror=unreadable, followlinks=True):
+        kept = []
+        for d in sorted(d for d in dirs if not d.startswith(".")):
+            real = os.path.realpath(os.path.join(root, d))
+            if real not in seen:  # a folder reached again through a link (or a loop) is walked once
+                seen.add(real)
+                kept.append(d)
+        dirs[:] = kept
         found += [os.path.join(root, f) for f in files if not f.startswith(".")]
+    broken = [f for f in found if not os.path.exists(f)]
+    if broken:  # a link to nothing: the corpus would shrink unseen too
+        raise ValueError(f"{broken[0]}: a link to nothing in the corpus ({len(broken)} such): remove it or "
+                         "point it at the file it stood for")
     found = [f for f in found if os.path.isfile(f)]
     texts = []
     for path in sorted(found, key=lambda p: os.path.relpath(p, directory)):

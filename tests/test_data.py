@@ -57,6 +57,23 @@ def test_directory_corpus_skips_binary_and_hidden_files(tmp_path):
     assert load_corpus(str(tmp_path)) == b"first\nsecond"
 
 
+def test_a_corpus_folder_follows_links_to_folders_once_each_and_refuses_a_link_to_nothing(tmp_path):
+    """Links to folders were never entered and links to nothing dropped: a corpus gathered by
+    linking datasets' folders trained on part of them, without a word."""
+    corpus, data = tmp_path / "corpus", tmp_path / "data"
+    corpus.mkdir()
+    data.mkdir()
+    (corpus / "a.txt").write_text("first")
+    (data / "b.txt").write_text("second")
+    (corpus / "linked").symlink_to(data)
+    (corpus / "linked_again").symlink_to(data)  # the same folder twice: read once
+    (data / "loop").symlink_to(corpus)  # back up to the corpus: not walked again
+    assert load_corpus(str(corpus)) == b"first\nsecond"
+    (corpus / "gone.txt").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"gone.txt: a link to nothing in the corpus \(1 such\)"):
+        load_corpus(str(corpus))
+
+
 def test_corpus_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_corpus(str(tmp_path / "missing.txt"))
