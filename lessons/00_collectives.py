@@ -35,7 +35,6 @@ Exercises (predict first, then run the command and read the row named):
    ring's bytes: ./run_mpi.sh -n 3 lessons/00_collectives.py --size 10
 """
 
-import sys
 
 import numpy as np
 
@@ -115,4 +114,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

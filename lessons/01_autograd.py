@@ -27,7 +27,6 @@ Exercises (predict first, then run the command):
    the gelu row's "rel err" under --plant-bug: near 1e-9 like the others, or near 1?
 """
 
-import sys
 
 import numpy
 
@@ -115,4 +114,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

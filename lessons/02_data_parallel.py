@@ -31,7 +31,6 @@ Exercises (predict first, then run the command and read the line named):
 """
 
 import contextlib
-import sys
 import time
 
 import numpy as np
@@ -145,4 +144,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

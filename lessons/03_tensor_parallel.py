@@ -37,7 +37,6 @@ Exercises (predict first, then run the command and read the line named):
    ./run_mpi.sh -n 2 lessons/03_tensor_parallel.py --plant-bug
 """
 
-import sys
 import time
 
 import numpy as np
@@ -216,4 +215,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

@@ -87,7 +87,6 @@ Exercises (predict first, then run the command and read the table named):
 """
 
 import os
-import sys
 import tracemalloc
 from types import SimpleNamespace
 
@@ -311,4 +310,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

@@ -38,7 +38,6 @@ Exercises (predict first, then run the command and read the table named):
 """
 
 import contextlib
-import sys
 import tracemalloc
 
 import numpy as np
@@ -219,4 +218,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

@@ -58,7 +58,6 @@ Exercises (predict first, then run the command and read the row named):
    ./run_mpi.sh -n 2 lessons/06_3d_parallel.py; ./run_mpi.sh -n 8 lessons/06_3d_parallel.py
 """
 
-import sys
 import time
 
 import numpy as np
@@ -219,4 +218,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

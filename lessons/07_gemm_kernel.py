@@ -30,7 +30,6 @@ Exercises (predict first, then run the command and read the section named):
 """
 
 import statistics
-import sys
 import textwrap
 
 import numpy as np
@@ -228,4 +227,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

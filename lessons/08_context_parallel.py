@@ -42,7 +42,6 @@ Read next: minipar/parallel/context.py, ring_attention.py, ulysses.py, functiona
 docs/context_parallel.md.
 """
 
-import sys
 import time
 
 import numpy as np
@@ -303,4 +302,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

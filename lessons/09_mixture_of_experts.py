@@ -43,7 +43,6 @@ Read next: minipar/models/moe.py, minipar/parallel/experts.py, minipar/functiona
 functional/router_losses.py, docs/moe.md.
 """
 
-import sys
 import time
 
 import numpy as np
@@ -244,4 +243,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

@@ -42,7 +42,6 @@ Exercises (predict first, then run the command and read the table named):
 
 import hashlib
 import os
-import sys
 import time
 
 import numpy as np
@@ -271,4 +270,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

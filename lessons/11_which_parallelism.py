@@ -49,7 +49,6 @@ Exercises:
 """
 
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -293,4 +292,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lesson.end(main())

@@ -27,7 +27,7 @@ import minipar
 from minipar import backend
 from minipar.backend import add_device_flag
 from minipar.cli import Parser, device_problems, parse
-from minipar.comm import world
+from minipar.comm import end_job, world
 from minipar.data import Dataset, load_corpus
 from minipar.mfu import model_flops_per_token
 from minipar.models import GPT
@@ -245,6 +245,13 @@ def finish(comm, failed, report, passed):
         print(f"\nMISMATCH: {what}" if failed else f"\n{passed}")
     comm.barrier()
     return int(failed)
+
+
+def end(status):
+    """A lesson script's last call: every rank exits with ``status``, the agreed verdict of
+    ``finish`` (or a refusal's). MPI is finalized first (``minipar.comm.end_job``), so a failing
+    lesson prints its MISMATCH line and nothing after it from MPICH."""
+    end_job(status)
 
 
 def parse_one_process(parser, check):

@@ -150,7 +150,9 @@ def agree(comm, problems, prog):
         print("\n".join(f"{prog}: error: {line}" for line in problems), file=sys.stderr, flush=True)
     if comm is not None:
         comm.barrier()
-    sys.exit(2)
+    from minipar.comm import end_job  # (lazily: a script of one process never loads the communicators)
+
+    end_job(2)
 
 
 def parse(parser, comm, check=None, argv=None):
