@@ -195,7 +195,9 @@ def _checkpoint_failed(comm, prog, flag, exc):
     if exc.speaks:
         print(f"{prog}: error: {flag}: {exc}", file=sys.stderr, flush=True)
     comm.barrier()
-    return 1
+    from minipar.comm import end_job
+
+    end_job(1)  # all together: no abort
 
 
 def _an_output(args, path):
@@ -267,7 +269,7 @@ def main(argv=None):
 
 def _main(comm, parser, argv, run):
     """``main`` up to the run's exit status; fills ``run`` as it goes (``main`` reports from it)."""
-    from minipar.comm import world
+    from minipar.comm import end_job, world
     from minipar.run_inputs import claim_save_directory, same_inputs
 
     problems = []
@@ -299,7 +301,7 @@ def _main(comm, parser, argv, run):
     except CheckpointError as exc:  # a damaged part, found by the ranks that read it
         return _checkpoint_failed(comm, parser.prog, "--load", exc)
     try:
-        return trainer.run()
+        status = trainer.run()
     except CheckpointError as exc:  # a save that failed (a full disk): the last good one stays
         return _checkpoint_failed(comm, parser.prog, "--save", exc)
     except OSError as exc:
@@ -307,6 +309,9 @@ def _main(comm, parser, argv, run):
             raise
         return _end(comm, parser.prog, f"cannot write {exc.filename} ({exc.strerror or exc}): "
                     + unwritten(args, trainer.model.rng.iteration, trainer.trained))
+    if status:  # a diverged or stuck run, which every rank saw in the same all-reduced numbers
+        end_job(status)
+    return status
 
 
 if __name__ == "__main__":
