@@ -257,6 +257,11 @@ def test_a_groups_link_follows_megatrons_rank_order():
     layout = Layout(tp=2, dp=4, pp=2)
     assert cost.link(layout, machine, "dp") == "intra" and cost.link(layout, machine, "embedding") == "inter"
     assert cost.link(Layout(tp=2, dp=8), machine, "dp") == "inter"
+    # the first stage and the last, PP - 1 stages apart: on one node of 8 for PP 4 x DP 2 (it was
+    # called inter-node, from starts past the first stage that begin no group), across two for PP 8 x DP 2
+    assert cost.link(Layout(pp=4, dp=2), Machine(gpus=8, gpus_per_node=8), "embedding") == "intra"
+    assert cost.link(Layout(pp=8, dp=2), machine, "embedding") == "inter"
+    assert cost.link(Layout(pp=4, dp=4), machine, "embedding") == "inter"
 
 
 def test_more_bandwidth_or_peak_predicts_a_faster_step():

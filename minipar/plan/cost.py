@@ -98,7 +98,10 @@ def link(layout, machine, group):
     gpn, width = machine.gpus_per_node, stride * size
     upto = min(math.lcm(width, gpn), layout.world_size)
     firsts = (q * width + r for q in range(-(-upto // width)) for r in range(stride))
-    apart = any(b // gpn != (b + stride * (size - 1)) // gpn for b in firsts if b < upto)
+    # (a start whose last rank is past the world begins no group: the embedding group's stride
+    # spans PP - 1 stages, so of its first stride ranks only the first stage's start one)
+    last = stride * (size - 1)
+    apart = any(b // gpn != (b + last) // gpn for b in firsts if b < upto and b + last < layout.world_size)
     return "inter" if apart else "intra"
 
 
