@@ -63,7 +63,9 @@ def test_the_balanced_plans_command_is_one_the_trainer_takes(monkeypatch):
                    "--global-batch-size", "16", "--gpus", "16", "--node-speeds", "1,0.5")
     assert run.returncode == 0, run.stderr
     (line,) = [l for l in run.stdout.splitlines() if "to run it on" in l]
-    ranks, command = line.split("to run it on ")[1].split(" ranks: python -m minipar.train ")
+    ranks, command = line.split("to run it on ")[1].split(" ranks: ./run_mpi.sh -n ")
+    n, command = command.split(" -m minipar.train ")
+    assert n == ranks
     args = build_parser().parse_args(command.split())
     assert args.pipeline_layers and args.schedule in run.stdout.split("heterogeneous GPUs:")[1]
     monkeypatch.setattr(backend, "free_memory", lambda host=False: None)  # this machine's memory is not the plan's

@@ -303,7 +303,9 @@ def test_the_balanced_plans_command_trains_in_the_plans_precision(monkeypatch):
         run = runs[key]
         assert run.returncode == 0, run.stderr
         (line,) = [l for l in run.stdout.splitlines() if "to run it on" in l]
-        ranks, command = line.split("to run it on ")[1].split(" ranks: python -m minipar.train ")
+        ranks, command = line.split("to run it on ")[1].split(" ranks: ./run_mpi.sh -n ")
+        n, command = command.split(" -m minipar.train ")
+        assert n == ranks
         args = build_parser().parse_args(command.split())
         assert {k: getattr(args, k) for k in flags} == flags, (precision, command)
         check_args(args, int(ranks))

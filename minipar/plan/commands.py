@@ -32,7 +32,7 @@ def heterogeneous(result, machine, model, batch, speeds, precision="float32"):
     m = batch // layout.dp // layout.micro_batch_size
     head = hetero.head_in_blocks(model, layout.recompute)
     out = hetero.compare(model.num_layers, stage, m, layout.schedule, head)  # the head too: the last stage's extra
-    print(f"\nheterogeneous GPUs: the fastest plan with a pipeline (PP={layout.pp}), stage speeds {stage}, "
+    print(f"\nheterogeneous GPUs: the fastest plan with a pipeline of one chunk per stage (PP={layout.pp}), stage speeds {stage}, "
           f"{m} micro-batches, {layout.schedule}")
     for name, (layers, makespan, bub) in out.items():
         print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
@@ -45,7 +45,8 @@ def heterogeneous(result, machine, model, batch, speeds, precision="float32"):
               "GB: it needs recomputation, ZeRO or a longer pipeline first")
         return
     print(f"  memory {memory:.3g} GB on the fullest GPU (of {machine.gpu_memory_gb:g}); to run it on "
-          f"{layout.world_size} ranks: python -m minipar.train {train_flags(model, layout, batch, out['balanced'][0], precision)}")
+          f"{layout.world_size} ranks: ./run_mpi.sh -n {layout.world_size} -m minipar.train "
+          f"{train_flags(model, layout, batch, out['balanced'][0], precision)}")
 
 
 # the trainer's flags that run a plan's precision (shapes.PRECISIONS' keys)
