@@ -59,6 +59,9 @@ def test_the_enumerator_offers_zero_bubble_schedules_and_selective_recomputation
     # none, so not offered twice; under Ulysses it does drop the T x T part
     assert not any(l.selective_recompute and l.ring_attention for l in tried)
     assert any(l.selective_recompute and l.cp > 1 and l.cp_comm_type == "a2a" for l in tried)
+    # ZeRO shards over DP x CP: with one such rank, stages 1-3 are stage 0 with more buffers
+    assert {l.zero_stage for l in tried if l.dp * l.cp == 1} == {0}
+    assert {l.zero_stage for l in tried if l.dp * l.cp > 1} == {0, 1, 2, 3}
     ranked = plan(MODEL, Machine(gpus=4, gpus_per_node=4), 16).plans
     assert any(l.schedule == "zb-h1" for l, _ in ranked) and any(l.selective_recompute for l, _ in ranked)
     assert any(l.schedule == "zb-v" for l, _ in ranked)

@@ -81,7 +81,7 @@ def _choices(model, global_batch, tp, cp, pp, dp):
     for ep in (divisors(dp * cp) if model.num_experts else [1]):
         for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
             for mbs in tuple(b for b in MICRO_BATCH_SIZES if rows and rows % b == 0) or (1,):  # (1,): refused, with why
-                for zero in (0, 1, 2, 3):
+                for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):  # ZeRO shards over DP x CP: one rank, nothing
                     for recompute in (None, "selective", "full"):
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for comm in (("p2p", "a2a") if cp > 1 else ("p2p",)):
