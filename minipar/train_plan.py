@@ -24,12 +24,16 @@ def memory_problem(args, run):
         if rough or free is None:  # memory not known: nothing to refuse, and no count of 10^29 layers
             return rough
     model, layout, m = shapes.from_run_config(run, args.recompute_granularity == "selective")
-    held = activations.peak_bytes(model, layout, m, BYTES[run.dtype])
     precision = run.dtype if BYTES[run.dtype] > 2 else "bf16-fp32-grads" if run.fp32_grads else "bf16"
+    # stage by stage: 2BW's stash, ZeRO's gathered weights and gradients in flight
     peaks = [state.stage_peak_bytes(model, layout, s, precision, m) for s in range(layout.pp)]
     args.planned_state_peaks = peaks  # --report prints them beside the optimizer's ledger
-    # stage by stage: 2BW's stash, ZeRO's gathered weights and gradients in flight
-    return problem(run, free, FLAGS, held, max(peaks))
+    # the fullest stage's state and activations together, as the planner counts a layout: the
+    # fullest state (the first stage's embedding) and the most activations (the first stage's
+    # micro-batches in flight, the last's logits) need not be one stage's
+    kept = [activations.stage_peak(model, layout, m, BYTES[run.dtype], s) for s in range(layout.pp)]
+    fullest = max(range(layout.pp), key=lambda s: peaks[s] + kept[s])
+    return problem(run, free, FLAGS, kept[fullest], peaks[fullest])
 
 
 def balanced_layers(args):

@@ -124,9 +124,56 @@ def test_a_refusal_names_the_memory_dead_mpi_jobs_left_in_dev_shm(monkeypatch):
     run = RunConfig(n_layer=2, n_embd=64, block_size=32, vocab_size=256, global_batch=8, dtype="float32")
     monkeypatch.setattr(shm_orphans, "orphans", lambda: [("/dev/shm/mpich_shm_1_0", 3e9), ("/dev/shm/mpich_shm_2_0", 1e9)])
     host = problem(run, (1e5, 1, "MemAvailable"), {})
-    assert "free the 4.0 GB that MPI jobs which died left in /dev/shm (2 segments)" in host, host
+    assert "free the 4.000 GB that MPI jobs which died left in /dev/shm (2 segments)" in host, host
     assert "shm_orphans.py --remove" in host
     gpu = problem(run, (1e5, 1, "free memory of the NVIDIA H200"), {})
     assert gpu and "/dev/shm" not in gpu
     monkeypatch.setattr(shm_orphans, "orphans", lambda: [])
     assert "/dev/shm" not in problem(run, (1e5, 1, "MemAvailable"), {})
+
+
+def test_a_refusal_prints_the_need_above_what_is_available():
+    """It said "needs about 4.0 GB ... but 4.0 GB is available": as many decimals as tell them apart."""
+    import re
+
+    from minipar.parallel.memory import batch_bytes, problem, state_bytes
+    from minipar.parallel.validate import RunConfig
+
+    run = RunConfig(n_layer=24, n_embd=1024, block_size=1024, vocab_size=50257, global_batch=8, dtype="float32")
+    need = state_bytes(run) + batch_bytes(run)
+    for short in (1e8, 1e6, 1e3):
+        line = problem(run, (need - short, 1, "MemAvailable"), {})
+        printed = [float(x) for x in re.findall(r"needs about ([\d.]+) GB.*?but ([\d.]+) GB is available", line)[0]]
+        assert printed[0] > printed[1], line
+
+
+def test_the_trainer_refuses_no_layout_the_planner_says_fits(monkeypatch):
+    """The trainer added the most activations of any stage to the fullest state of any stage, and
+    the first need not be the second's: layouts the planner fitted in a GPU's memory (its count: the
+    fullest stage's state and activations together) were refused. Given the planner's count and
+    the batch's token ids (which the planner does not count), every pipelined plan here starts."""
+    from minipar import backend
+    from minipar.plan import activations, state
+    from minipar.plan.commands import train_flags
+    from minipar.plan.cost import memory_bytes
+    from minipar.plan.enumerate import plan
+    from minipar.plan.shapes import Machine, Model, micro_batches
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    model, batch = Model(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=4096), 16
+    layouts = [layout for layout, _ in plan(model, Machine(gpus=4, gpus_per_node=4), batch).plans
+               if layout.pp > 1 and layout.vpp == 1][:40]
+    split_apart = 0
+    for layout in layouts:
+        m = micro_batches(layout, batch)
+        planned = memory_bytes(model, layout, batch)
+        apart = activations.peak_bytes(model, layout, m, 4) + max(
+            state.stage_peak_bytes(model, layout, s, "float32", m) for s in range(layout.pp))
+        split_apart += apart > planned  # the old count: above the planner's
+        layers = layout.pipeline_layers or [model.num_layers // layout.pp] * layout.pp  # (a balanced split)
+        args = build_parser().parse_args(train_flags(model, layout, batch, layers).split() + ["--plot", "", "--sample", "0"])
+        ids = 16 * batch * model.seq_length  # the batch's int64 inputs and targets
+        monkeypatch.setattr(backend, "free_memory", lambda host=False, room=planned + ids: (room * 4, 4, "MemAvailable"))
+        check_args(args, layout.world_size)  # raises FlagError on a refusal
+    assert split_apart, "no layout here where the two counts differ: the test checks nothing"

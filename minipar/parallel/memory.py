@@ -6,9 +6,9 @@ arrays of the parameters' size. ZeRO shards them over the DP (x CP) group stage 
 (stage 1), then the gradients (2), then the parameters (3). PipeDream-2BW (ZeRO 0 only) holds two
 more: the stashed weight version and a batch's gradients set aside until its update. Of what a
 step allocates beside that, the step's token ids are counted, and the activations: the caller's
-count (the trainer gives the planner's, ``plan.activations.peak_bytes``, which depends on the
-schedule and recomputation), or without one a floor the batch alone decides, one micro-batch's
-logits (``batch_bytes``). It imports nothing from minipar, like ``validate``, which resolves the
+count (the trainer gives the planner's of its fullest stage, ``plan.activations.stage_peak``,
+which depends on the schedule and recomputation), or without one a floor the batch alone
+decides, one micro-batch's logits (``batch_bytes``). It imports nothing from minipar, like ``validate``, which resolves the
 sizes it reads (a refusal alone asks ``comm.shm_orphans``, itself plain Python, what dead MPI jobs
 hold in /dev/shm).
 
@@ -16,6 +16,8 @@ A mixture-of-experts block holds a router (E h) and E experts of the MLP's 8 h^2
 its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of its stage, and
 ZeRO shards them over their own group, the DP x CP / EP ranks that hold the same experts.
 """
+
+import functools
 
 BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
@@ -73,8 +75,8 @@ def state_bytes(cfg):
     return held
 
 
-def gb(n):
-    return f"{n / 1e9:,.1f} GB"
+def gb(n, digits=1):
+    return f"{n / 1e9:,.{digits}f} GB"
 
 
 def batch_bytes(cfg, logits=True):
@@ -104,13 +106,19 @@ def problem(cfg, free, names, activations=None, state=None):
     need, available = held + batch + (activations or 0), total / ranks
     if need <= available:
         return None
+    # as many decimals as it takes to show the need above what is available (not "4.0 GB, but 4.0
+    # GB is available"), and a model of kilobytes in megabytes' worth of them
+    digits = next((d for d in range(1, 10) if round(need / 1e9, d) > round(available / 1e9, d)), 9)
+    shown = functools.partial(gb, digits=digits)
     name = names.get
     fixes = [f"fewer {name('n_layer', 'layers')} or a smaller {name('n_embd', 'hidden size')}",
              f"a larger {name('tp', 'TP')} or {name('pp', 'PP')}"]
-    if (cfg.dp or 1) == 1:
+    shards = (cfg.dp or 1) * (cfg.cp or 1)  # ZeRO's group: DP x CP
+    if shards == 1:
         fixes.append(f"more ranks with {name('zero_stage', 'ZeRO')} (it shards over DP)")
     elif cfg.zero_stage < 3:
-        fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over DP={cfg.dp})")
+        over = f"DP={cfg.dp or 1}" if cfg.cp in (None, 1) else f"DP x CP = {cfg.dp or 1} x {cfg.cp}"
+        fixes.append(f"{name('zero_stage', 'ZeRO stage')} {cfg.zero_stage + 1} or more (it shards over {over})")
     n = total_parameters(cfg)
     if activations and activations > need / 2:  # long sequences (attention's T x T part), many in flight
         fixes.insert(0, f"fewer activations: a shorter {name('block_size', 'sequence')}, fewer sequences per "
@@ -125,15 +133,15 @@ def problem(cfg, free, names, activations=None, state=None):
 
         dead = orphans()
         if dead:  # memory no process uses, which a reboot or this command frees
-            fixes.insert(0, f"free the {gb(sum(size for _, size in dead))} that MPI jobs which died left in "
+            fixes.insert(0, f"free the {shown(sum(size for _, size in dead))} that MPI jobs which died left in "
                             f"{SHM_DIR} ({len(dead)} segments): python minipar/comm/shm_orphans.py --remove "
                             "(run_mpi.sh does it before each launch)")
     state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments" + (
         " (and PipeDream-2BW's stashed weights and gradients)" if cfg.schedule == "pipedream-2bw" else "")
-    kept = (f"{gb(batch)} for the batch's token ids and a micro-batch's logits (other activations not counted)"
+    kept = (f"{shown(batch)} for the batch's token ids and a micro-batch's logits (other activations not counted)"
             if activations is None else
-            f"{gb(batch)} for the batch's token ids and {gb(activations)} for the activations the fullest rank keeps")
-    return (f"this run needs about {gb(need)} on each rank: {gb(held)} for a model of {n:,} parameters "
+            f"{shown(batch)} for the batch's token ids and {shown(activations)} for the activations the fullest rank keeps")
+    return (f"this run needs about {shown(need)} on each rank: {shown(held)} for a model of {n:,} parameters "
             f"({cfg.dtype} parameters, gradients{state} on TP x CP x PP x DP = {cfg.tp} x {cfg.cp} x {cfg.pp} x "
-            f"{cfg.dp or 1}, ZeRO stage {cfg.zero_stage}) and {kept}, but {gb(available)} is available to each "
-            f"({what} {gb(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")
+            f"{cfg.dp or 1}, ZeRO stage {cfg.zero_stage}) and {kept}, but {shown(available)} is available to each "
+            f"({what} {shown(total)} / {ranks} rank{'s' * (ranks > 1)} here); fix: {'; '.join(fixes)}")

@@ -280,11 +280,16 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     return kept + (one + max(experts, 0) if recompute and transient else 0)
 
 
+def stage_peak(model, layout, m, d, stage, query_block=64):
+    """The activation bytes pipeline rank ``stage`` keeps at its peak (``rank_bytes`` with the
+    transient layer), with m micro-batches a step (``bubble.in_flight``: every schedule's counts
+    at any size)."""
+    peaks = bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, stage, layout.defer_embedding_wgrad)
+    return rank_bytes(model, layout, stage, peaks, d, query_block)
+
+
 def peak_bytes(model, layout, m, d, query_block=64):
-    """The most activation bytes any pipeline rank keeps at its peak (``rank_bytes`` with the
-    transient layer: the first or last stage, or with uneven ``pipeline_layers`` any), with m
-    micro-batches a step (``bubble.in_flight``: every schedule's counts at any size)."""
+    """The most activation bytes any pipeline rank keeps at its peak: the first or last stage's,
+    or with uneven ``pipeline_layers`` any stage's (``stage_peak``)."""
     stages = range(layout.pp) if layout.pipeline_layers else {0, layout.pp - 1}
-    return max(rank_bytes(model, layout, s, bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s,
-                                                             layout.defer_embedding_wgrad), d, query_block)
-               for s in stages)
+    return max(stage_peak(model, layout, m, d, s, query_block) for s in stages)
