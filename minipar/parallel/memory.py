@@ -133,9 +133,9 @@ def problem(cfg, free, names, activations=None, state=None):
 
         dead = orphans()
         if dead:  # memory no process uses, which a reboot or this command frees
-            fixes.insert(0, f"free the {shown(sum(size for _, size in dead))} that MPI jobs which died left in "
-                            f"{SHM_DIR} ({len(dead)} segments): python minipar/comm/shm_orphans.py --remove "
-                            "(run_mpi.sh does it before each launch)")
+            fixes.append(f"free the {shown(sum(size for _, size in dead))} that MPI jobs which died left in "
+                         f"{SHM_DIR} ({len(dead)} segments): python minipar/comm/shm_orphans.py --remove "
+                         "(run_mpi.sh does it before each launch)")
     state = (", fp32 master weights" if BYTES[cfg.dtype] == 2 else "") + " and AdamW's two moments" + (
         " (and PipeDream-2BW's stashed weights and gradients)" if cfg.schedule == "pipedream-2bw" else "")
     kept = (f"{shown(batch)} for the batch's token ids and a micro-batch's logits (other activations not counted)"
