@@ -56,7 +56,7 @@ def parser():
     return p
 
 
-# the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~5 s)
+# the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~30 s)
 # and every expert of a block (8 layers of 4,096 experts on 8 GPUs: 310 s; 10^20 raised an
 # OverflowError), and walks a long pipeline's schedule micro-batch by micro-batch (a global batch
 # of 10^6: ~70 s and 1 GB; 65,536: ~5 s); run_mpi.sh's limit on ranks
