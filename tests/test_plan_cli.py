@@ -107,3 +107,27 @@ def test_dropout_reaches_the_activations():
     assert all(plans[1][k]["memory_gb"] > plans[0][k]["memory_gb"] for k in plans[0] if not k[6])
     assert all(plans[1][k]["memory_gb"] >= plans[0][k]["memory_gb"] for k in plans[0])
     assert all(plans[1][k]["step_time_s"] == plans[0][k]["step_time_s"] for k in plans[0])
+
+
+def test_plans_the_trainer_refuses_for_message_tags_are_marked():
+    """The planner keeps layouts whose pipeline needs more MPI tags than the standard promises (a
+    bound of minipar's messages, not of the layout): the README's best 1T plan was one, listed as
+    the best with nothing to say the trainer refuses it."""
+    from minipar.plan.__main__ import tags_refused
+    from minipar.plan.shapes import Layout, Model
+
+    model = Model(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
+    assert tags_refused(model, Layout(pp=2, micro_batch_size=1), 32768)  # 32,768 micro-batches
+    assert not tags_refused(model, Layout(pp=2, micro_batch_size=16), 32768)
+    assert not tags_refused(model, Layout(dp=2, micro_batch_size=1), 32768)  # no pipeline, no tags
+    run = subprocess.run([sys.executable, "-m", "minipar.plan", "--num-layers", "4", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "32768",
+                          "--gpus", "2", "--top", "100000"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    (note,) = [line for line in run.stdout.splitlines() if "minipar's trainer refuses plan" in line]
+    rows = run.stdout.split("the best ")[1].split("\n  minipar's")[0].splitlines()[2:]
+    listed = [int(n) for n in note.split("refuses plan")[1].lstrip("s ").split(" as listed")[0].split(", ")]
+    assert listed
+    for n, row in enumerate(rows, 1):  # a tag per (micro-batch, chunk, activation or gradient): 2 m chunks
+        pp, v, dp, mbs = (int(row.split()[i]) for i in (2, 3, 4, 7))
+        assert (n in listed) == (pp > 1 and 2 * (32768 // dp // mbs) * pp * v > 32767), row

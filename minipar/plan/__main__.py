@@ -18,7 +18,7 @@ from minipar.parallel import validate
 
 from .commands import heterogeneous
 from .enumerate import FLAGS, as_json, plan
-from .shapes import PRECISIONS, PRESETS, Machine, Model
+from .shapes import PRECISIONS, PRESETS, Machine, Model, run_config
 
 MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
                "seq_length": "--seq-length", "vocab_size": "--vocab-size", "num_experts": "--num-experts",
@@ -249,6 +249,11 @@ def main(argv=None):
     print(f"{model}\nglobal batch {batch}, {precision} ({PRECISIONS[precision]}); {machine}")
     print(f"\n{tried:,} layouts tried: {len(result.plans):,} fit; the best {min(args.top, len(result.plans))}:")
     print(table(result, args.top))
+    untagged = [i + 1 for i, (layout, _) in enumerate(result.plans[:args.top]) if tags_refused(model, layout, batch)]
+    if untagged:  # planned all the same (enumerate.plan's docstring): a bound of minipar's MPI messages, not of the layout
+        print(f"  minipar's trainer refuses plan{'s' * (len(untagged) > 1)} {', '.join(map(str, untagged))} as listed: "
+              "its pipeline tags each message by micro-batch and chunk, more tags than MPI promises; a larger "
+              f"micro-batch (fewer of them) runs {'them' if len(untagged) > 1 else 'it'}")
     print("\nwhy the rest fail (layouts, one example each):", *failures(result), sep="\n")
     print("\nrules of thumb against the model:")
     for line in rules_of_thumb(result, machine):
@@ -256,6 +261,11 @@ def main(argv=None):
     if args.speeds:
         heterogeneous(result, machine, model, batch, args.speeds, precision)
     return 0 if result.plans else 1
+
+
+def tags_refused(model, layout, batch):
+    """Whether ``python -m minipar.train`` refuses ``layout`` for its pipeline's message tags alone."""
+    return any("message tags" in p for p in validate.problems(run_config(model, layout, batch), FLAGS))
 
 
 def failures(result):
