@@ -8,9 +8,9 @@ more: the stashed weight version and a batch's gradients set aside until its upd
 step allocates beside that, the step's token ids are counted, and the activations: the caller's
 count (the trainer gives the planner's of its fullest stage, ``plan.activations.stage_peak``,
 which depends on the schedule and recomputation), or without one a floor the batch alone
-decides, one micro-batch's logits (``batch_bytes``). It imports nothing from minipar, like ``validate``, which resolves the
-sizes it reads (a refusal alone asks ``comm.shm_orphans``, itself plain Python, what dead MPI jobs
-hold in /dev/shm).
+decides, one micro-batch's logits (``batch_bytes``). It imports nothing from minipar, like
+``validate``, which resolves the sizes it reads (a refusal alone asks ``comm.shm_orphans``,
+itself plain Python, what dead MPI jobs hold in /dev/shm).
 
 A mixture-of-experts block holds a router (E h) and E experts of the MLP's 8 h^2 + 5 h in place of
 its MLP. Each rank holds E/EP whole experts (not split over TP) of the blocks of its stage, and

@@ -250,7 +250,7 @@ def main(argv=None):
     print(f"\n{tried:,} layouts tried: {len(result.plans):,} fit; the best {min(args.top, len(result.plans))}:")
     print(table(result, args.top))
     untagged = [i + 1 for i, (layout, _) in enumerate(result.plans[:args.top]) if tags_refused(model, layout, batch)]
-    if untagged:  # planned all the same (enumerate.plan's docstring): a bound of minipar's MPI messages, not of the layout
+    if untagged:  # planned all the same (enumerate.plan's docstring): minipar's bound, not the layout's
         print(f"  minipar's trainer refuses plan{'s' * (len(untagged) > 1)} {', '.join(map(str, untagged))} as listed: "
               "its pipeline tags each message by micro-batch and chunk, more tags than MPI promises; a larger "
               f"micro-batch (fewer of them) runs {'them' if len(untagged) > 1 else 'it'}")

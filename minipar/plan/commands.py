@@ -32,8 +32,8 @@ def heterogeneous(result, machine, model, batch, speeds, precision="float32"):
     m = batch // layout.dp // layout.micro_batch_size
     head = hetero.head_in_blocks(model, layout.recompute)
     out = hetero.compare(model.num_layers, stage, m, layout.schedule, head)  # the head too: the last stage's extra
-    print(f"\nheterogeneous GPUs: the fastest plan with a pipeline of one chunk per stage (PP={layout.pp}), stage speeds {stage}, "
-          f"{m} micro-batches, {layout.schedule}")
+    print(f"\nheterogeneous GPUs: the fastest plan with a pipeline of one chunk per stage (PP={layout.pp}), "
+          f"stage speeds {stage}, {m} micro-batches, {layout.schedule}")
     for name, (layers, makespan, bub) in out.items():
         print(f"  {name:<9} layers per stage {layers}: step {float(makespan):.4g} layer-forward units, bubble {float(bub):.3f}")
     saved = float(1 - out["balanced"][1] / out["even"][1])
