@@ -24,12 +24,12 @@ def calibrate(comm, model, cores, repeats):
     """(FLOP/s of a core, all running; beta; layer, edge, alpha, call, ring pass): one round's
     micro-benchmarks."""
     rate = measured_peak(comm, np.float32, rounds=1) / cores
-    beta = alpha_beta(comm)[1] if comm.size > 1 else 0.0
+    one_way, beta = alpha_beta(comm) if comm.size > 1 else (0.0, 0.0)
     mine = np.zeros(1)
     if comm.rank == 0:
         mine[0] = median_times([ring_pass(model, min(comm.size, 4))], 2 * repeats)[0]
     comm.barrier()
-    return (rate, beta, *overheads(comm, model, repeats), float(comm.all_reduce(mine, op="max")[0]))
+    return (rate, beta, *overheads(comm, model, repeats, one_way), float(comm.all_reduce(mine, op="max")[0]))
 
 
 def ring_pass(model, cp):
@@ -99,8 +99,8 @@ def tiny_gpt(model, n_layer):
     return lambda: model.forward(idx, idx)[1].backward()
 
 
-def overheads(comm, model, repeats=15, block=4):
-    """(layer, edge, alpha, call) in seconds.
+def overheads(comm, model, repeats=15, one_way=0.0, block=4):
+    """(layer, edge, alpha, call) in seconds; ``one_way``: ``alpha_beta``'s 8-byte one-way time.
 
     Launches: rank 0 alone times a 1- and a 5-layer GPT on 8 tokens (the others wait at a barrier
     without spinning): layer = (t5 - t1) / 4, edge = t1 - layer, one rank's cost on a core of its
@@ -114,7 +114,7 @@ def overheads(comm, model, repeats=15, block=4):
     call: the Python around a call is most of its cost when the ranks have a core each. Per
     all-reduce a_N = (t_N - t_0) / 4 block, so alpha = (a_N - a_2) / (2 (log2 N - 1)) and
     call = a_2 - 2 alpha. With N = 2 the world is the pair and cannot tell alpha from the call:
-    alpha is then the ping-pong's one-way time of 8 bytes (``alpha_beta``), the call the rest of a_2."""
+    alpha is then ``one_way``, the ping-pong's one-way time of 8 bytes, the call the rest of a_2."""
     mine = np.zeros(4)
     if comm.rank == 0:
         one, five = median_times([tiny_gpt(model, 1), tiny_gpt(model, 5)], 2 * repeats)
@@ -134,11 +134,10 @@ def overheads(comm, model, repeats=15, block=4):
         alone, over_world, over_pairs = median_times([steps(None), steps(comm), steps(pair)], repeats, comm)
         mine[2] = (over_world - alone) / (4 * block)
         mine[3] = (over_pairs - alone) / (4 * block)
-    small = alpha_beta(comm)[0] if comm.size == 2 else 0.0  # (a collective: every rank calls it)
     layer, edge, world, pairs = comm.all_reduce(mine, op="max")
     if comm.size == 1:
         return layer, edge, 0.0, 0.0
     if comm.size == 2:
-        return layer, edge, small, max(0.0, pairs - 2 * small)
+        return layer, edge, one_way, max(0.0, pairs - 2 * one_way)
     alpha = max(0.0, world - pairs) / (latency_steps("all_reduce", comm.size) - 2)
     return layer, edge, alpha, max(0.0, pairs - 2 * alpha)

@@ -140,9 +140,7 @@ def memory_bytes(model, layout, global_batch, dtype="float32", query_block=64):
     memory = 0
     for s in _stages(layout):
         held = state.stage_peak_bytes(model, layout, s, dtype, m)  # ZeRO: what a step holds for a moment too
-        peaks = bubble.in_flight(layout.schedule, layout.pp, m, layout.vpp, s, layout.defer_embedding_wgrad)
-        held += activations.rank_bytes(model, layout, s, peaks, d, query_block)
-        memory = max(memory, held)
+        memory = max(memory, held + activations.stage_peak(model, layout, m, d, s, query_block))
     return memory
 
 
