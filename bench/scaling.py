@@ -26,7 +26,9 @@ loss); the fourth's over the third is what messages and the executor's own work 
 PipeDream-2BW never flushes, so its formula's bubble is none and its FLOPs' only the stages'
 imbalance; its stream of batches is not replayed ("-"). ``1f1b+defer`` is 1F1B with the head's
 weight gradients run at the flush (``--defer-embedding-wgrad-compute``), ``1f1b-slack+defer``
-1F1B-slack with them: the FLOPs' bubble counts them there.
+1F1B-slack with them: the FLOPs' bubble counts them there. ``1f1b+defer+1`` and ``+2`` also defer
+the weight gradients of the last stage's last one or two linear layers (``--defer-wgrad-linears``),
+taking from its steady cycles the time by which the head makes them longer than the others'.
 
 Every layout is compared with the one-rank run of its own model: the MoE layouts (expert
 parallelism) with a one-rank MoE run. Its ideal N assumes a router that gives every rank as many
@@ -66,7 +68,8 @@ MODEL = ["--n-head", "4", "--block-size", "128", "--global-batch-size", str(BATC
 EXPERTS, TOP_K = 4, 2  # the MoE layouts' experts per layer and experts per token
 MOE = ["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOP_K)]
 PIPE = ["--pp", "{n}", "--micro-batch-size", str(MICRO)]
-DEFER = "--defer-embedding-wgrad-compute"
+DEFER, LINEARS = "--defer-embedding-wgrad-compute", "--defer-wgrad-linears"
+W_FLOPS = (8, 8, 2, 6)  # a token's weight-gradient FLOPs / h^2 of a block's linear layers, from the MLP's c_proj back
 
 # name: (extra flags, "dense" or "moe" model, pipeline schedule or None); {n} is the rank count
 LAYOUTS = {
@@ -83,6 +86,9 @@ LAYOUTS = {
     # the head's weight gradients at the flush (Megatron-LM's deferred embedding wgrad)
     "1f1b+defer": (PIPE + ["--schedule", "1f1b", DEFER], "dense", "1f1b"),
     "1f1b-slack+defer": (PIPE + ["--schedule", "1f1b-slack", DEFER], "dense", "1f1b-slack"),
+    # and the last linear layers' (the last block's MLP products: c_proj's, then c_fc's)
+    "1f1b+defer+1": (PIPE + ["--schedule", "1f1b", DEFER, LINEARS, "1"], "dense", "1f1b"),
+    "1f1b+defer+2": (PIPE + ["--schedule", "1f1b", DEFER, LINEARS, "2"], "dense", "1f1b"),
     "interleaved": (PIPE + ["--schedule", "interleaved", "--vpp", "2"], "dense", "interleaved"),
     "zb-h1": (PIPE + ["--schedule", "zb-h1"], "dense", "zb-h1"),
     "zb-h2": (PIPE + ["--schedule", "zb-h2"], "dense", "zb-h2"),
@@ -120,6 +126,7 @@ def ideal(layout, n, n_layer, n_embd):
     if schedule is None:
         return n, None, None
     defer = DEFER in flags
+    linears = int(flags[flags.index(LINEARS) + 1]) if LINEARS in flags else 0
     m = BATCH // MICRO  # micro-batches of the one DP replica
     v = 2 if schedule in ("interleaved", "zb-v") else 1
     shape = schedules.shape_of(schedule)
@@ -143,8 +150,10 @@ def ideal(layout, n, n_layer, n_embd):
         loads = [sum(flops[r, c] for c in range(v)) for r in range(n)]
         return n, Fraction(0), 1 - Fraction(sum(loads), n * max(loads))
     equal = bubble(dict.fromkeys(flops, 1))
-    # deferred, the head's W (a third of the head's FLOPs) leaves the last chunk's backward
-    head_w = {k: head / 3 * (pipe.global_chunk(*k) == n * v - 1) for k in flops}
+    # deferred, the head's W (a third of the head's FLOPs) leaves the last chunk's backward, and the
+    # last linear layers' W's (2 x in x out a token each)
+    head_w = head / 3 + sum(W_FLOPS[i % 4] for i in range(linears)) * n_embd**2
+    head_w = {k: head_w * (pipe.global_chunk(*k) == n * v - 1) for k in flops}
     return n * (1 - equal), equal, bubble(flops, head_w)
 
 

@@ -25,7 +25,8 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "cp_comm_type":
          "sequence_parallel": "--sequence-parallel", "zero_stage": "--zero-stage", "dtype": "--dtype",
          "ep": "--ep", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
          "moe_layer_freq": "--moe-layer-freq", "moe_expert_capacity_factor": "--moe-expert-capacity-factor",
-         "vocab_size": "--vocab-size", "recompute": "--recompute", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute"}
+         "vocab_size": "--vocab-size", "recompute": "--recompute", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute",
+         "defer_wgrad_linears": "--defer-wgrad-linears"}
 
 # the mixture-of-experts flags' defaults (train.py's parser takes them from here): any other value
 # without --num-experts is a flag that would do nothing
@@ -46,6 +47,7 @@ def run_config(args, world_size):
                      dropout=args.dropout, sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
                      recompute=args.recompute, dtype=model_dtype(args), fp32_grads=args.accumulate_allreduce_grads_in_fp32,
                      pipeline_layers=args.pipeline_layers, defer_embedding_wgrad=args.defer_embedding_wgrad,
+                     defer_wgrad_linears=args.defer_wgrad_linears,
                      ep=args.ep, num_experts=args.num_experts,
                      moe_router_topk=args.moe_router_topk if args.num_experts else None,
                      moe_layer_freq=args.moe_layer_freq, moe_expert_capacity_factor=args.moe_expert_capacity_factor)

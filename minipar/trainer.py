@@ -71,7 +71,8 @@ class Trainer(Reports):
             self.executor = PipeDream2BW(model, grid, args.micro_batches, self.opt, recompute=args.recompute)
         else:
             self.executor = PipelineExecutor(model, grid, args.schedule, args.micro_batches, optimizer=self.opt,
-                                             recompute=args.recompute, defer_embedding_wgrad=args.defer_embedding_wgrad)
+                                             recompute=args.recompute, defer_embedding_wgrad=args.defer_embedding_wgrad,
+                                             defer_wgrad_linears=args.defer_wgrad_linears)
         self.end = args.max_iters  # the run's last iteration + 1 (PipeDream-2BW drains before it)
         # chunks per rank; PipeDream-2BW's step runs the next batch's forwards too: no replay for it
         self.lagged = isinstance(self.executor, PipeDream2BW)  # its results come a step late (_steps)

@@ -138,6 +138,10 @@ def test_scaling_benchmark_runs_and_takes_pipelines_ideal_from_the_simulator():
     for deferred in ("1f1b+defer", "1f1b-slack+defer"):  # the head's W at the flush: off the critical path
         assert scaling.ideal(deferred, 2, 4, 128)[1] == equal
         assert float(scaling.ideal(deferred, 2, 4, 128)[2]) == pytest.approx(0.117, abs=5e-4)
+    # and the last block's MLP products' W's (8 h^2 a token each): the last stage's cycle shorter,
+    # its drain filled; with both, it becomes the shorter stage and the drain the longer
+    assert float(scaling.ideal("1f1b+defer+1", 2, 4, 128)[2]) == pytest.approx(0.079, abs=5e-4)
+    assert float(scaling.ideal("1f1b+defer+2", 2, 4, 128)[2]) == pytest.approx(0.098, abs=5e-4)
     assert scaling.ideal("zb-v", 2, 4, 128)[1] == Fraction(1, 49) and scaling.ideal("dp", 4, 4, 128) == (4, None, None)
     # PipeDream-2BW never flushes: only the imbalance, stage 0 idle 1/15 of the time: 1/30 of all
     assert scaling.ideal("pipedream-2bw", 2, 4, 128) == (2, 0, Fraction(1, 30))

@@ -1,12 +1,15 @@
 """Megatron-LM's deferred embedding wgrad (``schedules.defer_head_weight``): where the head's W's
 go in each schedule, what they buy on paper (the stages' FLOPs replayed), what is refused, and the
-trainer's replay of a step that ran them. Against one device under MPI: tests/mpi/pipeline.py."""
+trainer's replay of a step that ran them; with them, the last linear layers' (``--defer-wgrad-linears``).
+Against one device under MPI: tests/mpi/pipeline.py."""
 
 from fractions import Fraction
 
 import pytest
 
+import minipar
 from minipar.mfu import flops_per_token
+from minipar.models import GPT, GPTConfig
 from minipar.parallel import validate
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline import stage_times
@@ -83,6 +86,39 @@ def test_what_cannot_defer_the_head_is_refused(cfg, message):
                                  names={"defer_embedding_wgrad": "--defer-embedding-wgrad-compute"})
     assert len(problems) == 1 and message in problems[0] and "--defer-embedding-wgrad-compute" in problems[0]
     assert not validate.problems(validate.RunConfig(**cfg))
+
+
+LINEAR_FLAGS = {"defer_embedding_wgrad": "--defer-embedding-wgrad-compute", "defer_wgrad_linears": "--defer-wgrad-linears",
+                "zero_stage": "--zero-stage", "num_experts": "--num-experts"}
+
+
+@pytest.mark.parametrize("cfg,message", [
+    (dict(defer_embedding_wgrad=False), "beside the head's, which go to the flush first: add --defer-embedding-wgrad-compute"),
+    (dict(zero_stage=3), "with --zero-stage 3: ZeRO-3's memory replay follows only the head's"),
+    (dict(num_experts=4), "dense blocks only: drop --defer-wgrad-linears with --num-experts"),
+    (dict(defer_wgrad_linears=9), "the last pipeline chunk has 2 blocks of 4 linear layers each; park at most 8"),
+    (dict(defer_wgrad_linears=5, pipeline_layers=(3, 1)), "has 1 blocks of 4 linear layers each; park at most 4"),
+    (dict(defer_wgrad_linears=-1), "must be a whole number of linear layers, 0 or more, got -1"),
+    (dict(defer_wgrad_linears=True), "must be a whole number of linear layers, 0 or more, got True"),
+])
+def test_what_cannot_defer_the_last_linear_layers_is_refused(cfg, message):
+    run = dict(pp=2, schedule="1f1b", n_layer=4, defer_embedding_wgrad=True, defer_wgrad_linears=3)
+    problems = validate.problems(validate.RunConfig(**{**run, **cfg}), names=LINEAR_FLAGS)
+    assert len(problems) == 1 and message in problems[0] and "--defer-wgrad-linears" in problems[0], problems
+    for fine in (dict(defer_wgrad_linears=8, zero_stage=2), dict(defer_wgrad_linears=4, pipeline_layers=(3, 1))):
+        assert not validate.problems(validate.RunConfig(**{**run, **fine}))
+
+
+def test_the_last_linear_layers_are_those_backward_reaches_first():
+    """The head's neighbours, from the last block's MLP output projection back through its block
+    and on into the block before; on a pipeline, the last stage's last chunk."""
+    minipar.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=16))
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = ["mlp.c_proj", "mlp.c_fc", "attn.c_proj", "attn.c_attn"]
+    assert [names[id(w)] for w in model.last_linear_weights(6)] == (
+        [f"transformer.h.1.{n}.weight" for n in order] + [f"transformer.h.0.{n}.weight" for n in order[:2]])
+    assert model.last_linear_weights(0) == [] and len(model.last_linear_weights(99)) == 8
 
 
 def test_the_replay_of_a_step_with_the_head_ws_gives_it_back():

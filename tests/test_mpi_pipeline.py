@@ -22,10 +22,13 @@ from mpi_run import ROOT, check_mpi, run_mpi
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "1f1b", "--recompute"]),
     # the head's W's at the flush (Megatron-LM's deferred embedding wgrad): DP's sums started by
     # hooks, a bucket a parameter, the tied embedding's from its last head W; with TP, SP, recompute
+    # and the last 3 linear layers' W's; with ZeRO-2's groups sent from the flush's W's
     (4, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2", "--bucket-bytes", "1",
          "--defer-embedding-wgrad"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "gpipe", "--m", "3", "--recompute",
-         "--defer-embedding-wgrad"]),
+         "--defer-embedding-wgrad", "--defer-wgrad-linears", "3"]),
+    (4, ["--pp", "2", "--schedule", "1f1b", "--m", "3", "--zero-stage", "2", "--bucket-bytes", "1",
+         "--defer-embedding-wgrad", "--defer-wgrad-linears", "5"]),
     (4, ["--pp", "2", "--schedule", "1f1b", "--m", "3", "--zero-stage", "3", "--defer-embedding-wgrad"]),
     # ZeRO-2 and 3 hold back what the model sums after backward: the tied embedding's two parts,
     # sequence parallelism's partial sums
@@ -70,7 +73,7 @@ def test_zero_bubble_pipeline_matches_the_single_device_run(n, args):
 
 
 @pytest.mark.parametrize("args", [["--schedule", "zb-h1"], ["--schedule", "zb-v", "--v", "2"],
-                                  ["--schedule", "1f1b", "--defer-embedding-wgrad"]])
+                                  ["--schedule", "1f1b", "--defer-embedding-wgrad", "--defer-wgrad-linears", "2"]])
 def test_a_skipped_w_is_caught(args):
     code, out, _ = run_mpi(2, "pipeline.py", "--pp", "2", "--m", "4", "--plant-bug", *args, timeout=60)
     assert code != 0 and "gradient of" in out and "off by" in out, out

@@ -264,6 +264,14 @@ class GPT(WholeModel, Module):
         """The output head's weight, the tied token embedding (this rank's vocabulary rows under TP)."""
         return self.transformer.wte.weight
 
+    def last_linear_weights(self, k):
+        """The weights of the k linear layers nearest the head, in the order backward reaches them:
+        the last block's MLP output projection, its input projection, attention's output
+        projection, its QKV, then the block before's (this rank's last chunk; dense blocks)."""
+        layers = [(b.mlp.c_proj, b.mlp.c_fc, b.attn.c_proj, b.attn.c_attn)
+                  for b in reversed([self._block[i] for i in self.chunk_layers[-1]])]
+        return [linear.weight for block in layers for linear in block][:k]
+
     def loss(self, logits, targets, reduction="mean"):
         """The mean cross-entropy over this rank's positions of ``targets`` (B, T), or their sum."""
         targets = self.local_targets(xp.asarray(array_of(targets)))

@@ -48,6 +48,7 @@ class RunConfig:
     fp32_grads: bool = False  # 16-bit runs: gradients accumulated and reduced in fp32 (memory counts them)
     pipeline_layers: Optional[tuple] = None  # layers of each global pipeline chunk; None: n_layer / (pp x v) each
     defer_embedding_wgrad: bool = False  # the head's weight gradients run at the pipeline's flush
+    defer_wgrad_linears: int = 0  # and those of the last stage's last linear layers (validate._deferred_head)
     dtype: str = "float32"
 
 
@@ -90,6 +91,10 @@ def field_problems(cfg, say):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             out.append(f"{say.name(field)} must be a positive integer, got {value!r}")
             bad.add(field)
+    k = cfg.defer_wgrad_linears
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        out.append(f"{say.name('defer_wgrad_linears')} must be a whole number of linear layers, 0 or more, got {k!r}")
+        bad.add("defer_wgrad_linears")
     if cfg.zero_stage not in (0, 1, 2, 3) or isinstance(cfg.zero_stage, bool):
         out.append(f"{say.name('zero_stage')} must be 0, 1, 2 or 3, got {cfg.zero_stage!r}")
         bad.add("zero_stage")

@@ -205,7 +205,9 @@ def _batch(cfg, say, known, dp, out):
 
 def _deferred_head(cfg, say, known, out):
     """The head's weight gradients wait for a flush (``schedules.defer_head_weight``): a pipeline,
-    and a schedule that flushes with whole backwards."""
+    and a schedule that flushes with whole backwards. ``defer_wgrad_linears`` moves more of the last
+    stage's weight gradients there, those of its last linear layers (``GPT.last_linear_weights``)."""
+    _deferred_linears(cfg, say, known, out)
     if not cfg.defer_embedding_wgrad:
         return
     flag = say("defer_embedding_wgrad")
@@ -218,6 +220,33 @@ def _deferred_head(cfg, say, known, out):
     elif known("schedule") and cfg.schedule not in DEFERS_HEAD:
         out.append(f"{say('schedule', cfg.schedule)} never flushes, so nothing hides the head's weight "
                    f"gradients: {flag} needs one of {', '.join(DEFERS_HEAD)}")
+
+
+def _deferred_linears(cfg, say, known, out):
+    """More weight gradients at the flush: beside the head's, in dense blocks of the last chunk,
+    with gradients that ZeRO-3's planner replay follows (it follows the head's alone)."""
+    k = cfg.defer_wgrad_linears
+    if not known("defer_wgrad_linears") or not k:
+        return
+    flag = say("defer_wgrad_linears")
+    if not cfg.defer_embedding_wgrad:
+        out.append(f"{flag} parks linear layers' weight gradients beside the head's, which go to the flush "
+                   f"first: add {say.name('defer_embedding_wgrad')}")
+    if known("num_experts") and cfg.num_experts:
+        out.append(f"{flag} parks the weight gradients of dense blocks only: drop {say.name('defer_wgrad_linears')} "
+                   f"with {say.name('num_experts')}")
+    if known("zero_stage") and cfg.zero_stage == 3:
+        out.append(f"{flag} with {say('zero_stage', 3)}: ZeRO-3's memory replay follows only the head's deferred "
+                   f"weight gradients; use {say.name('defer_embedding_wgrad')} alone, or ZeRO-2")
+    if cfg.pipeline_layers is not None and all(isinstance(n, numbers.Integral) for n in cfg.pipeline_layers):
+        layers = cfg.pipeline_layers[-1]
+    elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (cfg.pp * cfg.virtual_stages) == 0:
+        layers = cfg.n_layer // (cfg.pp * cfg.virtual_stages)
+    else:
+        return
+    if k > 4 * layers:
+        out.append(f"{flag}: the last pipeline chunk has {layers} blocks of 4 linear layers each; "
+                   f"park at most {4 * layers}")
 
 
 def _schedule(cfg, say, known, dp, m, mbs, out):

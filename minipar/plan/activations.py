@@ -70,7 +70,7 @@ looked up whole before their reduce-scatter, and the head's input, gathered whol
 each. With the head's weight gradients deferred to the flush (``Layout.defer_embedding_wgrad``)
 the last chunk's rank also parks, from each backward of that chunk until the flush, the
 micro-batch's head input (whole, s b h) and the logits' gradient (b s V/t): one count more in
-``in_flight``'s vectors. A zero-bubble schedule's B frees a micro-batch's graph but parks its W's
+``in_flight``'s vectors; with ``defer_wgrad_linears`` also its last linear layers' (``linears_parked``). A zero-bubble schedule's B frees a micro-batch's graph but parks its W's
 inputs (``parked_bytes``: 20 s b h a block on one device), counted apart in ``in_flight``'s vectors
 (v counts more). The per-layer formula is exact on one device; a rank's peak is within 0.07% of
 the measured one for every dense layout measured (TP, SP, CP, PP, each schedule, recomputation,
@@ -214,6 +214,17 @@ def parked_bytes(model, layout, d):
     return dense, router + 10 * d * R * h - (2 * sbh + (9 if sp else 8) * sbh // t)
 
 
+def linears_parked(model, layout, d):
+    """What one micro-batch of the last chunk keeps for the flush with the weight gradients of its
+    last ``layout.defer_wgrad_linears`` linear layers deferred (``GPT.last_linear_weights``): each
+    layer's input and output gradient, in s b h per layer from the MLP's output projection back,
+    4/t + 1, 1 + 4/t, 1/t + 1, 1 + 3/t (a column-parallel input and a row-parallel output gradient
+    whole, gathered under SP; the rest split by TP)."""
+    t, sbh = layout.tp, d * (model.seq_length // layout.cp) * layout.micro_batch_size * model.hidden_size
+    block = (4 * sbh // t + sbh, sbh + 4 * sbh // t, sbh // t + sbh, sbh + 3 * sbh // t)
+    return sum(block[i % 4] for i in range(layout.defer_wgrad_linears))
+
+
 def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
     """Activation bytes at the peak on pipeline rank ``stage``: its chunks (``state.stage_chunks``,
     their blocks ``state.chunk_layers``) times the micro-batches its schedule holds in each at its peaks
@@ -274,7 +285,8 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
         dense_w, experts_w = parked_bytes(model, layout, d)
         held += [parked(c) for c in chunks]
     if layout.defer_embedding_wgrad and last in chunks:  # a parked head W: its input (whole under SP),
-        held.append(sbh + logits // 2)  # and the logits' gradient, one of the two logits-sized arrays
+        held.append(sbh + logits // 2 + linears_parked(model, layout, d))  # and the logits' gradient (one
+        # of the two logits-sized arrays), and the deferred linear layers' inputs and output gradients
     held += [0 if c == last else sbh // shard for c in chunks]  # the just-run forward's output, until sent
     kept = max(sum(n * h for n, h in zip(peak, held, strict=True)) for peak in peaks)
     return kept + (one + max(experts, 0) if recompute and transient else 0)

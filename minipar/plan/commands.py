@@ -77,4 +77,6 @@ def train_flags(model, layout, batch, layers, precision="float32"):
         flags.append(f"--recompute-granularity {'full' if layout.recompute else 'selective'}")
     if layout.defer_embedding_wgrad:
         flags.append("--defer-embedding-wgrad-compute")
+    if layout.defer_wgrad_linears:
+        flags.append(f"--defer-wgrad-linears {layout.defer_wgrad_linears}")
     return " ".join(flags + [PRECISION_FLAGS[precision]] * bool(PRECISION_FLAGS[precision]))

@@ -42,6 +42,7 @@ FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-
          "sequence_parallel": "--sequence-parallel", "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
          "moe_layer_freq": "--moe-layer-freq", "cp_comm_type": "--cp-comm-type", "schedule": "--schedule",
          "pipeline_layers": "--pipeline-layers", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute",
+         "defer_wgrad_linears": "--defer-wgrad-linears",
          "dropout": "--dropout"}
 
 

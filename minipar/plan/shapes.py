@@ -31,6 +31,7 @@ class Precision:
 # Megatron's usual setting and the one its papers' memory counts assume).
 PRECISIONS = {"float32": Precision(4, 4, 8, 4), "float64": Precision(8, 8, 16, 8), "bf16": Precision(2, 2, 12, 2),
               "bf16-fp32-grads": Precision(2, 4, 12, 2)}
+BUCKET = 4 << 20  # DataParallelAdamW's bucket_bytes: data parallelism's buckets and ZeRO's groups
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Layout:
     schedule: str = "1f1b"
     pipeline_layers: tuple = None  # layers of each global chunk, in order (--pipeline-layers); None: L/(p v) each
     defer_embedding_wgrad: bool = False  # the head's weight gradients at the flush: the last rank parks their inputs
+    defer_wgrad_linears: int = 0  # and its last k linear layers' (--defer-wgrad-linears)
 
     @property
     def world_size(self):
@@ -128,7 +130,7 @@ def run_config(model, layout, global_batch, dtype="float32"):
         n_layer=model.num_layers, n_head=model.num_attention_heads, n_embd=model.hidden_size,
         block_size=model.seq_length, vocab_size=model.vocab_size, sequence_parallel=layout.sequence_parallel,
         zero_stage=layout.zero_stage, recompute=layout.recompute, pipeline_layers=layout.pipeline_layers,
-        defer_embedding_wgrad=layout.defer_embedding_wgrad,
+        defer_embedding_wgrad=layout.defer_embedding_wgrad, defer_wgrad_linears=layout.defer_wgrad_linears,
         dtype=dtype if dtype in validate.DTYPES else "float32")
 
 
@@ -143,7 +145,8 @@ def from_run_config(run, selective_recompute=False):
                     zero_stage=run.zero_stage, micro_batch_size=run.micro_batch_size, recompute=run.recompute,
                     selective_recompute=selective_recompute, sequence_parallel=run.sequence_parallel,
                     cp_comm_type=run.cp_comm_type or "p2p", schedule=run.schedule or "1f1b",
-                    pipeline_layers=run.pipeline_layers, defer_embedding_wgrad=bool(run.defer_embedding_wgrad))
+                    pipeline_layers=run.pipeline_layers, defer_embedding_wgrad=bool(run.defer_embedding_wgrad),
+                    defer_wgrad_linears=run.defer_wgrad_linears)
     return model, layout, run.micro_batches
 
 

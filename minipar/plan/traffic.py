@@ -46,13 +46,12 @@ from functools import lru_cache
 from minipar.comm.stats import ring_bytes
 from minipar.parallel.context import HEADER
 
-from . import zero3
-from .shapes import PRECISIONS, micro_batches
+from . import zero3, zero12
+from .shapes import BUCKET, PRECISIONS, micro_batches
 from .state import (edges, partial_sums, rank_parameters, split_layers, split_of, stage_chunks, stage_layers,
                     token_embedding)
 
 NORM = 8  # the gradient norm's partial sum: one float64
-BUCKET = 4 << 20  # DataParallelAdamW's bucket_bytes
 
 
 def group_bytes(model, layout, global_batch, stage=0, dtype="float32"):
@@ -159,6 +158,10 @@ def _count(model, layout, global_batch, stage, dtype):
             charge(dp, "reduce_scatter", dense * g, n, m if z == 2 else 1)
             charge(dp, "all_gather", dense * w, n)
             calls[dp] += extra_buckets * ((m if z == 2 else 1) + 1)
+        elif z == 2 and lay.defer_wgrad_linears:  # some groups sent at the flush: the replay's sends
+            for values, ranks, sends in zero12.group_sends(model, lay, stage, m, dtype):
+                charge(dp, "reduce_scatter", values * g, ranks, sends)
+                charge(dp, "all_gather", values * w, ranks)
         elif z == 2:  # ZeRO-2 sends what the model sums after backward once, at the end, in groups of its own
             # (zero2.py); with SP the experts are among them, and split the held dense ones into runs
             runs = moe_layers + tail if experts_held else 1

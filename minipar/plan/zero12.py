@@ -38,8 +38,7 @@ from functools import lru_cache
 from minipar.parallel.pipeline.instructions import BACKWARD, BACKWARD_WEIGHT, HEAD_WEIGHT, STEP
 
 from . import state
-from .shapes import PRECISIONS
-from .traffic import BUCKET
+from .shapes import BUCKET, PRECISIONS
 from .zero3_peak import rank_passes
 
 
@@ -76,7 +75,8 @@ def parameter_list(model, layout, stage):
 def hook_order(model, layout, stage):
     """{local chunk: the indices of ``parameter_list`` in the order that chunk's backward (or W)
     finishes them} (the module docstring's order), without the head's tied embedding where its
-    W comes at the flush."""
+    W comes at the flush, nor the weights of the last ``defer_wgrad_linears`` linear layers; and
+    {HEAD_WEIGHT: the indices each deferred W at the flush finishes, the head's first}."""
     modules, at = [], 0
     for kind, c, params in _modules(model, layout, stage):
         modules.append((kind, c, list(range(at, at + len(params)))))
@@ -95,6 +95,11 @@ def hook_order(model, layout, stage):
             order[c] += index
     if head not in (None, embed) and not layout.defer_embedding_wgrad:  # the head's part: first in its chunk
         order[head].insert(0, 0)  # (deferred, its W comes at the flush)
+    elif head is not None and layout.defer_embedding_wgrad:  # at the flush: the head's part, then the
+        # weights of the linear layers nearest it (the MLP's output projection first)
+        linears = [index[0] for kind, c, index in reversed(modules) if kind == "linear" and c == head]
+        order[HEAD_WEIGHT] = [0] + linears[:layout.defer_wgrad_linears]
+        order[head] = [i for i in order[head] if i not in order[HEAD_WEIGHT]]
     return order
 
 
@@ -150,9 +155,23 @@ def _transient(model, layout, stage, dtype, m):
     return _replay(parameter_list(model, layout, stage), groups, sent, hook_order(model, layout, stage), passes, grad)
 
 
-def _replay(params, groups, sent, order, passes, grad):
+def group_sends(model, layout, stage, m, dtype="float32"):
+    """[(values, ranks, reduce-scatters)] of each ZeRO-2 group in a step of m micro-batches, by the
+    replay: one a micro-batch, a held group's one at the step; a group whose last hook a deferred
+    W at the flush fires (``defer_wgrad_linears``), there, and once more at the step if m > 1 (the
+    later W's add to one weight of it, after its send)."""
+    groups = rank_groups(model, layout, stage, dtype, members=True)
+    passes = rank_passes(layout.schedule, layout.pp, m, layout.vpp, layout.defer_embedding_wgrad, stage)
+    count = [0] * len(groups)
+    _replay(parameter_list(model, layout, stage), groups, [0] * len(groups), hook_order(model, layout, stage),
+            passes, 0, count)
+    return [(values, n, sends) for (values, n, _, _), sends in zip(groups, count)]
+
+
+def _replay(params, groups, sent, order, passes, grad, count=None):
     """The most a ZeRO-2 rank holds beyond its state over ``passes`` (its schedule's, then the
-    step), every send pending until the next one: ``ZeRO2``'s hooks and ledger, replayed."""
+    step), every send pending until the next one: ``ZeRO2``'s hooks and ledger, replayed
+    (``count``: each group's sends added to it)."""
     group_of = {i: k for k, (_, _, _, members) in enumerate(groups) for i in members}
     whole, ready, done, pending, most = set(), [set() for _ in groups], set(), 0, 0
 
@@ -160,6 +179,8 @@ def _replay(params, groups, sent, order, passes, grad):
         nonlocal pending, most
         most = max(most, grad * sum(params[i][0] for i in whole) + sent[k] + pending)
         pending = sent[k]
+        if count is not None:
+            count[k] += 1
         whole.difference_update(groups[k][3])
         ready[k] = set()
         done.add(k)
@@ -176,8 +197,9 @@ def _replay(params, groups, sent, order, passes, grad):
         if op in (BACKWARD, BACKWARD_WEIGHT):  # a whole backward's hooks, or a split one's W's
             for i in order[c]:
                 hook(i)
-        elif op == HEAD_WEIGHT:  # the head's W deferred to the flush: the tied embedding's part
-            hook(0)
+        elif op == HEAD_WEIGHT:  # the head's W deferred to the flush: the tied embedding's part (and
+            for i in order[HEAD_WEIGHT]:  # the last linear layers' weights)
+                hook(i)
         elif op == STEP:  # finish_gradients: what is not sent, or came after its send, in order
             for k in range(len(groups)):
                 if k not in done or ready[k]:

@@ -11,6 +11,8 @@ tied embedding's two copies start equal on ranks seeded differently.
 ``--defer-embedding-wgrad``, the head's W): the gradients must then be found wrong.
 ``--defer-embedding-wgrad``: the head's weight gradients at the flush; none reaches the head before
 its first W, and the parked bytes are each micro-batch's head input and logits' gradient.
+``--defer-wgrad-linears K`` (with it): the last K linear layers' too, each parking its input and
+output gradient.
 """
 
 import argparse
@@ -42,6 +44,7 @@ p.add_argument("--sequence-parallel", action="store_true")
 p.add_argument("--zero-stage", type=int, default=0)
 p.add_argument("--plant-bug", action="store_true")
 p.add_argument("--defer-embedding-wgrad", action="store_true")
+p.add_argument("--defer-wgrad-linears", type=int, default=0)
 p.add_argument("--bucket-bytes", type=int, default=4 << 20, help="DP's gradient buckets (1: one per parameter, "
                "each sum started by its own gradient's hook)")
 p.add_argument("--layers", help="layers of each pipeline chunk, e.g. 3,1 (an uneven split); default 2 each")
@@ -61,7 +64,8 @@ try:
                 pipeline_shape=schedules.shape_of(args.schedule), layers_per_stage=layers)
     opt = make_optimizer(model, grid, args.zero_stage, args.bucket_bytes, **hyper)  # the step protocol: data parallelism + AdamW
     run = PipelineExecutor(model, grid, args.schedule, args.m, optimizer=opt, recompute=args.recompute,
-                           defer_embedding_wgrad=args.defer_embedding_wgrad)
+                           defer_embedding_wgrad=args.defer_embedding_wgrad,
+                           defer_wgrad_linears=args.defer_wgrad_linears)
 except ValueError as e:  # bad sizes: every rank must refuse, before any message (then all meet here)
     print(f"rank {world().rank} refused: {e}", flush=True)
     world().barrier()
@@ -74,12 +78,13 @@ if args.plant_bug:  # W (or the head's W) of micro-batch 1 dropped: its gradient
     def skip_w(state, ins, keep=run._handlers[op]):
         getattr(state, parked).pop((ins.mb, ins.chunk)) if ins.mb == 1 else keep(state, ins)
     run._handlers[op] = skip_w
-if deferred:  # the head's weight gets no gradient from a backward, only from its W at the flush
+if deferred:  # the head's weight (and the deferred linears') gets no gradient from a backward, only from W
+    assert len(run.deferred) == (1 + args.defer_wgrad_linears) * bool(run.last_head), run.deferred
+
     def backward_leaves_the_head(state, ins, keep=run._handlers[schedules.BACKWARD]):
         keep(state, ins)
-        if ins.chunk in run.last_head:  # (a middle stage holds no head: model.head_weight is the last stage's)
-            g = model.head_weight.grad
-            assert g is None or not g.any(), f"rank {rank}: {ins} reached the head"
+        for w in run.deferred if ins.chunk in run.last_head else ():  # (a middle stage's hold none)
+            assert w.grad is None or not w.grad.any(), f"rank {rank}: {ins} reached a deferred weight"
     run._handlers[schedules.BACKWARD] = backward_leaves_the_head
 opt_s = AdamW(serial.parameters(), **hyper)
 rank = world().rank
@@ -153,7 +158,9 @@ assert trained.peak_alive == held, f"rank {rank}: held {trained.peak_alive} acti
 if deferred:  # the last chunk's rank parks every micro-batch's head input (whole under SP) and logits' gradient
     rows = batch // args.m // grid.dp
     vocab = padded_vocab(config.vocab_size, args.tp) // args.tp  # the head's rows here (ZeRO-3 released them)
-    head = args.m * rows * config.block_size * (config.n_embd + vocab) * 8 if run.last_head else 0
+    h, t = config.n_embd, args.tp  # each deferred linear's input and output gradient, from the MLP's c_proj back
+    linears = sum([4 * h // t + h, h + 4 * h // t, h // t + h, h + 3 * h // t][i % 4] for i in range(args.defer_wgrad_linears))
+    head = args.m * rows * config.block_size * (config.n_embd + vocab + linears) * 8 if run.last_head else 0
     assert trained.peak_weight_bytes == head, f"rank {rank}: {trained.peak_weight_bytes}, not {head}"
 else:
     assert (trained.peak_weight_bytes > 0) == args.schedule.startswith("zb-"), trained.peak_weight_bytes

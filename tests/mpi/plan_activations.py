@@ -52,7 +52,8 @@ MORE_LAYOUTS = [  # (name, tp, pp, ep, sequence parallel, experts, capacity fact
 ]
 UNEVEN = [("PP2 DP2 3,1", (3, 1)), ("PP2 DP2 1,3", (1, 3))]  # --pipeline-layers, 1F1B
 ULYSSES = [("CP2 DP2 a2a", 1, False), ("CP2 TP2 a2a", 2, False), ("CP2 DP2 a2a sel.", 1, True)]  # (name, tp, selective)
-DEFERRED = [("PP2 DP2 defer", 1, False), ("TP2 PP2 SP defer", 2, True)]  # (name, tp, sequence parallel), 1F1B
+DEFERRED = [("PP2 DP2 defer", 1, False, 0), ("TP2 PP2 SP defer", 2, True, 0),  # (name, tp, sequence parallel,
+            ("PP2 DP2 defer+5", 1, False, 5), ("TP2 PP2 SP defer+3", 2, True, 3)]  # linears deferred too), 1F1B
 
 # The relative error a row may have: 0.2% where rank_bytes counts what the graphs keep (every dense
 # layout, within 0.07%: a position embedding's s h, or the first stage's input counted twice, moves
@@ -87,11 +88,11 @@ class ParkingExecutor(MeasuringExecutor):
         self.peak = max(self.peak, graph_bytes(graphs, self.model.parameters(), batch_arrays(state), parked))
 
 
-def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1):
+def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1, linears=0):
     """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
     ``experts`` experts (top-2), recomputing (``selective``: True selectively, "full" every block), ``layers`` per
-    pipeline chunk (None: an even split); ``defer``: and the parked head W's; ``cp``: context
-    parallelism by Ulysses."""
+    pipeline chunk (None: an even split); ``defer``: and the parked head W's (and ``linears``' W's);
+    ``cp``: context parallelism by Ulysses."""
     minipar.manual_seed(0)
     grid = ProcessGrid(tp, pp, comm.size // (tp * pp * cp), comm, ep=ep, cp=cp)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
@@ -103,7 +104,7 @@ def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=N
     opt = make_optimizer(gpt, grid, 0, bucket_bytes=args.bucket_kb << 10, **HYPER)
     parks = defer or schedule in SPLIT_BACKWARD
     run = (ParkingExecutor if parks else MeasuringExecutor)(gpt, grid, schedule, args.micro_batches, optimizer=opt,
-                                                            defer_embedding_wgrad=defer)
+                                                            defer_embedding_wgrad=defer, defer_wgrad_linears=linears)
     gpt.rng.iteration = 0
     run.step(*batch, optimizer_step=opt.finish_gradients)
     return run.peak, grid
@@ -157,9 +158,9 @@ for name, layers in UNEVEN:
     layout = Layout(pp=2, dp=comm.size // 2, micro_batch_size=args.batch_size // (comm.size // 2) // args.micro_batches,
                     pipeline_layers=layers)
     worst = max(worst, rows_of(name, measured, planned(model, layout, grid.pp_rank)))
-for name, tp, sp in DEFERRED:
-    measured, grid = measure_gpt(tp, 2, 1, sp, 0, None, False, "1f1b", defer=True)
-    layout = Layout(tp=tp, pp=2, dp=grid.dp, sequence_parallel=sp, defer_embedding_wgrad=True,
+for name, tp, sp, linears in DEFERRED:
+    measured, grid = measure_gpt(tp, 2, 1, sp, 0, None, False, "1f1b", defer=True, linears=linears)
+    layout = Layout(tp=tp, pp=2, dp=grid.dp, sequence_parallel=sp, defer_embedding_wgrad=True, defer_wgrad_linears=linears,
                     micro_batch_size=args.batch_size // grid.dp // args.micro_batches)
     worst = max(worst, rows_of(name, measured, planned(model, layout, grid.pp_rank)))
 worst = float(comm.all_reduce(numpy.array([worst]), op="max")[0])

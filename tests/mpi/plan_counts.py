@@ -42,6 +42,8 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
      dict(tp=2, pp=2, vpp=2, schedule="zb-v", micro_batch_size=2, sequence_parallel=True), 0),
     ("--zero-stage 2 --micro-batch-size 1", dict(dp=4, zero_stage=2, micro_batch_size=1), 0),
     ("--zero-stage 2 --pp 2 --micro-batch-size 1", dict(pp=2, dp=2, zero_stage=2, micro_batch_size=1), 0),
+    ("--zero-stage 2 --pp 2 --defer-embedding-wgrad-compute --defer-wgrad-linears 3 --micro-batch-size 1",
+     dict(pp=2, dp=2, zero_stage=2, defer_embedding_wgrad=True, defer_wgrad_linears=3, micro_batch_size=1), 0),
     ("--zero-stage 2 --pp 2 --schedule zb-h1 --micro-batch-size 1",
      dict(pp=2, dp=2, zero_stage=2, schedule="zb-h1", micro_batch_size=1), 0),
     ("--zero-stage 2 --tp 2 --sequence-parallel --micro-batch-size 2",

@@ -80,17 +80,21 @@ class PipelineExecutor:
     ``no_sync()`` covers all but each chunk's last backward (or W). It may be left out when DP = 1 and the
     caller sums nothing. ``recompute``: keep only each block's input during forward.
     ``defer_embedding_wgrad``: the head's weight gradients wait for the flush (a flushed schedule
-    with whole backwards, PP > 1)."""
+    with whole backwards, PP > 1); ``defer_wgrad_linears``: with them, those of the last stage's
+    last k linear layers (``GPT.last_linear_weights``), moving their time from the last stage's
+    steady cycles, which the others wait on, into the drain, where it idles."""
 
     def __init__(self, model, grid, schedule="1f1b", micro_batches=1, optimizer=None, recompute=False,
-                 defer_embedding_wgrad=False):
+                 defer_embedding_wgrad=False, defer_wgrad_linears=0):
         v = len(model.chunks)
         # the schedule, its micro-batches and message tags on this grid: the run's rules, before any message
         validate.check(validate.RunConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, virtual_stages=v, schedule=schedule,
                                           micro_batches=micro_batches, n_layer=model.config.n_layer,
                                           pipeline_layers=model.layers_per_stage,
                                           zero_stage=getattr(optimizer, "stage", 0) or 0,
-                                          defer_embedding_wgrad=defer_embedding_wgrad),
+                                          defer_embedding_wgrad=defer_embedding_wgrad,
+                                          defer_wgrad_linears=defer_wgrad_linears,
+                                          num_experts=model.config.num_experts or None),
                        what="PipelineExecutor")
         if schedule == "pipedream-2bw" and not getattr(self, "runs_across_steps", False):
             raise ValueError("the pipedream-2bw schedule runs across steps on stashed weights: use "
@@ -136,6 +140,7 @@ class PipelineExecutor:
         # and the chunk whose backwards leave the head's weight gradient, with its last such W
         self.last_backward = ready.last_backwards(self.instructions, model.chunks, self.pipe.n_chunks)
         self.last_head = ready.last_heads(self.instructions)
+        self.deferred = [model.head_weight] + model.last_linear_weights(defer_wgrad_linears) if self.last_head else []
         self.weights = model.parameters()  # whose gradients a split backward leaves to W
 
     def step(self, x, y, optimizer_step=None):
@@ -239,8 +244,8 @@ class PipelineExecutor:
         inp, out = state.kept.pop(unit)  # dropping the graph frees the activations
         grad = state.output_grads.pop(unit, None)  # None: the loss, on the last chunk
         with self._quiet(ins.mb, self.last_backward[ins.chunk]):
-            if ins.chunk in self.last_head:  # all but the head's weight gradient, parked for the flush
-                state.head_grads[unit] = backward_input(out, [self.model.head_weight], grad)
+            if ins.chunk in self.last_head:  # all but the head's (and last linears') weight gradients, parked for the flush
+                state.head_grads[unit] = backward_input(out, self.deferred, grad)
                 state.count_parked()
             else:
                 out.backward(grad)
