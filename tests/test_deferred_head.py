@@ -89,12 +89,11 @@ def test_what_cannot_defer_the_head_is_refused(cfg, message):
 
 
 LINEAR_FLAGS = {"defer_embedding_wgrad": "--defer-embedding-wgrad-compute", "defer_wgrad_linears": "--defer-wgrad-linears",
-                "zero_stage": "--zero-stage", "num_experts": "--num-experts"}
+                "num_experts": "--num-experts"}
 
 
 @pytest.mark.parametrize("cfg,message", [
     (dict(defer_embedding_wgrad=False), "beside the head's, which go to the flush first: add --defer-embedding-wgrad-compute"),
-    (dict(zero_stage=3), "with --zero-stage 3: ZeRO-3's memory replay follows only the head's"),
     (dict(num_experts=4), "dense blocks only: drop --defer-wgrad-linears with --num-experts"),
     (dict(defer_wgrad_linears=9), "the last pipeline chunk has 2 blocks of 4 linear layers each; park at most 8"),
     (dict(defer_wgrad_linears=5, pipeline_layers=(3, 1)), "has 1 blocks of 4 linear layers each; park at most 4"),
@@ -105,7 +104,7 @@ def test_what_cannot_defer_the_last_linear_layers_is_refused(cfg, message):
     run = dict(pp=2, schedule="1f1b", n_layer=4, defer_embedding_wgrad=True, defer_wgrad_linears=3)
     problems = validate.problems(validate.RunConfig(**{**run, **cfg}), names=LINEAR_FLAGS)
     assert len(problems) == 1 and message in problems[0] and "--defer-wgrad-linears" in problems[0], problems
-    for fine in (dict(defer_wgrad_linears=8, zero_stage=2), dict(defer_wgrad_linears=4, pipeline_layers=(3, 1))):
+    for fine in (dict(defer_wgrad_linears=8, zero_stage=3), dict(defer_wgrad_linears=4, pipeline_layers=(3, 1))):
         assert not validate.problems(validate.RunConfig(**{**run, **fine}))
 
 

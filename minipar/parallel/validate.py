@@ -223,8 +223,7 @@ def _deferred_head(cfg, say, known, out):
 
 
 def _deferred_linears(cfg, say, known, out):
-    """More weight gradients at the flush: beside the head's, in dense blocks of the last chunk,
-    with gradients that ZeRO-3's planner replay follows (it follows the head's alone)."""
+    """More weight gradients at the flush: beside the head's, in dense blocks of the last chunk."""
     k = cfg.defer_wgrad_linears
     if not known("defer_wgrad_linears") or not k:
         return
@@ -235,9 +234,6 @@ def _deferred_linears(cfg, say, known, out):
     if known("num_experts") and cfg.num_experts:
         out.append(f"{flag} parks the weight gradients of dense blocks only: drop {say.name('defer_wgrad_linears')} "
                    f"with {say.name('num_experts')}")
-    if known("zero_stage") and cfg.zero_stage == 3:
-        out.append(f"{flag} with {say('zero_stage', 3)}: ZeRO-3's memory replay follows only the head's deferred "
-                   f"weight gradients; use {say.name('defer_embedding_wgrad')} alone, or ZeRO-2")
     if cfg.pipeline_layers is not None and all(isinstance(n, numbers.Integral) for n in cfg.pipeline_layers):
         layers = cfg.pipeline_layers[-1]
     elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (cfg.pp * cfg.virtual_stages) == 0:

@@ -88,7 +88,9 @@ def rank_units(model, layout, stage):
         elif c == 0:  # the tied embedding held for the "embedding" sum, with the positions under SP
             e = (new(wpe + wte, True),) if sp else (new(wpe, False), new(wte, True))
             units.append(Unit("embed", e, (), e, e))
-        units += [_block(model, layout, layer, new, sp, n) for layer in state.chunk_layers(model, layout, c)]
+        layers = state.chunk_layers(model, layout, c)
+        parked = layers[::-1][:-(-layout.defer_wgrad_linears // 4)] if c == last else []  # deferred linears' blocks
+        units += [_block(model, layout, layer, new, sp, n, layer in parked) for layer in layers]
         if c == last and both:  # in the embeddings' chunk the head leaves the tied embedding to their
             e = new(lnf, sp)  # backward (or W); in a chunk apart (a V) its own backward (or W) sends it
             hooks = (e,) if c == 0 else (tied, e)
@@ -104,7 +106,7 @@ def rank_units(model, layout, stage):
     return groups, out
 
 
-def _block(model, layout, layer, new, sp, n):
+def _block(model, layout, layer, new, sp, n, parked=False):
     """Block ``layer``'s unit: its dense weights, SP's partial sums (held), its experts over "edp"
     (with EP; held under SP). A backward's hooks complete first the group whose first parameter the
     forward uses last: the experts, the other weights, the partial sums (ln_1); under full
@@ -112,19 +114,23 @@ def _block(model, layout, layer, new, sp, n):
     groups'), while a W runs the recomputed B's parked nodes in backward order as ever. A W's first
     hooks, which make the buffers: a MoE block's router (its Linear's backward comes right after
     the unpermute's, before the experts'), the experts, then the next output projection's weight
-    (dense) and bias (a partial sum under SP); its last ones as a whole backward's."""
+    (dense) and bias (a partial sum under SP); its last ones as a whole backward's. ``parked``: some
+    of its linear weights' gradients wait for the flush (``defer_wgrad_linears``), where each W is a
+    pass of its own, so no pass fires every hook of its dense group: that group keeps its buffer,
+    made by the backward, until the step sends it (held, and no backward completes it)."""
     params, expert = state.block_parameters(model, layout, layer)
     partial = state.partial_sums(model, layer) if sp else 0
     if layout.ep == 1:  # the experts' gradients summed over DP x CP too, in the block's runs
         params, partial, expert = params + expert, partial + expert * sp, 0
-    dense = new(params - partial, False)
+    dense = new(params - partial, parked)
     part = new(partial, True) if partial else None
     experts = new(expert, sp, n // layout.ep) if expert else None
     made = tuple(g for g in (dense, part, experts) if g is not None)
     hooks = tuple(g for g in (experts, dense, part) if g is not None)
     router = ((part if sp else dense),) if model.is_moe(layer) else ()
     weight = tuple(g for g in router + (experts, dense, part, dense, part) if g is not None)
-    return Unit(f"h.{layer}", made, made, made if layout.recompute else hooks, weight)
+    completes = tuple(g for g in (made if layout.recompute else hooks) if not (parked and g == dense))
+    return Unit(f"h.{layer}", made, made, completes, weight)
 
 
 def groups(model, layout, stage):

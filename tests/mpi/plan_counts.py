@@ -69,6 +69,11 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
      dict(tp=2, pp=2, zero_stage=3, sequence_parallel=True, schedule="zb-h1", micro_batch_size=2), 0),
     ("--zero-stage 3 --tp 2 --pp 2 --sequence-parallel --defer-embedding-wgrad-compute --micro-batch-size 2",
      dict(tp=2, pp=2, zero_stage=3, sequence_parallel=True, defer_embedding_wgrad=True, micro_batch_size=2), 0),
+    ("--zero-stage 3 --pp 2 --defer-embedding-wgrad-compute --defer-wgrad-linears 5 --micro-batch-size 1",
+     dict(pp=2, dp=2, zero_stage=3, defer_embedding_wgrad=True, defer_wgrad_linears=5, micro_batch_size=1), 0),
+    ("--zero-stage 3 --tp 2 --pp 2 --sequence-parallel --recompute --defer-embedding-wgrad-compute "
+     "--defer-wgrad-linears 2 --micro-batch-size 2", dict(tp=2, pp=2, zero_stage=3, sequence_parallel=True, recompute=True,
+                                                        defer_embedding_wgrad=True, defer_wgrad_linears=2, micro_batch_size=2), 0),
     ("--num-experts 4 --ep 2 --pp 2 --zero-stage 3 --schedule zb-h1 --micro-batch-size 1",
      dict(pp=2, dp=2, ep=2, zero_stage=3, schedule="zb-h1", micro_batch_size=1), 4),
     ("--num-experts 4 --tp 2 --pp 2 --sequence-parallel --zero-stage 3 --schedule zb-v --vpp 2 "
