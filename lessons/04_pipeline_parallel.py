@@ -83,7 +83,10 @@ Exercises (predict first, then run the command and read the table named):
    --show-schedules. Is the change in "sim, step" above this machine's noise? GPT-2's head is worth
    4.5 blocks (docs/pipeline_parallel.md, "The head's weight gradient at the flush"). The
    "activations held" row does not count what the H's park (each waiting H keeps its head input
-   and logits' gradient, up to m of them on the last rank); the planner counts them.
+   and logits' gradient, up to m of them on the last rank); the planner counts them. Then add
+   --defer-wgrad-linears 1 (and 2): the last block's MLP products' weight gradients join the H's.
+   Which K makes the two stages' steady cycles equal on paper (each product's dW is 8 h^2 FLOPs a
+   token), and past which K does the drain grow instead?
 """
 
 import os
@@ -110,7 +113,8 @@ N_HEAD, N_EMBD = 4, 128  # the GPT's width; its depth and context are flags
 # the RunConfig field each flag sets, so that a problem names the flag
 FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual_stages": "--virtual-stages",
          "n_layer": "--n-layer", "global_batch": "--batch-size", "block_size": "--block-size",
-         "schedule": "--schedule", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute"}
+         "schedule": "--schedule", "defer_embedding_wgrad": "--defer-embedding-wgrad-compute",
+         "defer_wgrad_linears": "--defer-wgrad-linears"}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # then PipeDream-2BW
 ON_REQUEST = ("1f1b-slack",)  # run only when named with --schedule: 1F1B's twin on unit costs
 RECOMPUTED = ("gpipe", "1f1b", "interleaved")  # also run with activation recompute
@@ -130,7 +134,7 @@ def run_config(n, args, pp, schedule, v):
     return RunConfig(world_size=n, pp=pp, virtual_stages=v, schedule=schedule,
                      global_batch=args.batch_size, micro_batches=args.micro_batches, n_layer=args.n_layer,
                      n_head=N_HEAD, n_embd=N_EMBD, block_size=args.block_size, dtype=args.dtype,
-                     defer_embedding_wgrad=args.defer_embedding_wgrad)
+                     defer_embedding_wgrad=args.defer_embedding_wgrad, defer_wgrad_linears=args.defer_wgrad_linears)
 
 
 def all_problems(n, args, pp):
@@ -171,6 +175,8 @@ def flags(p):
     p.add_argument("--show-schedules", action="store_true", help="print each schedule as a table first")
     p.add_argument("--defer-embedding-wgrad-compute", dest="defer_embedding_wgrad", action="store_true",
                    help=f"the head's weight gradients at the flush (with --schedule {', '.join(DEFERS_HEAD)})")
+    p.add_argument("--defer-wgrad-linears", type=int, default=0, metavar="K",
+                   help="with it, the last K linear layers' weight gradients too (the last block's MLP c_proj first)")
 
 
 def check(args, ranks):
@@ -216,7 +222,8 @@ def pipeline_run(comm, name, v, recompute, args, config, grid, batches, referenc
     if args.plant_bug:  # the tied embedding's parts on the first and last stage are never added
         model.finalize_grads = lambda: None
     run = PipelineExecutor(model, grid, name, args.micro_batches, optimizer=opt, recompute=recompute,
-                           defer_embedding_wgrad=args.defer_embedding_wgrad)
+                           defer_embedding_wgrad=args.defer_embedding_wgrad,
+                           defer_wgrad_linears=args.defer_wgrad_linears)
     compare, costs = lesson.Comparison(reference), {}
     for step, (x, y) in enumerate(batches):
         model.rng.iteration = step  # keys the dropout masks (with each token's place)

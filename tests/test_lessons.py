@@ -240,6 +240,8 @@ def test_3d_lesson_defaults_fit_two_ranks():
      "--n-head 3 is not divisible by TP x CP = 2", 1),
     ("04_pipeline_parallel.py", ["--schedule", "zb"], "--schedule zb is not a pipeline schedule", 1),
     ("04_pipeline_parallel.py", ["--defer-embedding-wgrad-compute"], "add --schedule with one of gpipe, 1f1b", 1),
+    ("04_pipeline_parallel.py", ["--schedule", "1f1b", "--defer-wgrad-linears", "2"],
+     "--defer-wgrad-linears 2 parks linear layers' weight gradients beside the head's", 1),
     ("04_pipeline_parallel.py", ["--defer-embedding-wgrad-compute", "--schedule", "zb-h2"],
      "--schedule zb-h2 already runs every weight gradient apart (W)", 1),
     ("09_mixture_of_experts.py", ["--topk", "9"], "--topk 9 exceeds --num-experts 8", 1),

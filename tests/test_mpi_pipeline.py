@@ -109,9 +109,11 @@ def test_pipeline_lesson(n, args, layout, tmp_path):
 
 
 def test_pipeline_lesson_defers_the_head_ws(tmp_path):
-    """Exercise 8: 1F1B with the head's W's at the flush, against one device, H's in the table."""
+    """Exercise 8: 1F1B with the head's W's (and the last MLP's) at the flush, against one device,
+    H's in the table."""
     out = check_mpi(2, LESSON_4, "--out", str(tmp_path), "--schedule", "1f1b", "--defer-embedding-wgrad-compute",
-                    "--n-layer", "4", "--micro-batches", "4", "--show-schedules", timeout=300)
+                    "--defer-wgrad-linears", "2", "--n-layer", "4", "--micro-batches", "4", "--show-schedules",
+                    timeout=300)
     assert "the head's weight gradients at the flush (H)" in out and "1f1b equals the single-device run" in out
     assert " H3\n" in out and (tmp_path / "1f1b_measured.png").stat().st_size > 0, out
 

@@ -70,11 +70,12 @@ looked up whole before their reduce-scatter, and the head's input, gathered whol
 each. With the head's weight gradients deferred to the flush (``Layout.defer_embedding_wgrad``)
 the last chunk's rank also parks, from each backward of that chunk until the flush, the
 micro-batch's head input (whole, s b h) and the logits' gradient (b s V/t): one count more in
-``in_flight``'s vectors; with ``defer_wgrad_linears`` also its last linear layers' (``linears_parked``). A zero-bubble schedule's B frees a micro-batch's graph but parks its W's
-inputs (``parked_bytes``: 20 s b h a block on one device), counted apart in ``in_flight``'s vectors
-(v counts more). The per-layer formula is exact on one device; a rank's peak is within 0.07% of
-the measured one for every dense layout measured (TP, SP, CP, PP, each schedule, recomputation,
-the head's W deferred), and within 10% for MoE, whose router is not uniform
+``in_flight``'s vectors; with ``defer_wgrad_linears`` also its last linear layers' (``linears_parked``).
+A zero-bubble schedule's B frees a micro-batch's graph but parks its W's inputs (``parked_bytes``:
+20 s b h a block on one device), counted apart in ``in_flight``'s vectors (v counts more). The
+per-layer formula is exact on one device; a rank's peak is within 0.07% of the measured one for
+every dense layout measured (TP, SP, CP, PP, each schedule, recomputation, the head's W and the
+last linear layers' deferred), and within 10% for MoE, whose router is not uniform
 (``tests/mpi/plan_activations.py``).
 """
 

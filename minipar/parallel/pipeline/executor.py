@@ -244,7 +244,8 @@ class PipelineExecutor:
         inp, out = state.kept.pop(unit)  # dropping the graph frees the activations
         grad = state.output_grads.pop(unit, None)  # None: the loss, on the last chunk
         with self._quiet(ins.mb, self.last_backward[ins.chunk]):
-            if ins.chunk in self.last_head:  # all but the head's (and last linears') weight gradients, parked for the flush
+            if ins.chunk in self.last_head:  # all but the head's (and the last linear layers') weight
+                # gradients, parked for the flush
                 state.head_grads[unit] = backward_input(out, self.deferred, grad)
                 state.count_parked()
             else:
