@@ -95,8 +95,8 @@ LINEAR_FLAGS = {"defer_embedding_wgrad": "--defer-embedding-wgrad-compute", "def
 @pytest.mark.parametrize("cfg,message", [
     (dict(defer_embedding_wgrad=False), "beside the head's, which go to the flush first: add --defer-embedding-wgrad-compute"),
     (dict(num_experts=4), "dense blocks only: drop --defer-wgrad-linears with --num-experts"),
-    (dict(defer_wgrad_linears=9), "the last pipeline chunk has 2 blocks of 4 linear layers each; park at most 8"),
-    (dict(defer_wgrad_linears=5, pipeline_layers=(3, 1)), "has 1 blocks of 4 linear layers each; park at most 4"),
+    (dict(defer_wgrad_linears=9), "is more than the last pipeline chunk's 8 linear layers (4 per block): park at most 8"),
+    (dict(defer_wgrad_linears=5, pipeline_layers=(3, 1)), "the last pipeline chunk's 4 linear layers (4 per block)"),
     (dict(defer_wgrad_linears=-1), "must be a whole number of linear layers, 0 or more, got -1"),
     (dict(defer_wgrad_linears=True), "must be a whole number of linear layers, 0 or more, got True"),
 ])

@@ -241,7 +241,7 @@ def _deferred_linears(cfg, say, known, out):
     else:
         return
     if k > 4 * layers:
-        out.append(f"{flag}: the last pipeline chunk has {layers} blocks of 4 linear layers each; "
+        out.append(f"{flag} is more than the last pipeline chunk's {4 * layers} linear layers (4 per block): "
                    f"park at most {4 * layers}")
 
 
