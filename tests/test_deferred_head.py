@@ -89,12 +89,17 @@ def test_what_cannot_defer_the_head_is_refused(cfg, message):
 
 
 LINEAR_FLAGS = {"defer_embedding_wgrad": "--defer-embedding-wgrad-compute", "defer_wgrad_linears": "--defer-wgrad-linears",
-                "num_experts": "--num-experts"}
+                "num_experts": "--num-experts", "schedule": "--schedule", "pp": "--pp"}
 
 
 @pytest.mark.parametrize("cfg,message", [
     (dict(defer_embedding_wgrad=False), "beside the head's, which go to the flush first: add --defer-embedding-wgrad-compute"),
-    (dict(num_experts=4), "dense blocks only: drop --defer-wgrad-linears with --num-experts"),
+    (dict(num_experts=4), "is built for dense models; with --num-experts (even where the last blocks are dense) drop it"),
+    # where the head's deferral cannot be, the fix is to drop this one, not to add that one
+    (dict(defer_embedding_wgrad=False, schedule="zb-h1"), "flushes with whole backwards (gpipe, 1f1b, "
+                                                          "1f1b-slack, interleaved; --pp > 1), not --schedule zb-h1: drop it"),
+    (dict(defer_embedding_wgrad=False, pp=1), "not --pp 1: drop it"),
+    (dict(schedule="pipedream-2bw"), "--defer-embedding-wgrad-compute (and --defer-wgrad-linears) needs one of gpipe"),
     (dict(defer_wgrad_linears=9), "is more than the last pipeline chunk's 8 linear layers (4 per block): park at most 8"),
     (dict(defer_wgrad_linears=5, pipeline_layers=(3, 1)), "the last pipeline chunk's 4 linear layers (4 per block)"),
     (dict(defer_wgrad_linears=-1), "must be a whole number of linear layers, 0 or more, got -1"),

@@ -211,6 +211,8 @@ def _deferred_head(cfg, say, known, out):
     if not cfg.defer_embedding_wgrad:
         return
     flag = say("defer_embedding_wgrad")
+    if known("defer_wgrad_linears") and cfg.defer_wgrad_linears:  # a fix that drops the one drops both
+        flag += f" (and {say.name('defer_wgrad_linears')})"
     if known("pp") and cfg.pp == 1:
         out.append(f"{flag} runs the head's weight gradients at the pipeline's flush, while the last "
                    f"stage waits for the first: it needs {say.name('pp')} > 1")
@@ -228,12 +230,17 @@ def _deferred_linears(cfg, say, known, out):
     if not known("defer_wgrad_linears") or not k:
         return
     flag = say("defer_wgrad_linears")
-    if not cfg.defer_embedding_wgrad:
+    single = known("pp") and cfg.pp == 1
+    if not cfg.defer_embedding_wgrad and (single or known("schedule") and cfg.schedule not in DEFERS_HEAD):
+        # (with the head's deferral asked for too, its own rules say the same)
+        out.append(f"{flag} needs a pipeline that flushes with whole backwards ({', '.join(DEFERS_HEAD)}; "
+                   f"{say.name('pp')} > 1), not {say('pp') if single else say('schedule')}: drop it")
+    elif not cfg.defer_embedding_wgrad:
         out.append(f"{flag} parks linear layers' weight gradients beside the head's, which go to the flush "
                    f"first: add {say.name('defer_embedding_wgrad')}")
     if known("num_experts") and cfg.num_experts:
-        out.append(f"{flag} parks the weight gradients of dense blocks only: drop {say.name('defer_wgrad_linears')} "
-                   f"with {say.name('num_experts')}")
+        out.append(f"{flag} is built for dense models; with {say.name('num_experts')} (even where the last "
+                   f"blocks are dense) drop it")
     if cfg.pipeline_layers is not None and all(isinstance(n, numbers.Integral) for n in cfg.pipeline_layers):
         layers = cfg.pipeline_layers[-1]
     elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (cfg.pp * cfg.virtual_stages) == 0:
