@@ -58,9 +58,9 @@ its peak (``bubble.in_flight``: 1F1B p on the first stage, GPipe m; with v chunk
 chunk), that chunk's layers' activations (each block's output among them; under full
 recomputation each block's input and the chunk's output; a chunk frees its output once it is sent
 on, as Megatron's deallocate_output_tensor does, so only the just-run forward's is held), its input
-and its edge. The first
-chunk's input is the embeddings' dropout output, beside the token rows, their sum with the
-position rows (s h, one set for the whole micro-batch) and the 1-byte mask: 3 s b h + s h, plus
+and its edge. The first chunk's input is the embeddings' dropout output, beside the token rows,
+their sum with the position rows (s h, one set for the whole micro-batch) and the 1-byte mask:
+3 s b h + s h (without dropout the sum is the input, and there is no mask: 2 s b h + s h), plus
 under TP the int64 ids of the rank's rows and which are not its own (with one device the batch's
 ids, which the caller holds whole and memory.batch_bytes counts). Every other chunk's input is the
 one received, s b h. The last chunk adds ln_f's xhat and output (the head's input), 2 s b h, the
@@ -258,9 +258,10 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
             extra = len(blocks) * one + sum(map(model.is_moe, blocks)) * experts
         ids = 9 * b * s if t > 1 else 0  # TP: the int64 ids of this rank's rows and which are not (one device: the batch's)
         if chunk == 0:  # the token rows, the position rows (s h, one set for the batch), their sum,
-            # dropout's 1-byte mask and output (the chunk's input); under SP the token rows looked up
-            # whole before the reduce-scatter; the ids, and the positions' (8 s)
-            extra += (3 * sbh + sbh // d + d * s * model.hidden_size) // shard + ids + 8 * s + (sbh if shard > 1 else 0)
+            # dropout's 1-byte mask and output (the chunk's input; without dropout the sum is); under
+            # SP the token rows looked up whole before the reduce-scatter; the ids, and the positions' (8 s)
+            edge = (3 * sbh + sbh // d) if model.dropout > 0 else 2 * sbh
+            extra += (edge + d * s * model.hidden_size) // shard + ids + 8 * s + (sbh if shard > 1 else 0)
         else:  # the input received, kept for the backward
             extra += sbh // shard
         if chunk != last:  # its output, sent on, is freed (the executor keeps its node: Megatron's

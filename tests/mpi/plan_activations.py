@@ -54,6 +54,8 @@ UNEVEN = [("PP2 DP2 3,1", (3, 1)), ("PP2 DP2 1,3", (1, 3))]  # --pipeline-layers
 ULYSSES = [("CP2 DP2 a2a", 1, False), ("CP2 TP2 a2a", 2, False), ("CP2 DP2 a2a sel.", 1, True)]  # (name, tp, selective)
 DEFERRED = [("PP2 DP2 defer", 1, False, 0), ("TP2 PP2 SP defer", 2, True, 0),  # (name, tp, sequence parallel,
             ("PP2 DP2 defer+5", 1, False, 5), ("TP2 PP2 SP defer+3", 2, True, 3)]  # linears deferred too), 1F1B
+NO_DROPOUT = [("PP2 DP2 p=0", 1, False, None), ("TP2 PP2 SP p=0", 2, True, None),  # (name, tp, sequence parallel,
+              ("PP2 DP2 p=0 full", 1, False, "full")]  # recomputation), 1F1B, dropout 0 (the trainer's default)
 
 # The relative error a row may have: 0.2% where rank_bytes counts what the graphs keep (every dense
 # layout, within 0.07%: a position embedding's s h, or the first stage's input counted twice, moves
@@ -88,15 +90,16 @@ class ParkingExecutor(MeasuringExecutor):
         self.peak = max(self.peak, graph_bytes(graphs, self.model.parameters(), batch_arrays(state), parked))
 
 
-def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1, linears=0):
+def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1, linears=0,
+                dropout=0.1):
     """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
     ``experts`` experts (top-2), recomputing (``selective``: True selectively, "full" every block), ``layers`` per
     pipeline chunk (None: an even split); ``defer``: and the parked head W's (and ``linears``' W's);
-    ``cp``: context parallelism by Ulysses."""
+    ``cp``: context parallelism by Ulysses; ``dropout`` 0: no masks, and the embeddings' sum is the first chunk's input."""
     minipar.manual_seed(0)
     grid = ProcessGrid(tp, pp, comm.size // (tp * pp * cp), comm, ep=ep, cp=cp)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-                       dropout=0.1, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
+                       dropout=dropout, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
     v = 2 if schedule in ("interleaved", "zb-v") else 1
     gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity=("full" if selective == "full" else "selective") if selective else None,
               virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin", layers_per_stage=layers,
@@ -163,6 +166,11 @@ for name, tp, sp, linears in DEFERRED:
     layout = Layout(tp=tp, pp=2, dp=grid.dp, sequence_parallel=sp, defer_embedding_wgrad=True, defer_wgrad_linears=linears,
                     micro_batch_size=args.batch_size // grid.dp // args.micro_batches)
     worst = max(worst, rows_of(name, measured, planned(model, layout, grid.pp_rank)))
+for name, tp, sp, recompute in NO_DROPOUT:
+    measured, grid = measure_gpt(tp, 2, 1, sp, 0, None, recompute, "1f1b", dropout=0.0)
+    layout = Layout(tp=tp, pp=2, dp=grid.dp, sequence_parallel=sp, recompute=recompute == "full",
+                    micro_batch_size=args.batch_size // grid.dp // args.micro_batches)
+    worst = max(worst, rows_of(name, measured, planned(Model(4, 64, 8, 64), layout, grid.pp_rank)))
 worst = float(comm.all_reduce(numpy.array([worst]), op="max")[0])
 if comm.rank == 0:
     print("activation MB per rank, measured/planned (tolerance)\n" + "\n".join(rows))
