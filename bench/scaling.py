@@ -59,6 +59,7 @@ from minipar.mfu import flops_per_token  # noqa: E402
 from minipar.parallel.pipeline import schedules  # noqa: E402
 from minipar.parallel.pipeline.instructions import Pipeline  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
+from minipar.plan.hetero import W_FLOPS  # noqa: E402
 from minipar.cli import Parser, non_negative_int, parse, positive_int  # noqa: E402
 
 from flags import run_problems  # noqa: E402 (a script beside this one)
@@ -69,7 +70,6 @@ EXPERTS, TOP_K = 4, 2  # the MoE layouts' experts per layer and experts per toke
 MOE = ["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOP_K)]
 PIPE = ["--pp", "{n}", "--micro-batch-size", str(MICRO)]
 DEFER, LINEARS = "--defer-embedding-wgrad-compute", "--defer-wgrad-linears"
-W_FLOPS = (8, 8, 2, 6)  # a token's weight-gradient FLOPs / h^2 of a block's linear layers, from the MLP's c_proj back
 
 # name: (extra flags, "dense" or "moe" model, pipeline schedule or None); {n} is the rank count
 LAYOUTS = {

@@ -24,8 +24,8 @@ def report(args, grid, columns, lines, tol, two_bw=None):
     print(f"PP={p} x DP={grid.dp}; GPT of {args.n_layer} blocks; global batch {args.batch_size} in {m} "
           f"micro-batches;\n{args.dtype}, dropout 0.1, {args.steps} AdamW steps"
           + ("; the head's weight gradients at the flush (H)" if args.defer_embedding_wgrad else "")
-          + (f";\nthe last {args.defer_wgrad_linears} linear layers' weight gradients with them"
-             if args.defer_wgrad_linears else ""))
+          + (f";\nwith them the weight gradients of the last {args.defer_wgrad_linears} linear "
+             f"layer{'s' * (args.defer_wgrad_linears > 1)}" if args.defer_wgrad_linears else ""))
     for i in range(0, len(columns), 6):  # six columns fit a line
         lesson.print_errors(dict(list(columns.items())[i:i + 6]), tol, width=10,
                             note=";\n+r: with recompute, interl: interleaved" if i == 0 else "")

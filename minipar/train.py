@@ -35,6 +35,12 @@ def layer_counts(text):
     return "balanced" if text == "balanced" else tuple(positive_int(part) for part in text.split(","))
 
 
+def linear_count(text):
+    """--defer-wgrad-linears 2, or "balanced", which check_args turns into a count once the
+    micro-batches are known (``plan.hetero.balanced_linears``)."""
+    return "balanced" if text == "balanced" else non_negative_int(text)
+
+
 OPTIONAL_PATHS = ("data", "tokenizer", "load", "init_weights", "save", "log_json", "export_weights", "export_hf")
 
 
@@ -94,7 +100,7 @@ def build_parser():
     g.add_argument("--num-virtual-stages", "--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved schedule; 2 for zb-v)")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (1f1b-slack: 1F1B with one more forward in flight, which absorbs uneven instruction times; zb-h1, zb-h2, zb-v: zero bubble, the backward split into B and W; zb-v places --num-virtual-stages 2 in a V; pipedream-2bw: no flush, weights stashed, the update one step delayed)")
     g.add_argument("--defer-embedding-wgrad-compute", dest="defer_embedding_wgrad", action="store_true", help="run the output head's weight gradients at the pipeline's flush, off the last stage's critical path (gpipe, 1f1b, 1f1b-slack, interleaved; PP > 1)")
-    g.add_argument("--defer-wgrad-linears", type=int, default=0, metavar="K", help="with --defer-embedding-wgrad-compute, also run the weight gradients of the last stage's last K linear layers (its last block's MLP output projection first) at the flush: balances a last stage the head makes slower (dense blocks)")
+    g.add_argument("--defer-wgrad-linears", type=linear_count, default=0, metavar="K", help="with --defer-embedding-wgrad-compute, also run the weight gradients of the last stage's last K linear layers (its last block's MLP output projection first) at the flush: balances a last stage the head makes slower (dense blocks); 'balanced': the K whose schedule, replayed with each chunk costing its FLOPs, idles least")
     g.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch per DP rank (default: the global batch / DP / PP)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of the data-parallel optimizer")
     g.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm and dropout along the sequence (TP > 1)")

@@ -9,6 +9,7 @@ once as a FlagError.
 """
 
 import os
+from dataclasses import replace
 
 import numpy
 
@@ -116,7 +117,7 @@ def check_args(args, world_size):
     raises FlagError with all of them. Fills in ``args.dp`` and ``args.micro_batches``."""
     from minipar.cli import device_problems
     from minipar.parallel.validate import resolve
-    from minipar.train_plan import balanced_layers, memory_problem
+    from minipar.train_plan import balanced_layers, balanced_linears, memory_problem
 
     problems = device_problems(args)
     problems += schedule_flag_problems(args)
@@ -187,6 +188,9 @@ def check_args(args, world_size):
     problems += balanced_layers(args)
     run, layout = resolve(run_config(args, world_size), FLAGS)  # the layout, model, schedule, batch, ZeRO
     if not layout:  # the sizes make sense: will the model and its activations fit before they are allocated?
+        if args.defer_wgrad_linears == "balanced":  # a count once the micro-batches are known
+            args.defer_wgrad_linears = balanced_linears(args, run)
+            run = replace(run, defer_wgrad_linears=args.defer_wgrad_linears)
         problems.append(memory_problem(args, run))
     problems = [p for p in problems if p] + layout
     if problems:

@@ -1,6 +1,6 @@
 """What the trainer asks the planner (``minipar.plan``) before a run: whether the run fits this
 machine's memory, counted as the planner counts a layout, and the layers per pipeline chunk of
-``--pipeline-layers balanced``."""
+``--pipeline-layers balanced`` and the count of ``--defer-wgrad-linears balanced``."""
 
 from minipar.train_checks import FLAGS
 
@@ -60,3 +60,13 @@ def balanced_layers(args):
     shape = schedules.shape_of(args.schedule)
     args.pipeline_layers = tuple(hetero.chunk_layers(args.n_layer, args.pp, args.vpp, head, shape))
     return []
+
+
+def balanced_linears(args, run):
+    """--defer-wgrad-linears balanced as a count (``plan.hetero.balanced_linears``) for the resolved
+    ``run`` (its micro-batches and layers per chunk known)."""
+    from minipar.plan import hetero, shapes
+
+    model, layout, m = shapes.from_run_config(run)
+    return hetero.balanced_linears(model, layout.pp, m, layout.schedule, layout.vpp, layout.pipeline_layers,
+                                   layout.recompute)

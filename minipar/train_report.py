@@ -118,6 +118,9 @@ class Reports:
               f"micro-batch(es) of {a.batch_size // g.dp // a.micro_batches} per DP rank; schedule {a.schedule}"
               + (f", {a.vpp} virtual stages" if a.vpp > 1 else "")
               + (f", layers per chunk {','.join(map(str, a.pipeline_layers))}" if a.pipeline_layers else "")
+              + (", the head's weight gradients at the flush" if a.defer_embedding_wgrad else "")
+              + (f" with those of the last {a.defer_wgrad_linears} linear layer{'s' * (a.defer_wgrad_linears > 1)}"
+                 if a.defer_wgrad_linears else "")
               + f"; ZeRO stage {self.opt.stage}"
               + (f"; {self.opt.policy.params.name}, fp32 master weights" if self.opt.policy is not None else "")
               + (", sequence parallel" if a.sequence_parallel else "") + (", recompute" if a.recompute else "")

@@ -148,3 +148,20 @@ def test_the_replay_of_a_step_with_the_head_ws_gives_it_back():
                               rates={0: 1e-3})
     row = Reports._record(trainer, 0, 1.0, 1.0, measured, 1.0, 0.5)
     assert row["bubble_expected"] == pytest.approx(measured, rel=1e-6)
+
+
+def test_the_balanced_count_of_linear_layers_idles_least_on_paper():
+    """``--defer-wgrad-linears balanced``: the K whose FLOPs replay idles least. For
+    bench/scaling.py's model (the head 1/14 of the last stage) one MLP product's W fills the drain
+    (0.079 against the head's alone 0.117 there); a GPT-2 head (4.5 blocks) keeps the last stage the
+    pace-setter whatever moves, so none (its fix is --pipeline-layers balanced); at m = 2, where the
+    drain is most of the step, all 8."""
+    from minipar.plan import hetero
+    from minipar.plan.shapes import Model
+
+    bench, gpt2 = Model(4, 128, 4, 128, 256), Model(12, 768, 12, 1024, 50257)
+    assert hetero.balanced_linears(bench, 2, 8) == 1
+    assert hetero.balanced_linears(gpt2, 2, 8) == 0 and hetero.balanced_linears(gpt2, 2, 8, layers=(8, 4)) == 0
+    assert hetero.balanced_linears(bench, 2, 2) == 8
+    with pytest.raises(ValueError, match="already runs every weight gradient apart"):
+        hetero.balanced_linears(bench, 2, 8, "zb-h1")

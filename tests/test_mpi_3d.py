@@ -143,11 +143,14 @@ def test_a_pipedream_2bw_checkpoint_holds_both_weight_versions(tmp_path, precisi
 
 def test_the_heads_weight_gradient_at_the_flush_from_the_command_line(single, tmp_path):
     """--defer-embedding-wgrad-compute on PP 2: the last stage runs the head's W's (its "weight"
-    times; the first stage has none) and the run is the single-device one."""
+    times; the first stage has none) and the run is the single-device one; with
+    --defer-wgrad-linears balanced, the count its FLOPs replay chooses (6 of the last chunk's 8
+    linear layers for this model at m = 2: plan.hetero.balanced_linears), said in the layout line."""
     log = str(tmp_path / "log.jsonl")
     code, out, _ = train(2, "--max-iters", "20", "--pp", "2", "--schedule", "1f1b",
-                         "--defer-embedding-wgrad-compute", "--log-json", log)
+                         "--defer-embedding-wgrad-compute", "--defer-wgrad-linears", "balanced", "--log-json", log)
     assert code == 0, out
+    assert "the head's weight gradients at the flush with those of the last 6 linear layers" in out, out
     assert len(losses(log)) == 20 and close(losses(log), single)
     for row in rows(log):
         first, last = row["stage_ms"]["weight"]

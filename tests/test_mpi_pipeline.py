@@ -115,7 +115,7 @@ def test_pipeline_lesson_defers_the_head_ws(tmp_path):
                     "--defer-wgrad-linears", "2", "--n-layer", "4", "--micro-batches", "4", "--show-schedules",
                     timeout=300)
     assert "the head's weight gradients at the flush (H)" in out and "1f1b equals the single-device run" in out
-    assert "the last 2 linear layers' weight gradients with them" in out
+    assert "with them the weight gradients of the last 2 linear layers" in out
     assert " H3\n" in out and (tmp_path / "1f1b_measured.png").stat().st_size > 0, out
 
 

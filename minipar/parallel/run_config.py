@@ -48,7 +48,8 @@ class RunConfig:
     fp32_grads: bool = False  # 16-bit runs: gradients accumulated and reduced in fp32 (memory counts them)
     pipeline_layers: Optional[tuple] = None  # layers of each global pipeline chunk; None: n_layer / (pp x v) each
     defer_embedding_wgrad: bool = False  # the head's weight gradients run at the pipeline's flush
-    defer_wgrad_linears: int = 0  # and those of the last stage's last linear layers (validate._deferred_head)
+    defer_wgrad_linears: int = 0  # and those of the last stage's last linear layers (validate._deferred_head);
+    # "balanced": a count the trainer chooses (plan.hetero.balanced_linears)
     dtype: str = "float32"
 
 
@@ -92,7 +93,7 @@ def field_problems(cfg, say):
             out.append(f"{say.name(field)} must be a positive integer, got {value!r}")
             bad.add(field)
     k = cfg.defer_wgrad_linears
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+    if k != "balanced" and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0):
         out.append(f"{say.name('defer_wgrad_linears')} must be a whole number of linear layers, 0 or more, got {k!r}")
         bad.add("defer_wgrad_linears")
     if cfg.zero_stage not in (0, 1, 2, 3) or isinstance(cfg.zero_stage, bool):

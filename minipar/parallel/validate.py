@@ -247,7 +247,7 @@ def _deferred_linears(cfg, say, known, out):
         layers = cfg.n_layer // (cfg.pp * cfg.virtual_stages)
     else:
         return
-    if k > 4 * layers:
+    if k != "balanced" and k > 4 * layers:
         out.append(f"{flag} is more than the last pipeline chunk's {4 * layers} linear layers (4 per block): "
                    f"park at most {4 * layers}")
 

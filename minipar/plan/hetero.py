@@ -107,3 +107,34 @@ def stage_speeds(layout, gpus_per_node, node_speeds):
         raise ValueError(f"{len(node_speeds)} node speeds for {layout.world_size} GPUs of {gpus_per_node} per node")
     return [min(node_speeds[rank // gpus_per_node] for rank in range(r * per_stage, (r + 1) * per_stage))
             for r in range(layout.pp)]
+
+
+W_FLOPS = (8, 8, 2, 6)  # a token's weight-gradient FLOPs / h^2 of a block's linear layers, from the MLP's c_proj back
+
+
+def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recompute=False):
+    """``--defer-wgrad-linears balanced``: the number K of the last chunk's linear layers whose
+    weight gradients, run at the flush beside the head's (``GPT.last_linear_weights``), leave the
+    least bubble when the schedule is replayed with each chunk costing its training FLOPs a token
+    (forward a third, backward two thirds, a recomputed block's forward once more; the head's W
+    a third of its 6 V h, a linear layer's W 2 x its weights): the smallest such K on a tie. Too
+    few and the last stage still sets the pace of the steady state; too many and it idles while
+    its drain grows. ``layers``: each global chunk's (an even split when None); a dense model."""
+    h, T, n = model.hidden_size, model.seq_length, pp * vpp
+    counts = list(layers) if layers else [model.num_layers // n] * n
+    block, head = flops_per_token(1, h, T, 0), flops_per_token(0, h, T, model.vocab_size)
+    shape = schedules.shape_of(schedule)
+    pipe = Pipeline(pp, m, vpp, shape)
+    last = {(r, c): pipe.global_chunk(r, c) == n - 1 for r in range(pp) for c in range(vpp)}
+    # in units of a third of a FLOP, so that every cost is a whole number (the replay runs on ints)
+    forward = {k: counts[pipe.global_chunk(*k)] * block + head * is_last for k, is_last in last.items()}
+    backward = {k: 2 * f + recompute * counts[pipe.global_chunk(*k)] * block for k, f in forward.items()}
+    plans = schedules.build(schedule, pp, m, vpp, defer_head=True)
+
+    def bubble(k):
+        deferred = head + 3 * sum(W_FLOPS[i % 4] for i in range(k)) * h * h
+        sim = simulate(plans, m, vpp, forward=forward, backward=backward, shape=shape,
+                       head={key: deferred * is_last for key, is_last in last.items()})
+        return sum(sim.bubble.values()) / pp
+
+    return min(range(4 * counts[-1] + 1), key=lambda k: (bubble(k), k))
