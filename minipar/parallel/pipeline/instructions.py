@@ -12,7 +12,8 @@ An instruction is one of
     backward_input  (mb, chunk)   B: the backward's half that computes the input's gradient only
     backward_weight (mb, chunk)   W: the other half, the weights' gradients (no message)
     head_weight     (mb, chunk)   the output head's weight gradient, left by a backward for the
-                                  pipeline's flush (Megatron-LM's deferred embedding wgrad)
+                                  pipeline's flush (Megatron-LM's deferred embedding wgrad), with
+                                  the last linear layers' under ``defer_wgrad_linears``
     step                     the optimizer step, after everything
 
 A pipeline of p ranks runs m micro-batches through p*v chunks of the model's layers, v per rank,
