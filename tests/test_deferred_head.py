@@ -89,12 +89,17 @@ def test_what_cannot_defer_the_head_is_refused(cfg, message):
 
 
 LINEAR_FLAGS = {"defer_embedding_wgrad": "--defer-embedding-wgrad-compute", "defer_wgrad_linears": "--defer-wgrad-linears",
-                "num_experts": "--num-experts", "schedule": "--schedule", "pp": "--pp"}
+                "num_experts": "--num-experts", "schedule": "--schedule", "pp": "--pp", "moe_layer_freq": "--moe-layer-freq"}
 
 
 @pytest.mark.parametrize("cfg,message", [
     (dict(defer_embedding_wgrad=False), "beside the head's, which go to the flush first: add --defer-embedding-wgrad-compute"),
-    (dict(num_experts=4), "is built for dense models; with --num-experts (even where the last blocks are dense) drop it"),
+    # a block with experts has no MLP products: the dense blocks that end the last chunk, if any
+    (dict(num_experts=4), "parks the linear layers of dense blocks, and block 3 has experts (every "
+                          "--moe-layer-freq-th block from the first, 1): drop it"),
+    (dict(num_experts=4, moe_layer_freq=2, defer_wgrad_linears=5), "block 2 has experts (every --moe-layer-freq-th "
+                                                                   "block from the first, 2): park at most 4"),
+    (dict(num_experts=4, defer_wgrad_linears="balanced"), "block 3 has experts"),
     # where the head's deferral cannot be, the fix is to drop this one, not to add that one
     (dict(defer_embedding_wgrad=False, schedule="zb-h1"), "flushes with whole backwards (gpipe, 1f1b, "
                                                           "1f1b-slack, interleaved; --pp > 1), not --schedule zb-h1: drop it"),
@@ -109,7 +114,8 @@ def test_what_cannot_defer_the_last_linear_layers_is_refused(cfg, message):
     run = dict(pp=2, schedule="1f1b", n_layer=4, defer_embedding_wgrad=True, defer_wgrad_linears=3)
     problems = validate.problems(validate.RunConfig(**{**run, **cfg}), names=LINEAR_FLAGS)
     assert len(problems) == 1 and message in problems[0] and "--defer-wgrad-linears" in problems[0], problems
-    for fine in (dict(defer_wgrad_linears=8, zero_stage=3), dict(defer_wgrad_linears=4, pipeline_layers=(3, 1))):
+    for fine in (dict(defer_wgrad_linears=8, zero_stage=3), dict(defer_wgrad_linears=4, pipeline_layers=(3, 1)),
+                 dict(defer_wgrad_linears=4, num_experts=4, moe_layer_freq=2), dict(defer_wgrad_linears="balanced")):
         assert not validate.problems(validate.RunConfig(**{**run, **fine}))
 
 
@@ -123,6 +129,10 @@ def test_the_last_linear_layers_are_those_backward_reaches_first():
     assert [names[id(w)] for w in model.last_linear_weights(6)] == (
         [f"transformer.h.1.{n}.weight" for n in order] + [f"transformer.h.0.{n}.weight" for n in order[:2]])
     assert model.last_linear_weights(0) == [] and len(model.last_linear_weights(99)) == 8
+    # with experts in every second block from the first, the last block is dense: its four
+    moe = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=16, num_experts=2, moe_layer_freq=2))
+    names = {id(p): n for n, p in moe.named_parameters()}
+    assert [names[id(w)] for w in moe.last_linear_weights(4)] == [f"transformer.h.1.{n}.weight" for n in order]
 
 
 def test_the_replay_of_a_step_with_the_head_ws_gives_it_back():

@@ -157,6 +157,21 @@ def test_the_heads_weight_gradient_at_the_flush_from_the_command_line(single, tm
         assert first == [0.0] and last[0] > 0 and 0 <= row["bubble_expected"] < 1, row["stage_ms"]
 
 
+def test_the_last_dense_blocks_linear_layers_deferred_in_a_mixture_of_experts(tmp_path):
+    """--defer-wgrad-linears 4 where every second block from the first has experts: the last block
+    is dense and its four W's go to the flush; B then W is the fused backward, so the losses are the
+    run's without them, bit for bit."""
+    runs = {}
+    for k in ("0", "4"):
+        log = str(tmp_path / f"log{k}.jsonl")
+        code, out, _ = train(2, "--max-iters", "6", "--pp", "2", "--num-experts", "4", "--moe-layer-freq", "2",
+                             "--micro-batch-size", "2", "--defer-embedding-wgrad-compute", "--defer-wgrad-linears", k,
+                             "--log-json", log)
+        assert code == 0, out
+        runs[k] = [(r["loss"], r["grad_norm"]) for r in rows(log)]
+    assert len(runs["4"]) == 6 and runs["4"] == runs["0"]
+
+
 def test_checkpoints_reshard_onto_other_layouts(single, tmp_path):
     save = str(tmp_path / "ckpt")
     code, out, _ = train(8, "--max-iters", "20", "--tp", "2", "--pp", "2", "--zero-stage", "1",

@@ -31,6 +31,9 @@ from mpi_run import ROOT, check_mpi, run_mpi
          "--defer-embedding-wgrad", "--defer-wgrad-linears", "5"]),
     (4, ["--pp", "2", "--schedule", "1f1b", "--m", "3", "--zero-stage", "3", "--defer-embedding-wgrad",
          "--defer-wgrad-linears", "2"]),
+    # experts in every second block from the first: the last block's four, dense, deferred
+    (2, ["--pp", "2", "--schedule", "1f1b", "--m", "4", "--defer-embedding-wgrad", "--defer-wgrad-linears", "4",
+         "--experts", "4", "--moe-layer-freq", "2"]),
     # ZeRO-2 and 3 hold back what the model sums after backward: the tied embedding's two parts,
     # sequence parallelism's partial sums
     (4, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2", "--zero-stage", "2", "--bucket-bytes", "1"]),

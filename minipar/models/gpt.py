@@ -267,10 +267,13 @@ class GPT(WholeModel, Module):
     def last_linear_weights(self, k):
         """The weights of the k linear layers nearest the head, in the order backward reaches them:
         the last block's MLP output projection, its input projection, attention's output
-        projection, its QKV, then the block before's (this rank's last chunk; dense blocks)."""
-        layers = [(b.mlp.c_proj, b.mlp.c_fc, b.attn.c_proj, b.attn.c_attn)
-                  for b in reversed([self._block[i] for i in self.chunk_layers[-1]])]
-        return [linear.weight for block in layers for linear in block][:k]
+        projection, its QKV, then the block before's (this rank's last chunk; the dense blocks that
+        end it: a block with experts has no MLP products of its own, and validate refuses reaching one)."""
+        out, blocks = [], -(-k // 4)  # the blocks it reaches, 4 linear layers each
+        for i in reversed(self.chunk_layers[-1][-blocks:] if blocks else []):
+            b = self._block[i]
+            out += [b.mlp.c_proj.weight, b.mlp.c_fc.weight, b.attn.c_proj.weight, b.attn.c_attn.weight]
+        return out[:k]
 
     def loss(self, logits, targets, reduction="mean"):
         """The mean cross-entropy over this rank's positions of ``targets`` (B, T), or their sum."""

@@ -225,7 +225,8 @@ def _deferred_head(cfg, say, known, out):
 
 
 def _deferred_linears(cfg, say, known, out):
-    """More weight gradients at the flush: beside the head's, in dense blocks of the last chunk."""
+    """More weight gradients at the flush: beside the head's, in the dense blocks that end the last
+    chunk (a block with experts has no MLP products of its own; every moe_layer_freq-th is one)."""
     k = cfg.defer_wgrad_linears
     if not known("defer_wgrad_linears") or not k:
         return
@@ -238,16 +239,21 @@ def _deferred_linears(cfg, say, known, out):
     elif not cfg.defer_embedding_wgrad:
         out.append(f"{flag} parks linear layers' weight gradients beside the head's, which go to the flush "
                    f"first: add {say.name('defer_embedding_wgrad')}")
-    if known("num_experts") and cfg.num_experts:
-        out.append(f"{flag} is built for dense models; with {say.name('num_experts')} (even where the last "
-                   f"blocks are dense) drop it")
     if cfg.pipeline_layers is not None and all(isinstance(n, numbers.Integral) for n in cfg.pipeline_layers):
         layers = cfg.pipeline_layers[-1]
     elif known("n_layer", "pp", "virtual_stages") and cfg.n_layer % (cfg.pp * cfg.virtual_stages) == 0:
         layers = cfg.n_layer // (cfg.pp * cfg.virtual_stages)
     else:
         return
-    if k != "balanced" and k > 4 * layers:
+    freq = cfg.moe_layer_freq if known("moe_layer_freq") else 1
+    if known("num_experts", "n_layer") and cfg.num_experts:  # the dense blocks that end the last chunk
+        last = cfg.n_layer - 1
+        dense = next((j for j in range(layers) if (last - j) % freq == 0), layers)
+        if k == "balanced" and not dense or k != "balanced" and k > 4 * dense:
+            fix = f"park at most {4 * dense}" if dense else "drop it"
+            out.append(f"{flag} parks the linear layers of dense blocks, and block {last - dense} has experts "
+                       f"(every {say.name('moe_layer_freq')}-th block from the first, {freq}): {fix}")
+    elif k != "balanced" and k > 4 * layers:
         out.append(f"{flag} is more than the last pipeline chunk's {4 * layers} linear layers (4 per block): "
                    f"park at most {4 * layers}")
 

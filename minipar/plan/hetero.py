@@ -119,16 +119,21 @@ def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recomput
     (forward a third, backward two thirds, a recomputed block's forward once more; the head's W
     a third of its 6 V h, a linear layer's W 2 x its weights): the smallest such K on a tie. Too
     few and the last stage still sets the pace of the steady state; too many and it idles while
-    its drain grows. ``layers``: each global chunk's (an even split when None); a dense model."""
+    its drain grows. ``layers``: each global chunk's (an even split when None). K stays within the
+    dense blocks that end the last chunk (a block with experts has no MLP products of its own)."""
     h, T, n = model.hidden_size, model.seq_length, pp * vpp
     counts = list(layers) if layers else [model.num_layers // n] * n
-    block, head = flops_per_token(1, h, T, 0), flops_per_token(0, h, T, model.vocab_size)
+    ends = [sum(counts[:g + 1]) for g in range(n)]
+    blocks = [sum(flops_per_token(1, h, T, 0, int(model.is_moe(i)), model.moe_router_topk, model.num_experts)
+                  for i in range(end - c, end)) for end, c in zip(ends, counts)]  # each chunk's, a token
+    head = flops_per_token(0, h, T, model.vocab_size)
+    dense = next((j for j in range(counts[-1]) if model.is_moe(model.num_layers - 1 - j)), counts[-1])
     shape = schedules.shape_of(schedule)
     pipe = Pipeline(pp, m, vpp, shape)
     last = {(r, c): pipe.global_chunk(r, c) == n - 1 for r in range(pp) for c in range(vpp)}
     # in units of a third of a FLOP, so that every cost is a whole number (the replay runs on ints)
-    forward = {k: counts[pipe.global_chunk(*k)] * block + head * is_last for k, is_last in last.items()}
-    backward = {k: 2 * f + recompute * counts[pipe.global_chunk(*k)] * block for k, f in forward.items()}
+    forward = {k: blocks[pipe.global_chunk(*k)] + head * is_last for k, is_last in last.items()}
+    backward = {k: 2 * f + recompute * blocks[pipe.global_chunk(*k)] for k, f in forward.items()}
     plans = schedules.build(schedule, pp, m, vpp, defer_head=True)
 
     def bubble(k):
@@ -137,4 +142,4 @@ def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recomput
                        head={key: deferred * is_last for key, is_last in last.items()})
         return sum(sim.bubble.values()) / pp
 
-    return min(range(4 * counts[-1] + 1), key=lambda k: (bubble(k), k))
+    return min(range(4 * dense + 1), key=lambda k: (bubble(k), k))

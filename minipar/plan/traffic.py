@@ -160,8 +160,9 @@ def _count(model, layout, global_batch, stage, dtype):
             calls[dp] += extra_buckets * ((m if z == 2 else 1) + 1)
         elif z == 2 and lay.defer_wgrad_linears:  # some groups sent at the flush: the replay's sends
             for values, ranks, sends in zero12.group_sends(model, lay, stage, m, dtype):
-                charge(dp, "reduce_scatter", values * g, ranks, sends)
-                charge(dp, "all_gather", values * w, ranks)
+                if ranks == n:  # (with EP the experts' groups, over "edp", below)
+                    charge(dp, "reduce_scatter", values * g, ranks, sends)
+                    charge(dp, "all_gather", values * w, ranks)
         elif z == 2:  # ZeRO-2 sends what the model sums after backward once, at the end, in groups of its own
             # (zero2.py); with SP the experts are among them, and split the held dense ones into runs
             runs = moe_layers + tail if experts_held else 1

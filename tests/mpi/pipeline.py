@@ -45,6 +45,9 @@ p.add_argument("--zero-stage", type=int, default=0)
 p.add_argument("--plant-bug", action="store_true")
 p.add_argument("--defer-embedding-wgrad", action="store_true")
 p.add_argument("--defer-wgrad-linears", type=int, default=0)
+p.add_argument("--experts", type=int, default=0, help="a mixture of experts (dropless, top-2) in every "
+               "--moe-layer-freq-th block from the first")
+p.add_argument("--moe-layer-freq", type=int, default=1)
 p.add_argument("--bucket-bytes", type=int, default=4 << 20, help="DP's gradient buckets (1: one per parameter, "
                "each sum started by its own gradient's hook)")
 p.add_argument("--layers", help="layers of each pipeline chunk, e.g. 3,1 (an uneven split); default 2 each")
@@ -54,7 +57,7 @@ layers = tuple(int(n) for n in args.layers.split(",")) if args.layers else None
 minipar.set_default_dtype("float64")
 grid = ProcessGrid(tp=args.tp, pp=args.pp)
 config = GPTConfig(n_layer=sum(layers) if layers else 2 * args.pp * args.v, n_head=4, n_embd=32, block_size=16, vocab_size=64,
-                   dropout=0.1)
+                   dropout=0.1, num_experts=args.experts, moe_layer_freq=args.moe_layer_freq)
 minipar.manual_seed(3)
 serial = GPT(config)
 minipar.manual_seed(3)

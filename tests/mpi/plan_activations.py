@@ -91,7 +91,7 @@ class ParkingExecutor(MeasuringExecutor):
 
 
 def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=None, defer=False, cp=1, linears=0,
-                dropout=0.1):
+                dropout=0.1, moe_layer_freq=1):
     """This rank's most bytes held by the graphs over a step of ``schedule`` of a GPT with
     ``experts`` experts (top-2), recomputing (``selective``: True selectively, "full" every block), ``layers`` per
     pipeline chunk (None: an even split); ``defer``: and the parked head W's (and ``linears``' W's);
@@ -99,7 +99,7 @@ def measure_gpt(tp, pp, ep, sp, experts, capacity, selective, schedule, layers=N
     minipar.manual_seed(0)
     grid = ProcessGrid(tp, pp, comm.size // (tp * pp * cp), comm, ep=ep, cp=cp)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-                       dropout=dropout, num_experts=experts, moe_router_topk=2, moe_expert_capacity_factor=capacity)
+                       dropout=dropout, num_experts=experts, moe_layer_freq=moe_layer_freq, moe_router_topk=2, moe_expert_capacity_factor=capacity)
     v = 2 if schedule in ("interleaved", "zb-v") else 1
     gpt = GPT(config, grid, sequence_parallel=sp, recompute_granularity=("full" if selective == "full" else "selective") if selective else None,
               virtual_stages=v, pipeline_shape="v" if schedule == "zb-v" else "round-robin", layers_per_stage=layers,
@@ -166,6 +166,12 @@ for name, tp, sp, linears in DEFERRED:
     layout = Layout(tp=tp, pp=2, dp=grid.dp, sequence_parallel=sp, defer_embedding_wgrad=True, defer_wgrad_linears=linears,
                     micro_batch_size=args.batch_size // grid.dp // args.micro_batches)
     worst = max(worst, rows_of(name, measured, planned(model, layout, grid.pp_rank)))
+# the last block dense (every second from the first has experts): its 4 linear layers deferred
+measured, grid = measure_gpt(1, 2, 2, False, 4, None, False, "1f1b", defer=True, linears=4, moe_layer_freq=2)
+layout = Layout(pp=2, dp=grid.dp, ep=2, defer_embedding_wgrad=True, defer_wgrad_linears=4,
+                micro_batch_size=args.batch_size // grid.dp // args.micro_batches)
+worst = max(worst, rows_of("PP2 EP2 MoE/2 defer+4", measured, planned(
+    Model(4, 64, 8, 64, num_experts=4, moe_router_topk=2, moe_layer_freq=2, dropout=0.1), layout, grid.pp_rank)))
 for name, tp, sp, recompute in NO_DROPOUT:
     measured, grid = measure_gpt(tp, 2, 1, sp, 0, None, recompute, "1f1b", dropout=0.0)
     layout = Layout(tp=tp, pp=2, dp=grid.dp, sequence_parallel=sp, recompute=recompute == "full",

@@ -29,7 +29,7 @@ from minipar.trainer import Trainer
 
 MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
          "--plot", "", "--sample", "0", "--dropout", "0.1"]
-LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision])
+LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision[, --moe-layer-freq]])
     ("--tp 2 --sequence-parallel --recompute", dict(tp=2, dp=2, sequence_parallel=True, recompute=True, micro_batch_size=4), 0),
     ("--tp 2 --pp 2 --micro-batch-size 2", dict(tp=2, pp=2, micro_batch_size=2), 0),
     ("--pp 2 --schedule interleaved --vpp 2 --micro-batch-size 1 --zero-stage 1",
@@ -44,6 +44,9 @@ LAYOUTS = [  # (flags, the same as a plan Layout, experts[, the plan's precision
     ("--zero-stage 2 --pp 2 --micro-batch-size 1", dict(pp=2, dp=2, zero_stage=2, micro_batch_size=1), 0),
     ("--zero-stage 2 --pp 2 --defer-embedding-wgrad-compute --defer-wgrad-linears 3 --micro-batch-size 1",
      dict(pp=2, dp=2, zero_stage=2, defer_embedding_wgrad=True, defer_wgrad_linears=3, micro_batch_size=1), 0),
+    ("--zero-stage 2 --pp 2 --num-experts 4 --ep 2 --moe-layer-freq 2 --defer-embedding-wgrad-compute "  # the last
+     "--defer-wgrad-linears 4 --micro-batch-size 1", dict(pp=2, dp=2, ep=2, zero_stage=2, defer_embedding_wgrad=True,
+                                                         defer_wgrad_linears=4, micro_batch_size=1), 4, "float32", 2),
     ("--zero-stage 2 --pp 2 --schedule zb-h1 --micro-batch-size 1",
      dict(pp=2, dp=2, zero_stage=2, schedule="zb-h1", micro_batch_size=1), 0),
     ("--zero-stage 2 --tp 2 --sequence-parallel --micro-batch-size 2",
@@ -158,7 +161,7 @@ for flags, fields, experts, *precision in LAYOUTS:
     trainer.step(0)
     measured = {name: g.stats.total().bytes_sent for name, g in measured_groups.items()}
     measured = {k: v for k, v in measured.items() if v}
-    model = Model(4, 16, 4, 16, num_experts=experts, moe_router_topk=2)
+    model = Model(4, 16, 4, 16, num_experts=experts, moe_router_topk=2, moe_layer_freq=precision[1] if precision[1:] else 1)
     layout = Layout(**fields)
     predicted = group_bytes(model, layout, 8, grid.pp_rank, dtype)
     state, planned = trainer.opt.state_bytes(), state_bytes(model, layout, grid.pp_rank, dtype)

@@ -94,7 +94,8 @@ class PipelineExecutor:
                                           zero_stage=getattr(optimizer, "stage", 0) or 0,
                                           defer_embedding_wgrad=defer_embedding_wgrad,
                                           defer_wgrad_linears=defer_wgrad_linears,
-                                          num_experts=model.config.num_experts or None),
+                                          num_experts=model.config.num_experts or None,
+                                          moe_layer_freq=model.config.moe_layer_freq),
                        what="PipelineExecutor")
         if schedule == "pipedream-2bw" and not getattr(self, "runs_across_steps", False):
             raise ValueError("the pipedream-2bw schedule runs across steps on stashed weights: use "
