@@ -59,7 +59,7 @@ from minipar.mfu import flops_per_token  # noqa: E402
 from minipar.parallel.pipeline import schedules  # noqa: E402
 from minipar.parallel.pipeline.instructions import Pipeline  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
-from minipar.plan.hetero import W_FLOPS  # noqa: E402
+from minipar.plan.hetero import deferred_w_flops  # noqa: E402
 from minipar.cli import Parser, non_negative_int, parse, positive_int  # noqa: E402
 
 from flags import run_problems  # noqa: E402 (a script beside this one)
@@ -150,9 +150,9 @@ def ideal(layout, n, n_layer, n_embd):
         loads = [sum(flops[r, c] for c in range(v)) for r in range(n)]
         return n, Fraction(0), 1 - Fraction(sum(loads), n * max(loads))
     equal = bubble(dict.fromkeys(flops, 1))
-    # deferred, the head's W (a third of the head's FLOPs) leaves the last chunk's backward, and the
-    # last linear layers' W's (2 x in x out a token each)
-    head_w = head / 3 + sum(W_FLOPS[i % 4] for i in range(linears)) * n_embd**2
+    # deferred, the head's W (a third of the head's FLOPs) and the last linear layers' leave the
+    # last chunk's backward
+    head_w = deferred_w_flops(n_embd, 256, linears)
     head_w = {k: head_w * (pipe.global_chunk(*k) == n * v - 1) for k in flops}
     return n * (1 - equal), equal, bubble(flops, head_w)
 

@@ -224,6 +224,15 @@ def _deferred_head(cfg, say, known, out):
                    f"gradients: {flag} needs one of {', '.join(DEFERS_HEAD)}")
 
 
+def dense_tail(n_layer, layers, num_experts, moe_layer_freq):
+    """How many of the last chunk's ``layers`` blocks, counted back from the model's last, are dense
+    before the first with experts (every moe_layer_freq-th from the first has them): the blocks
+    whose linear layers ``defer_wgrad_linears`` may park."""
+    if not num_experts:
+        return layers
+    return next((j for j in range(layers) if (n_layer - 1 - j) % moe_layer_freq == 0), layers)
+
+
 def _deferred_linears(cfg, say, known, out):
     """More weight gradients at the flush: beside the head's, in the dense blocks that end the last
     chunk (a block with experts has no MLP products of its own; every moe_layer_freq-th is one)."""
@@ -247,12 +256,11 @@ def _deferred_linears(cfg, say, known, out):
         return
     freq = cfg.moe_layer_freq if known("moe_layer_freq") else 1
     if known("num_experts", "n_layer") and cfg.num_experts:  # the dense blocks that end the last chunk
-        last = cfg.n_layer - 1
-        dense = next((j for j in range(layers) if (last - j) % freq == 0), layers)
+        dense = dense_tail(cfg.n_layer, layers, cfg.num_experts, freq)
         if k == "balanced" and not dense or k != "balanced" and k > 4 * dense:
             fix = f"park at most {4 * dense}" if dense else "drop it"
-            out.append(f"{flag} parks the linear layers of dense blocks, and block {last - dense} has experts "
-                       f"(every {say.name('moe_layer_freq')}-th block from the first, {freq}): {fix}")
+            out.append(f"{flag} parks the linear layers of dense blocks, and block {cfg.n_layer - 1 - dense} has "
+                       f"experts (every {say.name('moe_layer_freq')}-th block from the first, {freq}): {fix}")
     elif k != "balanced" and k > 4 * layers:
         out.append(f"{flag} is more than the last pipeline chunk's {4 * layers} linear layers (4 per block): "
                    f"park at most {4 * layers}")

@@ -26,6 +26,7 @@ from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.instructions import Pipeline
 from minipar.parallel.pipeline.simulate import simulate
 from minipar.parallel.run_config import SPLIT_BACKWARD
+from minipar.parallel.validate import dense_tail
 
 
 def balance(num_layers, speeds, last=0, least=1):
@@ -112,6 +113,12 @@ def stage_speeds(layout, gpus_per_node, node_speeds):
 W_FLOPS = (8, 8, 2, 6)  # a token's weight-gradient FLOPs / h^2 of a block's linear layers, from the MLP's c_proj back
 
 
+def deferred_w_flops(h, vocab_size, k):
+    """A token's FLOPs that a deferred head leaves for the flush: the head's W (2 V h, a third of its
+    6 V h) and the W's of the last k linear layers (2 x each one's weights)."""
+    return 2 * vocab_size * h + sum(W_FLOPS[i % 4] for i in range(k)) * h * h
+
+
 def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recompute=False):
     """``--defer-wgrad-linears balanced``: the number K of the last chunk's linear layers whose
     weight gradients, run at the flush beside the head's (``GPT.last_linear_weights``), leave the
@@ -127,7 +134,7 @@ def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recomput
     blocks = [sum(flops_per_token(1, h, T, 0, int(model.is_moe(i)), model.moe_router_topk, model.num_experts)
                   for i in range(end - c, end)) for end, c in zip(ends, counts)]  # each chunk's, a token
     head = flops_per_token(0, h, T, model.vocab_size)
-    dense = next((j for j in range(counts[-1]) if model.is_moe(model.num_layers - 1 - j)), counts[-1])
+    dense = dense_tail(model.num_layers, counts[-1], model.num_experts, model.moe_layer_freq)
     shape = schedules.shape_of(schedule)
     pipe = Pipeline(pp, m, vpp, shape)
     last = {(r, c): pipe.global_chunk(r, c) == n - 1 for r in range(pp) for c in range(vpp)}
@@ -137,7 +144,7 @@ def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recomput
     plans = schedules.build(schedule, pp, m, vpp, defer_head=True)
 
     def bubble(k):
-        deferred = head + 3 * sum(W_FLOPS[i % 4] for i in range(k)) * h * h
+        deferred = 3 * deferred_w_flops(h, model.vocab_size, k)
         sim = simulate(plans, m, vpp, forward=forward, backward=backward, shape=shape,
                        head={key: deferred * is_last for key, is_last in last.items()})
         return sum(sim.bubble.values()) / pp
