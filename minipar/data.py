@@ -100,19 +100,25 @@ class Dataset:
     """Token ids split into train (first 90%) and validation (last 10%). ``size`` and ``sha256``
     name the corpus, so that ranks and checkpoints can check they mean the same one. The ids are
     the corpus's bytes, or given a ``tokenizer`` its ids (``path``: where the corpus was read,
-    None for the default one, which decides where they are cached); ``notes`` are for the user."""
+    None for the default one, which decides where they are cached); ``notes`` are for the user.
+    ``share_tokens``: a corpus not in the cache is left untokenized (``splits`` None) for
+    ``share_tokens`` to tokenize on one rank and send to the rest."""
 
-    def __init__(self, corpus, val_fraction=0.1, tokenizer=None, path=None, defer_cache=False):
+    def __init__(self, corpus, val_fraction=0.1, tokenizer=None, path=None, defer_cache=False, share_tokens=False):
         self.size, self.sha256 = len(corpus), hashlib.sha256(corpus).hexdigest()
-        self.notes, self.tokenized, self._keep = [], tokenizer is not None, None
+        self.notes, self.tokenized, self._keep, self.splits = [], tokenizer is not None, None, None
+        self.val_fraction, self._untokenized = val_fraction, None
         if tokenizer is None:
             ids = numpy.frombuffer(corpus, dtype=numpy.uint8)
         else:
             from minipar.token_cache import cached_token_ids
 
-            ids, self.notes, self._keep = cached_token_ids(corpus, self.sha256, path, tokenizer)
-        self.val_fraction = val_fraction
-        self._split(ids)
+            ids, self.notes, self._keep = cached_token_ids(corpus, self.sha256, path, tokenizer, not share_tokens)
+            if ids is None:
+                self._untokenized = corpus, tokenizer
+        if ids is not None:
+            self._split(ids)
+        self._ids = ids  # whole, for the cache (a memmap of it once kept)
         if not defer_cache:
             self.keep_cache()
 
@@ -120,14 +126,44 @@ class Dataset:
         n_train = int(len(ids) * (1.0 - self.val_fraction))
         self.splits = {"train": ids[:n_train], "val": ids[n_train:]}
 
+    def share_tokens(self, comm):
+        """Tokenize the corpus once for the job: a collective of every rank. Where some rank
+        found no cache, rank 0 tokenizes (or takes its cached ids) and broadcasts them, while the
+        others wait without spinning (tokenizing takes seconds a MB): 8 ranks tokenizing at once
+        on one host took 8 times the cores and memory. The ranks agreed beforehand that they read
+        the same corpus with the same tokenizer (``run_inputs.same_inputs``), so the ids are the
+        ones each would have made."""
+        from minipar.comm.base import wait_without_spinning
+
+        lacking = numpy.array([int(self.splits is None)], numpy.int64)
+        if comm.size > 1:
+            comm.all_reduce(lacking, op="max")
+        if not lacking[0]:
+            return
+        ids = self._ids
+        if comm.rank == 0 and ids is None:
+            from minipar.token_cache import encode
+
+            ids = encode(*self._untokenized)
+        count = numpy.array([0 if ids is None else len(ids)], numpy.int64)
+        wait_without_spinning(comm.ibroadcast(count).test)
+        made = numpy.empty(int(count[0]), "<u2")
+        if comm.rank == 0:
+            made[...] = ids
+        wait_without_spinning(comm.ibroadcast(made).test)
+        if self.splits is None:
+            self._ids, self._untokenized = made, None
+            self._split(made)
+
     def keep_cache(self):
         """Write the token cache of a corpus tokenized now (``token_cache``); with ``defer_cache``
         the trainer calls it once the run is sure to go on, so that a run refused for its flags
         leaves nothing behind."""
-        if self._keep is not None:
-            notes, ids = self._keep()
+        if self._keep is not None and self._ids is not None:
+            notes, ids = self._keep(self._ids)
             self.notes, self._keep = self.notes + notes, None
             if ids is not None:
+                self._ids = ids
                 self._split(ids)
 
     def check_block_size(self, block_size, source=None):

@@ -67,11 +67,13 @@ def _write(path, ids):
     write_file(path, [MAGIC + len(ids).to_bytes(8, "little") + hashlib.sha256(ids).digest(), ids])
 
 
-def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
+def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer, tokenize=True):
     """(the corpus's ids, notes for the user, and None or a call that writes the cache): read from
     the cache, or tokenized, the cache written by the returned call once the run is sure to go on
-    (a run refused for its flags writes nothing). The call returns (notes for the user, the ids
-    read back from the cache as a memmap, or None where it could not be written)."""
+    (a run refused for its flags writes nothing). The call takes the ids to keep and returns
+    (notes for the user, the ids read back from the cache as a memmap, or None where it could not
+    be written). ``tokenize`` False: on a miss the ids are None, for the caller to make
+    (``encode``) or to receive from a rank that made them (``Dataset.share_tokens``)."""
     key = hashlib.sha256(f"{tokenizer.sha256}:{corpus_sha256}:{RECIPE}".encode()).hexdigest()[:16]
     path, note = cache_path(corpus_path, key)
     notes = [note] if note else []
@@ -85,14 +87,18 @@ def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer):
         return ids, notes, None
     if os.path.exists(path):
         notes.append(f"the token cache {path} was damaged: the corpus was tokenized again")
-    ids = numpy.asarray(tokenizer.encode(corpus.decode("utf-8", errors="replace")), dtype="<u2")
 
-    def keep():
+    def keep(made):
         try:
-            _write(path, ids)
+            _write(path, made)
         except OSError as exc:  # a full disk, a quota: the run goes on with the ids it made
             return [f"the token cache {path} could not be written ({exc.strerror or exc}): the ids are "
                     "kept in memory, and the next run tokenizes the corpus again"], None
         return [], _read(path)  # paged in from the file as read, not held in every rank's memory
 
-    return ids, notes, keep
+    return (encode(corpus, tokenizer) if tokenize else None), notes, keep
+
+
+def encode(corpus, tokenizer):
+    """The corpus's ids as uint16, made now (a few MB/s: the reason for the cache)."""
+    return numpy.asarray(tokenizer.encode(corpus.decode("utf-8", errors="replace")), dtype="<u2")

@@ -162,8 +162,10 @@ def build_parser():
     return p
 
 
-def build(p, args):
-    """The data and the model's config the flags describe; a bad combination is a one-line error."""
+def build(p, args, share_tokens=False):
+    """The data and the model's config the flags describe; a bad combination is a one-line error.
+    ``share_tokens``: a corpus the token cache lacks is left for ``Dataset.share_tokens`` to
+    tokenize on one rank, and its block-size check for ``check_block_size`` after it."""
     from minipar.data import Dataset, load_corpus
     from minipar.models import GPTConfig
 
@@ -178,11 +180,21 @@ def build(p, args):
     except ValueError as exc:
         p.error(str(exc))
     try:
-        data = Dataset(load_corpus(args.data), tokenizer=args.tokenizer, path=args.data, defer_cache=True)
-        data.check_block_size(args.block_size, args.taken_from.get("block_size"))
+        data = Dataset(load_corpus(args.data), tokenizer=args.tokenizer, path=args.data, defer_cache=True,
+                       share_tokens=share_tokens)
     except (OSError, ValueError) as exc:
         p.error(f"--data {args.data or '(default corpus)'}: {exc}")
+    if data.splits is not None:
+        check_block_size(p, args, data)
     return data, config
+
+
+def check_block_size(p, args, data):
+    """A one-line error if a split of ``data`` is too short for one sequence and its targets."""
+    try:
+        data.check_block_size(args.block_size, args.taken_from.get("block_size"))
+    except ValueError as exc:
+        p.error(f"--data {args.data or '(default corpus)'}: {exc}")
 
 
 def _end(comm, prog, message):
@@ -283,13 +295,20 @@ def _main(comm, parser, argv, run):
     try:
         args = run["args"] = parser.parse_args(argv)  # with a snapshot's config.json and a tokenizer's vocabulary
         check_args(args, comm.size)
-        data, config = build(parser, args)
+        data, config = build(parser, args, share_tokens=True)
         weights = check_files(parser, args, config, data)
-        run["lock"] = claim_save_directory(args, comm.rank)  # last: held only by a run that goes on
     except FlagError as exc:
         problems = exc.lines
     agree(comm, problems, parser.prog)
     agree(comm, same_inputs(comm, args, data, weights), parser.prog)  # rank 0's checkpoint, corpus, weights
+    data.share_tokens(comm)  # a corpus the cache lacked, tokenized on rank 0 for every rank
+    problems = []
+    try:
+        check_block_size(parser, args, data)  # (again where the ids were cached: the same verdict)
+        run["lock"] = claim_save_directory(args, comm.rank)  # last: held only by a run that goes on
+    except FlagError as exc:
+        problems = exc.lines
+    agree(comm, problems, parser.prog)
     data.keep_cache()  # the run goes on: a corpus tokenized now keeps its ids for the next run
     if comm.rank == 0:
         for note in data.notes:

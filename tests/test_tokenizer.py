@@ -280,3 +280,13 @@ def test_a_resume_makes_its_tokens_as_the_run_it_continues(bpe, tmp_path):
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert "trained on tokens of a tokenizer of sha256 " in lines[0] and "this run makes them of bytes" in lines[0]
     assert train(*common, "--tokenizer", bpe[0], "--max-iters", "4", "--load", "ck", cwd=tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize("mode", ["all-miss", "some-miss"])
+def test_a_corpus_the_cache_lacks_is_tokenized_once_for_every_rank(bpe, tmp_path, mode):
+    """8 ranks on a host used to tokenize the corpus 8 times at once (8 times the cores and the
+    memory): rank 0 alone encodes it, or sends the ids it has cached, and every rank ends with them."""
+    from mpi_run import run_mpi
+
+    code, out, _ = run_mpi(3, "shared_tokens.py", bpe[0], str(tmp_path / "work"), mode)
+    assert code == 0 and "ok" in out, out
