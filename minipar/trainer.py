@@ -30,9 +30,9 @@ import numpy
 
 import minipar
 from minipar import precision
-from minipar.checkpoint import full, sharded
+from minipar.checkpoint import full
 from minipar.checkpoint.files import write_all
-from minipar.lr_schedule import learning_rate, schedule_state
+from minipar.lr_schedule import learning_rate
 from minipar.mfu import measured_peak, model_flops_per_token
 from minipar.models import GPT
 from minipar.models.moe import step_statistics
@@ -43,14 +43,14 @@ from minipar.parallel.pipeline.pipedream import PipeDream2BW
 from minipar.parallel.pipeline.weight_stash import WeightStash
 from minipar.parallel.pipeline import stage_times
 from minipar.parallel.pipeline.schedules import shape_of
-from minipar.run_inputs import tokens_of
 from minipar.train_paths import trim_log
 from minipar.train_checks import PROG
-from minipar.train_report import STUCK_STEPS, Reports, last_checkpoint
+from minipar.train_checkpoints import Checkpoints
+from minipar.train_report import STUCK_STEPS, Reports
 from minipar.watchdog import Watchdog
 
 
-class Trainer(Reports):
+class Trainer(Checkpoints, Reports):
     def __init__(self, args, config, data, world, weights=None):
         self.args, self.config, self.data, self.world = args, config, data, world
         dtype, policy, scaler = precision.from_flags(
@@ -81,22 +81,8 @@ class Trainer(Reports):
         self.stuck = 0  # fp16 steps skipped in a row at a scale that cannot go lower (saved: a resume goes on counting)
         if weights is not None:
             full.load_full_state(model, self.opt, weights, grid)
-        if args.load:
-            failed = None
-            try:  # what the index says (read alike by every rank) or a damage one rank found
-                self._load(args, scaler)
-            except sharded.CheckpointError as exc:
-                if exc.speaks is not None:  # already agreed on by every rank (reshard.load's reads)
-                    raise
-                failed = exc
-            sharded.agree_on_failure(world, failed, f"the checkpoint {args.load} was not loaded")
         self.speaks = world.rank == 0
-        if args.save:  # the save directory's lock is ours (run_inputs.claim_save_directory)
-            # the checkpoint loaded may be iter_N.old, which rank 0 puts back under its own name:
-            # only once every rank has read it
-            world.barrier()
-            if self.speaks:
-                sharded.remove_stale_partials(args.save)
+        self._resume(scaler)
         # one copy of each loss share: the rank holding the last chunk (pipeline rank 0 in a V)
         self.reports_loss = model.chunks[-1] == model.n_chunks - 1 and grid.tp_rank == 0
 
@@ -115,21 +101,6 @@ class Trainer(Reports):
         if self.lagged:  # waited for at once: the update set aside in this step made now
             self.opt.apply()
         return self._results(started)
-
-    def _load(self, args, scaler):
-        state = sharded.load(args.load, self.model, self.opt, self.grid)
-        if "calls" in state["rng"]:
-            raise sharded.CheckpointError(
-                f"{args.load} was saved when dropout masks followed a count of calls; masks are now "
-                "keyed by position, so it cannot resume exactly: start the run again")
-        self.model.rng.seed = state["rng"]["seed"]  # the iteration, which keys the masks with it, is self.start
-        if scaler is not None and "loss_scaler" in state:  # an fp16 run's scale goes on where it was
-            try:
-                scaler.load_state_dict(state["loss_scaler"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise sharded.CheckpointError(f"{args.load}: its loss_scaler state is not one: {exc!r}") from None
-        self.start = state["iteration"]
-        self.stuck = state.get("skipped_in_a_row", 0)  # 0 for checkpoints from before it was saved
 
     def _start(self, it):
         """Run iteration ``it`` and start the one all-reduce of what it reports: the loss, and every
@@ -249,25 +220,6 @@ class Trainer(Reports):
             total += record.loss if self.reports_loss else 0.0
         self.model.train()
         return float(self.world.all_reduce(numpy.array([total]))[0]) / self.args.eval_iters
-
-    def _save_said(self, iteration):
-        """The watchdog's name for a save that has not ended: whether ``latest`` names it by then
-        (a rank that stopped in the last vote leaves it published)."""
-        named = last_checkpoint(self.args.save) == iteration
-        return (f"the checkpoint of iteration {iteration} (" +
-                ("published: latest names it" if named else "not published: latest names the one before") + ")")
-
-    def save(self, iteration):
-        state = {"iteration": iteration, "seed": self.args.seed, "batch_size": self.args.batch_size,
-                 "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256],
-                 "tokenizer": tokens_of(self.args), "hf_token_ids": self.args.hf_token_ids,  # for --export-hf
-                 "schedule": schedule_state(self.args)}
-        if self.scaler is not None:
-            state["loss_scaler"], state["skipped_in_a_row"] = self.scaler.state_dict(), self.stuck
-        saved = sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)
-        if self.args.keep_checkpoints and self.speaks:
-            sharded.prune(self.args.save, self.args.keep_checkpoints)
-        return saved
 
     # ---- the run ----------------------------------------------------------------------------
     def run(self):
