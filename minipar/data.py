@@ -147,9 +147,8 @@ class Dataset:
             ids = encode(*self._untokenized)
         count = numpy.array([0 if ids is None else len(ids)], numpy.int64)
         wait_without_spinning(comm.ibroadcast(count).test)
-        made = numpy.empty(int(count[0]), "<u2")
-        if comm.rank == 0:
-            made[...] = ids
+        # rank 0 sends its own ids (copied only if read-only: a cache's memmap)
+        made = numpy.require(ids, "<u2", ["C", "W"]) if comm.rank == 0 else numpy.empty(int(count[0]), "<u2")
         wait_without_spinning(comm.ibroadcast(made).test)
         if self.splits is None:
             self._ids, self._untokenized = made, None
