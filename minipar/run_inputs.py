@@ -193,12 +193,21 @@ def tokens_of(args):
     return "bytes" if args.tokenizer is None else args.tokenizer.sha256
 
 
-def tokenizer_matches(saved, args):
+def tokenizer_matches(saved, args, recipe=None):
     """A problem line if a checkpoint's tokenizer (``tokens_of`` when it was saved) is not this
-    run's, else None. Checkpoints from before it was recorded have none."""
+    run's, or made its tokens by another of minipar's recipes (``token_cache.RECIPE``: the same
+    tokenizer files read another way) when this run trains on; else None. Checkpoints from before
+    either was recorded have none."""
+    from minipar.token_cache import RECIPE
+
     ours = tokens_of(args)
     if saved is None or saved == ours:
-        return None
+        if ours == "bytes" or recipe in (None, RECIPE) or not args.max_iters:  # --max-iters 0 trains nothing
+            return None
+        return (f"--load: the checkpoint's tokens were made by minipar's tokenizing recipe {recipe}, this "
+                f"minipar makes recipe {RECIPE} of the same tokenizer (minipar/token_cache.py says how they "
+                "differ): the same text would be other tokens; continue it with the minipar that saved it, "
+                "or start a new run from its weights (--max-iters 0 --export-weights FILE, then --init-weights FILE)")
 
     def name(tokens):
         return "bytes (no --tokenizer)" if tokens == "bytes" else f"a tokenizer of sha256 {tokens[:12]}"

@@ -6,6 +6,7 @@ batch), what made its tokens, its learning-rate schedule and fp16's loss scale."
 from minipar.checkpoint import sharded
 from minipar.lr_schedule import schedule_state
 from minipar.run_inputs import tokens_of
+from minipar.token_cache import RECIPE
 from minipar.train_report import last_checkpoint
 
 
@@ -59,6 +60,8 @@ class Checkpoints:
                  "rng": {"seed": self.model.rng.seed}, "corpus": [self.data.size, self.data.sha256],
                  "tokenizer": tokens_of(self.args), "hf_token_ids": self.args.hf_token_ids,  # for --export-hf
                  "schedule": schedule_state(self.args)}
+        if self.args.tokenizer is not None:  # how its files were read (a resume by another recipe is refused)
+            state["token_recipe"] = RECIPE
         if self.scaler is not None:
             state["loss_scaler"], state["skipped_in_a_row"] = self.scaler.state_dict(), self.stuck
         saved = sharded.save(self.args.save, iteration, self.model, self.opt, self.grid, state)

@@ -202,7 +202,7 @@ def _trainer_state_problem(saved, iteration):
     """What is wrong with a checkpoint's trainer state beyond its types (checked before), or None:
     the iteration the run resumes at is the index's, seeds are NumPy's (>= 0), the corpus it was
     trained on, recorded by every checkpoint of this format, is [bytes, SHA-256], what made its
-    tokens is "bytes" or a SHA-256, and the bos/eos ids an export writes are ids or null."""
+    tokens is "bytes" or a SHA-256 (read by a recipe numbered from 1), and the bos/eos ids an export writes are ids or null."""
     from minipar.checkpoint.hf import token_id
     from minipar.checkpoint.index import is_sha256
 
@@ -218,6 +218,9 @@ def _trainer_state_problem(saved, iteration):
     tokens = saved.get("tokenizer")  # (absent from checkpoints older than it)
     if tokens is not None and tokens != "bytes" and not is_sha256(tokens):
         return 'has a tokenizer that is neither "bytes" nor a SHA-256'
+    recipe = saved.get("token_recipe")  # (absent from checkpoints older than it, and from runs on bytes)
+    if recipe is not None and (type(recipe) is not int or recipe < 1):
+        return "has a token_recipe that is not a whole number from 1"
     ids = saved.get("hf_token_ids", {})  # (absent from checkpoints older than it)
     if not (isinstance(ids, dict) and set(ids) <= {"bos_token_id", "eos_token_id"} and all(map(token_id, ids.values()))):
         return "has hf_token_ids that are not {bos_token_id, eos_token_id} of token ids, lists of them, or null"
@@ -258,7 +261,7 @@ def check_files(p, args, config, data):
         if args.hf_token_ids.get("eos_token_id") is None:  # neither --init-weights DIR nor --tokenizer gave them
             args.hf_token_ids = saved.get("hf_token_ids", {})  # the snapshot's a run began from, if it did
         problem = corpus_matches(saved.get("corpus"), data, f"--data {args.data or '(default corpus)'}")
-        problem = problem or tokenizer_matches(saved.get("tokenizer"), args)
+        problem = problem or tokenizer_matches(saved.get("tokenizer"), args, saved.get("token_recipe"))
         if problem:
             p.error(problem)
         for key, flag in (("seed", "--seed"), ("batch_size", "--global-batch-size")):

@@ -309,6 +309,7 @@ def test_a_trainer_state_without_its_fields_is_one_line(tmp_path, corpus):
     (lambda t: t.update(corpus={"a": 1}), "has no corpus [bytes, sha256] (every checkpoint records"),  # a KeyError
     (lambda t: t.pop("corpus"), "has no corpus [bytes, sha256] (every checkpoint records"),  # the check skipped
     (lambda t: t.update(tokenizer=["x"]), 'has a tokenizer that is neither "bytes" nor a SHA-256'),
+    (lambda t: t.update(token_recipe="3"), "has a token_recipe that is not a whole number from 1"),
 ])
 def test_a_trainer_state_that_disagrees_with_its_index_is_one_line(change, message, tmp_path, corpus):
     """The index is sealed, but an editor can seal it again: the trainer state must agree with it."""

@@ -290,3 +290,26 @@ def test_a_corpus_the_cache_lacks_is_tokenized_once_for_every_rank(bpe, tmp_path
 
     code, out, _ = run_mpi(3, "shared_tokens.py", bpe[0], str(tmp_path / "work"), mode)
     assert code == 0 and "ok" in out, out
+
+
+def test_a_resume_by_another_tokenizing_recipe_is_refused(bpe, tmp_path):
+    """The same tokenizer files read another way (``token_cache.RECIPE``: a tokenizer.json's
+    truncation once cut the corpus) make other tokens of the same text: a checkpoint records its
+    recipe, a run that would train on is refused in one line, and one that trains nothing (an
+    export) is not."""
+    from minipar.checkpoint.index import seal
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    common = [*TINY, "--tokenizer", bpe[0], "--data", "corpus.txt", "--lr-decay-iters", "4", "--sample", "0"]
+    assert train(*common, "--max-iters", "2", "--save", "ck", cwd=tmp_path).returncode == 0
+    path = tmp_path / "ck" / "iter_0000002" / "index.json"
+    index = json.loads(path.read_text())
+    assert index["trainer"]["token_recipe"] == token_cache.RECIPE
+    index["trainer"]["token_recipe"] = token_cache.RECIPE - 1
+    path.write_text(json.dumps(seal(index)))
+    run = train(*common, "--max-iters", "4", "--load", "ck", cwd=tmp_path)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert f"made by minipar's tokenizing recipe {token_cache.RECIPE - 1}, this minipar makes recipe" in lines[0]
+    exported = train(*common, "--max-iters", "0", "--load", "ck", "--export-weights", "w.safetensors", cwd=tmp_path)
+    assert exported.returncode == 0 and (tmp_path / "w.safetensors").exists(), exported.stderr
