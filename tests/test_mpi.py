@@ -302,10 +302,11 @@ def test_a_hang_ends_the_job_saying_which_iteration_and_where_each_rank_waits(tm
 
 # rank 1 stops for good as the save of iteration 2 begins: the save never ends on any rank
 STOPS_IN_A_SAVE = """import sys, time
-from minipar import train, trainer
+from minipar import train
+from minipar.checkpoint import sharded
 from minipar.comm import world
 
-original = trainer.sharded.save
+original = sharded.save
 
 
 def save(directory, iteration, *args):
@@ -314,7 +315,7 @@ def save(directory, iteration, *args):
     return original(directory, iteration, *args)
 
 
-trainer.sharded.save = save
+sharded.save = save  # looked up at each save (train_checkpoints.py)
 sys.exit(train.main(sys.argv[1:]))
 """
 
