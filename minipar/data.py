@@ -154,12 +154,29 @@ class Dataset:
             self._ids, self._untokenized = made, None
             self._split(made)
 
-    def keep_cache(self):
+    def keep_cache(self, comm=None):
         """Write the token cache of a corpus tokenized now (``token_cache``); with ``defer_cache``
         the trainer calls it once the run is sure to go on, so that a run refused for its flags
-        leaves nothing behind."""
+        leaves nothing behind. With ``comm`` (a collective of its ranks): the first rank of each
+        host writes it, and the others map the file it wrote, so that the host's page cache holds
+        one copy of the ids (each rank writing its own, the others renamed over, kept its own
+        deleted file mapped); a rank that cannot read it there (another corpus path, a disk of its
+        own) writes its own."""
+        from minipar.node import local_rank
+
+        first = comm is None or comm.size == 1 or local_rank() == 0
+        if first:
+            self._keep_cache(reuse=False)
+        if comm is not None and comm.size > 1:
+            from minipar.comm.base import wait_without_spinning
+
+            wait_without_spinning(comm.ibarrier().test)
+        if not first:
+            self._keep_cache(reuse=True)
+
+    def _keep_cache(self, reuse):
         if self._keep is not None and self._ids is not None:
-            notes, ids = self._keep(self._ids)
+            notes, ids = self._keep(self._ids, reuse)
             self.notes, self._keep = self.notes + notes, None
             if ids is not None:
                 self._ids = ids

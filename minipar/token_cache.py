@@ -70,7 +70,8 @@ def _write(path, ids):
 def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer, tokenize=True):
     """(the corpus's ids, notes for the user, and None or a call that writes the cache): read from
     the cache, or tokenized, the cache written by the returned call once the run is sure to go on
-    (a run refused for its flags writes nothing). The call takes the ids to keep and returns
+    (a run refused for its flags writes nothing). The call takes the ids to keep (and ``reuse``:
+whether to map a cache another rank wrote meanwhile, if there is a whole one) and returns
     (notes for the user, the ids read back from the cache as a memmap, or None where it could not
     be written). ``tokenize`` False: on a miss the ids are None, for the caller to make
     (``encode``) or to receive from a rank that made them (``Dataset.share_tokens``)."""
@@ -88,7 +89,10 @@ def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer, tokenize=Tru
     if os.path.exists(path):
         notes.append(f"the token cache {path} was damaged: the corpus was tokenized again")
 
-    def keep(made):
+    def keep(made, reuse=False):
+        found = _read(path) if reuse else None  # written by another rank of this host
+        if found is not None:
+            return [], found
         try:
             _write(path, made)
         except OSError as exc:  # a full disk, a quota: the run goes on with the ids it made

@@ -171,7 +171,7 @@ def _main(comm, parser, argv, run):
     except FlagError as exc:
         problems = exc.lines
     agree(comm, problems, parser.prog)
-    data.keep_cache()  # the run goes on: a corpus tokenized now keeps its ids for the next run
+    data.keep_cache(comm)  # the run goes on: a corpus tokenized now keeps its ids for the next run
     if comm.rank == 0:
         for note in data.notes:
             print(note, flush=True)

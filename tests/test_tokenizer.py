@@ -174,10 +174,11 @@ def test_a_corpus_too_short_under_a_tokenizer_says_how_many_tokens_its_bytes_mad
 
 
 def test_a_run_refused_for_its_flags_leaves_no_token_cache(bpe, tmp_path):
-    """The corpus is tokenized before its length is known to be enough; the cache beside it is
-    written only once the run goes on (a refused run writes nothing)."""
+    """The corpus is tokenized before its length is known to be enough; the cache beside it, and
+    the save directory, are written only once the run goes on (a refused run writes nothing)."""
     (tmp_path / "short.txt").write_text(TEXT[:400])
-    run = train("--tokenizer", bpe[0], "--data", "short.txt", "--block-size", "200", "--max-iters", "1", cwd=tmp_path)
+    run = train("--tokenizer", bpe[0], "--data", "short.txt", "--block-size", "200", "--max-iters", "1",
+                "--save", "ck", cwd=tmp_path)
     assert run.returncode == 2 and "too few for --block-size 200" in run.stderr, run.stderr
     assert sorted(os.listdir(tmp_path)) == ["short.txt"]
 
@@ -282,10 +283,11 @@ def test_a_resume_makes_its_tokens_as_the_run_it_continues(bpe, tmp_path):
     assert train(*common, "--tokenizer", bpe[0], "--max-iters", "4", "--load", "ck", cwd=tmp_path).returncode == 0
 
 
-@pytest.mark.parametrize("mode", ["all-miss", "some-miss"])
+@pytest.mark.parametrize("mode", ["all-miss", "some-miss", "trainer"])
 def test_a_corpus_the_cache_lacks_is_tokenized_once_for_every_rank(bpe, tmp_path, mode):
     """8 ranks on a host used to tokenize the corpus 8 times at once (8 times the cores and the
-    memory): rank 0 alone encodes it, or sends the ids it has cached, and every rank ends with them."""
+    memory): rank 0 alone encodes it, or sends the ids it has cached, and every rank ends with them,
+    mapped from one cache file per corpus path (each rank wrote its own before)."""
     from mpi_run import run_mpi
 
     code, out, _ = run_mpi(3, "shared_tokens.py", bpe[0], str(tmp_path / "work"), mode)
