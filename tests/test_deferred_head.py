@@ -107,6 +107,9 @@ LINEAR_FLAGS = {"defer_embedding_wgrad": "--defer-embedding-wgrad-compute", "def
     (dict(schedule="pipedream-2bw"), "--defer-embedding-wgrad-compute (and --defer-wgrad-linears) needs one of gpipe"),
     (dict(defer_wgrad_linears=9), "is more than the last pipeline chunk's 8 linear layers (4 per block): park at most 8"),
     (dict(defer_wgrad_linears=5, pipeline_layers=(3, 1)), "the last pipeline chunk's 4 linear layers (4 per block)"),
+    # interleaved: the last chunk is one of pp x v, 8 layers giving it 2 blocks
+    (dict(schedule="interleaved", virtual_stages=2, n_layer=8, micro_batches=4, defer_wgrad_linears=9),
+     "the last pipeline chunk's 8 linear layers (4 per block): park at most 8"),
     (dict(defer_wgrad_linears=-1), "must be a whole number of linear layers, 0 or more, got -1"),
     (dict(defer_wgrad_linears=True), "must be a whole number of linear layers, 0 or more, got True"),
 ])
@@ -173,5 +176,9 @@ def test_the_balanced_count_of_linear_layers_idles_least_on_paper():
     assert hetero.balanced_linears(bench, 2, 8) == 1
     assert hetero.balanced_linears(gpt2, 2, 8) == 0 and hetero.balanced_linears(gpt2, 2, 8, layers=(8, 4)) == 0
     assert hetero.balanced_linears(bench, 2, 2) == 8
+    # a recomputed block's forward runs again in backward: the last stage longer, more to move
+    assert hetero.balanced_linears(bench, 2, 4) == 4 and hetero.balanced_linears(bench, 2, 4, recompute=True) == 6
+    # experts in every second block from the first: the last block is dense, its 4 the most to park
+    assert hetero.balanced_linears(Model(4, 128, 4, 128, 256, num_experts=4, moe_layer_freq=2), 2, 2) == 4
     with pytest.raises(ValueError, match="already runs every weight gradient apart"):
         hetero.balanced_linears(bench, 2, 8, "zb-h1")

@@ -21,10 +21,10 @@ from mpi_run import ROOT, check_mpi, run_mpi
     (4, ["--pp", "2", "--tp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "1f1b", "--recompute"]),
     # the head's W's at the flush (Megatron-LM's deferred embedding wgrad): DP's sums started by
-    # hooks, a bucket a parameter, the tied embedding's from its last head W; with TP, SP, recompute
-    # and the last 3 linear layers' W's; with ZeRO-2's groups sent from the flush's W's
+    # hooks, a bucket a parameter, the tied embedding's from its last head W, interleaved with the
+    # last 3 linear layers' W's (of the last rank's second chunk); with TP, SP, recompute and 3; with ZeRO-2's groups sent from the flush's W's
     (4, ["--pp", "2", "--schedule", "interleaved", "--v", "2", "--m", "2", "--bucket-bytes", "1",
-         "--defer-embedding-wgrad"]),
+         "--defer-embedding-wgrad", "--defer-wgrad-linears", "3"]),
     (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "gpipe", "--m", "3", "--recompute",
          "--defer-embedding-wgrad", "--defer-wgrad-linears", "3"]),
     (4, ["--pp", "2", "--schedule", "1f1b", "--m", "3", "--zero-stage", "2", "--bucket-bytes", "1",
