@@ -174,19 +174,27 @@ def _replay(params, groups, sent, order, passes, grad, count=None):
     (``count``: each group's sends added to it)."""
     group_of = {i: k for k, (_, _, _, members) in enumerate(groups) for i in members}
     whole, ready, done, pending, most = set(), [set() for _ in groups], set(), 0, 0
+    values = 0  # sum(params[i][0] for i in whole), kept as it changes: summing the set at every send
+    # took a fifth of the planner's time on the 1T model
 
     def send(k):  # ZeRO2.reduce_scatter_group
-        nonlocal pending, most
-        most = max(most, grad * sum(params[i][0] for i in whole) + sent[k] + pending)
+        nonlocal pending, most, values
+        most = max(most, grad * values + sent[k] + pending)
         pending = sent[k]
         if count is not None:
             count[k] += 1
-        whole.difference_update(groups[k][3])
+        for i in groups[k][3]:
+            if i in whole:
+                whole.remove(i)
+                values -= params[i][0]
         ready[k] = set()
         done.add(k)
 
     def hook(i):  # ZeRO2._gradient_ready: a held group waits for the flush
-        whole.add(i)
+        nonlocal values
+        if i not in whole:
+            whole.add(i)
+            values += params[i][0]
         k = group_of[i]
         if not groups[k][2]:
             ready[k].add(i)
