@@ -24,7 +24,7 @@ the second and the last stage (every stage of an uneven split), the fullest of t
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import lru_cache
 
@@ -137,11 +137,17 @@ def memory_bytes(model, layout, global_batch, dtype="float32", query_block=64):
     m = micro_batches(layout, global_batch)
     bubble.check_planned(layout.schedule, layout.pp, m, layout.vpp)
     d = PRECISIONS[dtype].activation
+    unsharded = replace(layout, zero_stage=0)  # ZeRO shards the state, not the activations
     memory = 0
     for s in _stages(layout):
         held = state.stage_peak_bytes(model, layout, s, dtype, m)  # ZeRO: what a step holds for a moment too
-        memory = max(memory, held + activations.stage_peak(model, layout, m, d, s, query_block))
+        memory = max(memory, held + _activations(model, unsharded, m, d, s, query_block))
     return memory
+
+
+@lru_cache(maxsize=65536)  # every ZeRO stage of a layout keeps the same activations: one count for the four
+def _activations(model, layout, m, d, stage, query_block):
+    return activations.stage_peak(model, layout, m, d, stage, query_block)
 
 
 def predict(model, layout, machine, global_batch, dtype="float32", query_block=64, memory=None):
