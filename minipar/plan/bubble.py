@@ -54,7 +54,7 @@ def pipeline(schedule, p, m, v=1, recompute=False):
     check_planned(schedule, p, m, v)
     if p * v * m <= SIMULATE_UP_TO:
         # a split backward: B and W each half of it (Qi et al. 2024 take T_B = T_W = T_F)
-        sim = simulate(schedules.build(schedule, p, m, v), m, v, forward=1, backward=1 if zero_bubble else 2,
+        sim = simulate(_built(schedule, p, m, v), m, v, forward=1, backward=1 if zero_bubble else 2,
                        weight=1 if zero_bubble else None, recompute=int(recompute),
                        shape=schedules.SHAPES.get(schedule, "round-robin"))
         return sum(sim.bubble.values()) / p, tuple(sim.peak_alive[r] for r in range(p)), "simulator"
@@ -108,5 +108,12 @@ def in_flight(schedule, p, m, v, rank, defer_head=False):
 @lru_cache(maxsize=64)
 def _instruction_peaks(schedule, p, m, v, defer_head=False):
     """``chunk_peaks`` of every rank's instruction list, built once for all the ranks asked about."""
-    built = schedules.build(schedule, p, m, v, defer_head)
+    built = _built(schedule, p, m, v, defer_head)
     return tuple(chunk_peaks(((i.op, i.chunk) for i in built[r]), v) for r in range(p))
+
+
+@lru_cache(maxsize=16)  # (a build is up to some 25,000 instructions; the planner asks for a pipeline's together)
+def _built(schedule, p, m, v, defer_head=False):
+    """``schedules.build``'s instruction lists, as tuples (read, never changed): built once for the
+    simulator with and without recomputation and for the peaks in flight, which read the same."""
+    return {r: tuple(instructions) for r, instructions in schedules.build(schedule, p, m, v, defer_head).items()}
