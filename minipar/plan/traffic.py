@@ -41,6 +41,7 @@ activation of one micro-batch:
 """
 
 from collections import Counter
+from dataclasses import replace
 from functools import lru_cache
 
 from minipar.comm.stats import ring_bytes
@@ -71,7 +72,7 @@ def latency_steps(op, size):
 
 def group_traffic(model, layout, global_batch, stage=0, dtype="float32"):
     """({group: bytes sent}, {group: latency steps}) of one rank of ``stage`` in one step."""
-    sent, steps, _ = _count(model, layout, global_batch, stage, dtype)
+    sent, steps, _ = _count(model, counted(layout), global_batch, stage, dtype)
     return dict(sent), dict(steps)
 
 
@@ -80,10 +81,19 @@ def group_calls(model, layout, global_batch, stage=0, dtype="float32"):
     counts them: a collective is one call, a point-to-point message two (its send here and its
     receive on the peer, each rank doing both), an all-to-all-v one. What a per-call overhead
     (``overhead.py``) multiplies."""
-    return dict(_count(model, layout, global_batch, stage, dtype)[2])
+    return dict(_count(model, counted(layout), global_batch, stage, dtype)[2])
 
 
-@lru_cache(maxsize=16)  # a prediction asks for a stage's bytes and then its calls (overhead.py): one count
+def counted(layout):
+    """``layout`` with what the count does not read set alike, so that the layouts the planner tries
+    share a count where they differ only there: selective recomputation (no message of its own) and
+    the schedule, of which it reads where the chunks are (every schedule but ZB-V's places them
+    round-robin), unless ZeRO-2 replays a step's deferred W's (``zero12.group_sends``)."""
+    schedule = layout.schedule if layout.schedule == "zb-v" or layout.defer_wgrad_linears else "1f1b"
+    return replace(layout, selective_recompute=False, schedule=schedule)
+
+
+@lru_cache(maxsize=256)  # a prediction asks for a stage's bytes and then its calls (overhead.py): one count
 def _count(model, layout, global_batch, stage, dtype):
     out, steps, calls = Counter(), Counter(), Counter()
     precision, lay = PRECISIONS[dtype], layout
