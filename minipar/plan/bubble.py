@@ -54,7 +54,8 @@ def pipeline(schedule, p, m, v=1, recompute=False):
     check_planned(schedule, p, m, v)
     if p * v * m <= SIMULATE_UP_TO:
         # a split backward: B and W each half of it (Qi et al. 2024 take T_B = T_W = T_F)
-        sim = simulate(_built(schedule, p, m, v), m, v, forward=1, backward=1 if zero_bubble else 2,
+        # (defer_head given, as ``in_flight`` gives it: one cache key, one build)
+        sim = simulate(_built(schedule, p, m, v, False), m, v, forward=1, backward=1 if zero_bubble else 2,
                        weight=1 if zero_bubble else None, recompute=int(recompute),
                        shape=schedules.SHAPES.get(schedule, "round-robin"))
         return sum(sim.bubble.values()) / p, tuple(sim.peak_alive[r] for r in range(p)), "simulator"
@@ -87,8 +88,8 @@ def in_flight(schedule, p, m, v, rank, defer_head=False):
     up to the total (v = 1: the last rank's backwards alternate with its forwards, each parking one,
     and none runs before the flush), and interleaved's walk takes the head W's at its end, as the
     instruction lists have them (tested)."""
-    if p > 1 and p * v * m <= SIMULATE_UP_TO:
-        return _instruction_peaks(schedule, p, m, v, defer_head)[rank]
+    if p > 1 and p * v * m <= SIMULATE_UP_TO:  # the rank's own list (the planner asks for two or three)
+        return chunk_peaks(((i.op, i.chunk) for i in _built(schedule, p, m, v, defer_head)[rank]), v)
     if defer_head:  # refused as schedules.build does: p = 1, or a schedule that never flushes
         validate.check(validate.RunConfig(pp=p, schedule=schedule, defer_embedding_wgrad=True),
                        what="pipeline schedule")
@@ -103,13 +104,6 @@ def in_flight(schedule, p, m, v, rank, defer_head=False):
     if parks:  # (the last count: the just-run forward's chunk, the last, whose output is the loss)
         return tuple((n, m - n, int(n == alive[rank])) for n in range(alive[rank] + 1))
     return ((alive[rank], 1),)
-
-
-@lru_cache(maxsize=64)
-def _instruction_peaks(schedule, p, m, v, defer_head=False):
-    """``chunk_peaks`` of every rank's instruction list, built once for all the ranks asked about."""
-    built = _built(schedule, p, m, v, defer_head)
-    return tuple(chunk_peaks(((i.op, i.chunk) for i in built[r]), v) for r in range(p))
 
 
 @lru_cache(maxsize=16)  # (a build is up to some 25,000 instructions; the planner asks for a pipeline's together)
