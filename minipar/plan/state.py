@@ -66,6 +66,17 @@ def split_of(layout):
     return layout.pp, layout.vpp, layout.schedule == "zb-v", layout.pipeline_layers
 
 
+@lru_cache(maxsize=4096)  # asked for every stage of every layout the planner tries
+def sharded(layout, recompute=False):
+    """``layout`` with what ZeRO's groups and replays do not read set alike, a cache key that the
+    layouts the planner tries share where they differ only there: DP and CP but as the DP x CP
+    ranks that shard the state (a grid's CP choices), the micro-batch size, selective
+    recomputation, CP's communication and, unless ``recompute`` (ZeRO-3's replay, in which it
+    changes when a backward completes a group), full recomputation."""
+    return replace(layout, dp=layout.dp * layout.cp, cp=1, micro_batch_size=1, recompute=recompute and layout.recompute,
+                   selective_recompute=False, cp_comm_type="p2p")
+
+
 @lru_cache(maxsize=256)
 def split_layout(split):
     """A Layout of ``split_of``'s tuple, holding no more than it."""

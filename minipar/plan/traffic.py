@@ -84,6 +84,7 @@ def group_calls(model, layout, global_batch, stage=0, dtype="float32"):
     return dict(_count(model, counted(layout), global_batch, stage, dtype)[2])
 
 
+@lru_cache(maxsize=1024)  # asked for the bytes and the calls of every stage of a layout
 def counted(layout):
     """``layout`` with what the count does not read set alike, so that the layouts the planner tries
     share a count where they differ only there: selective recomputation (no message of its own) and

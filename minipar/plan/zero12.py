@@ -32,7 +32,6 @@ m is walked up to 2; several chunks up to 3p, as ZeRO-3's. Every parameter is ta
 gradient in every backward, as in ``zero3_peak.py``.
 """
 
-from dataclasses import replace
 from functools import lru_cache
 
 from minipar.parallel.pipeline.instructions import BACKWARD, BACKWARD_WEIGHT, HEAD_WEIGHT, STEP
@@ -137,12 +136,9 @@ def transient_bytes(model, layout, stage, dtype="float32", micro_batches=None):
     for any m."""
     if layout.zero_stage not in (1, 2):
         return 0
-    # the planner asks for many layouts that differ only in what the groups do not depend on (DP and
-    # CP only as the DP x CP ranks that shard them: a grid's CP choices share them)
-    same = replace(layout, dp=layout.dp * layout.cp, cp=1, micro_batch_size=1, recompute=False,
-                   selective_recompute=False, cp_comm_type="p2p")
     most = 2 if len(state.stage_chunks(layout, stage)) == 1 else 3 * layout.pp
-    return _transient(model, same, stage, dtype, most if micro_batches is None else min(micro_batches, most))
+    m = most if micro_batches is None else min(micro_batches, most)
+    return _transient(model, state.sharded(layout), stage, dtype, m)  # (what the groups and the replay read)
 
 
 @lru_cache(maxsize=4096)

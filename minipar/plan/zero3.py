@@ -23,6 +23,7 @@ The most it holds during a step: ``zero3_peak.py``.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from . import state
 
@@ -137,6 +138,12 @@ def groups(model, layout, stage):
     """The rank's parameter groups (``rank_units``), gathered into kinds that are gathered and sent
     alike: over one communicator, by the units of the same local chunks, read by as many of their
     backwards."""
+    # (the planner asks for many layouts that differ only in what the groups do not read)
+    return [Groups(*kind) for kind in _groups(model, state.sharded(layout), stage)]  # new objects: the cached stay as made
+
+
+@lru_cache(maxsize=4096)
+def _groups(model, layout, stage):
     made, chunks = rank_units(model, layout, stage)
     n, used, read = layout.dp * layout.cp, {}, {}
     for local, units in enumerate(chunks):
@@ -148,7 +155,7 @@ def groups(model, layout, stage):
     for g, (params, over, held) in enumerate(made):
         key = ("dp" if over == n else "edp", tuple(used[g]), read[g])
         kinds.setdefault(key, Groups(*key)).add(params, held)
-    return list(kinds.values())
+    return tuple((k.comm, k.chunks, k.read, k.groups, k.held, k.params, k.held_params) for k in kinds.values())
 
 
 def uses(layout, m, stage, kind):

@@ -26,7 +26,6 @@ under that timing it equals the ledger's peak exactly (tests/mpi/plan_counts.py)
 gets its gradient in every backward (an expert no token reached runs on 0 rows: its hooks fire).
 """
 
-from dataclasses import replace
 from functools import lru_cache
 
 from minipar.parallel.pipeline import schedules
@@ -60,10 +59,8 @@ def peak_bytes(model, layout, m=None, stage=0, dtype="float32", in_flight=None):
     taken as at most 3p, and as 3p when None: the most for any m. ``in_flight``: the
     reduce-scatters a send may leave pending (``ShardedAdamW.IN_FLIGHT``, the default: no send
     finishes before the optimizer must wait for it, the worst case; 0: each at once, the least)."""
-    # the planner asks for many layouts that differ only in what the replay does not read (it reads
-    # DP and CP only as the DP x CP ranks that shard the state: a grid's CP choices share it)
-    same = replace(layout, dp=layout.dp * layout.cp, cp=1, micro_batch_size=1, selective_recompute=False,
-                   cp_comm_type="p2p")
+    # (the planner asks for many layouts that differ only in what the replay does not read)
+    same = state.sharded(layout, True)
     return dict(_peak(model, same, 3 * layout.pp if m is None else min(m, 3 * layout.pp), stage, dtype, in_flight))
 
 
