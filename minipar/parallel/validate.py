@@ -23,7 +23,7 @@ reads ``n_head=3 is not divisible by TP=2``.
 
 import math
 import numbers
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from minipar.parallel.run_config import (  # noqa: F401  RunConfig and the names: re-exported, asked of validate
     CP_COMM_TYPES, DEFERS_HEAD, DTYPES, MAX_TAG, NAMES, SCHEDULES, SPLIT_BACKWARD, RunConfig, Say, field_problems)
@@ -47,11 +47,19 @@ def _pipeline_layers_problems(cfg, say, pp, v, known):
 def resolve(cfg, names=None):
     """(cfg with ``dp``, ``micro_batches`` and ``micro_batch_size`` filled in where the other sizes
     determine them, every problem as a list of one-line strings)."""
+    dp, m, mbs, out = _resolve(cfg, names)
+    return replace(cfg, dp=dp, micro_batches=m, micro_batch_size=mbs), out
+
+
+def _resolve(cfg, names):
+    """(DP, micro-batches, their size, the problems): ``resolve`` without the new config, which
+    ``problems`` does not need (the planner asks about hundreds of thousands of layouts)."""
     say = Say(cfg, names)
     out, bad = field_problems(cfg, say)
+    unknown = bad | {f.name for f in fields(cfg) if getattr(cfg, f.name) is None}
 
-    def known(*fields):
-        return all(getattr(cfg, f) is not None and f not in bad for f in fields)
+    def known(*wanted):  # given, and of a value the other rules can use
+        return unknown.isdisjoint(wanted)
 
     tp, pp, v, dp = cfg.tp, cfg.pp, cfg.virtual_stages, cfg.dp if known("dp") else None
     cp = cfg.cp if known("cp") else 1
@@ -122,7 +130,7 @@ def resolve(cfg, names=None):
     if known("zero_stage", "schedule") and cfg.schedule == "pipedream-2bw" and cfg.zero_stage > 0:
         out.append(f"{say('schedule', 'pipedream-2bw')} stashes a second copy of the weights it updates "
                    f"whole: it needs {say('zero_stage', 0)}")
-    return replace(cfg, dp=dp, micro_batches=m, micro_batch_size=mbs), out
+    return dp, m, mbs, out
 
 
 def _context(cfg, say, known, out):
@@ -291,7 +299,7 @@ def _schedule(cfg, say, known, dp, m, mbs, out):
 
 def problems(cfg, names=None):
     """Every problem of ``cfg``, one line each ([] for a run that can be)."""
-    return resolve(cfg, names)[1]
+    return _resolve(cfg, names)[3]
 
 
 def check(cfg, names=None, what=None):
