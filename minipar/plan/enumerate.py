@@ -129,10 +129,9 @@ def plan(model, machine, global_batch, dtype="float32"):
         if problem:
             fail(problem)
             continue
-        problems = [p for p in validate.problems(run_config(model, layout, global_batch, dtype), FLAGS)
-                    if "message tags" not in p]  # minipar's MPI bound, not the layout's (docstring)
-        if problems:
-            fail(problems[0])
+        problem = _problem(run_config(model, layout, global_batch, dtype))
+        if problem:
+            fail(problem)
             continue
         fits(layout)
         layers = balanced(model, layout)
@@ -140,6 +139,13 @@ def plan(model, machine, global_batch, dtype="float32"):
             fits(replace(layout, pipeline_layers=layers))
     result.plans.sort(key=lambda lp: (lp[1].step_time_s, lp[1].memory_gb))  # a tie: the smaller footprint
     return result
+
+
+@lru_cache(maxsize=1024)  # a layout with selective recomputation is, to the trainer, the run without it
+def _problem(config):
+    """The first of validate's problems of a run, but the MPI tag limit (minipar's MPI bound, not
+    the layout's: the module docstring), or None."""
+    return next((p for p in validate.problems(config, FLAGS) if "message tags" not in p), None)
 
 
 def rounded_up(x, digits=3):
