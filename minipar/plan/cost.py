@@ -94,14 +94,18 @@ def link(layout, machine, group):
     stride s and size n holds ranks b, b + s, ..., b + (n-1) s (Megatron's order), so it is on one
     node when its first and last are; the pattern repeats every lcm(s n, GPUs a node) ranks (TP 4
     on nodes of 6: ranks 4-7 cross a node's edge though each group spans only 4)."""
-    stride, size = group_span(layout, group)
-    gpn, width = machine.gpus_per_node, stride * size
-    upto = min(math.lcm(width, gpn), layout.world_size)
+    return _link(*group_span(layout, group), machine.gpus_per_node, layout.world_size)
+
+
+@lru_cache(maxsize=4096)  # asked for every group of every layout: the layouts share a few spans
+def _link(stride, size, gpn, world_size):
+    width = stride * size
+    upto = min(math.lcm(width, gpn), world_size)
     firsts = (q * width + r for q in range(-(-upto // width)) for r in range(stride))
     # (a start whose last rank is past the world begins no group: the embedding group's stride
     # spans PP - 1 stages, so of its first stride ranks only the first stage's start one)
     last = stride * (size - 1)
-    apart = any(b // gpn != (b + last) // gpn for b in firsts if b < upto and b + last < layout.world_size)
+    apart = any(b // gpn != (b + last) // gpn for b in firsts if b < upto and b + last < world_size)
     return "inter" if apart else "intra"
 
 

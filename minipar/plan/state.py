@@ -197,6 +197,13 @@ def stage_peak_bytes(model, layout, stage=0, dtype="float32", micro_batches=None
     (``zero12.transient_bytes``); stage 0 holds no more than after a step. ``micro_batches``
     unknown (None) is taken as the most for any m (ZeRO-3: 3p; stages 1 and 2: 2, or 3p on a rank
     of several chunks; tested)."""
+    # all it reads of a layout is ``sharded``'s (with recomputation for ZeRO-3's replay): one count
+    # for the layouts the planner tries that differ elsewhere
+    return _stage_peak_bytes(model, sharded(layout, layout.zero_stage == 3), stage, dtype, micro_batches)
+
+
+@lru_cache(maxsize=65536)
+def _stage_peak_bytes(model, layout, stage, dtype, micro_batches):
     if layout.zero_stage == 3:
         from .zero3_peak import peak_bytes  # (it reads this module's counts)
 
