@@ -37,6 +37,8 @@ when replaying the sends and receives in order always lets some rank move on: ``
 checks that, and measures each schedule's bubble with unit costs.
 """
 
+from functools import lru_cache
+
 from minipar.parallel import validate
 from minipar.parallel.pipeline import zero_bubble
 from minipar.parallel.pipeline.instructions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT,  # noqa: F401 (re-exported)
@@ -64,20 +66,25 @@ def _with_communication(pipe, rank, compute):
         g = pipe.global_chunk(rank, c)
         if op == FORWARD:
             if g > 0:
-                out.append(Instruction(RECV_ACT, mb, c))
-            out.append(Instruction(FORWARD, mb, c))
+                out.append(_instruction(RECV_ACT, mb, c))
+            out.append(_instruction(FORWARD, mb, c))
             if g < last:
-                out.append(Instruction(SEND_ACT, mb, c))
+                out.append(_instruction(SEND_ACT, mb, c))
         elif op in BACKWARDS:
             if g < last:
-                out.append(Instruction(RECV_GRAD, mb, c))
-            out.append(Instruction(op, mb, c))
+                out.append(_instruction(RECV_GRAD, mb, c))
+            out.append(_instruction(op, mb, c))
             if g > 0:
-                out.append(Instruction(SEND_GRAD, mb, c))
+                out.append(_instruction(SEND_GRAD, mb, c))
         else:  # W: the weights' gradients, local
-            out.append(Instruction(op, mb, c))
+            out.append(_instruction(op, mb, c))
     out.append(Instruction(STEP))
     return out
+
+
+# every rank's list holds the same (op, mb, chunk) instructions, which are frozen: each made once
+# (making them was half of a build, and the planner builds hundreds of schedules)
+_instruction = lru_cache(maxsize=65536)(Instruction)
 
 
 def gpipe(p, m, rank):
