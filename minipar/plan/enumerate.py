@@ -50,6 +50,7 @@ def divisors(n):
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+@lru_cache(maxsize=4096)  # the same few problems, over and over
 def reason(problem):
     """A problem's kind: its words, the numbers left out (the key failures are counted by)."""
     return re.sub(r"\d+(\.\d+)?", "N", problem)
@@ -129,7 +130,7 @@ def plan(model, machine, global_batch, dtype="float32"):
         if problem:
             fail(problem)
             continue
-        problem = _problem(run_config(model, layout, global_batch, dtype))
+        problem = _problem(model, replace(layout, recompute=False, selective_recompute=False), global_batch, dtype)
         if problem:
             fail(problem)
             continue
@@ -141,11 +142,14 @@ def plan(model, machine, global_batch, dtype="float32"):
     return result
 
 
-@lru_cache(maxsize=1024)  # a layout with selective recomputation is, to the trainer, the run without it
-def _problem(config):
-    """The first of validate's problems of a run, but the MPI tag limit (minipar's MPI bound, not
-    the layout's: the module docstring), or None."""
-    return next((p for p in validate.problems(config, FLAGS) if "message tags" not in p), None)
+@lru_cache(maxsize=1024)
+def _problem(model, layout, global_batch, dtype):
+    """The first of validate's problems of a layout's run, but the MPI tag limit (minipar's MPI
+    bound, not the layout's: the module docstring), or None. Asked without recomputation:
+    validate has no rule of it (``RunConfig.recompute``: "no rule of its own"; selective
+    recomputation is not in the config at all), so a layout's three choices are one question."""
+    return next((p for p in validate.problems(run_config(model, layout, global_batch, dtype), FLAGS)
+                 if "message tags" not in p), None)
 
 
 def rounded_up(x, digits=3):
