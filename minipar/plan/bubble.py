@@ -25,6 +25,7 @@ from functools import lru_cache
 
 from minipar.parallel import validate
 from minipar.parallel.pipeline import schedules, zero_bubble
+from minipar.parallel.pipeline.instructions import COMPUTE
 from minipar.parallel.pipeline.simulate import chunk_peaks, simulate, theoretical_bubble
 
 SIMULATE_UP_TO = 4096  # chunk-passes p x v x m
@@ -88,8 +89,10 @@ def in_flight(schedule, p, m, v, rank, defer_head=False):
     up to the total (v = 1: the last rank's backwards alternate with its forwards, each parking one,
     and none runs before the flush), and interleaved's walk takes the head W's at its end, as the
     instruction lists have them (tested)."""
-    if p > 1 and p * v * m <= SIMULATE_UP_TO:  # the rank's own list (the planner asks for two or three)
-        return chunk_peaks(((i.op, i.chunk) for i in _built(schedule, p, m, v, defer_head)[rank]), v)
+    if p > 1 and p * v * m <= SIMULATE_UP_TO:  # the rank's own list (the planner asks for two or three),
+        # its computations: the messages between them change when, not what (``chunk_peaks``)
+        built = _built(schedule, p, m, v, defer_head)[rank]
+        return chunk_peaks(((i.op, i.chunk) for i in built if i.op in COMPUTE), v)
     if defer_head:  # refused as schedules.build does: p = 1, or a schedule that never flushes
         validate.check(validate.RunConfig(pp=p, schedule=schedule, defer_embedding_wgrad=True),
                        what="pipeline schedule")
