@@ -64,6 +64,7 @@ class Unit:
     head: tuple = ()
 
 
+@lru_cache(maxsize=4096)  # asked for each replay of the rank (tuples: the planner's replays share them)
 def rank_units(model, layout, stage):
     """(groups, chunks): the rank's ZeRO-3 groups in ``ZeRO3.groups``' order, each (parameters, the
     ranks it is sharded over, held until finalize_grads), and each local chunk's units in forward
@@ -103,8 +104,8 @@ def rank_units(model, layout, stage):
             e, t = new(lnf, False), new(wte, True)
             defer = layout.defer_embedding_wgrad
             units.append(Unit("head", (e, t), (e, t), (e,) if defer else (t, e), (t, e), (t,) if defer else ()))
-        out.append(units)
-    return groups, out
+        out.append(tuple(units))
+    return tuple(groups), tuple(out)
 
 
 def _block(model, layout, layer, new, sp, n, parked=False):

@@ -26,7 +26,9 @@ under that timing it equals the ledger's peak exactly (tests/mpi/plan_counts.py)
 gets its gradient in every backward (an expert no token reached runs on 0 rows: its hooks fire).
 """
 
+from array import array
 from functools import lru_cache
+from itertools import accumulate
 
 from minipar.parallel.pipeline import schedules
 from minipar.parallel.pipeline.instructions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, HEAD_WEIGHT,
@@ -70,11 +72,29 @@ def _peak(model, layout, m, stage, dtype, in_flight):
 
 
 def replay(model, layout, m, stage=0, dtype="float32", in_flight=None):
-    """``peak_bytes`` of exactly m micro-batches: the walk over the rank's schedule."""
+    """``peak_bytes`` of exactly m micro-batches: the walk over the rank's schedule (``_moves``),
+    then its moves weighed in this layout's bytes (``_weigh``)."""
     groups, chunks = rank_units(model, layout, stage)
-    walk = _Replay(groups, PRECISIONS[dtype], state.state_bytes(model, layout, stage, dtype),
-                   ShardedAdamW.IN_FLIGHT if in_flight is None else in_flight)
     passes = rank_passes(layout.schedule, layout.pp, m, layout.vpp, layout.defer_embedding_wgrad, stage)
+    keep = ShardedAdamW.IN_FLIGHT if in_flight is None else in_flight
+    moves = _moves(tuple(held for _, _, held in groups), chunks, passes, keep)
+    return _weigh(moves, groups, PRECISIONS[dtype], state.state_bytes(model, layout, stage, dtype))
+
+
+# When a group's bytes come and go depends on the groups and the schedule alone, what they weigh on
+# the layout (TP, DP x CP, the precision): the walk is made once for the layouts that share their
+# groups' shape and their rank's passes (the 1T model's 6,194 replays take 955 walks), each change
+# of the ledger a move of one group: its whole parameters gathered (or prefetched) and released, its
+# gradient buffer made, its send's piece received, and a send done (buffer and piece).
+GATHER, RELEASE, BUFFER, SEND, DONE = range(5)
+MOVES = 5
+
+
+@lru_cache(maxsize=4096)
+def _moves(held, chunks, passes, keep):
+    """The ledger's moves over ``passes``, each ``MOVES * group + move``, in order: all of them, and
+    those of the parameters and of the gradients (compact arrays: the planner keeps hundreds)."""
+    walk = _Replay(held, keep)
     # the groups in the order the step gathers them, a forward's and a reading backward's: the last
     # step's record, which the prefetch follows
     walk.record = [u.groups if op == FORWARD else u.read
@@ -104,29 +124,39 @@ def replay(model, layout, m, stage=0, dtype="float32", in_flight=None):
                 walk.weight(u.weight if op == BACKWARD_WEIGHT else u.head)
         else:
             walk.finish()
-    return {**walk.peak, "total": walk.peak_total}
+    moves = walk.moves
+    return (array("I", moves), array("I", (x for x in moves if x % MOVES < BUFFER)),
+            array("I", (x for x in moves if x % MOVES >= BUFFER)))
+
+
+def _weigh(moves, groups, d, base):
+    """{kind: its peak, "total": the peak of their sum} over ``moves`` from ``base`` (the state after
+    a step), each group's arrays its (padded) parameters' bytes: the whole parameters, the flat
+    gradient buffer and the 1/N piece a send receives."""
+    sizes = []
+    for params, over, _ in groups:
+        padded = -(-params // over) * over
+        whole, flat, piece = d.param * padded, d.grad * padded, d.grad * padded // over
+        sizes += [whole, -whole, flat, piece, -flat - piece]  # GATHER, RELEASE, BUFFER, SEND, DONE
+    every, params, grads = moves
+    peak = dict(base)  # each running sum at its highest
+    peak["parameters"] = max(accumulate(map(sizes.__getitem__, params), initial=base["parameters"]))
+    peak["gradients"] = max(accumulate(map(sizes.__getitem__, grads), initial=base["gradients"]))
+    return {**peak, "total": max(accumulate(map(sizes.__getitem__, every), initial=sum(base.values())))}
 
 
 class _Replay:
     """``ZeRO3``'s ledger over a step: its whole parameters (gathered, prefetched), gradient buffers
-    and sends in flight, by the same rules, the groups' bytes for their arrays."""
+    and sends in flight, by the same rules, each change of it a move (``_moves``)."""
 
-    def __init__(self, groups, d, base, keep):
-        self.held = [held for _, _, held in groups]
-        padded = [-(-params // over) * over for params, over, _ in groups]
-        self.whole_bytes = [d.param * size for size in padded]
-        self.flat_bytes = [d.grad * size for size in padded]
-        self.piece_bytes = [d.grad * size // over for size, (_, over, _) in zip(padded, groups)]
+    def __init__(self, held, keep):
+        self.held = held
         self.keep, self.record, self.next = keep, [], 0
         self.whole, self.prefetched, self.flats, self.pending = set(), set(), set(), []
-        self.now, self.peak = dict(base), dict(base)
-        self.peak_total = self.total = sum(base.values())
+        self.moves = []
 
-    def add(self, kind, nbytes):
-        self.now[kind] += nbytes
-        self.peak[kind] = max(self.peak[kind], self.now[kind])
-        self.total += nbytes  # sum(self.now.values()), kept: summing it at every entry was the planner's hot spot
-        self.peak_total = max(self.peak_total, self.total)
+    def add(self, move, g):
+        self.moves.append(MOVES * g + move)
 
     def gather(self, groups):  # ZeRO3._gather_unit
         self.next += 1
@@ -136,19 +166,19 @@ class _Replay:
                 if g in self.prefetched:
                     self.prefetched.remove(g)
                 else:
-                    self.add("parameters", self.whole_bytes[g])
+                    self.add(GATHER, g)
         self.prefetch()
 
     def prefetch(self):  # ZeRO3._prefetch_next: the next recorded unit's groups
         for g in self.record[self.next] if self.next < len(self.record) else ():
             if g not in self.whole and g not in self.prefetched:
                 self.prefetched.add(g)
-                self.add("parameters", self.whole_bytes[g])
+                self.add(GATHER, g)
 
     def release(self, g):
         if g in self.whole:
             self.whole.remove(g)
-            self.add("parameters", -self.whole_bytes[g])
+            self.add(RELEASE, g)
 
     def forward(self, unit):  # ZeRO3._run_unit
         self.gather(unit.groups)
@@ -179,7 +209,7 @@ class _Replay:
     def buffer(self, g):
         if g not in self.flats:
             self.flats.add(g)
-            self.add("gradients", self.flat_bytes[g])
+            self.add(BUFFER, g)
 
     def complete(self, g):
         """A group's hooks have all fired: held, its parameters go; else it is sent."""
@@ -192,7 +222,7 @@ class _Replay:
     def send(self, g):  # ZeRO3.reduce_scatter_group and ShardedAdamW.reduce_scatter
         self.flats.remove(g)
         self.release(g)
-        self.add("gradients", self.piece_bytes[g])
+        self.add(SEND, g)
         self.pending.append(g)
         self.collect(self.keep)
         self.prefetch()
@@ -200,7 +230,7 @@ class _Replay:
     def collect(self, keep):
         while len(self.pending) > keep:
             g = self.pending.pop(0)
-            self.add("gradients", -self.flat_bytes[g] - self.piece_bytes[g])
+            self.add(DONE, g)
 
     def finish(self):  # finish_gradients: the groups still buffered (held ones), in order, then every send
         for g in sorted(self.flats):
