@@ -32,7 +32,9 @@ m is walked up to 2; several chunks up to 3p, as ZeRO-3's. Every parameter is ta
 gradient in every backward, as in ``zero3_peak.py``.
 """
 
+from array import array
 from functools import lru_cache
+from itertools import accumulate
 
 from minipar.parallel.pipeline.instructions import BACKWARD, BACKWARD_WEIGHT, HEAD_WEIGHT, STEP
 
@@ -41,28 +43,29 @@ from .shapes import BUCKET, PRECISIONS
 from .zero3_peak import rank_passes
 
 
+@lru_cache(maxsize=1024)  # the groups, the parameters and the hooks' order all read it: made once
 def _modules(model, layout, stage):
-    """[(module kind, local chunk, [(values, comm, held)])] on a rank of ``stage``, in the model's
-    order: comm "edp" for an expert's weights under expert parallelism ("dp" otherwise), held when
-    the model sums the gradient after backward (``protocol.finished_by_model``)."""
+    """((module kind, local chunk, ((values, comm, held), ...)), ...) on a rank of ``stage``, in the
+    model's order: comm "edp" for an expert's weights under expert parallelism ("dp" otherwise), held
+    when the model sums the gradient after backward (``protocol.finished_by_model``)."""
     h, sp = model.hidden_size, layout.sequence_parallel and layout.tp > 1
     chunks, end = state.stage_chunks(layout, stage), layout.pp * layout.vpp - 1
     first, last = 0 in chunks, end in chunks
-    norm = [(h, "dp", sp)] * 2
+    norm = ((h, "dp", sp),) * 2
     out = []
     if first or last:  # the tied embedding (a copy on each end, summed over "embedding")
         tied = layout.pp > 1 and not (first and last)
-        out.append(("wte", chunks.index(0 if first else end), [(state.token_embedding(model, layout), "dp", tied)]))
+        out.append(("wte", chunks.index(0 if first else end), ((state.token_embedding(model, layout), "dp", tied),)))
     if first:
-        out.append(("wpe", chunks.index(0), [(model.seq_length * h, "dp", sp)]))
+        out.append(("wpe", chunks.index(0), ((model.seq_length * h, "dp", sp),)))
     for c, chunk in enumerate(chunks):
         for layer in state.chunk_layers(model, layout, chunk):  # an expert's gradient, too, is summed over TP
-            out += [(kind, c, [(v, "edp" if expert and layout.ep > 1 else "dp", sp and (partial or expert))
-                               for v, expert, partial in params])
+            out += [(kind, c, tuple((v, "edp" if expert and layout.ep > 1 else "dp", sp and (partial or expert))
+                                    for v, expert, partial in params))
                     for kind, params in state.block_modules(model, layout, layer)]
     if last:
         out.append(("norm", chunks.index(end), norm))
-    return out
+    return tuple(out)
 
 
 def parameter_list(model, layout, stage):
@@ -169,34 +172,47 @@ def group_sends(model, layout, stage, m, dtype="float32"):
 def _replay(params, groups, sent, order, passes, grad, count=None):
     """The most a ZeRO-2 rank holds beyond its state over ``passes`` (its schedule's, then the
     step), every send pending until the next one: ``ZeRO2``'s hooks and ledger, replayed
-    (``count``: each group's sends added to it)."""
-    group_of = {i: k for k, (_, _, _, members) in enumerate(groups) for i in members}
-    whole, ready, done, pending, most = set(), [set() for _ in groups], set(), 0, 0
-    values = 0  # sum(params[i][0] for i in whole), kept as it changes: summing the set at every send
-    # took a fifth of the planner's time on the 1T model
-
-    def send(k):  # ZeRO2.reduce_scatter_group
-        nonlocal pending, most, values
-        most = max(most, grad * values + sent[k] + pending)
+    (``count``: each group's sends added to it). The walk (``_moves``) reads which parameters
+    each group holds and when their hooks fire, not their sizes: the layouts that share those
+    share it (the 1T model's 1,860 replays take 531 walks); the sizes weigh its moves here."""
+    changes, sends = _moves(tuple((held, members) for _, _, held, members in groups),
+                            tuple((c, tuple(hooks)) for c, hooks in order.items()), passes)
+    signed = [x for values, _, _ in params for x in (values, -values)]  # a gradient made whole, and sent
+    whole = list(accumulate(map(signed.__getitem__, changes), initial=0))  # the whole ones' values, after each change
+    most = pending = 0
+    for k, at in sends:  # ZeRO2.reduce_scatter_group: the whole gradients, the group's buffer and piece, the one pending
+        most = max(most, grad * whole[at] + sent[k] + pending)
         pending = sent[k]
         if count is not None:
             count[k] += 1
-        for i in groups[k][3]:
+    return most
+
+
+@lru_cache(maxsize=1024)
+def _moves(groups, order, passes):
+    """(changes, sends) of the replay: each parameter's gradient made whole (2 i) or sent (2 i + 1),
+    in order, and each send (its group, the changes before it)."""
+    group_of = {i: k for k, (_, members) in enumerate(groups) for i in members}
+    whole, ready, done, changes, sends = set(), [set() for _ in groups], set(), [], []
+    order = dict(order)
+
+    def send(k):  # ZeRO2.reduce_scatter_group
+        sends.append((k, len(changes)))
+        for i in groups[k][1]:
             if i in whole:
                 whole.remove(i)
-                values -= params[i][0]
+                changes.append(2 * i + 1)
         ready[k] = set()
         done.add(k)
 
     def hook(i):  # ZeRO2._gradient_ready: a held group waits for the flush
-        nonlocal values
         if i not in whole:
             whole.add(i)
-            values += params[i][0]
+            changes.append(2 * i)
         k = group_of[i]
-        if not groups[k][2]:
+        if not groups[k][0]:
             ready[k].add(i)
-            if len(ready[k]) == len(groups[k][3]):
+            if len(ready[k]) == len(groups[k][1]):
                 send(k)
 
     for op, c in passes:
@@ -210,4 +226,4 @@ def _replay(params, groups, sent, order, passes, grad, count=None):
             for k in range(len(groups)):
                 if k not in done or ready[k]:
                     send(k)
-    return most
+    return array("I", changes), tuple(sends)
