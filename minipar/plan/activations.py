@@ -80,6 +80,8 @@ last linear layers' deferred), and within 10% for MoE, whose router is not unifo
 """
 
 import math
+from itertools import starmap
+from operator import mul
 
 from minipar.parallel.run_config import SPLIT_BACKWARD
 
@@ -290,7 +292,7 @@ def rank_bytes(model, layout, stage, peaks, d, query_block=64, transient=True):
         held.append(sbh + logits // 2 + linears_parked(model, layout, d))  # and the logits' gradient (one
         # of the two logits-sized arrays), and the deferred linear layers' inputs and output gradients
     held += [0 if c == last else sbh // shard for c in chunks]  # the just-run forward's output, until sent
-    kept = max(sum(n * h for n, h in zip(peak, held, strict=True)) for peak in peaks)
+    kept = max(sum(starmap(mul, zip(peak, held, strict=True))) for peak in peaks)  # (each count x its bytes)
     return kept + (one + max(experts, 0) if recompute and transient else 0)
 
 

@@ -45,12 +45,12 @@ def stage_imbalance(model, layout):
     if layout.pp == 1:
         return 1.0
     # what it reads of the layout alone, so that the layouts that differ elsewhere (TP, DP, ZeRO, ...) share it
-    return _imbalance(model, Layout(pp=layout.pp, vpp=layout.vpp, schedule=layout.schedule, recompute=layout.recompute,
-                                    pipeline_layers=layout.pipeline_layers))
+    return _imbalance(model, layout.pp, layout.vpp, layout.schedule, layout.recompute, layout.pipeline_layers)
 
 
 @lru_cache(maxsize=4096)
-def _imbalance(model, layout):
+def _imbalance(model, pp, vpp, schedule, recompute, pipeline_layers):
+    layout = Layout(pp=pp, vpp=vpp, schedule=schedule, recompute=recompute, pipeline_layers=pipeline_layers)
     args = (model.hidden_size, model.seq_length, 0)
     again = Fraction(4, 3) if layout.recompute else 1
     block = [flops_per_token(1, *args, int(model.is_moe(i)), model.moe_router_topk, model.num_experts) * again
@@ -62,6 +62,7 @@ def _imbalance(model, layout):
     return float(max(loads) * layout.pp / sum(loads))
 
 
+@lru_cache(maxsize=256)  # every layout asks: one count per model, batch and recomputation
 def flops_per_iteration(model, global_batch, recompute=False, selective=False):
     """(model FLOPs, hardware FLOPs) of one step: full recomputation adds a forward of the blocks,
     selective recomputation attention's q k^T again (2 T h per token per layer)."""
