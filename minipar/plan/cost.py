@@ -142,7 +142,7 @@ def memory_bytes(model, layout, global_batch, dtype="float32", query_block=64):
     m = micro_batches(layout, global_batch)
     bubble.check_planned(layout.schedule, layout.pp, m, layout.vpp)
     d = PRECISIONS[dtype].activation
-    unsharded = replace(layout, zero_stage=0)  # ZeRO shards the state, not the activations
+    unsharded = replace(layout, zero_stage=0) if layout.zero_stage else layout  # ZeRO shards the state alone
     memory = 0
     for s in _stages(layout):
         held = state.stage_peak_bytes(model, layout, s, dtype, m)  # ZeRO: what a step holds for a moment too
@@ -165,8 +165,9 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     sent, steps, launches, calls = {}, {}, 0.0, {}
     for s in _stages(layout):
         launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
-        for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
-            calls[g] = max(calls.get(g, 0.0), v)
+        if machine.call_overhead_us:  # (0 on a GPU: nothing to count)
+            for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
+                calls[g] = max(calls.get(g, 0.0), v)
         b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
         for g in b:  # the busier stage's count of each group
             if b[g] >= sent.get(g, 0):

@@ -130,7 +130,10 @@ def plan(model, machine, global_batch, dtype="float32"):
         if problem:
             fail(problem)
             continue
-        problem = _problem(model, replace(layout, recompute=False, selective_recompute=False), global_batch, dtype)
+        asked = layout  # (without recomputation: ``_problem``)
+        if layout.recompute or layout.selective_recompute:
+            asked = replace(layout, recompute=False, selective_recompute=False)
+        problem = _problem(model, asked, global_batch, dtype)
         if problem:
             fail(problem)
             continue

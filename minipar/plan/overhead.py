@@ -50,6 +50,8 @@ def ring_passes(model, layout, global_batch, stage):
 
 def launch_seconds(model, layout, machine, global_batch, stage):
     """One rank's per-launch overhead in a step: layer, edge and ring passes x their calibrated costs."""
+    if not (machine.layer_overhead_us or machine.edge_overhead_us or machine.ring_pass_overhead_us):
+        return 0.0  # a GPU's launches overlap its kernels: nothing to count
     layers, edges = layer_passes(model, layout, global_batch, stage)
     passes = ring_passes(model, layout, global_batch, stage)
     return (layers * machine.layer_overhead_us + edges * machine.edge_overhead_us

@@ -180,7 +180,7 @@ def _replay(params, groups, sent, order, passes, grad, count=None):
     signed = [x for values, _, _ in params for x in (values, -values)]  # a gradient made whole, and sent
     whole = list(accumulate(map(signed.__getitem__, changes), initial=0))  # the whole ones' values, after each change
     most = pending = 0
-    for k, at in sends:  # ZeRO2.reduce_scatter_group: the whole gradients, the group's buffer and piece, the one pending
+    for k, at in sends:  # ZeRO2.reduce_scatter_group: the whole gradients, its buffer and piece, the one pending
         most = max(most, grad * whole[at] + sent[k] + pending)
         pending = sent[k]
         if count is not None:

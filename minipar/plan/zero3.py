@@ -140,7 +140,7 @@ def groups(model, layout, stage):
     alike: over one communicator, by the units of the same local chunks, read by as many of their
     backwards."""
     # (the planner asks for many layouts that differ only in what the groups do not read)
-    return [Groups(*kind) for kind in _groups(model, state.sharded(layout), stage)]  # new objects: the cached stay as made
+    return [Groups(*kind) for kind in _groups(model, state.sharded(layout), stage)]  # (new: the cached stay as made)
 
 
 @lru_cache(maxsize=4096)
