@@ -57,19 +57,18 @@ class Simulation:
     period: Fraction = Fraction(0)  # the longest span of a rank, its first instruction's start to its last's end
 
 
+# what a message carries, by its op: its kind, and the global chunk that sends it, as an offset
+# from the instruction's (an activation goes from global chunk g to g + 1, a gradient back)
+MESSAGES = {SEND_ACT: ("act", 0), RECV_ACT: ("act", -1), SEND_GRAD: ("grad", 0), RECV_GRAD: ("grad", 1)}
+
+
 def message_key(pipe, rank, ins):
     """What a send or receive carries, named the same on both sides: (kind, mb, sending global
-    chunk). An activation goes from global chunk g to g + 1, a gradient from g + 1 back to g."""
-    g = pipe.global_chunk(rank, ins.chunk)
-    if ins.op == SEND_ACT:
-        return ("act", ins.mb, g)
-    if ins.op == RECV_ACT:
-        return ("act", ins.mb, g - 1)
-    if ins.op == SEND_GRAD:
-        return ("grad", ins.mb, g)
-    if ins.op == RECV_GRAD:
-        return ("grad", ins.mb, g + 1)
-    raise ValueError(f"{ins} is not a message")
+    chunk)."""
+    if ins.op not in MESSAGES:
+        raise ValueError(f"{ins} is not a message")
+    kind, offset = MESSAGES[ins.op]
+    return kind, ins.mb, pipe.global_chunk(rank, ins.chunk) + offset
 
 
 def peer(pipe, rank, ins):
@@ -134,33 +133,48 @@ def simulate(schedules, m, v=1, forward=1, backward=2, recompute=0, weight=None,
     peak = {r: 0 for r in schedules}
     busy = {r: 0 for r in schedules}
     timeline = {r: [] for r in schedules}
-    while any(at[r] < len(s) for r, s in schedules.items()):
-        moved = False
-        for r, s in schedules.items():
-            while at[r] < len(s):
-                ins = s[at[r]]
-                if ins.op in (RECV_ACT, RECV_GRAD):
-                    key = message_key(pipe, r, ins)
+
+    def run(r, s):
+        """Rank r runs its instructions until a receive blocks it or none are left: whether it
+        moved. (Its clock, busy time and peak kept in locals, and each message's key made from its
+        chunk's global index: the planner replays hundreds of schedules, most of its time here.)"""
+        i = start = at[r]
+        now, work, most, held, line = clock[r], busy[r], peak[r], alive[r], timeline[r]
+        chunks = [pipe.global_chunk(r, c) for c in range(v)]
+        while i < len(s):
+            ins = s[i]
+            op = ins.op
+            if op in COMPUTE:
+                _account(r, ins, alive, split_done, head_due if (r, ins.chunk) in deferred else None)
+                if len(held) > most:
+                    most = len(held)
+                took = cost[op][r, ins.chunk]
+                if durations is not None:
+                    took = durations.get((r, op, ins.mb, ins.chunk), took)
+                line.append((op, ins.mb, ins.chunk, now, now + took))
+                now += took
+                work += took
+            elif op in MESSAGES:
+                kind, offset = MESSAGES[op]  # (message_key's)
+                key = kind, ins.mb, chunks[ins.chunk] + offset
+                if op == RECV_ACT or op == RECV_GRAD:
                     if key not in sent:
                         break  # blocked; try the other ranks
                     received[key] += 1
-                    clock[r] = max(clock[r], sent[key])
-                elif ins.op in (SEND_ACT, SEND_GRAD):
-                    key = message_key(pipe, r, ins)
-                    if key in sent:
-                        raise RuntimeError(f"rank {r} sends {key} twice")
-                    sent[key] = clock[r]
-                elif ins.op in COMPUTE:
-                    _account(r, ins, alive, split_done, head_due if (r, ins.chunk) in deferred else None)
-                    peak[r] = max(peak[r], len(alive[r]))
-                    took = cost[ins.op][r, ins.chunk]
-                    if durations is not None:
-                        took = durations.get((r, ins.op, ins.mb, ins.chunk), took)
-                    timeline[r].append((ins.op, ins.mb, ins.chunk, clock[r], clock[r] + took))
-                    clock[r] += took
-                    busy[r] += took
-                at[r] += 1
-                moved = True
+                    if sent[key] > now:
+                        now = sent[key]
+                elif key in sent:
+                    raise RuntimeError(f"rank {r} sends {key} twice")
+                else:
+                    sent[key] = now
+            i += 1
+        at[r], clock[r], busy[r], peak[r] = i, now, work, most
+        return i > start
+
+    while any(at[r] < len(s) for r, s in schedules.items()):
+        moved = False
+        for r, s in schedules.items():
+            moved |= run(r, s)
         if not moved:
             stuck = {r: str(s[at[r]]) for r, s in schedules.items() if at[r] < len(s)}
             raise RuntimeError(f"deadlock: every unfinished rank waits on a receive: {stuck}")
