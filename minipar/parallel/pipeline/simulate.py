@@ -239,7 +239,11 @@ def chunk_peaks(order, v):
             counts[v + chunk] -= 1
         elif op == HEAD_WEIGHT:
             counts[head] -= 1
-    return tuple(sorted(c for c in seen if not any(o != c and all(map(int.__ge__, o, c)) for o in seen)))
+    kept = []  # those no other equals or exceeds in every chunk: one that does has the larger sum,
+    for c in sorted(seen, key=sum, reverse=True):  # so it (or one above it) is kept before c is looked at
+        if not any(all(map(int.__ge__, o, c)) for o in kept):
+            kept.append(c)
+    return tuple(sorted(kept))
 
 
 def _account(r, ins, alive, split_done, head_due):
