@@ -155,6 +155,18 @@ def _activations(model, layout, m, d, stage, query_block):
     return activations.stage_peak(model, layout, m, d, stage, query_block)
 
 
+@lru_cache(maxsize=1024)  # one count for the layouts that differ only in what it does not read (``traffic.counted``)
+def _traffic(model, layout, global_batch, dtype):
+    """({group: bytes}, {group: latency steps}) of each group's busier stage (read, not changed)."""
+    sent, steps = {}, {}
+    for s in _stages(layout):
+        b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
+        for g in b:  # the busier stage's count of each group
+            if b[g] >= sent.get(g, 0):
+                sent[g], steps[g] = b[g], n[g]
+    return sent, steps
+
+
 def predict(model, layout, machine, global_batch, dtype="float32", query_block=64, memory=None):
     """The Prediction of one valid layout (``enumerate`` checks validity first); ``memory``: its
     ``memory_bytes`` where the caller has them already."""
@@ -162,16 +174,13 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     bub, _, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
     if memory is None:
         memory = memory_bytes(model, layout, global_batch, dtype, query_block)
-    sent, steps, launches, calls = {}, {}, 0.0, {}
+    sent, steps = (dict(count) for count in _traffic(model, traffic.counted(layout), global_batch, dtype))
+    launches, calls = 0.0, {}
     for s in _stages(layout):
         launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
         if machine.call_overhead_us:  # (0 on a GPU: nothing to count)
             for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
                 calls[g] = max(calls.get(g, 0.0), v)
-        b, n = traffic.group_traffic(model, layout, global_batch, s, dtype)
-        for g in b:  # the busier stage's count of each group
-            if b[g] >= sent.get(g, 0):
-                sent[g], steps[g] = b[g], n[g]
     model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
     flop_time = hardware_flops / layout.world_size / rate * stage_imbalance(model, layout)
