@@ -150,7 +150,7 @@ def memory_bytes(model, layout, global_batch, dtype="float32", query_block=64):
     return memory
 
 
-@lru_cache(maxsize=65536)  # every ZeRO stage of a layout keeps the same activations: one count for the four
+@lru_cache(maxsize=4096)  # every ZeRO stage of a layout keeps the same activations: one count for the four
 def _activations(model, layout, m, d, stage, query_block):
     return activations.stage_peak(model, layout, m, d, stage, query_block)
 

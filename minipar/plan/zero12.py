@@ -43,7 +43,7 @@ from .shapes import BUCKET, PRECISIONS
 from .zero3_peak import rank_passes
 
 
-@lru_cache(maxsize=1024)  # the groups, the parameters and the hooks' order all read it: made once
+@lru_cache(maxsize=64)  # the groups, the parameters and the hooks' order all read it: made once
 def _modules(model, layout, stage):
     """((module kind, local chunk, ((values, comm, held), ...)), ...) on a rank of ``stage``, in the
     model's order: comm "edp" for an expert's weights under expert parallelism ("dp" otherwise), held
@@ -175,12 +175,13 @@ def _replay(params, groups, sent, order, passes, grad, count=None):
     (``count``: each group's sends added to it). The walk (``_moves``) reads which parameters
     each group holds and when their hooks fire, not their sizes: the layouts that share those
     share it (the 1T model's 1,860 replays take 531 walks); the sizes weigh its moves here."""
-    changes, sends = _moves(tuple((held, members) for _, _, held, members in groups),
-                            tuple((c, tuple(hooks)) for c, hooks in order.items()), passes)
+    changes, sent_groups, sent_at = _moves(tuple((held, members) for _, _, held, members in groups),
+                                           tuple((c, tuple(hooks)) for c, hooks in order.items()), passes)
     signed = [x for values, _, _ in params for x in (values, -values)]  # a gradient made whole, and sent
     whole = list(accumulate(map(signed.__getitem__, changes), initial=0))  # the whole ones' values, after each change
     most = pending = 0
-    for k, at in sends:  # ZeRO2.reduce_scatter_group: the whole gradients, its buffer and piece, the one pending
+    # at each send (ZeRO2.reduce_scatter_group): the whole gradients, its buffer and piece, the one pending
+    for k, at in zip(sent_groups, sent_at):
         most = max(most, grad * whole[at] + sent[k] + pending)
         pending = sent[k]
         if count is not None:
@@ -190,8 +191,9 @@ def _replay(params, groups, sent, order, passes, grad, count=None):
 
 @lru_cache(maxsize=1024)
 def _moves(groups, order, passes):
-    """(changes, sends) of the replay: each parameter's gradient made whole (2 i) or sent (2 i + 1),
-    in order, and each send (its group, the changes before it)."""
+    """(changes, sent groups, sent at) of the replay: each parameter's gradient made whole (2 i) or
+    sent (2 i + 1), in order, and each send's group and the changes before it (compact arrays: the
+    planner keeps hundreds)."""
     group_of = {i: k for k, (_, members) in enumerate(groups) for i in members}
     whole, ready, done, changes, sends = set(), [set() for _ in groups], set(), [], []
     order = dict(order)
@@ -226,4 +228,4 @@ def _moves(groups, order, passes):
             for k in range(len(groups)):
                 if k not in done or ready[k]:
                     send(k)
-    return array("I", changes), tuple(sends)
+    return array("I", changes), array("I", (k for k, _ in sends)), array("I", (at for _, at in sends))

@@ -64,7 +64,7 @@ class Unit:
     head: tuple = ()
 
 
-@lru_cache(maxsize=4096)  # asked for each replay of the rank (tuples: the planner's replays share them)
+@lru_cache(maxsize=256)  # asked for each replay of the rank (tuples: the planner's replays share them)
 def rank_units(model, layout, stage):
     """(groups, chunks): the rank's ZeRO-3 groups in ``ZeRO3.groups``' order, each (parameters, the
     ranks it is sharded over, held until finalize_grads), and each local chunk's units in forward
