@@ -108,6 +108,11 @@ def hook_order(model, layout, stage):
 def rank_groups(model, layout, stage, dtype="float32", members=False):
     """[(values, ranks it is sharded over, held)]: the rank's ZeRO groups in their order (with
     ``members``, each group's indices into ``parameter_list`` appended)."""
+    return list(_rank_groups(model, layout, stage, dtype, members))
+
+
+@lru_cache(maxsize=256)  # asked again by each replay of the rank (one for each m)
+def _rank_groups(model, layout, stage, dtype, members):
     n, z, weight = layout.dp * layout.cp, layout.zero_stage, PRECISIONS[dtype].param
     params = list(enumerate(parameter_list(model, layout, stage)))
     if z != 2:  # only stage 2 holds some back
@@ -129,7 +134,7 @@ def rank_groups(model, layout, stage, dtype="float32", members=False):
     for size, run in groups:
         _, (_, comm, held) = run[0]
         out.append((size, n // layout.ep if comm == "edp" else n, held) + ((tuple(i for i, _ in run),) if members else ()))
-    return out
+    return tuple(out)
 
 
 def transient_bytes(model, layout, stage, dtype="float32", micro_batches=None):
