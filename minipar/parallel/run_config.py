@@ -89,7 +89,8 @@ def field_problems(cfg, say):
     out, bad = [], set()
     for field in POSITIVE:
         value = getattr(cfg, field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+        if value is not None and not (type(value) is int and value >= 1) and (  # (a plain int asks no ABC)
+                isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             out.append(f"{say.name(field)} must be a positive integer, got {value!r}")
             bad.add(field)
     k = cfg.defer_wgrad_linears
