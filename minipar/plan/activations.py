@@ -80,8 +80,9 @@ last linear layers' deferred), and within 10% for MoE, whose router is not unifo
 """
 
 import math
+from functools import lru_cache
 from itertools import starmap
-from operator import mul
+from operator import attrgetter, mul
 
 from minipar.parallel.run_config import SPLIT_BACKWARD
 
@@ -136,28 +137,36 @@ WHOLE_UNDER_SP = ("LayerNorm outputs",)  # gathered to the full sequence before 
 
 def layer_bytes(model, layout, d, query_block=64):
     """One layer's activation bytes for one micro-batch on one rank of ``layout`` (no recompute)."""
-    t, c, b = layout.tp, layout.cp, layout.micro_batch_size
+    return _layer_bytes(model, LAYER(layout), d, query_block)  # (once for the layouts that share what it reads)
+
+
+LAYER = attrgetter("tp", "cp", "micro_batch_size", "selective", "ring_attention", "cp_comm_type", "sequence_parallel")
+
+
+@lru_cache(maxsize=1024)
+def _layer_bytes(model, layer, d, query_block):
+    t, c, b, selective, ring_attention, cp_comm_type, sequence_parallel = layer
     s = model.seq_length // c
-    granularity = "selective" if layout.selective else None  # no T x T terms, their coordinates
+    granularity = "selective" if selective else None  # no T x T terms, their coordinates
     terms = formula(s, b, model.hidden_size, model.num_attention_heads, d, model.dropout > 0, granularity, query_block)
     total = 0
     for name, value in terms.items():
-        if name.startswith("T x T") and value and layout.ring_attention:
+        if name.startswith("T x T") and value and ring_attention:
             # ring attention keeps no probabilities: backward rebuilds them from the log-sum-exp, one
             # float32 a position and head
             value = 4 * b * model.num_attention_heads * s if name.endswith("P") else 0
         elif name.startswith("T x T") and value:  # Ulysses: all T positions, a / (t CP) heads
             value = d * model.num_attention_heads * b * kept_pairs(model.seq_length, query_block) // c
-        if name.startswith(SPLIT_BY_TP) or (layout.sequence_parallel and not name.startswith(WHOLE_UNDER_SP)):
+        if name.startswith(SPLIT_BY_TP) or (sequence_parallel and not name.startswith(WHOLE_UNDER_SP)):
             value //= t
         total += value
     sbh = d * s * b * model.hidden_size
-    if c > 1 and layout.cp_comm_type == "a2a":  # Ulysses' chain (parallel/ulysses.py): each node keeps
+    if c > 1 and cp_comm_type == "a2a":  # Ulysses' chain (parallel/ulysses.py): each node keeps
         # its input, so beside the projection's q, k, v the graph holds the all-to-all's output and
         # its copy in position order (3 + 3), the heads' output, its chunks and the all-to-all's
         # answer before the reshape that the output projection reads (1 + 1 + 1); all inside the heads
         total += 9 * sbh // t
-    if t > 1 and layout.sequence_parallel:  # the LayerNorms' own (sharded) outputs before the gathers,
+    if t > 1 and sequence_parallel:  # the LayerNorms' own (sharded) outputs before the gathers,
         total += 2 * sbh + 4 * sbh // t     # the row-parallel partial sums (whole) and their shards
     elif t > 1:  # g's sums, each in place of its partial sum (f's outputs are views of the LayerNorms')
         total += 2 * sbh

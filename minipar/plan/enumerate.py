@@ -20,6 +20,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
+from operator import attrgetter
 
 from minipar.parallel import validate
 from minipar.parallel.pipeline.schedules import shape_of
@@ -130,10 +131,7 @@ def plan(model, machine, global_batch, dtype="float32"):
         if problem:
             fail(problem)
             continue
-        asked = layout  # (without recomputation: ``_problem``)
-        if layout.recompute or layout.selective_recompute:
-            asked = replace(layout, recompute=False, selective_recompute=False)
-        problem = _problem(model, asked, global_batch, dtype)
+        problem = _problem(model, ASKED(layout), global_batch, dtype)
         if problem:
             fail(problem)
             continue
@@ -145,12 +143,18 @@ def plan(model, machine, global_batch, dtype="float32"):
     return result
 
 
+# what validate is asked of a layout: its fields but recomputation, of which validate has no rule
+# (``RunConfig.recompute``: "no rule of its own"; selective recomputation is not in the config at
+# all), so that a layout's three choices are one question
+ASKED_FIELDS = tuple(f.name for f in fields(Layout) if f.name not in ("recompute", "selective_recompute"))
+ASKED = attrgetter(*ASKED_FIELDS)
+
+
 @lru_cache(maxsize=1024)
-def _problem(model, layout, global_batch, dtype):
-    """The first of validate's problems of a layout's run, but the MPI tag limit (minipar's MPI
-    bound, not the layout's: the module docstring), or None. Asked without recomputation:
-    validate has no rule of it (``RunConfig.recompute``: "no rule of its own"; selective
-    recomputation is not in the config at all), so a layout's three choices are one question."""
+def _problem(model, asked, global_batch, dtype):
+    """The first of validate's problems of the layout of fields ``asked`` (``ASKED``), but the MPI
+    tag limit (minipar's MPI bound, not the layout's: the module docstring), or None."""
+    layout = Layout(**dict(zip(ASKED_FIELDS, asked)))
     return next((p for p in validate.problems(run_config(model, layout, global_batch, dtype), FLAGS)
                  if "message tags" not in p), None)
 
