@@ -56,10 +56,11 @@ def parser():
     return p
 
 
-# the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~30 s)
-# and every expert of a block (8 layers of 4,096 experts on 8 GPUs: 310 s; 10^20 raised an
-# OverflowError), and walks a long pipeline's schedule micro-batch by micro-batch (a global batch
-# of 10^6: ~70 s and 1 GB; 65,536: ~5 s); run_mpi.sh's limit on ranks
+# the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~5 s)
+# and every expert of a block (8 layers of 4,096 experts on 8 GPUs: ~30 s, 310 s before the layouts
+# shared their counts; 10^20 raised an OverflowError), and walks a long pipeline's schedule
+# micro-batch by micro-batch (a global batch of 10^6: ~50 s and 1.1 GB; 65,536: ~3 s); run_mpi.sh's
+# limit on ranks
 MAX_LAYERS, MAX_EXPERT_BLOCKS, MAX_BATCH, MAX_GPUS = 1024, 16_384, 65_536, 1_000_000
 MAX_SPEED_RATIO = 1e6
 MAX_OVERHEAD_US = 1e9  # 1,000 s per layer, message or call: beyond any measured overhead, and
