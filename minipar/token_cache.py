@@ -71,7 +71,7 @@ def cached_token_ids(corpus, corpus_sha256, corpus_path, tokenizer, tokenize=Tru
     """(the corpus's ids, notes for the user, and None or a call that writes the cache): read from
     the cache, or tokenized, the cache written by the returned call once the run is sure to go on
     (a run refused for its flags writes nothing). The call takes the ids to keep (and ``reuse``:
-whether to map a cache another rank wrote meanwhile, if there is a whole one) and returns
+    whether to map a cache another rank wrote meanwhile, if there is a whole one) and returns
     (notes for the user, the ids read back from the cache as a memmap, or None where it could not
     be written). ``tokenize`` False: on a miss the ids are None, for the caller to make
     (``encode``) or to receive from a rank that made them (``Dataset.share_tokens``)."""
