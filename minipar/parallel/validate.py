@@ -44,6 +44,9 @@ def _pipeline_layers_problems(cfg, say, pp, v, known):
     return out
 
 
+FIELDS = tuple(f.name for f in fields(RunConfig))
+
+
 def resolve(cfg, names=None):
     """(cfg with ``dp``, ``micro_batches`` and ``micro_batch_size`` filled in where the other sizes
     determine them, every problem as a list of one-line strings)."""
@@ -56,7 +59,7 @@ def _resolve(cfg, names):
     ``problems`` does not need (the planner asks about hundreds of thousands of layouts)."""
     say = Say(cfg, names)
     out, bad = field_problems(cfg, say)
-    unknown = bad | {f.name for f in fields(cfg) if getattr(cfg, f.name) is None}
+    unknown = bad | {f for f in FIELDS if getattr(cfg, f) is None}
 
     def known(*wanted):  # given, and of a value the other rules can use
         return unknown.isdisjoint(wanted)
