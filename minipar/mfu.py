@@ -22,9 +22,9 @@ barriers, and the peak is all of that work over the time it took. Timing the blo
 matters when ranks share cores: a rank's fastest single product comes when the others happen to
 be idle, so adding each rank's best would count a shared core once per rank (8 ranks on 2 cores
 measured four times the cores' rate that way). MFU is then (FLOPs per token x tokens per second)
-/ that peak. The trainer measures it again at each evaluation and keeps the highest: other work on
-the machine only slows a measurement, and a peak taken while the machine was busy once gave an MFU
-of 252%.
+/ that peak. The trainer measures it again at each evaluation and before each progress line, and
+keeps the highest: other work on the machine only slows a measurement, and a peak taken while the
+machine was busy once gave an MFU of 252%.
 """
 
 import time

@@ -252,8 +252,13 @@ class Trainer(Checkpoints, Reports):
                 self.stuck = self.stuck + 1 if self.opt.skipped_step and self.at_floor else 0
                 if self.stuck == STUCK_STEPS:
                     return self._stuck(it)
-                record = self._record(it, loss, norm, bubble, ms, model_flops / (ms / 1e3) / peak)
                 last = it == end - 1
+                shown = it % args.log_interval == 0 or last  # a progress line, with its MFU
+                if shown and it != self.start and evaluation is None:
+                    # measured again where a line shows MFU (one round: a few ms every 20 steps), so
+                    # that a peak taken while the machine was busy misleads a line or two, not 100 steps
+                    peak = max(peak, measured_peak(self.world, dtype, rounds=1))
+                record = self._record(it, loss, norm, bubble, ms, model_flops / (ms / 1e3) / peak)
                 if evaluation is not None:
                     val_loss = record["val_loss"] = evaluation()
                     val_history.append((it, val_loss))
@@ -269,7 +274,7 @@ class Trainer(Checkpoints, Reports):
                 except OSError as exc:  # train.py ends the job in one line naming the file
                     exc.filename = args.log_json
                     raise
-                if self.speaks and (it % args.log_interval == 0 or last):
+                if self.speaks and shown:
                     print(self._progress(it, record, val_loss, tokens_per_step / (ms / 1e3)), flush=True)
         if args.max_iters == 0:  # nothing to train: measure the weights as they came
             val_loss = self.evaluate()

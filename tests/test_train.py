@@ -243,7 +243,7 @@ def test_cuda_without_cupy_is_a_one_line_error(corpus):
 PEAKS = """import sys
 import minipar.trainer
 peaks = iter([1e6, 1e15, 1.0])  # FLOP/s: a busy machine at the start, a quiet one, a busy one again
-minipar.trainer.measured_peak = lambda world, dtype: next(peaks)
+minipar.trainer.measured_peak = lambda world, dtype, **how: next(peaks)
 from minipar.train import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -258,6 +258,21 @@ def test_the_peak_is_measured_again_at_each_evaluation_and_the_highest_kept(tmp_
     assert run.returncode == 0, run.stderr
     mfu = [json.loads(line)["mfu"] for line in open(log)]
     assert mfu[0] > 1 and mfu[1] > 1 and mfu[2] < 1e-3 and mfu[3] < 1e-3, mfu  # 1e15 from the first evaluation on
+
+
+def test_the_peak_is_measured_again_before_each_progress_line(tmp_path):
+    """Lines at iterations 0, 2 and 4; the evaluation only after the last: the busy start's peak
+    misleads iterations 0 and 1 only (the line at 0 needs no new one: it was just measured)."""
+    script, log = tmp_path / "peaks.py", tmp_path / "log.jsonl"
+    script.write_text(PEAKS)
+    run = subprocess.run([sys.executable, str(script), *TINY, "--max-iters", "5", "--eval-interval", "100",
+                          "--log-interval", "2", "--log-json", str(log)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    mfu = [json.loads(line)["mfu"] for line in open(log)]
+    assert mfu[0] > 1 and mfu[1] > 1 and all(m < 1e-3 for m in mfu[2:]), mfu
+    assert [line.split("|")[-1].strip() for line in run.stdout.splitlines() if line.startswith("iter")][1:] == [
+        "MFU  0.0%", "MFU  0.0%"], run.stdout
 
 
 @pytest.mark.parametrize("lr,message", [
