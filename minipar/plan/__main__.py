@@ -59,7 +59,7 @@ def parser():
 # the most the planner takes: it counts every block of every layout it tries (1,024 blocks: ~5 s)
 # and every expert of a block (8 layers of 4,096 experts on 8 GPUs: ~30 s, 310 s before the layouts
 # shared their counts; 10^20 raised an OverflowError), and walks a long pipeline's schedule
-# micro-batch by micro-batch (a global batch of 10^6: ~50 s and 1.1 GB; 65,536: ~3 s); run_mpi.sh's
+# micro-batch by micro-batch (a global batch of 10^6: ~50 s and 1.1 GB; 65,536: 4.3-4.9 s on a small model, 8 GPUs); run_mpi.sh's
 # limit on ranks
 MAX_LAYERS, MAX_EXPERT_BLOCKS, MAX_BATCH, MAX_GPUS = 1024, 16_384, 65_536, 1_000_000
 MAX_SPEED_RATIO = 1e6
