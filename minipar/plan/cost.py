@@ -4,7 +4,10 @@ Compute. The FLOPs of a step are minipar's own count (``mfu.flops_per_token``: 7
 + 6 V h per token, Narayanan et al. 2021) and, with full recomputation, one more forward of the
 blocks (24 L h^2 + 4 L T h): the sum is the paper's 96 B s l h^2 (1 + s/6h + V/16lh) exactly. Every
 rank does 1/(TP CP PP DP) of it, at the peak times an efficiency (the share of peak the kernels
-reach, calibrated by a micro-benchmark), and the pipeline stretches it by 1 / (1 - bubble).
+reach, calibrated by a micro-benchmark), and the pipeline stretches it by 1 / (1 - bubble). A layout
+that runs weight gradients at the flush (``--defer-embedding-wgrad-compute``, ``--defer-wgrad-linears
+K``) takes its bubble from ``deferred.py``, its schedule replayed with each chunk's FLOPs, where the
+stages' imbalance is part of the replay and not multiplied in again.
 
 Communication. Each group's bytes (``traffic.group_traffic``) cross one kind of link: inside a
 node (NVLink) or between nodes (InfiniBand), as Megatron's rank order places the group's ranks
@@ -30,7 +33,7 @@ from functools import lru_cache
 
 from minipar.mfu import flops_per_token
 
-from . import activations, bubble, overhead, state, traffic
+from . import activations, bubble, deferred, overhead, state, traffic
 from .shapes import PRECISIONS, Layout, micro_batches
 
 
@@ -172,6 +175,11 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     ``memory_bytes`` where the caller has them already."""
     m = micro_batches(layout, global_batch)
     bub, _, source = bubble.pipeline(layout.schedule, layout.pp, m, layout.vpp, layout.recompute)
+    imbalance = stage_imbalance(model, layout)
+    if layout.defer_embedding_wgrad:  # W's moved out of the steady state: the stages' own costs replayed
+        bub = deferred.bubble(model, layout.pp, m, layout.schedule, layout.vpp, layout.pipeline_layers,
+                              layout.recompute, layout.defer_wgrad_linears)
+        imbalance, source = 1.0, "simulator, FLOP costs, W's at the flush"  # (the imbalance is the replay's)
     if memory is None:
         memory = memory_bytes(model, layout, global_batch, dtype, query_block)
     sent, steps = (dict(count) for count in _traffic(model, traffic.counted(layout), global_batch, dtype))
@@ -183,7 +191,7 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
                 calls[g] = max(calls.get(g, 0.0), v)
     model_flops, hardware_flops = flops_per_iteration(model, global_batch, layout.recompute, layout.selective)
     rate = machine.peak_tflops * 1e12 * machine.efficiency
-    flop_time = hardware_flops / layout.world_size / rate * stage_imbalance(model, layout)
+    flop_time = hardware_flops / layout.world_size / rate * imbalance
     compute = flop_time + launches
     links = {g: link(layout, machine, g) for g in sent}
     raw = {g: seconds(sent[g], steps[g], links[g], machine) + calls.get(g, 0.0) for g in sent}

@@ -28,6 +28,9 @@ from minipar.parallel.pipeline.simulate import simulate
 from minipar.parallel.run_config import SPLIT_BACKWARD
 from minipar.parallel.validate import dense_tail
 
+from . import deferred
+from .deferred import deferred_w_flops  # noqa: F401 (bench/scaling.py's, from before it moved)
+
 
 def balance(num_layers, speeds, last=0, least=1):
     """Layers per stage (each at least ``least``) minimising max((layers_i + extra_i) / speed_i),
@@ -110,15 +113,6 @@ def stage_speeds(layout, gpus_per_node, node_speeds):
             for r in range(layout.pp)]
 
 
-W_FLOPS = (8, 8, 2, 6)  # a token's weight-gradient FLOPs / h^2 of a block's linear layers, from the MLP's c_proj back
-
-
-def deferred_w_flops(h, vocab_size, k):
-    """A token's FLOPs that a deferred head leaves for the flush: the head's W (2 V h, a third of its
-    6 V h) and the W's of the last k linear layers (2 x each one's weights)."""
-    return 2 * vocab_size * h + sum(W_FLOPS[i % 4] for i in range(k)) * h * h
-
-
 def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recompute=False):
     """``--defer-wgrad-linears balanced``: the number K of the last chunk's linear layers whose
     weight gradients, run at the flush beside the head's (``GPT.last_linear_weights``), leave the
@@ -128,25 +122,12 @@ def balanced_linears(model, pp, m, schedule="1f1b", vpp=1, layers=None, recomput
     few and the last stage still sets the pace of the steady state; too many and it idles while
     its drain grows. ``layers``: each global chunk's (an even split when None). K stays within the
     dense blocks that end the last chunk (a block with experts has no MLP products of its own)."""
-    h, T, n = model.hidden_size, model.seq_length, pp * vpp
+    n = pp * vpp
     counts = list(layers) if layers else [model.num_layers // n] * n
-    ends = [sum(counts[:g + 1]) for g in range(n)]
-    blocks = [sum(flops_per_token(1, h, T, 0, int(model.is_moe(i)), model.moe_router_topk, model.num_experts)
-                  for i in range(end - c, end)) for end, c in zip(ends, counts)]  # each chunk's, a token
-    head = flops_per_token(0, h, T, model.vocab_size)
     dense = dense_tail(model.num_layers, counts[-1], model.num_experts, model.moe_layer_freq)
-    shape = schedules.shape_of(schedule)
-    pipe = Pipeline(pp, m, vpp, shape)
-    last = {(r, c): pipe.global_chunk(r, c) == n - 1 for r in range(pp) for c in range(vpp)}
-    # in units of a third of a FLOP, so that every cost is a whole number (the replay runs on ints)
-    forward = {k: blocks[pipe.global_chunk(*k)] + head * is_last for k, is_last in last.items()}
-    backward = {k: 2 * f + recompute * blocks[pipe.global_chunk(*k)] for k, f in forward.items()}
-    plans = schedules.build(schedule, pp, m, vpp, defer_head=True)
+    layers = tuple(layers) if layers else None
 
     def bubble(k):
-        deferred = 3 * deferred_w_flops(h, model.vocab_size, k)
-        sim = simulate(plans, m, vpp, forward=forward, backward=backward, shape=shape,
-                       head={key: deferred * is_last for key, is_last in last.items()})
-        return sum(sim.bubble.values()) / pp
+        return deferred.bubble(model, pp, m, schedule, vpp, layers, recompute, k)
 
     return min(range(4 * dense + 1), key=lambda k: (bubble(k), k))
