@@ -59,7 +59,7 @@ from minipar.mfu import flops_per_token  # noqa: E402
 from minipar.parallel.pipeline import schedules  # noqa: E402
 from minipar.parallel.pipeline.instructions import Pipeline  # noqa: E402
 from minipar.parallel.pipeline.simulate import simulate  # noqa: E402
-from minipar.plan.hetero import deferred_w_flops  # noqa: E402
+from minipar.plan.deferred import deferred_w_flops  # noqa: E402
 from minipar.cli import Parser, non_negative_int, parse, positive_int  # noqa: E402
 
 from flags import run_problems  # noqa: E402 (a script beside this one)

@@ -29,7 +29,6 @@ from minipar.parallel.run_config import SPLIT_BACKWARD
 from minipar.parallel.validate import dense_tail
 
 from . import deferred
-from .deferred import deferred_w_flops  # noqa: F401 (bench/scaling.py's, from before it moved)
 
 
 def balance(num_layers, speeds, last=0, least=1):
