@@ -84,21 +84,21 @@ class MPIPersistent(Persistent):
         self._request = request
         self._tally, self._nbytes, self._polite = comm.stats.tallies[op], nbytes, comm.polite
         self._release = weakref.finalize(self, _free, request)
+        # what each start's Request calls, looked up once (MPI's request is the same every start)
+        self._test, self._block = request.Test, None if comm.polite else request.Wait
 
-    def _count(self):
-        self._tally.calls += 1
-        self._tally.nbytes += self._nbytes
-
-    def start(self):
-        self._refuse()
+    def start(self):  # (run() writes the same out: keep the two in step)
+        if self.running or self.freed:
+            self._refuse()
         self._request.Start()
-        self._count()
+        tally = self._tally
+        tally.calls += 1
+        tally.nbytes += self._nbytes
         self._began(self._pending_request())
         return self._pending
 
     def _pending_request(self):
-        request = self._request
-        return Request(request.Test, self.result, then=self._ended, block=None if self._polite else request.Wait)
+        return Request(self._test, self.result, then=self._ended, block=self._block)
 
     def run(self):
         # start() and its wait written out (keep the two in step): this is the whole of every
