@@ -21,6 +21,11 @@ Overheads (``overhead.py``): each layer pass and each communication call costs a
 its FLOPs and bytes, and ranks beyond a node's cores take turns: the step is at least R / C times
 one rank's busy time. All zero unless the Machine sets them (a CPU run calibrates them).
 
+The update (``update.py``): after the pipeline's flush each rank takes the gradient norm and
+AdamW's step over what it holds (ZeRO: its pieces), per array and per element; it follows the
+bubble rather than stretching with it, and shares the cores as the compute does. Zero unless the
+Machine sets it.
+
 Memory: the state at its fullest during a step (``state.stage_peak_bytes``: ZeRO's gathered
 weights and gradients in flight too) and the activations (``activations.rank_bytes``) of the first,
 the second and the last stage (every stage of an uneven split), the fullest of them.
@@ -33,7 +38,7 @@ from functools import lru_cache
 
 from minipar.mfu import flops_per_token
 
-from . import activations, bubble, deferred, overhead, state, traffic
+from . import activations, bubble, deferred, overhead, state, traffic, update
 from .shapes import PRECISIONS, Layout, micro_batches
 
 
@@ -131,6 +136,7 @@ class Prediction:
     comm_s: dict = field(default_factory=dict)  # exposed seconds per group
     links: dict = field(default_factory=dict)
     bubble_source: str = ""
+    update_s: float = 0.0  # the norm and AdamW's step after backward (update.py), the busiest stage's
 
 
 def _stages(layout):
@@ -183,9 +189,10 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
     if memory is None:
         memory = memory_bytes(model, layout, global_batch, dtype, query_block)
     sent, steps = (dict(count) for count in _traffic(model, traffic.counted(layout), global_batch, dtype))
-    launches, calls = 0.0, {}
+    launches, calls, after = 0.0, {}, 0.0
     for s in _stages(layout):
         launches = max(launches, overhead.launch_seconds(model, layout, machine, global_batch, s))
+        after = max(after, update.update_seconds(model, layout, machine, s))
         if machine.call_overhead_us:  # (0 on a GPU: nothing to count)
             for g, v in overhead.call_seconds(model, layout, machine, global_batch, s, dtype).items():
                 calls[g] = max(calls.get(g, 0.0), v)
@@ -207,10 +214,10 @@ def predict(model, layout, machine, global_batch, dtype="float32", query_block=6
         per_token = model_flops / (global_batch * model.seq_length)
         attention = 12 * model.num_layers * model.seq_length * model.hidden_size / per_token
         exposed["cp"] = max(0.0, raw["cp"] - flop_time * attention)  # behind attention's FLOPs, not its launches
-    # the pipeline stretches compute and its messages by 1 / (1 - bubble); ranks sharing cores make
-    # the compute at least R / C times one rank's (its bubble then lent to the others)
-    busy = max(compute / (1 - float(bub)), overhead.core_share(layout, machine) * compute)
+    # the pipeline stretches compute and its messages by 1 / (1 - bubble), the update after its flush
+    # not; ranks sharing cores make the work at least R / C times one rank's (its bubble then lent)
+    busy = max(compute / (1 - float(bub)) + after, overhead.core_share(layout, machine) * (compute + after))
     in_pipeline = sum(exposed.get(g, 0.0) for g in ("tp", "cp", "ep", "pp")) / (1 - float(bub))
     step = busy + in_pipeline + sum(v for g, v in exposed.items() if g not in ("tp", "cp", "ep", "pp"))
     mfu = model_flops / (step * layout.world_size * machine.peak_tflops * 1e12)
-    return Prediction(memory / 1e9, step, mfu, float(bub), sent, compute, exposed, links, source)
+    return Prediction(memory / 1e9, step, mfu, float(bub), sent, compute, exposed, links, source, after)

@@ -105,6 +105,12 @@ class Machine:
     call_overhead_us: float = 0.0  # one collective call or message, beyond alpha per latency step
     ring_pass_overhead_us: float = 0.0  # one pass of ring attention (a block's attention, forward or backward)
     cores_per_node: int = 0  # 0: a core (or a GPU) per rank; else ranks beyond it take turns
+    # what a step runs after backward (update.py): AdamW's update and the gradient norm, per array the
+    # rank walks and per element; 0: not charged (a GPU: a few fused memory-bound kernels)
+    update_array_us: float = 0.0
+    update_element_ns: float = 0.0
+    norm_array_us: float = 0.0
+    norm_element_ns: float = 0.0
 
 
 PRESETS = {  # name: (Model, global batch): GPT-2's vocabulary padded as Megatron pads it

@@ -1,0 +1,105 @@
+"""The planner's update term (minipar/plan/update.py): the arrays and elements a rank's gradient
+norm and AdamW step walk, and the seconds ``cost.predict`` adds for them. The counts were held to
+the optimizers of lesson 11's trainers at 2 ranks (``len(opt._adamw.params)`` and their sizes:
+equal for DP, ZeRO-1, TP and PP; ZeRO-3's arrays are the ranks' mean, 33 planned against 39 and 19)."""
+
+import os
+
+import pytest
+
+from minipar.plan import cost, state, update
+from minipar.plan.shapes import Layout, Machine, Model
+
+MODEL = Model(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32)
+MOE = Model(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, num_experts=4)
+PER_BLOCK = 12  # ln_1 (2), c_attn (2), c_proj (2), ln_2 (2), c_fc (2), the MLP's c_proj (2)
+COSTS = dict(update_array_us=5.0, update_element_ns=1.0, norm_array_us=2.0, norm_element_ns=0.5)
+
+
+def walks(model, layout, stage=0):
+    return update.rank_walks(model, layout, stage)
+
+
+def test_data_parallelism_updates_every_tensor_of_the_model():
+    (adamw, norm), = walks(MODEL, Layout(dp=2))
+    assert adamw.arrays == 4 * PER_BLOCK + 2 + 2  # the blocks, wte and wpe, ln_f
+    assert adamw.elements == sum(state.rank_parameters(MODEL, Layout(dp=2)))
+    assert norm == adamw  # one stage: its tied embedding is its own
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_updates_half_the_elements_at_dp2(stage):
+    whole = walks(MODEL, Layout(dp=2))[0][0]
+    ranks = walks(MODEL, Layout(dp=2, zero_stage=stage))
+    assert len(ranks) == 2
+    assert [a.elements for a, _ in ranks] == [whole.elements // 2] * 2
+    # one flat group (under 4 MB): one tensor cut by the pieces' edge, in both ranks' segments
+    assert sum(a.arrays for a, _ in ranks) == whole.arrays + 1
+
+
+def test_zero3_updates_its_pieces():
+    (adamw, _), = walks(MODEL, Layout(dp=2, zero_stage=3))
+    assert adamw.elements == walks(MODEL, Layout(dp=2))[0][0].elements // 2
+    assert walks(MODEL, Layout(dp=2))[0][0].arrays / 2 < adamw.arrays < walks(MODEL, Layout(dp=2))[0][0].arrays
+
+
+def test_a_pipeline_stage_updates_its_own_tensors():
+    layout = Layout(pp=2)
+    (first, first_norm), = walks(MODEL, layout, 0)
+    (last, last_norm), = walks(MODEL, layout, 1)
+    assert (first.arrays, last.arrays) == (2 * PER_BLOCK + 2, 2 * PER_BLOCK + 1 + 2)  # wte, wpe; its wte copy, ln_f
+    assert (first.elements, last.elements) == (state.rank_parameters(MODEL, layout, 0)[0],
+                                                state.rank_parameters(MODEL, layout, 1)[0])
+    assert first_norm == first
+    # the tied embedding's copy on the last stage is updated, not counted in the norm
+    tied = state.token_embedding(MODEL, layout)
+    assert (last_norm.arrays, last_norm.elements) == (last.arrays - 1, last.elements - tied)
+
+
+def test_tensor_parallelism_splits_the_elements_not_the_tensors():
+    one, two = walks(MODEL, Layout(dp=2))[0][0], walks(MODEL, Layout(tp=2, sequence_parallel=True))[0][0]
+    assert two.arrays == one.arrays
+    h = MODEL.hidden_size
+    # whole on each TP rank: per block two LayerNorms and two row-parallel biases; ln_f; the positions
+    whole = 4 * (4 * h + 2 * h) + 2 * h + MODEL.seq_length * h
+    assert two.elements == (one.elements - whole) // 2 + whole
+
+
+def test_experts_split_over_ep_and_zero_over_their_group():
+    dense, experts = state.rank_parameters(MOE, Layout(dp=4, ep=2))
+    ranks = walks(MOE, Layout(dp=4, ep=2, zero_stage=1))
+    assert max(a.elements for a, _ in ranks) == dense // 4 + experts // 2
+    assert sum(a.elements for a, _ in ranks) == dense + 2 * experts  # each expert on the 2 ranks of its edp group
+
+
+def test_predict_adds_the_term_exactly_and_nothing_by_default():
+    for layout in (Layout(dp=2, zero_stage=1), Layout(pp=2, micro_batch_size=4), Layout(tp=2, sequence_parallel=True)):
+        bare = cost.predict(MODEL, layout, Machine(gpus=2), 16)
+        assert bare.update_s == 0.0
+        paid = cost.predict(MODEL, layout, Machine(gpus=2, **COSTS), 16)
+        seconds = max(update.update_seconds(MODEL, layout, Machine(gpus=2, **COSTS), s) for s in range(layout.pp))
+        assert seconds > 0 and paid.update_s == seconds
+        # after the flush: not stretched by the pipeline's bubble
+        assert paid.step_time_s - bare.step_time_s == pytest.approx(seconds, rel=1e-12)
+
+
+def test_the_seconds_are_arrays_and_elements_times_the_costs():
+    (adamw, norm), = walks(MODEL, Layout(dp=2))
+    expected = (adamw.arrays * 5e-6 + adamw.elements * 1e-9 + norm.arrays * 2e-6 + norm.elements * 0.5e-9)
+    assert update.update_seconds(MODEL, Layout(dp=2), Machine(gpus=2, **COSTS)) == pytest.approx(expected)
+
+
+def test_shared_cores_share_the_update_too():
+    layout, machine = Layout(dp=4, zero_stage=1), Machine(gpus=4, gpus_per_node=4, cores_per_node=2)
+    bare = cost.predict(MODEL, layout, machine, 16)
+    paid = cost.predict(MODEL, layout, Machine(**{**machine.__dict__, **COSTS}), 16)
+    assert paid.step_time_s - bare.step_time_s == pytest.approx(2 * paid.update_s)
+
+
+def test_the_calibration_fits_both_costs(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons"))
+    from cpu_calibration import update_costs
+
+    costs = update_costs(repeats=2)
+    assert len(costs) == 4 and all(c >= 0 for c in costs)
+    assert costs[0] > 0 and costs[2] > 0  # every array costs some NumPy calls, whatever its size
