@@ -18,7 +18,8 @@ all ranks, it runs the trainer's step and compares
 * the step time: the planner's machine calibrated here by micro-benchmarks (the FLOP rate of a
   core, ``mfu.measured_peak``; beta by a 1 MB ping-pong; one layer's and the embedding and head's
   launch overhead; alpha and a per-call cost from all-reduces between steps of a tiny GPT, the
-  ranks sharing the cores as in a step: ``cpu_calibration.py``; the cores, ``comm.mpi.usable_cores``), then
+  ranks sharing the cores as in a step; AdamW's step and the gradient norm per array and per
+  element: ``cpu_calibration.py``; the cores, ``comm.mpi.usable_cores``), then
   the layouts ranked by predicted time against their ranking by measured time: Spearman's
   coefficient, which must be at least ``--require-spearman`` (0.8, the issue's). Layouts whose
   measured times the noise cannot tell apart (``told_apart``: the slower one's lower quartile over
@@ -236,12 +237,14 @@ def main():
     cores = min(usable_cores(), comm.size)
     layouts_run = choices(comm.size)
     runs = [setup(layout, comm, args.steps, args.seed) for layout in layouts_run]
-    times, last_bubbles, (rate, beta, layer, edge, alpha, call, ring_pass) = rounds(runs, comm, args.steps, cores)
+    times, last_bubbles, calibrated = rounds(runs, comm, args.steps, cores)
+    rate, beta, layer, edge, alpha, call, ring_pass, *update = calibrated
     machine = Machine(gpus=comm.size, gpus_per_node=comm.size, peak_tflops=rate / 1e12, efficiency=1.0,
                       intra_node_gbps=8 / beta / 1e9 if beta else 1e9, intra_node_latency_us=alpha * 1e6,
                       layer_overhead_us=layer * 1e6, edge_overhead_us=edge * 1e6, call_overhead_us=call * 1e6,
-                      ring_pass_overhead_us=ring_pass * 1e6,
-                      cores_per_node=cores)
+                      ring_pass_overhead_us=ring_pass * 1e6, cores_per_node=cores,
+                      update_array_us=update[0] * 1e6, update_element_ns=update[1] * 1e9,
+                      norm_array_us=update[2] * 1e6, norm_element_ns=update[3] * 1e9)
     rows, mismatched, measured, predicted = [], [], [], []
     for i, (layout, (trainer, measured_groups)) in enumerate(zip(layouts_run, runs)):
         (sent, planned_bytes, calls, planned_calls, held, planned_state), failed = \
@@ -260,7 +263,7 @@ def main():
                                     for g, b in sent.items())
             rows.append(f"{label(layout):<18}{'ok' if not worst else 'MISMATCH':<9}{held:>10,}{planned_state:>10,}"
                         f"{prediction.bubble:>8.3f}{simulated:>8.3f}{last_bubbles[i]:>8.3f}{1e3 * seconds:>9.1f}"
-                        f"{1e3 * prediction.step_time_s:>9.2f}  {groups_text}")
+                        f"{1e3 * prediction.step_time_s:>9.2f}{1e3 * prediction.update_s:>8.2f}  {groups_text}")
     places, groups = measured_order([times[i] for i in range(len(layouts_run))], predicted)
     rho = spearman(places, predicted)
     ranked = len(groups) > 1  # else every layout is within the noise of the others: no order to check
@@ -274,9 +277,11 @@ def main():
         print(f"calibrated: {rate / 1e9:.2f} GFLOP/s per core ({cores} cores), alpha {alpha * 1e6:.1f} us, "
               f"beta {beta * 1e9:.3f} ns/byte ({8 / beta / 1e9 if beta else 0:.1f} Gb/s); overheads: a layer "
               f"{layer * 1e6:.0f} us, embedding + head {edge * 1e6:.0f} us, a call {call * 1e6:.0f} us, a ring pass "
-              f"{ring_pass * 1e6:.0f} us\n")
+              f"{ring_pass * 1e6:.0f} us; AdamW {update[0] * 1e6:.1f} us an array + {update[1] * 1e9:.2f} ns an "
+              f"element, the norm {update[2] * 1e6:.1f} us + {update[3] * 1e9:.2f} ns\n")
         print(f"{'layout':<18}{'bytes':<9}{'state':>10}{'planned':>10}{'bubble':>8}{'sim':>8}{'meas.':>8}"
-              f"{'step ms':>9}{'pred ms':>9}  rank 0's bytes sent per group in calls (planned where they differ)")
+              f"{'step ms':>9}{'pred ms':>9}{'upd ms':>8}  rank 0's bytes sent per group in calls (planned where they "
+              "differ); upd: the norm and AdamW's update, in pred")
         print("\n".join(rows))
         told = " < ".join("{" + ", ".join(label(layouts_run[i]) for i in group) + "}" for group in groups)
         print(f"\nmeasured order, fastest first; in braces the layouts the noise cannot tell apart (the slower's\n"

@@ -1,8 +1,9 @@
 """Lesson 11's micro-benchmarks: what the planner's Machine needs to predict a step on this CPU.
 
 One round of them (``calibrate``): the FLOP rate of a core with every rank running
-(``mfu.measured_peak``), beta by a 1 MB ping-pong, and ``overheads``: a layer pass's and the
-embedding and head's launch cost, alpha and a per-call cost of a collective issued between steps.
+(``mfu.measured_peak``), beta by a 1 MB ping-pong, ``overheads``: a layer pass's and the
+embedding and head's launch cost, alpha and a per-call cost of a collective issued between steps,
+and ``update_costs``: AdamW's step and the gradient norm per array and per element.
 The lesson runs a round before each round of layout steps and takes each number's median.
 """
 
@@ -15,21 +16,48 @@ from minipar.autograd import Tensor
 from minipar.functional.blockwise import Block, OnlineSoftmax, attend, attend_backward
 from minipar.mfu import measured_peak
 from minipar.models import GPT, GPTConfig
+from minipar.nn import Parameter
+from minipar.optim import AdamW
+from minipar.parallel.grad_norm import grad_norm
 from minipar.parallel.collectives import reduce_from_region
 from minipar.plan.traffic import latency_steps
 from minipar.rng import context_positions
 
 
 def calibrate(comm, model, cores, repeats):
-    """(FLOP/s of a core, all running; beta; layer, edge, alpha, call, ring pass): one round's
-    micro-benchmarks."""
+    """(FLOP/s of a core, all running; beta; layer, edge, alpha, call, ring pass; AdamW's and the
+    norm's seconds per array and per element, ``update_costs``): one round's micro-benchmarks."""
     rate = measured_peak(comm, np.float32, rounds=1) / cores
     one_way, beta = alpha_beta(comm) if comm.size > 1 else (0.0, 0.0)
-    mine = np.zeros(1)
+    mine = np.zeros(5)
     if comm.rank == 0:
         mine[0] = median_times([ring_pass(model, min(comm.size, 4))], 2 * repeats)[0]
+        mine[1:] = update_costs(repeats)
     comm.barrier()
-    return (rate, beta, *overheads(comm, model, repeats, one_way), float(comm.all_reduce(mine, op="max")[0]))
+    ring, *update = comm.all_reduce(mine, op="max")
+    return (rate, beta, *overheads(comm, model, repeats, one_way), float(ring), *map(float, update))
+
+
+def update_costs(repeats, counts=(8, 32), sizes=(64, 4096)):
+    """(AdamW per array, per element, the norm per array, per element) in seconds, on one core:
+    minipar's ``AdamW.step`` and ``grad_norm`` timed on ``counts`` arrays of each of ``sizes``
+    float32 elements (all within one cache block, as a small model's tensors are), and each fitted
+    by least squares as t = arrays x a + elements x b (``plan.update``'s model). The sizes span a
+    lesson's tensors (h = 32: 32 to 8,192 elements): the small arrays are mostly the per-array cost,
+    the large ones mostly the per-element one."""
+    runs, shapes = [], []
+    for count in counts:
+        for size in sizes:
+            rng = np.random.default_rng(size + count)
+            params = [Parameter(rng.standard_normal(size).astype(np.float32)) for _ in range(count)]
+            for p in params:
+                p.grad = rng.standard_normal(size).astype(np.float32)
+            runs += [AdamW(params).step, lambda params=params: grad_norm(params)]
+            shapes.append((count, count * size))
+    times = median_times(runs, 4 * repeats)
+    design = np.array(shapes, dtype=np.float64)
+    fit = [np.linalg.lstsq(design, np.array(times[k::2]), rcond=None)[0] for k in (0, 1)]
+    return tuple(max(0.0, float(v)) for pair in fit for v in pair)
 
 
 def ring_pass(model, cp):
