@@ -58,18 +58,21 @@ def let_output_through(limit=3.0, linger=0.3, fds=(1, 2)):
     launcher passes the text on, and another rank failing at the same moment can finish its own.
     How many bytes a pipe holds is asked of its write end (FIONREAD), which Linux answers; on
     other systems this only lingers. Never raises: it stands between a failure and the abort.
-    """
+    Returns whether the launcher read everything in time (False: the limit came first, or the
+    pipes could not be asked)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # closed, None (a rank started with its stdout closed), or broken
             pass
+    read = False
     if sys.platform.startswith("linux"):
         try:
-            _wait_for_pipes(fds, time.monotonic() + limit)
+            read = _wait_for_pipes(fds, time.monotonic() + limit)
         except Exception:
             pass
     time.sleep(linger)
+    return read
 
 
 def _wait_for_pipes(fds, deadline):
@@ -78,6 +81,7 @@ def _wait_for_pipes(fds, deadline):
         pipes = [fd for fd in pipes if unread_bytes(fd) > 0]
         if pipes:
             time.sleep(0.01)
+    return not pipes
 
 
 def unread_bytes(fd):

@@ -9,7 +9,6 @@ import resource
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -251,12 +250,10 @@ def test_a_model_too_large_for_the_machine_is_refused_from_its_size(tmp_path):
     def small_address_space():  # were the model built, it would fail fast here, not swap the machine
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
-    start = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "minipar.train", "--n-layer", "1000", "--n-embd", "8192", "--plot", ""],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
     refused(run, PROG, "12,886.7 GB for a model of 805,416,026,112 parameters", "GB for the activations the fullest "
             "rank keeps", "is available to each (MemAvailable", "--n-layer", "--tp")
-    assert time.perf_counter() - start < 10
     # a vocabulary of a billion tokens (the check once counted 256, and NumPy failed allocating 119 GiB)
     run = subprocess.run([sys.executable, "-m", "minipar.train", "--vocab-size", "1000000000", "--plot", ""],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path, preexec_fn=small_address_space)
