@@ -115,6 +115,50 @@ def test_a_dropped_plan_frees_its_request_once_it_has_finished():
     assert request.calls == ["Test", "Free"]
 
 
+class FakeMPIComm:
+    """mpi4py's communicator as ``MPICommunicator`` plans with it: every plan one FakeRequest."""
+
+    def __init__(self):
+        self.requests = []
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def _plan(self, *args):
+        self.requests.append(FakeRequest())
+        return self.requests[-1]
+
+    Allreduce_init = Reduce_scatter_block_init = Allgather_init = _plan
+    Allreduce = Reduce_scatter_block = Allgather = None  # (looked up by the plain forms' fast path)
+
+
+@pytest.mark.parametrize("polite", [False, True])
+def test_a_plan_checks_its_arrays_once_not_at_each_start(monkeypatch, polite):
+    """Checks and staging belong to planning: each start is MPI's start, a count and a wait. With
+    every check made to fail after planning, the plans still run, started or run, and count."""
+    import minipar.comm.buffers as buffers
+    import minipar.comm.mpi as mpi
+    import minipar.comm.persistent as persistent
+
+    comm, x = MPICommunicator(FakeMPIComm(), "fake", polite), np.ones(8, np.float32)
+    plans = [comm.all_reduce_init(x), comm.reduce_scatter_init(x), comm.all_gather_init(x[:4])]
+
+    def checked(*args, **kwargs):
+        raise AssertionError("checked again at a start")
+
+    for module in (buffers, mpi, persistent):
+        for name in ("check_buffer", "check_root", "reduction_op", "stage", "wire", "chunk_shape"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, checked)
+    monkeypatch.setattr(MPICommunicator, "_out", checked)
+    for plan in plans:
+        assert plan.run() is plan.result and plan.start().wait() is plan.result
+    assert [comm.stats.tallies[op].calls for op in ("all_reduce", "reduce_scatter", "all_gather")] == [2, 2, 2]
+
+
 def test_the_general_form_keeps_the_same_rules():
     from minipar.comm.base import Request
 
