@@ -188,6 +188,24 @@ def flags_of(layout, n, size):
     return model_flags(kind, size) + [f.format(n=n) for f in extra]
 
 
+def layout_problems(names, a):
+    """The trainer's own refusals of each layout's flags on ``a.ranks`` ranks (``--ranks 4`` leaves
+    the 4 layers too few for interleaved's 4 x 2 chunks), found before the first launch, not after
+    a dozen."""
+    from minipar.cli import FlagError
+    from minipar.train import build_parser
+    from minipar.train_checks import check_args
+
+    size = ["--n-layer", str(a.n_layer), "--n-embd", str(a.n_embd)]
+    found = []
+    for name in names:
+        try:
+            check_args(build_parser().parse_args(flags_of(name, a.ranks, size)), a.ranks)
+        except FlagError as exc:
+            found += [f"--only {name} on --ranks {a.ranks}: {line}" for line in exc.lines]
+    return found
+
+
 def main():
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=positive_int, default=2, help="N: ranks of each parallel run (default 2)")
@@ -206,8 +224,9 @@ def main():
         found += ["--only '': name at least one layout"] * (not names)
         found += [f"--ranks must be 2 to 1,000,000 (run_mpi.sh's limit), got {a.ranks}"] * (not 2 <= a.ranks <= 10**6)
         found += [f"--steps {a.steps} must exceed --skip {a.skip}: no step would be timed"] * (a.steps <= a.skip)
-        return found + run_problems({"n_layer": "--n-layer", "n_embd": "--n-embd"}, n_layer=a.n_layer,
-                                    n_head=4, n_embd=a.n_embd, block_size=128)  # (MODEL's heads and T)
+        found += run_problems({"n_layer": "--n-layer", "n_embd": "--n-embd"}, n_layer=a.n_layer,
+                              n_head=4, n_embd=a.n_embd, block_size=128)  # (MODEL's heads and T)
+        return found or layout_problems([n for n in names if n in LAYOUTS], a)
 
     args = parse(p, None, check)
     layouts = [name for name in args.only.split(",") if name]

@@ -31,6 +31,8 @@ def test_step_time_benchmark_runs_and_reports():
     ("hetero_pipeline.py", 2, ["--slowdown", "nan"], "argument --slowdown: must be a finite number >= 0, got nan"),
     ("memory_breakdown.py", 2, ["--layouts", "3D"], "3D: 2 ranks do not split into TP x PP = 2 x 2 groups"),
     ("scaling.py", 1, ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    # refused by the trainer after a dozen launches
+    ("scaling.py", 1, ["--ranks", "4", "--only", "dp,zb-v"], "--only zb-v on --ranks 4: --n-layer 4 is fewer than"),
     ("activation_memory.py", 1, ["--n-embd", "16", "--n-head", "3"], "--n-embd 16 is not divisible by --n-head 3"),
     ("step_time.py", 1, ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
 ])
