@@ -15,9 +15,12 @@ each alike:
                     backward hooks as its last gradient comes in (``parallel/data.py``)
 
 so the speed-up t(full, alone) / t(DP) splits into factors, each a ratio of two adjacent lines.
-With one bucket the all-reduce starts only when backward has ended: nothing overlaps. Smaller
-buckets start earlier and overlap more, but each is one more call (a few microseconds of Python
-and MPI latency); the table shows how many buckets started while backward still ran.
+With one bucket (the trainer's default 4 MiB holds this whole model's 3.4 MB of gradients) the
+all-reduce starts only when backward has ended: nothing overlaps, and its wait is the last
+bucket's. Smaller buckets start earlier and overlap more, but each is one more call (a few
+microseconds of Python and MPI latency); the table shows how many buckets started while backward
+still ran, and how long the step then waited for the sums after its backward (the last bucket's
+wait: ``finish_gradients``).
 """
 
 import statistics
@@ -72,43 +75,49 @@ def main():
     def parallel(bucket):
         model, opt = replicas[bucket]
         model(halves, halves)[1].backward()
+        waited = time.perf_counter()
+        opt.finish_gradients()
+        waited = time.perf_counter() - waited
         opt.step()
         started = opt.started_in_backward
         opt.zero_grad()
-        return started
+        return started, waited
 
     def timed(work, who=(0, 1)):
         wait_without_spinning(comm.ibarrier().test)  # a rank that sits out sleeps instead of spinning
         start = time.perf_counter()
-        out = None
+        outs = []
         for _ in range(args.steps):
             if comm.rank in who:
-                out = work()
+                outs.append(work())
         wait_without_spinning(comm.ibarrier().test)
-        return (time.perf_counter() - start) / args.steps * 1e3, out
+        return (time.perf_counter() - start) / args.steps * 1e3, outs
 
     ways = {"full, alone": (lambda: local(x), (0,)), "half, alone": (lambda: local(halves), (0,)),
             "half, both": (lambda: local(halves), (0, 1))}
     ways.update({f"DP, bucket {b:,}": ((lambda b=b: parallel(b)), (0, 1)) for b in buckets})
-    times, started = {w: [] for w in ways}, {}
-    for _ in range(args.rounds + 1):  # the first round warms up and is left out
+    times, started, waits = {w: [] for w in ways}, {}, {w: [] for w in ways}
+    for r in range(args.rounds + 1):  # the first round warms up and is left out
         for name, (work, who) in ways.items():
-            ms, out = timed(work, who)
+            ms, outs = timed(work, who)
             times[name].append(ms)
-            started[name] = out
+            if name.startswith("DP"):
+                started[name] = outs[-1][0]
+                waits[name] += [1e3 * waited for _, waited in outs] * (r > 0)
     if comm.rank != 0:
         return
     ms = {w: statistics.median(t[1:]) for w, t in times.items()}
     one = ms["full, alone"]
     print(f"GPT {args.n_layer} layers, hidden {args.n_embd}, batch 16 (8 per rank); median of {args.rounds} "
           f"rounds of {args.steps} steps\n")
-    print(f"{'way':<22}{'ms/step':>9}{'speed-up':>10}{'factor':>9}  buckets started in backward")
+    print(f"{'way':<22}{'ms/step':>9}{'speed-up':>10}{'factor':>9}  buckets started in backward; wait after it, ms")
     for i, name in enumerate(ways):
         # each line's factor: the line above over it, and for DP, "half, both" (no sending) over it
         before = "half, both" if name.startswith("DP") else list(ways)[i - 1] if i else None
         factor = f"{ms[before] / ms[name]:>8.3f}x" if before else ""
         bucket = int(name.split()[-1].replace(",", "")) if name.startswith("DP") else None
-        during = f"  {started[name]} of {len(replicas[bucket][1].buckets)}" if bucket else ""
+        during = (f"  {started[name]} of {len(replicas[bucket][1].buckets)}; "
+                  f"{statistics.median(waits[name]):.2f}" if bucket else "")
         print(f"{name:<22}{ms[name]:>9.1f}{one / ms[name]:>9.2f}x{factor:>9}{during}")
     best = min((n for n in ways if n.startswith("DP")), key=ms.get)
     print(f"\nbest: {best}: {one / ms[best]:.2f}x; ideal 2x = halving ({one / 2 / ms['half, alone']:.3f})"

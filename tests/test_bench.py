@@ -180,3 +180,16 @@ def test_op_times_takes_every_ranks_step_apart():
     step = float(table[-1].split()[-1])
     for rank in (0, 1):
         assert sum(row[rank] for row in rows.values()) == pytest.approx(step, abs=0.005 * (len(rows) + 1))  # rounding
+
+
+def test_dp_breakdown_takes_the_speed_up_apart_and_times_the_last_buckets_wait():
+    from mpi_run import check_mpi
+
+    out = check_mpi(2, BENCH.replace("step_time", "dp_breakdown"), "--n-layer", "1", "--n-embd", "32",
+                    "--rounds", "1", "--steps", "1", "--buckets", "4M,4K")
+    rows = {line[:22].strip(): line[22:].split() for line in out.splitlines() if line.startswith(("full", "half", "DP"))}
+    assert list(rows) == ["full, alone", "half, alone", "half, both", "DP, bucket 4,194,304", "DP, bucket 4,096"], out
+    one, few = rows["DP, bucket 4,194,304"], rows["DP, bucket 4,096"]
+    # the whole model in one bucket, started at the last gradient; 4 KiB buckets, each at its own
+    assert one[3:6] == ["1", "of", "1;"] and int(few[3]) == int(few[5].rstrip(";")) > 1, out
+    assert float(one[6]) >= 0 and float(few[6]) >= 0 and "ideal 2x = halving" in out, out
