@@ -12,7 +12,10 @@ each alike, and the figure kept is the median over rounds.
 
     speed-up   = t(1 rank) / t(N ranks)
     ideal      = N, and for a pipeline N (1 - b): the schedule's own bubble b, from the simulator
-                 with the textbook unit costs, is idle time no implementation can remove
+                 with the textbook unit costs, is idle time no implementation can remove. b is
+                 idle over the makespan, (p - 1)/(m + p - 1) for GPipe and 1F1B, so N (1 - b) =
+                 N / (1 + (p - 1)/m): the issue's 1/(1 + bubble) with Megatron's bubble, idle
+                 over the busy time (p - 1)/m
     efficiency = speed-up / ideal
 
 For a pipeline four bubbles stand side by side: the schedule's with equal stages (the formula's);
