@@ -1,15 +1,21 @@
-"""A step's receives, each posted ahead of the compute that comes before it.
+"""A step's receives, each posted one receive of its kind ahead of where the schedule waits for it.
 
-MPI moves a large message by rendezvous: the sender's data cannot leave before the receiver has
-posted the matching receive, and then only while one of the two is inside an MPI call (MPICH on
-one node copies it in one step the receiver runs alone, cross-memory attach, where the system
-allows it; without it the receiver also waits for the sender's next MPI call:
-``bench/sender_computes.py``). Posted at
-the moment the schedule needs the message, a receive starts that handshake only then, and the
-rank waits for the whole transfer on top of whatever idle time the schedule has. Posted one
-receive of its kind ahead (the next activation while this one's forward runs, the next gradient
-while this one's backward runs), the transfer overlaps the compute between them; Megatron does
-the same by batching each send with the next receive (``send_forward_recv_backward``).
+MPICH moves a message only while this rank is inside an MPI call (it runs no progress thread of
+its own), not while it computes in Python. A receive posted early is matched, and its message
+taken in, at the first MPI call this rank makes after the message has arrived: the start of one of
+its sends, the executor's test of its pending sends after each instruction (made only while one is
+pending), the wait of another receive, or at the latest its own wait. (Checked with two ranks: a
+posted 16 KiB to 1 MiB receive was still empty after 50 ms of compute without an MPI call, and
+complete after one test of an unrelated request.)
+
+What that buys depends on how MPI moves a large message, by rendezvous: the sender's data cannot
+leave before the receiver has matched it to a posted receive. MPICH on one node then copies it in
+one step the receiver runs alone, inside that call (cross-memory attach, where the system allows
+it): posting early moves the copy to an earlier MPI call between instructions, it does not hide it
+behind compute. Without it (``MPIR_CVAR_CH4_CMA_ENABLE=0``) the data moves in pieces during both
+ranks' MPI calls, and a receive posted early lets the first of them go at this rank's earlier call
+instead of at its wait (``bench/sender_computes.py``). Megatron posts ahead too, batching each
+send with the next receive (``send_forward_recv_backward``).
 
 One receive of each kind is outstanding besides the one being waited on: at most two extra
 message buffers per rank, whatever the number of micro-batches. Each message has its own tag, so a
