@@ -24,6 +24,9 @@ class Request:
         self.log, self.out, self.done = log, out, done
 
     def test(self):
+        if self.out is not None:  # a receive, tested between instructions (left unfinished here)
+            self.log.append(("test", self))
+            return False
         return True
 
     def wait(self):
@@ -62,7 +65,8 @@ class Grid:
 
 def run_recorded(schedule, pp, rank, m):
     """One step of ``schedule`` on stage ``rank``: (its instructions, the log). The log holds
-    ("post", request, tag), ("wait", request) and ("compute", instruction) in the order they ran."""
+    ("post", request, tag), ("test", request), ("wait", request) and ("compute", instruction) in
+    the order they ran."""
     log = []
     minipar.manual_seed(0)
     grid = Grid(pp, rank, RecordingComm(log))
@@ -110,5 +114,15 @@ def test_the_executor_posts_each_receive_ahead_of_the_compute_before_it(schedule
     for ins in wanted:
         up = [r for r in wanted if r.op == ins.op and post_at[r] < wait_at[ins] and wait_at[r] > wait_at[ins]]
         assert len(up) <= 1, (rank, ins, up)
+    # between instructions the executor tests the receives posted (the sends here finish at once,
+    # so their tests would move nothing): each one ahead is tested after a compute, before its wait
+    tested = {}
+    for k, e in enumerate(log):
+        if e[0] == "test":
+            tested.setdefault(posted[e[1]][1], []).append(k)
+    for kind in RECEIVES:
+        for ins in [r for r in wanted if r.op == kind][1:]:
+            first_compute = min(k for k in compute_at.values() if k > post_at[ins])
+            assert any(first_compute < t < wait_at[ins] for t in tested.get(ins, [])), (rank, ins)
     # the first and last stages receive one kind, the middle both: m - 1 of each kind ahead
     assert checked == (m - 1) * (2 if rank == 1 else 1)

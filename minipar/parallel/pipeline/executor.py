@@ -63,7 +63,7 @@ from minipar.parallel import validate
 from minipar.parallel.data import split_batch, token_count
 from minipar.parallel.pipeline import ready
 from minipar.parallel.pipeline import schedules as S
-from minipar.parallel.pipeline.receives import PostedReceives
+from minipar.parallel.pipeline.receives import PostedReceives, progress
 from minipar.parallel.pipeline.simulate import message_key, peer
 from minipar.parallel.pipeline.state import StepRecord, StepState
 from minipar.parallel.validate import MAX_TAG  # re-exported: the tag limit is one of the run's rules
@@ -191,8 +191,8 @@ class PipelineExecutor:
         for ins in instructions:
             start = self._clock()
             self._handlers[ins.op](state, ins)
-            # MPI moves data only inside MPI calls: let the sends progress; forget finished ones
-            state.sends = [request for request in state.sends if not request.test()]
+            # MPI moves data only inside MPI calls: let the sends and the receives posted progress
+            state.sends = progress(state.sends, state.receives)
             state.record.timeline.append((ins.op, ins.mb, ins.chunk, start, self._clock()))
         for request in state.sends:  # forwards only: no step instruction waited for them
             request.wait()
