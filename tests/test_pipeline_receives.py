@@ -102,7 +102,8 @@ def test_the_executor_posts_each_receive_ahead_of_the_compute_before_it(schedule
         mine = [ins for ins in wanted if ins.op == kind]
         for before, after in zip(mine, mine[1:]):
             # micro-batch i+1's message is up before micro-batch i's is waited on, so before the
-            # forward (backward) of i runs: it has that compute's time to arrive in
+            # forward (backward) of i runs: its message can arrive meanwhile, and is taken in at
+            # the next MPI call (receives.py), not only at its own wait
             assert post_at[after] < wait_at[before], (rank, after, before)
             assert post_at[after] < compute_at[S.Instruction(work, before.mb, before.chunk)], (rank, after)
             checked += 1
