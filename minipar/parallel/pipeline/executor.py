@@ -5,7 +5,7 @@ instruction kind to the one method that carries it out, and everything a step ho
 instructions lives in one ``StepState`` (``state.py``). The methods:
 
     _recv_act   wait politely for the activation, received into a buffer of the agreed shape (each
-                receive is posted ahead, while the compute before it runs: ``receives.py``)
+                receive is posted one ahead, before the compute before it: ``receives.py``)
     _forward    ``model.chunk_forward`` on it (token ids for the first chunk), keeping the graph
     _send_act   start a non-blocking send of the output
     _recv_grad  receive the gradient of that output
