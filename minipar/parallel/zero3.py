@@ -37,16 +37,8 @@ and the head) is a group of its own, gathered for each unit's forward and for th
 its gradient is complete only after both units' backwards, so its buffer waits for the
 embeddings' backward, and its two parts go out summed, once.
 
-Prefetch (DeepSpeed's, by a recorded order): the all-gather of the next unit starts as soon as
-this one's parameters are whole, so it travels while this unit computes. Which unit runs next
-depends on the schedule (micro-batches, the backward after the forward), so it is not guessed:
-every training step records the units in the order it gathers them, each with the groups it
-gathers, and the next step follows that record, one unit ahead (one more unit's parameters held:
-the bound). The last unit's forward is followed by its own backward, so its gather starts again
-as its forward frees it. A step that departs from the record (another number of micro-batches)
-waits for what it prefetched, drops it, and records afresh; an optimizer step changes the
-parameters, so nothing is prefetched across one; evaluation (no graph) neither records nor
-prefetches.
+Prefetch (``zero3_prefetch.py``, DeepSpeed's, by a recorded order): the all-gather of the next
+unit starts as soon as this one's parameters are whole, one unit ahead of the last step's order.
 """
 
 import math
@@ -59,11 +51,12 @@ from minipar.parallel.data import sync_replicas
 from minipar.parallel.protocol import check_same_layout, finished_by_model, gradient_group
 from minipar.parallel.shards import Group
 from minipar.parallel.zero import ShardedAdamW
+from minipar.parallel.zero3_prefetch import PrefetchingGather
 from minipar.parallel.zero3_units import UnitBackward, read_in_backward, unit_groups
 from minipar.weight_grad import left_to_w, second_part_in_w, weight_pass
 
 
-class ZeRO3(ShardedAdamW):
+class ZeRO3(PrefetchingGather, ShardedAdamW):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded (see the module docstring)."""
 
     stage = 3
@@ -98,9 +91,7 @@ class ZeRO3(ShardedAdamW):
         self._empty = xp.empty(0, dtype)
         self._whole = {}  # id(group) -> its whole parameters, while gathered
         self._flats = {}  # id(group) -> its gradient buffer, from its backward's start (or W's) to its reduce-scatter
-        self._prefetched = {}  # id(group) -> (the all-gather's Request, its whole buffer)
-        self._record, self._plan, self._next = [], None, 0  # (unit, groups) gathered this step; the last step's
-        self.unit_gathers = {"prefetched": 0, "on demand": 0}  # how each unit's parameters came, so far
+        self._start_prefetching()
         for p in params:  # ... and keeps only its pieces
             p.held_by = self
             p.data = self._empty
@@ -141,55 +132,6 @@ class ZeRO3(ShardedAdamW):
             self.release_parameters(groups, check=True)
             self._prefetch_next()  # the next unit may be this one (the last unit's backward)
         return UnitBackward.apply(y, partial(self.before_unit_backward, name, read)) if y.requires_grad else y
-
-    def _gather_unit(self, name, groups):
-        """Gather ``groups`` of a unit, those not whole (from their prefetch, if one is on the
-        way), then start the next recorded unit's."""
-        if is_grad_enabled():
-            self._record.append((name, groups))
-            if self._plan is not None and self._plan[self._next:self._next + 1] == [(name, groups)]:
-                self._next += 1
-            elif self._plan is not None:  # another order than the last step's: record afresh
-                self._drop_prefetched()
-                self._plan = None
-        todo = [g for g in groups if id(g) not in self._whole]
-        ready = all(id(g) in self._prefetched for g in todo)
-        self.unit_gathers["prefetched" if ready else "on demand"] += 1
-        self.gather_parameters(todo)
-        self._prefetch_next()
-
-    def _prefetch_next(self):
-        """Start the all-gathers of the next recorded unit's groups that are not whole already."""
-        if self._plan is None or self._next >= len(self._plan) or not is_grad_enabled():
-            return
-        for g in self._plan[self._next][1]:
-            if id(g) not in self._whole and id(g) not in self._prefetched:
-                whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
-                self._prefetched[id(g)] = (g.comm.iall_gather(self.master[g.shard].copy(), out=whole), whole)
-                self.ledger.add("parameters", whole.nbytes)
-
-    def _drop_prefetched(self):
-        for request, whole in self._prefetched.values():
-            request.wait()  # every rank started it: every rank completes it
-            self.ledger.remove("parameters", whole.nbytes)
-        self._prefetched = {}
-
-    def gather_parameters(self, groups):
-        """ZeRO-3's communication before a unit runs: all-gather the groups' parameters (or wait
-        for their prefetch) into whole buffers the parameters point into."""
-        for g in groups:
-            if id(g) in self._whole:
-                raise RuntimeError("a ZeRO-3 group was gathered twice without being released")
-            if id(g) in self._prefetched:
-                request, whole = self._prefetched.pop(id(g))
-                request.wait()
-            else:
-                whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
-                g.comm.all_gather(self.master[g.shard].copy(), out=whole)
-                self.ledger.add("parameters", whole.nbytes)
-            self._whole[id(g)] = whole
-            for p, part in zip(g.params, g.unflatten(whole.reshape(-1))):
-                p.data = part.reshape(self.shapes[id(p)])
 
     def release_parameters(self, groups, check=False):
         """Drop the groups' whole parameters. ``check``: after a forward, nothing but the
@@ -298,9 +240,7 @@ class ZeRO3(ShardedAdamW):
                 for p in g.params:
                     p.grad = None
                 self.release_parameters([g])
-        self._drop_prefetched()
-        self._plan = self._record if self._record else self._plan
-        self._record, self._next = [], 0
+        self._follow_record()
 
     def _parameter_store(self):
         """This rank's pieces of the parameters: the fp32 masters if kept, else the shard itself."""
