@@ -1,0 +1,70 @@
+"""ZeRO-3's prefetch on one rank (minipar/parallel/zero3_prefetch.py): from the second step on,
+each gather of a unit starts the next recorded unit's and nothing more, so a rank holds at most
+two units' parameters whole beside its pieces. (On several ranks: tests/mpi/zero.py counts the
+gathers that came prefetched.)"""
+
+import numpy as np
+import pytest
+
+import minipar
+from minipar.models import GPT, GPTConfig
+from minipar.parallel import ProcessGrid
+from minipar.parallel.zero3 import ZeRO3
+
+# three blocks: a prefetch of two units ahead, or of all, holds more than two units at once
+CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=8, block_size=6, vocab_size=13, dropout=0.0)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    minipar.set_default_dtype("float64")
+    yield
+    minipar.set_default_dtype("float32")
+
+
+def _watched():
+    """A ZeRO-3 GPT whose every unit gather appends (its groups, the groups prefetched right
+    after it) to ``seen``."""
+    minipar.manual_seed(0)
+    model = GPT(CONFIG, ProcessGrid(1, 1))
+    opt = ZeRO3(model, ProcessGrid(1, 1).dp_group)
+    seen, gather = [], opt._gather_unit
+
+    def watched(name, groups):
+        gather(name, groups)
+        seen.append((name, {id(g) for g in groups}, set(opt._prefetched)))
+
+    opt._gather_unit = watched
+    return model, opt, seen
+
+
+def _step(model, opt, micro_batches=2):
+    rng = np.random.default_rng(0)
+    for _ in range(micro_batches):
+        _, loss = model(rng.integers(0, 13, (3, 6)), rng.integers(0, 13, (3, 6)))
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_each_gather_prefetches_the_next_recorded_unit_alone_and_two_units_at_most_are_whole():
+    model, opt, seen = _watched()
+    _step(model, opt)
+    order = [(name, groups) for name, groups, _ in seen]
+    assert all(not prefetched for _, _, prefetched in seen)  # no record yet: nothing prefetched
+    seen.clear()
+    came, before = dict(opt.unit_gathers), opt.ledger.now["parameters"]
+    opt.ledger.peak["parameters"] = before  # this step's peak alone
+    _step(model, opt)
+    assert [(name, groups) for name, groups, _ in seen] == order  # the same schedule as the record
+    for k, (name, groups, prefetched) in enumerate(seen):
+        # the next unit's groups, less those this unit holds now (the head's, before its backward):
+        # its forward's release starts those
+        following = order[k + 1][1] - groups if k + 1 < len(order) else set()
+        assert prefetched == following, f"gather {k} ({name}): prefetched other than the next unit"
+    assert {k: opt.unit_gathers[k] - came[k] for k in came} == {"prefetched": len(order) - 1, "on demand": 1}
+    size = {id(g): g.padded * opt.master.itemsize for g in opt.groups}  # a group's whole buffer
+    units = sorted((sum(size[i] for i in groups) for _, groups in order), reverse=True)
+    assert before == opt.master.nbytes
+    assert opt.ledger.peak["parameters"] <= opt.master.nbytes + units[0] + units[1]
+    assert opt.ledger.peak["parameters"] > opt.master.nbytes + units[0]  # two were held: a prefetch beside a unit
