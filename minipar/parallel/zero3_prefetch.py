@@ -23,7 +23,7 @@ class PrefetchingGather:
     def _start_prefetching(self):
         self._prefetched = {}  # id(group) -> (the all-gather's Request, its whole buffer)
         self._record, self._plan, self._next = [], None, 0  # (unit, groups) gathered this step; the last step's
-        self.unit_gathers = {"prefetched": 0, "on demand": 0}  # how each unit's parameters came, so far
+        self.unit_gathers = {"prefetched": 0, "on demand": 0}  # how the units' gathers came, so far
 
     def _gather_unit(self, name, groups):
         """Gather ``groups`` of a unit, those not whole (from their prefetch, if one is on the
@@ -36,8 +36,8 @@ class PrefetchingGather:
                 self._drop_prefetched()
                 self._plan = None
         todo = [g for g in groups if id(g) not in self._whole]
-        ready = all(id(g) in self._prefetched for g in todo)
-        self.unit_gathers["prefetched" if ready else "on demand"] += 1
+        if todo:  # a unit whose groups are all whole already gathers nothing, of either kind
+            self.unit_gathers["prefetched" if all(id(g) in self._prefetched for g in todo) else "on demand"] += 1
         self.gather_parameters(todo)
         self._prefetch_next()
 
