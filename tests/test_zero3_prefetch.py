@@ -68,3 +68,40 @@ def test_each_gather_prefetches_the_next_recorded_unit_alone_and_two_units_at_mo
     assert before == opt.master.nbytes
     assert opt.ledger.peak["parameters"] <= opt.master.nbytes + units[0] + units[1]
     assert opt.ledger.peak["parameters"] > opt.master.nbytes + units[0]  # two were held: a prefetch beside a unit
+
+
+class _Watched:
+    """A request that notes whether it was tested before its wait."""
+
+    def __init__(self, request, log):
+        self.request, self.tested = request, False
+        log.append(self)
+
+    def test(self):
+        self.tested = True
+        return self.request.test()
+
+    def wait(self):
+        self.waited_tested, request, self.request = self.tested, self.request, None  # (it keeps the buffer)
+        return request.wait()
+
+
+def test_a_gather_prefetched_at_a_units_backward_is_tested_by_its_gradient_hooks():
+    """MPICH moves a message only inside an MPI call: the gather prefetched as a unit's backward
+    starts (for the unit before it) must be tested while that backward runs, not only waited for."""
+    model, opt, _ = _watched()
+    _step(model, opt)
+    started, at_backward = [], []
+    for g in opt.groups:
+        start = g.comm.iall_gather
+        g.comm.iall_gather = lambda *a, start=start, **k: _Watched(start(*a, **k), started)
+    before = opt.before_unit_backward
+
+    def watched(name, read):
+        n = len(started)
+        before(name, read)
+        at_backward.extend(started[n:])
+
+    opt.before_unit_backward = watched
+    _step(model, opt)
+    assert at_backward and all(r.waited_tested for r in at_backward)

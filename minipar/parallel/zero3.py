@@ -201,6 +201,7 @@ class ZeRO3(PrefetchingGather, ShardedAdamW):
             # a hook fires once per W, at the weight's last use there: only this W's count says complete
             self._pass[id(g)], self._ready[id(g)] = weight_pass(), set()
         self._ready[id(g)].add(id(p))
+        self._progress_prefetch()  # a moment between two ops of backward: the prefetch moves on
         if len(self._ready[id(g)]) == len(g.params) and id(g) in self._later:
             self._ready[id(g)] = set()  # the parameters go as the others' do; the buffer waits for the sums
             self.release_parameters([g])

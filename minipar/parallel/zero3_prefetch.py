@@ -1,7 +1,7 @@
 """ZeRO-3's gathers of a unit's parameters: on demand, or prefetched by a recorded order.
 
 Prefetch (DeepSpeed's): the all-gather of the next unit starts as soon as this one's parameters
-are whole, so it travels while this unit computes. Which unit runs next depends on the schedule (micro-batches, the backward after the
+are whole. Which unit runs next depends on the schedule (micro-batches, the backward after the
 forward), so it is not guessed: every training step records the units in the order it gathers
 them, each with the groups it gathers, and the next step follows that record, one unit ahead (one
 more unit's parameters held: the bound). The last unit's forward is followed by its own backward,
@@ -9,6 +9,14 @@ so its gather starts again as its forward frees it. A step that departs from the
 number of micro-batches) waits for what it prefetched, drops it, and records afresh; an optimizer
 step changes the parameters, so nothing is prefetched across one; evaluation (no graph) neither
 records nor prefetches.
+
+Started is not travelling: MPICH moves a message only inside an MPI call of its process (it has
+no thread of its own), and an all-gather over more than two ranks takes several rounds, each sent
+once the last has arrived. In backward ZeRO-3 tests the prefetched requests at every gradient hook
+(``_progress_prefetch``, as data parallelism does for its buckets), so the gather moves while the
+unit's backward runs. A forward unit makes no MPI call while it computes: there the next unit's
+gather goes as far as its start carried it (a message small enough to be sent eagerly, whole),
+the rest at its wait.
 """
 
 from minipar.autograd import is_grad_enabled
@@ -50,6 +58,11 @@ class PrefetchingGather:
                 whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
                 self._prefetched[id(g)] = (g.comm.iall_gather(self.master[g.shard].copy(), out=whole), whole)
                 self.ledger.add("parameters", whole.nbytes)
+
+    def _progress_prefetch(self):
+        """Let MPI move the prefetched gathers along (see the module docstring)."""
+        for request, _ in self._prefetched.values():
+            request.test()
 
     def _drop_prefetched(self):
         for request, whole in self._prefetched.values():
