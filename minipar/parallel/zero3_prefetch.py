@@ -32,6 +32,7 @@ class PrefetchingGather:
         self._prefetched = {}  # id(group) -> (the all-gather's Request, its whole buffer)
         self._record, self._plan, self._next = [], None, 0  # (unit, groups) gathered this step; the last step's
         self.unit_gathers = {"prefetched": 0, "on demand": 0}  # how the units' gathers came, so far
+        self.prefetch_peak = 0  # the most bytes prefetched and not yet taken at once, so far (its cost)
 
     def _gather_unit(self, name, groups):
         """Gather ``groups`` of a unit, those not whole (from their prefetch, if one is on the
@@ -58,6 +59,7 @@ class PrefetchingGather:
                 whole = xp.empty((g.comm.size, g.piece), self.master.dtype)
                 self._prefetched[id(g)] = (g.comm.iall_gather(self.master[g.shard].copy(), out=whole), whole)
                 self.ledger.add("parameters", whole.nbytes)
+        self.prefetch_peak = max(self.prefetch_peak, sum(whole.nbytes for _, whole in self._prefetched.values()))
 
     def _progress_prefetch(self):
         """Let MPI move the prefetched gathers along (see the module docstring)."""
