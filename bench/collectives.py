@@ -127,15 +127,18 @@ def _ways(mpi, comm, x):
             call(in_place, buf, total)
 
     w = Wrapper()
+    started = comm.all_reduce_init(x)
     return {"raw mpi4py": lambda: call(in_place, x, total), "in a function": lambda: function(x),
             "in a method": lambda: w.method(x), "a method with a 3-step loop": lambda: w.looping(x),
-            "minipar": lambda: comm.all_reduce(x), "minipar planned": comm.all_reduce_init(x).run}
+            "minipar": lambda: comm.all_reduce(x), "minipar planned": comm.all_reduce_init(x).run,
+            "minipar planned, started": lambda: started.start().wait()}
 
 
 def wrappers(comm, rounds):
     """What a little Python costs a small all-reduce on the clock: raw mpi4py against the same call
     inside a function, a method, a method that first runs a 3-step loop, and minipar's, plain and
-    planned (whose MPI call is a persistent request's start and wait), at 4 KiB, the calls
+    planned (whose MPI call is a persistent request's start and wait; run, or started and its
+    Request waited on), at 4 KiB, the calls
     alternating in rounds (median over rounds of raw's throughput over each's). Beside each: its
     Python alone, the same calls on an mpi4py side that does nothing, in a loop."""
     x = np.ones(1024, np.float32)
