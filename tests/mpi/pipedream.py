@@ -11,7 +11,8 @@ once (a drain after batch 2, as before a checkpoint) and an evaluation runs whil
 flight (its messages must not meet the stream's). The stash holds one more copy of the rank's
 parameters, and one of a batch's gradients (set aside until its update), counted. And no stage
 waits for another at a step: while the stream runs, no blocking collective between stages (the
-pipeline's group, the tied embedding's) is called.
+pipeline's group, the tied embedding's) is called. And each call posts every receive but the
+first of each kind (activations, gradients) before it waits for the one before it of that kind.
 
     run_mpi.sh -n 4 tests/mpi/pipedream.py --pp 4 --m 4
 
@@ -20,6 +21,7 @@ batches run their backward on the next version: the parameters must then be foun
 """
 
 import argparse
+import itertools
 
 import numpy as np
 
@@ -103,12 +105,36 @@ def watched(comm):
 for group in (grid.pp_group, model.embedding_group):
     if group is not None and group.size > 1:
         watched(group)
+clock, receives = itertools.count(), []  # this call's receives: kind (a tag's parity), posted, taken
+
+
+def posted_ahead(comm):
+    irecv = comm.irecv
+
+    def post(out, source, tag=0):
+        request, entry = irecv(out, source, tag), {"kind": tag % 2, "up": next(clock)}
+        receives.append(entry)
+        wait = request.wait
+        request.wait = lambda: (entry.update(taken=next(clock)), wait())[1]
+        return request
+
+    comm.irecv = post
+
+
+if grid.pp > 1:
+    posted_ahead(grid.pp_group)
 for t, (x, y) in enumerate(batches):
     model.rng.iteration = t
     opt.lr = RATES[t]
     following = batches[t + 1] if FOLLOWED[t] else None
+    receives.clear()  # (an evaluation's, run between two calls, are its own run's)
     record = run.step(x, y, optimizer_step=opt.step, following=following)
     assert not waited, f"rank {rank} step {t}: {waited} between stages"
+    for kind in (0, 1):
+        mine_of_kind = [r for r in receives if r["kind"] == kind]
+        assert all("taken" in r for r in mine_of_kind), f"rank {rank} step {t}: a receive posted and not taken"
+        late = [b for a, b in zip(mine_of_kind, mine_of_kind[1:]) if b["up"] > a["taken"]]
+        assert not late, f"rank {rank} step {t}: {len(late)} receives posted after the one before was waited on"
     opt.zero_grad()
     if record.loss is not None:  # the last stage's share of the batch: summed over DP
         loss = grid.dp_group.all_reduce(np.array([record.loss]))[0] if grid.dp > 1 else record.loss

@@ -299,11 +299,8 @@ class PipelineExecutor:
         return self.comm.irecv(xp.empty(state.shape, self.dtype), self._peer(ins), self._tag(ins))
 
     def _receive(self, state, ins):
-        """An activation or a gradient (both of the agreed shape), from the receive posted ahead;
-        posted now in a state without them (PipeDream-2BW's stream, whose instructions span two
-        batches' states, each message tagged by its batch when it runs)."""
-        if state.receives is None:
-            return self._post_receive(state, ins).wait()
+        """An activation or a gradient (both of the agreed shape), from the receive posted ahead
+        (PipeDream-2BW's: posted over its call's stream, ``pipedream._BatchReceives``)."""
         return state.receives.take(ins)
 
     @staticmethod

@@ -15,7 +15,9 @@ W(t+1) = W(t) - lr * grad f(W(t-1)): every forward and backward of batch t runs 
 ``optimizer.weights(version of t)``. Each batch in flight has its own ``StepState``, so the
 handlers of ``PipelineExecutor`` run unchanged on the micro-batch's index within its batch; what
 this class adds is which batch, version and dropout iteration an instruction belongs to, and
-message tags that keep the two batches in flight (and an evaluation between them) apart.
+message tags that keep the two batches in flight (and an evaluation between them) apart. A call's
+receives are posted one of each kind ahead over its whole stream of instructions, as a flushed
+step's are (``receives.py``), each on its own batch's state and tag band.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ from minipar.backend import xp
 from minipar.parallel.data import token_count
 from minipar.parallel.pipeline import schedules as S
 from minipar.parallel.pipeline.executor import MAX_TAG, PipelineExecutor
+from minipar.parallel.pipeline.receives import PostedReceives, progress
 from minipar.parallel.pipeline.state import StepState
 from minipar.parallel.pipeline.weight_stash import WeightStash
 
@@ -65,12 +68,16 @@ class PipeDream2BW(PipelineExecutor):
             self.in_flight[b + 1] = (self._state(*following), stash.upcoming, iteration + 1)
         instructions, self.forwarded = S.two_bw_instructions(self.grid.pp, m, self.grid.pp_rank, b, self.forwarded,
                                                             following is not None)
+        posted = PostedReceives(instructions, self._post_stream_receive)
+        for t, (s, _, _) in self.in_flight.items():
+            s.receives = _BatchReceives(posted, t * m)
         try:
             for ins in instructions:
                 start = self._clock()
                 self._dispatch(ins, state)
-                for s, _, _ in self.in_flight.values():  # let the sends progress; forget finished ones
-                    s.sends = [request for request in s.sends if not request.test()]
+                for s, _, _ in self.in_flight.values():  # let the sends and receives progress; forget finished sends
+                    s.sends = progress(s.sends, None)
+                posted.test()
                 state.record.peak_alive = max(state.record.peak_alive,
                                               sum(len(s.kept) for s, _, _ in self.in_flight.values()))
                 state.record.timeline.append((ins.op, ins.mb, ins.chunk, start, self._clock()))
@@ -107,6 +114,17 @@ class PipeDream2BW(PipelineExecutor):
         with self.optimizer.weights(version) if computes else contextlib.nullcontext():
             self._handlers[ins.op](batch_state, local)
 
+    def _post_stream_receive(self, ins):
+        """Post a stream instruction's receive (global micro-batch k) on batch k div m's state, as
+        its micro-batch k mod m, tagged in that batch's band (restored after: the instruction
+        running may be the other batch's)."""
+        t, i = divmod(ins.mb, self.m)
+        running, self._tag_batch = self._tag_batch, t
+        try:
+            return self._post_receive(self.in_flight[t][0], S.Instruction(ins.op, i, ins.chunk))
+        finally:
+            self._tag_batch = running
+
     def _state(self, x, y):
         x, y = xp.asarray(x), xp.asarray(y)
         micro = self._micro_batches(x, y)
@@ -121,3 +139,13 @@ class PipeDream2BW(PipelineExecutor):
         if self._tag_batch is None:
             return tag
         return tag + (1 + self._tag_batch % 2) * 2 * self.m * self.pipe.n_chunks
+
+
+class _BatchReceives:
+    """One batch's view of a call's posted receives: its micro-batch i is the stream's first + i."""
+
+    def __init__(self, posted, first):
+        self.posted, self.first = posted, first
+
+    def take(self, ins):
+        return self.posted.take(S.Instruction(ins.op, self.first + ins.mb, ins.chunk))
