@@ -87,6 +87,23 @@ def test_a_plan_runs_one_start_at_a_time_and_none_after_free(polite):
     assert request.calls.count("Free") == 1
 
 
+def test_a_blocking_wait_ends_its_request_without_asking_mpi_again():
+    """A rank with a core to itself waits in MPI's Wait; once it returns the start is over: no Test
+    after it, none at a later test() or wait() of the same Request (which, on a plan started
+    again since, would ask about the new start), ``then`` run once, the buffers let go."""
+    from minipar.comm.base import Request
+
+    request, x = FakeRequest(), np.ones(4)
+    plan = MPIPersistent(FakeComm(False), "all_reduce", x.nbytes, x, request)
+    started = plan.start()
+    assert started.wait() is x and request.calls == ["Start", "Wait"] and not plan.running
+    assert started.test() and started.wait() is x and request.calls == ["Start", "Wait"]
+    ran, kept = [], np.ones(2)
+    done = Request(request.Test, x, keep=kept, then=lambda: ran.append(1), block=lambda: None)
+    assert done.wait() is x and done.wait() is x and done.test() and ran == [1]
+    assert done._keep is None and request.calls == ["Start", "Wait"]
+
+
 @pytest.mark.parametrize("polite", [False, True])
 def test_an_interrupted_run_leaves_the_start_running_until_the_plan_is_waited_on(polite):
     """It was marked running with nothing left to wait on: never to start or be freed again."""
