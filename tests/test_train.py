@@ -261,18 +261,19 @@ def test_the_peak_is_measured_again_at_each_evaluation_and_the_highest_kept(tmp_
 
 
 def test_the_peak_is_measured_again_before_each_progress_line(tmp_path):
-    """Lines at iterations 0, 2 and 4; the evaluation only after the last: the busy start's peak
-    misleads iterations 0 and 1 only (the line at 0 needs no new one: it was just measured)."""
+    """Lines at iterations 0, 2, 4 and 6; the evaluation only after the last: the busy start's
+    peak misleads iterations 0 and 1 only (the line at 0 needs no new one: it was just measured),
+    and the busy measurement at 4 does not replace the quiet one at 2."""
     script, log = tmp_path / "peaks.py", tmp_path / "log.jsonl"
-    script.write_text(PEAKS)
-    run = subprocess.run([sys.executable, str(script), *TINY, "--max-iters", "5", "--eval-interval", "100",
+    script.write_text(PEAKS.replace("[1e6, 1e15, 1.0]", "[1e6, 1e15, 1.0, 1.0]"))
+    run = subprocess.run([sys.executable, str(script), *TINY, "--max-iters", "7", "--eval-interval", "100",
                           "--log-interval", "2", "--log-json", str(log)], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     mfu = [json.loads(line)["mfu"] for line in open(log)]
     assert mfu[0] > 1 and mfu[1] > 1 and all(m < 1e-3 for m in mfu[2:]), mfu
     assert [line.split("|")[-1].strip() for line in run.stdout.splitlines() if line.startswith("iter")][1:] == [
-        "MFU  0.0%", "MFU  0.0%"], run.stdout
+        "MFU  0.0%"] * 3, run.stdout
 
 
 @pytest.mark.parametrize("lr,message", [
