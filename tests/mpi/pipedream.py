@@ -12,7 +12,8 @@ flight (its messages must not meet the stream's). The stash holds one more copy 
 parameters, and one of a batch's gradients (set aside until its update), counted. And no stage
 waits for another at a step: while the stream runs, no blocking collective between stages (the
 pipeline's group, the tied embedding's) is called. And each call posts every receive but the
-first of each kind (activations, gradients) before it waits for the one before it of that kind.
+first of each kind (activations, gradients) before it waits for the one before it of that kind,
+and tests each before its own wait.
 
     run_mpi.sh -n 4 tests/mpi/pipedream.py --pp 4 --m 4
 
@@ -114,8 +115,9 @@ def posted_ahead(comm):
     def post(out, source, tag=0):
         request, entry = irecv(out, source, tag), {"kind": tag % 2, "up": next(clock)}
         receives.append(entry)
-        wait = request.wait
+        wait, test = request.wait, request.test
         request.wait = lambda: (entry.update(taken=next(clock)), wait())[1]
+        request.test = lambda: (entry.setdefault("tested", next(clock)), test())[1]
         return request
 
     comm.irecv = post
@@ -135,6 +137,9 @@ for t, (x, y) in enumerate(batches):
         assert all("taken" in r for r in mine_of_kind), f"rank {rank} step {t}: a receive posted and not taken"
         late = [b for a, b in zip(mine_of_kind, mine_of_kind[1:]) if b["up"] > a["taken"]]
         assert not late, f"rank {rank} step {t}: {len(late)} receives posted after the one before was waited on"
+        # and tested between instructions before their wait: MPI moves them only inside its calls
+        idle = [r for r in mine_of_kind[1:] if not r.get("tested", r["taken"]) < r["taken"]]
+        assert not idle, f"rank {rank} step {t}: {len(idle)} receives posted ahead never tested before their wait"
     opt.zero_grad()
     if record.loss is not None:  # the last stage's share of the batch: summed over DP
         loss = grid.dp_group.all_reduce(np.array([record.loss]))[0] if grid.dp > 1 else record.loss
