@@ -22,19 +22,29 @@ def float64():
     minipar.set_default_dtype("float32")
 
 
+def _prefetched_bytes(opt):
+    return sum(whole.nbytes for _, whole in opt._prefetched.values())
+
+
 def _watched():
     """A ZeRO-3 GPT whose every unit gather appends (its groups, the groups prefetched right
-    after it) to ``seen``."""
+    after it) to ``seen``, and which keeps in ``opt.most_prefetched`` the most bytes prefetched
+    at once, counted after every start of a prefetch (where alone they grow)."""
     minipar.manual_seed(0)
     model = GPT(CONFIG, ProcessGrid(1, 1))
     opt = ZeRO3(model, ProcessGrid(1, 1).dp_group)
-    seen, gather = [], opt._gather_unit
+    seen, gather, prefetch = [], opt._gather_unit, opt._prefetch_next
+    opt.most_prefetched = 0
 
     def watched(name, groups):
         gather(name, groups)
         seen.append((name, {id(g) for g in groups}, set(opt._prefetched)))
 
-    opt._gather_unit = watched
+    def watched_prefetch():
+        prefetch()
+        opt.most_prefetched = max(opt.most_prefetched, _prefetched_bytes(opt))
+
+    opt._gather_unit, opt._prefetch_next = watched, watched_prefetch
     return model, opt, seen
 
 
@@ -105,3 +115,14 @@ def test_a_gather_prefetched_at_a_units_backward_is_tested_by_its_gradient_hooks
     opt.before_unit_backward = watched
     _step(model, opt)
     assert at_backward and all(r.waited_tested for r in at_backward)
+
+
+def test_prefetch_peak_is_the_most_bytes_prefetched_at_once_not_the_last():
+    model, opt, _ = _watched()
+    _step(model, opt)
+    assert opt.prefetch_peak == opt.most_prefetched == 0  # the first step records, prefetches nothing
+    # one micro-batch of the two recorded: the last prefetch (the second micro-batch's embeddings,
+    # which never come) is smaller than a block's, prefetched before it
+    _step(model, opt, micro_batches=1)
+    assert opt.most_prefetched > 0
+    assert opt.prefetch_peak == opt.most_prefetched
