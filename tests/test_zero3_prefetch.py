@@ -126,3 +126,13 @@ def test_prefetch_peak_is_the_most_bytes_prefetched_at_once_not_the_last():
     _step(model, opt, micro_batches=1)
     assert opt.most_prefetched > 0
     assert opt.prefetch_peak == opt.most_prefetched
+
+
+def test_zero_grad_twice_between_steps_keeps_the_record_and_the_prefetch():
+    model, opt, seen = _watched()
+    _step(model, opt)
+    units = len(seen)
+    opt.zero_grad()  # a second step's end with nothing recorded: the last record stays the plan
+    came = dict(opt.unit_gathers)
+    _step(model, opt)
+    assert {k: opt.unit_gathers[k] - came[k] for k in came} == {"prefetched": units - 1, "on demand": 1}
