@@ -136,3 +136,16 @@ def test_zero_grad_twice_between_steps_keeps_the_record_and_the_prefetch():
     came = dict(opt.unit_gathers)
     _step(model, opt)
     assert {k: opt.unit_gathers[k] - came[k] for k in came} == {"prefetched": units - 1, "on demand": 1}
+
+
+def test_a_step_that_departs_from_the_record_frees_what_it_prefetched():
+    model, opt, _ = _watched()
+    _step(model, opt)  # two micro-batches recorded
+    rng = np.random.default_rng(0)
+    _, loss = model(rng.integers(0, 13, (3, 6)), rng.integers(0, 13, (3, 6)))
+    loss.backward()
+    assert opt._prefetched  # the second micro-batch's first unit, which does not come
+    opt.step()
+    opt.zero_grad()
+    assert not opt._prefetched
+    assert opt.ledger.now["parameters"] == opt.master.nbytes
