@@ -149,3 +149,14 @@ def test_a_step_that_departs_from_the_record_frees_what_it_prefetched():
     opt.zero_grad()
     assert not opt._prefetched
     assert opt.ledger.now["parameters"] == opt.master.nbytes
+
+
+def test_evaluation_after_a_step_prefetches_nothing():
+    model, opt, _ = _watched()
+    _step(model, opt)
+    _step(model, opt)
+    assert opt.unit_gathers["prefetched"] > 0 and opt.ledger.now["parameters"] == opt.master.nbytes
+    with minipar.no_grad():
+        model(np.random.default_rng(1).integers(0, 13, (3, 6)))
+    assert not opt._prefetched
+    assert opt.ledger.now["parameters"] == opt.master.nbytes
