@@ -207,3 +207,33 @@ def test_scaling_checks_each_layout_on_the_model_it_will_run():
     assert scaling.layout_problems(["interleaved", "dp"], eight) == []
     assert [line.split(":")[0] for line in scaling.layout_problems(["interleaved", "dp"], four)] == [
         "--only interleaved on --ranks 4"]
+
+
+def test_zero_memory_fits_the_worse_step_and_shows_stage_3s_prefetch():
+    """bench/zero_memory.py on 2 ranks, width 32: stage 3 alone prefetches, in its second step,
+    which holds more; each stage's fit is of the worse of the two steps (the 3-layer model's:
+    its rest plus 3 layers), its depth the budget's, its parameters a GPT of that depth's."""
+    from mpi_run import check_mpi
+
+    from minipar.models import GPT, GPTConfig
+
+    budget_mb = 1
+    out = check_mpi(2, BENCH.replace("step_time", "zero_memory"), "--n-embd", "32", "--budget-mb", str(budget_mb))
+    lines = out.splitlines()
+
+    def table(header, width):  # {stage: its numbers} of the 4 rows below the header line
+        at = next(i for i, line in enumerate(lines) if line.split()[:len(header)] == header) + width
+        return {int(line.split()[0]): [float(v.replace(",", "")) for v in line.split()[1:]] for line in lines[at:at + 4]}
+
+    fit = table(["stage", "bytes/layer"], 2)
+    steps = table(["stage", "step", "1"], 1)
+    assert set(fit) == set(steps) == {0, 1, 2, 3}, out
+    for stage in (0, 1, 2):
+        assert steps[stage][2] == 0, out
+    first, second, prefetched = steps[3]
+    assert prefetched > 0 and second > first, out
+    for stage, (per_layer, _, rest, depth, params) in fit.items():
+        assert rest + 3 * per_layer == max(steps[stage][:2]), out
+        assert depth == (budget_mb * 2**20 - rest) // per_layer >= 1, out
+        config = GPTConfig(n_layer=int(depth), n_head=4, n_embd=32, block_size=16)  # zero_memory's model
+        assert params == GPT(config).num_parameters(), out
