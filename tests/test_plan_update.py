@@ -4,10 +4,11 @@ the optimizers of lesson 11's trainers at 2 ranks (``len(opt._adamw.params)`` an
 equal for DP, ZeRO-1, TP and PP; ZeRO-3's arrays are the ranks' mean, 33 planned against 39 and 19)."""
 
 import os
+from itertools import accumulate
 
 import pytest
 
-from minipar.plan import cost, state, update
+from minipar.plan import cost, state, update, zero12
 from minipar.plan.shapes import Layout, Machine, Model
 
 MODEL = Model(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32)
@@ -103,3 +104,42 @@ def test_the_calibration_fits_both_costs(monkeypatch):
     costs = update_costs(repeats=2)
     assert len(costs) == 4 and all(c >= 0 for c in costs)
     assert costs[0] > 0 and costs[2] > 0  # every array costs some NumPy calls, whatever its size
+
+
+def replayed_pieces(model, layout, stage=0):
+    """Each DP x CP rank's (update, norm) Walk under ZeRO-1/2, replayed by hand: a group over all
+    the DP x CP ranks gives rank i its i-th 1/N piece; an expert group ("edp") its piece by the
+    rank's index in its edp group as the runtime's topology numbers it."""
+    from minipar.parallel.topology import Layout as Grid
+
+    grid = Grid(tp=1, pp=1, dp=layout.dp, cp=layout.cp, ep=layout.ep)
+    sizes = [values for values, _, _ in zero12.parameter_list(model, layout, stage)]
+    tied = update.tied_copy(layout, stage)
+    out = []
+    for r in range(layout.dp * layout.cp):
+        mine = [0, 0, 0, 0]
+        for values, over, _, members in zero12.rank_groups(model, layout, stage, members=True):
+            index = grid.ranks(r)["dp_cp" if over == layout.dp * layout.cp else "edp"]
+            piece = -(-values // over)
+            lo, hi = index * piece, (index + 1) * piece
+            offsets = [0, *accumulate(sizes[i] for i in members)]
+            for i, start, end in zip(members, offsets, offsets[1:]):
+                part = min(end, hi) - max(start, lo)
+                if part > 0:
+                    norm = not (tied and i == 0)
+                    mine = [mine[0] + 1, mine[1] + part, mine[2] + norm, mine[3] + part * norm]
+        out.append((update.Walk(*mine[:2]), update.Walk(*mine[2:])))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("model, layout", [
+    (MOE, Layout(dp=6, ep=2, zero_stage=1)),  # 2 experts over 3 pieces, the dense groups' uneven too
+    (Model(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, num_experts=6),
+     Layout(dp=4, ep=2, zero_stage=2))])  # 3 experts over 2 pieces: one cut inside an expert
+def test_zero12_walks_each_ranks_own_pieces_and_the_slowest_sets_the_time(model, layout):
+    ranks = walks(model, layout)
+    assert ranks == replayed_pieces(model, layout)
+    costs = [a.arrays * 5e-6 + a.elements * 1e-9 + n.arrays * 2e-6 + n.elements * 0.5e-9 for a, n in ranks]
+    assert min(costs) < max(costs)  # the ranks differ: the slowest one is the step's
+    seconds = update.update_seconds(model, layout, Machine(gpus=layout.dp, **COSTS))
+    assert seconds == pytest.approx(max(costs), rel=1e-12)
