@@ -3,12 +3,13 @@ norm and AdamW step walk, and the seconds ``cost.predict`` adds for them. The co
 the optimizers of lesson 11's trainers at 2 ranks (``len(opt._adamw.params)`` and their sizes:
 equal for DP, ZeRO-1, TP and PP; ZeRO-3's arrays are the ranks' mean, 33 planned against 39 and 19)."""
 
+import math
 import os
 from itertools import accumulate
 
 import pytest
 
-from minipar.plan import cost, state, update, zero12
+from minipar.plan import cost, state, update, zero3, zero12
 from minipar.plan.shapes import Layout, Machine, Model
 
 MODEL = Model(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32)
@@ -143,3 +144,45 @@ def test_zero12_walks_each_ranks_own_pieces_and_the_slowest_sets_the_time(model,
     assert min(costs) < max(costs)  # the ranks differ: the slowest one is the step's
     seconds = update.update_seconds(model, layout, Machine(gpus=layout.dp, **COSTS))
     assert seconds == pytest.approx(max(costs), rel=1e-12)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero12_leaves_the_last_stages_tied_copy_out_of_the_norm(zero_stage):
+    layout = Layout(pp=2, dp=2, zero_stage=zero_stage)
+    ranks = walks(MODEL, layout, 1)  # the last stage: it holds the tied embedding's copy
+    tied = state.token_embedding(MODEL, layout)
+    assert sum(a.elements for a, _ in ranks) == sum(state.rank_parameters(MODEL, layout, 1))
+    assert sum(n.elements for _, n in ranks) == sum(a.elements for a, _ in ranks) - tied
+    # the copy is one array, in the segments of the ranks whose piece holds a part of it
+    holding = sum(a.elements != n.elements for a, n in ranks)
+    assert holding >= 1 and sum(n.arrays for _, n in ranks) == sum(a.arrays for a, _ in ranks) - holding
+    # the first stage's embedding is its own: counted
+    assert all(a == n for a, n in walks(MODEL, layout, 0))
+
+
+def test_zero3_leaves_its_share_of_the_tied_copy_out_of_the_norm():
+    layout = Layout(pp=2, dp=2, zero_stage=3)
+    (adamw, norm), = walks(MODEL, layout, 1)
+    tied = state.token_embedding(MODEL, layout)
+    assert (norm.arrays, norm.elements) == (adamw.arrays - 1 / 2, adamw.elements - tied / 2)  # the ranks' mean
+    (first, first_norm), = walks(MODEL, layout, 0)
+    assert first_norm == first
+
+
+def test_zero3_counts_full_pieces_where_a_group_does_not_divide():
+    layout = Layout(dp=3, zero_stage=3)
+    (adamw, _), = walks(MODEL, layout)
+    groups = zero3.rank_units(MODEL, state.sharded(layout), 0)[0]
+    assert sum(values for values, _, _ in groups) == sum(state.rank_parameters(MODEL, layout))
+    assert any(values % 3 for values, _, _ in groups)  # (else a floor would count the same)
+    assert adamw.elements == sum(math.ceil(values / 3) for values, _, _ in groups)
+    assert adamw.elements > sum(state.rank_parameters(MODEL, layout)) / 3  # rank 0's pieces are full
+
+
+def test_the_seconds_price_the_norms_walk_and_the_updates_apart():
+    layout = Layout(pp=2)
+    (adamw, norm), = walks(MODEL, layout, 1)
+    assert norm.arrays < adamw.arrays and norm.elements < adamw.elements  # the tied copy: updated only
+    machine = Machine(gpus=2, update_array_us=7.0, update_element_ns=3.0, norm_array_us=11.0, norm_element_ns=0.25)
+    expected = (adamw.arrays * 7e-6 + adamw.elements * 3e-9 + norm.arrays * 11e-6 + norm.elements * 0.25e-9)
+    assert update.update_seconds(MODEL, layout, machine, 1) == pytest.approx(expected, rel=1e-12)
