@@ -186,3 +186,11 @@ def test_the_seconds_price_the_norms_walk_and_the_updates_apart():
     machine = Machine(gpus=2, update_array_us=7.0, update_element_ns=3.0, norm_array_us=11.0, norm_element_ns=0.25)
     expected = (adamw.arrays * 7e-6 + adamw.elements * 3e-9 + norm.arrays * 11e-6 + norm.elements * 0.25e-9)
     assert update.update_seconds(MODEL, layout, machine, 1) == pytest.approx(expected, rel=1e-12)
+
+
+def test_predict_takes_the_busiest_stages_update():
+    layout = Layout(pp=2, pipeline_layers=(1, 3))  # the last stage holds three blocks and ln_f
+    machine = Machine(gpus=2, **COSTS)
+    first, last = (update.update_seconds(MODEL, layout, machine, s) for s in (0, 1))
+    assert first < last
+    assert cost.predict(MODEL, layout, machine, 16).update_s == last
