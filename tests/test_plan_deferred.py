@@ -21,16 +21,19 @@ def deferring(k):
     return replace(PLAIN, defer_embedding_wgrad=True, defer_wgrad_linears=k)
 
 
-def replayed(k):
+def replayed(k, schedule="1f1b", vpp=1, layers=(2, 2)):
     """The bubble of bench/scaling.py's ``1f1b+defer+k``, replayed here by hand: two blocks a stage,
     the head's 6 V h on the last; deferred, the head's W (2 V h) and the last k of the MLP's c_proj
-    (8 h^2), c_fc (8 h^2), attention's c_proj (2 h^2) and c_attn (6 h^2) W's."""
-    h, T, V = 128, 128, 256
-    stage = [2 * flops_per_token(1, h, T, 0), 2 * flops_per_token(1, h, T, 0) + 6 * V * h]
+    (8 h^2), c_fc (8 h^2), attention's c_proj (2 h^2) and c_attn (6 h^2) W's. ``layers``: each
+    global chunk's blocks, chunk c of rank r the (c p + r)-th (the round-robin placement)."""
+    h, T, V, p = 128, 128, 256, 2
+    block, last = flops_per_token(1, h, T, 0), p * vpp - 1
+    chunk = {(r, c): layers[c * p + r] * block + 6 * V * h * (c * p + r == last) for r in range(p) for c in range(vpp)}
     head = 2 * V * h + sum((8, 8, 2, 6)[:k]) * h * h
-    sim = simulate(schedules.build("1f1b", 2, 8, 1, defer_head=True), 8, forward={(r, 0): stage[r] for r in (0, 1)},
-                   backward={(r, 0): 2 * stage[r] for r in (0, 1)}, head={(0, 0): 0, (1, 0): 3 * head})
-    return sum(sim.bubble.values()) / 2
+    sim = simulate(schedules.build(schedule, p, 8, vpp, defer_head=True), 8, vpp, forward=chunk,
+                   backward={key: 2 * f for key, f in chunk.items()},
+                   head={(r, c): 3 * head * (c * p + r == last) for r, c in chunk})
+    return sum(sim.bubble.values()) / p
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
@@ -38,6 +41,21 @@ def test_a_deferring_layouts_bubble_is_its_schedule_replayed_with_the_ws_at_the_
     p = predict(BENCH, deferring(k), Machine(gpus=2), 16)
     assert p.bubble == pytest.approx(float(replayed(k)), rel=1e-12)
     assert "flush" in p.bubble_source
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_an_interleaved_pipelines_bubble_is_its_replay_over_the_ranks(k):
+    layout = replace(deferring(k), schedule="interleaved", vpp=2)  # one block a chunk
+    p = predict(BENCH, layout, Machine(gpus=2), 16)
+    assert p.bubble == pytest.approx(float(replayed(k, "interleaved", 2, (1, 1, 1, 1))), rel=1e-12)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_an_uneven_splits_bubble_is_its_replay_with_its_own_blocks(k):
+    layout = replace(deferring(k), pipeline_layers=(1, 3))
+    p = predict(BENCH, layout, Machine(gpus=2), 16)
+    assert p.bubble == pytest.approx(float(replayed(k, layers=(1, 3))), rel=1e-12)
+    assert p.bubble != pytest.approx(float(replayed(k)), rel=1e-6)  # (an even split's replay differs)
 
 
 def test_deferring_shortens_the_predicted_step_as_measured():
