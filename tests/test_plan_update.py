@@ -7,6 +7,7 @@ import math
 import os
 from itertools import accumulate
 
+import numpy as np
 import pytest
 
 from minipar.plan import cost, state, update, zero3, zero12
@@ -194,3 +195,33 @@ def test_predict_takes_the_busiest_stages_update():
     first, last = (update.update_seconds(MODEL, layout, machine, s) for s in (0, 1))
     assert first < last
     assert cost.predict(MODEL, layout, machine, 16).update_s == last
+
+
+def test_the_calibration_fits_each_pass_on_its_own_arrays_and_elements(monkeypatch):
+    """Given times exactly a x arrays + b x elements for AdamW's runs and c x arrays + d x elements
+    for the norm's, ``update_costs`` returns (a, b, c, d): the design matrix is each run's arrays and
+    elements, the AdamW fit first."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons"))
+    import cpu_calibration
+    from minipar.optim import AdamW
+
+    a, b, c, d = 3e-6, 2e-9, 7e-7, 5e-10
+    seen = []
+
+    def exact(fns, repeats, comm=None):
+        assert len(fns) % 2 == 0
+        times = []
+        for step, norm in zip(fns[0::2], fns[1::2]):  # each AdamW step, then the norm of its parameters
+            assert isinstance(step.__self__, AdamW)
+            params = step.__self__.params
+            arrays, elements = len(params), sum(p.data.size for p in params)
+            assert float(norm()) == pytest.approx(float(np.sqrt(sum((p.grad.astype(np.float64) ** 2).sum()
+                                                                     for p in params))), rel=1e-5)
+            seen.append((arrays, elements))
+            times += [arrays * a + elements * b, arrays * c + elements * d]
+        return times
+
+    monkeypatch.setattr(cpu_calibration, "median_times", exact)
+    costs = cpu_calibration.update_costs(repeats=1)
+    assert sorted(seen) == sorted((n, n * size) for n in (8, 32) for size in (64, 4096))  # the defaults' runs
+    assert costs == pytest.approx((a, b, c, d), rel=1e-9)
