@@ -1,5 +1,6 @@
 import compileall
 import pathlib
+import py_compile
 import sys
 
 import pytest
@@ -44,10 +45,12 @@ def pytest_sessionstart(session):
     runs on), every process compiles each minipar module it imports from source, about 0.4 s of
     CPU, and an 8-rank launch starts eight such processes on two cores: 0.8 s more per launch,
     about a minute over the suite. So the project's own modules are compiled once, here, into
-    their __pycache__ folders (ignored by git); the ranks read them, and Python checks each
-    against its source's size and time, so an edited module is never run stale."""
+    their __pycache__ folders (ignored by git); the ranks read them. Each is stamped with its
+    source's hash, which Python checks at every import: a stamp of size and whole-second time let
+    a module edited within the second, to the same size, run stale (a mutant reverted at once)."""
     if not sys.dont_write_bytecode:
         return  # the first process to import a module caches it, as usual
     root = pathlib.Path(__file__).resolve().parent.parent
     for folder in ("minipar", "lessons", "bench", "tests"):
-        compileall.compile_dir(root / folder, quiet=1, workers=2)
+        compileall.compile_dir(root / folder, quiet=1, workers=2, force=True,
+                               invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
