@@ -53,10 +53,9 @@ def state_peaks(stage, n_layer, args, grid):
         peaks.append(opt.peak_state_bytes())
         opt.zero_grad()
         if hasattr(opt, "ledger"):  # the next step's peak alone (stage 0 counts no transients)
-            opt.ledger.peak_total = sum(opt.ledger.now.values())
-        prefetched = getattr(opt, "prefetch_peak", 0)  # this step's (stage 3 alone prefetches)
-        opt.prefetch_peak = 0
-    return peaks, prefetched, model.num_parameters()
+            opt.ledger.restart_peak()
+    # stage 3 alone prefetches, and only from the second step on: its most is the second step's
+    return peaks, getattr(opt, "prefetch_peak", 0), model.num_parameters()
 
 
 def main():
@@ -89,8 +88,8 @@ def main():
         print(f"\n  minipar's fp32 bytes per parameter (4 weight + 4 gradient + 8 Adam moments) for N={n}:"
               f"\n  16, 8 + 8/N = {8 + 8 / n:.2f}, 4 + 12/N = {4 + 12 / n:.2f}, 16/N = {16 / n:.2f}"
               " (the peaks add a step's transient buffers)")
-        print(f"\n  peak state bytes per rank, 3-layer GPT: the first step (no prefetch: it records the units' order)"
-              f"\n  and the second (stage 3 prefetches by that record); prefetched: the most held at once")
+        print("\n  peak state bytes per rank, 3-layer GPT: the first step (no prefetch: it records the units' order)"
+              "\n  and the second (stage 3 prefetches by that record); prefetched: the most held at once")
         print(f"  {'stage':<7}{'step 1':>13}{'step 2':>13}{'prefetched':>13}")
         for stage, first, second, prefetched in steps:
             print(f"  {stage:<7}{first:>13,}{second:>13,}{prefetched:>13,}")

@@ -26,6 +26,10 @@ class Ledger:
     def remove(self, kind, nbytes):
         self.now[kind] -= int(nbytes)
 
+    def restart_peak(self):
+        """From now on, the peak of what follows alone (a step's, measured step by step)."""
+        self.peak, self.peak_total = dict(self.now), sum(self.now.values())
+
 
 class Group:
     """Parameters laid out flat, padded to ``comm.size`` equal pieces."""

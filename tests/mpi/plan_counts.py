@@ -129,7 +129,7 @@ def step_peak(trainer, it, late=False):
     while not hasattr(opt, "ledger"):  # (a mixed-precision wrapper's)
         opt = opt.inner
     ledger = opt.ledger
-    ledger.peak, ledger.peak_total = dict(ledger.now), sum(ledger.now.values())
+    ledger.restart_peak()
     if late:
         collect = opt._collect
 
