@@ -57,9 +57,15 @@ def bubble(model, pp, m, schedule="1f1b", vpp=1, layers=None, recompute=False, k
     """The mean idle fraction of the ranks when the last chunk's head W and its last ``k`` linear
     layers' W's run at the flush (module docstring); raises as ``schedules.build`` does for a
     schedule that cannot defer them."""
-    forward, backward, last = chunk_costs(model, pp, m, schedule, vpp, layers, recompute)
+    plans, (forward, backward, last) = _replayed(model, pp, m, schedule, vpp, layers, recompute)
     deferred = 3 * deferred_w_flops(model.hidden_size, model.vocab_size, k)
-    sim = simulate(schedules.build(schedule, pp, m, vpp, defer_head=True), m, vpp, forward=forward,
-                   backward=backward, shape=schedules.shape_of(schedule),
+    sim = simulate(plans, m, vpp, forward=forward, backward=backward, shape=schedules.shape_of(schedule),
                    head={key: deferred * is_last for key, is_last in last.items()})
     return Fraction(sum(sim.bubble.values()), pp)
+
+
+@lru_cache(maxsize=64)  # the same for every K (``hetero.balanced_linears`` tries up to 17); read, not changed
+def _replayed(model, pp, m, schedule, vpp, layers, recompute):
+    """(the schedule's instruction lists with the head's W's at the flush, ``chunk_costs``)."""
+    return (schedules.build(schedule, pp, m, vpp, defer_head=True),
+            chunk_costs(model, pp, m, schedule, vpp, layers, recompute))
