@@ -20,13 +20,6 @@ from mpi_run import check_mpi
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.1)
 
 
-@pytest.fixture
-def float64():
-    minipar.set_default_dtype("float64")
-    yield
-    minipar.set_default_dtype("float32")
-
-
 def _batch():
     return np.random.default_rng(0).integers(0, 32, (4, 8))
 

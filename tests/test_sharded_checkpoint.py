@@ -84,11 +84,7 @@ def _train(model, opt, steps, start=0):
     return out
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    minipar.set_default_dtype("float64")
-    yield
-    minipar.set_default_dtype("float32")
+pytestmark = pytest.mark.usefixtures("float64")  # (tests/conftest.py's)
 
 
 def test_boxes_intersect_as_brute_force_says_and_a_region_is_relative_to_its_origin():

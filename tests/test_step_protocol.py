@@ -31,11 +31,7 @@ DISTINGUISHING = {DataParallelAdamW: ["all_reduce_bucket"], ZeRO1: ["reduce_scat
                                                            "reduce_scatter_group"]}
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    minipar.set_default_dtype("float64")
-    yield
-    minipar.set_default_dtype("float32")
+pytestmark = pytest.mark.usefixtures("float64")  # (tests/conftest.py's)
 
 
 @pytest.mark.parametrize("stage", sorted(BY_STAGE))

@@ -17,11 +17,7 @@ from minipar.parallel.zero3 import ZeRO3
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=13, dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    minipar.set_default_dtype("float64")
-    yield
-    minipar.set_default_dtype("float32")
+pytestmark = pytest.mark.usefixtures("float64")  # (tests/conftest.py's)
 
 
 def _pair():

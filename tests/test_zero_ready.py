@@ -26,11 +26,7 @@ from mpi_run import check_mpi
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    minipar.set_default_dtype("float64")
-    yield
-    minipar.set_default_dtype("float32")
+pytestmark = pytest.mark.usefixtures("float64")  # (tests/conftest.py's)
 
 
 class Units(Module):
